@@ -1,0 +1,139 @@
+"""The `memplan` command line: parse, call one library function, render."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from memplan.errors import MemplanError, SizeParseError
+from memplan.settings import CHECKPOINT_MODES, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
+
+
+class SizeType(click.ParamType):
+    """A memory size: 80GB, 24GiB, 512MiB or plain bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_size(value)
+        except SizeParseError as error:
+            self.fail(str(error), param, ctx)
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _run(debug: bool, action: Callable[[], None]) -> None:
+    """Turn MemplanError into one line on stderr and its exit code; tracebacks only with --debug."""
+    try:
+        action()
+    except MemplanError as error:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"memplan: error: {error}", err=True)
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        click.echo("memplan: interrupted", err=True)
+        sys.exit(130)
+    except Exception as error:  # a bug in memplan or torch: say so, keep the details for --debug
+        if debug:
+            traceback.print_exc()
+        click.echo(f"memplan: internal error: {type(error).__name__}: {error} (rerun with --debug)", err=True)
+        sys.exit(1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="memplan")
+def main() -> None:
+    """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
+
+
+@main.command()
+def presets() -> None:
+    """List the model presets shipped with memplan."""
+    from rich.console import Console
+
+    from memplan.render.presets import render_presets
+
+    render_presets(Console(highlight=False))
+
+
+@main.command()
+@click.argument("model")
+@click.option("--batch-size", "-b", type=int, default=1, show_default=True, help="Micro-batch size.")
+@click.option("--seq-len", type=int, help="Sequence length for text models [default: min(512, maximum)].")
+@click.option("--target-len", type=int, help="Decoder length for seq2seq models [default: --seq-len].")
+@click.option("--image-size", type=int, help="Image side for vision models [default: the config's, or 224].")
+@click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True)
+@click.option(
+    "--optimizer-impl",
+    type=click.Choice(OPTIMIZER_IMPLS),
+    default="default",
+    show_default=True,
+    help="default = what torch picks on the target device (foreach on CUDA, for-loop on CPU).",
+)
+@click.option(
+    "--checkpoint",
+    type=click.Choice(CHECKPOINT_MODES),
+    default="none",
+    show_default=True,
+    help="all = non-reentrant checkpointing of every repeated block, like HF gradient checkpointing.",
+)
+@click.option("--device", type=click.Choice(DEVICES), default="cuda", show_default=True, help="The target device.")
+@click.option(
+    "--task",
+    help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, image-classification.",
+)
+@click.option("--inputs", help="package.module:fn where fn(batch_size) returns the batch (custom models).")
+@click.option("--loss", help="package.module:fn where fn(output, batch) returns the scalar loss.")
+@click.option("--budget", type=SizeType(), help="Memory budget (80GB, 24GiB, 512MiB, bytes): fits? largest batch?")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def estimate(
+    model: str,
+    budget: int | None,
+    as_json: bool,
+    debug: bool,
+    task: str | None,
+    inputs: str | None,
+    loss: str | None,
+    **settings: Any,
+) -> None:
+    """Predict the peak memory of one training iteration of MODEL.
+
+    MODEL is a preset (`memplan presets`), a transformers model type, a config.json or model
+    directory, a hub id in the local cache, or package.module:callable returning an nn.Module.
+    """
+
+    def action() -> None:
+        from memplan.api import estimate as run_estimate
+        from memplan.render.estimate import render_estimate, to_json
+        from memplan.settings import TrainingSettings
+
+        quiet = as_json or not sys.stderr.isatty()
+        progress = None if quiet else (lambda message: _stderr_console().print(f"[dim]{message}…[/dim]"))
+        result = run_estimate(
+            model, TrainingSettings(**settings), inputs=inputs, loss=loss, task=task, budget=budget, progress=progress
+        )
+        if as_json:
+            click.echo(to_json(result))
+        else:
+            from rich.console import Console
+
+            render_estimate(result, Console(highlight=False))
+
+    _run(debug, action)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Settings + model source -> traces -> simulations -> EstimateResult."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from memplan.estimator.result import Breakdown, EstimateResult
+from memplan.estimator.search import find_max_batch_size
+from memplan.estimator.simulate import Simulation, simulate
+from memplan.estimator.trace import trace_step
+from memplan.models.source import ModelSpec
+from memplan.settings import TrainingSettings
+
+Progress = Callable[[str], None]
+
+
+def _notes(settings: TrainingSettings) -> list[str]:
+    notes = []
+    if settings.device == "cuda":
+        notes.append(
+            "cuda target: 512-byte allocator rounding and foreach optimizers are modelled; CUDA kernel "
+            "choices (SDPA backend, fused dropout) and CUDA's autocast lists are not yet, so attention "
+            "and amp predictions follow the CPU kernels"
+        )
+    if settings.optimizer == "adam8bit":
+        notes.append("adam8bit: bitsandbytes' state layout (uint8 moments + blockwise absmax), in-place update")
+    return notes
+
+
+def second_batch_size(batch_size: int) -> int:
+    """The other batch size traced to measure the per-sample slope."""
+    return batch_size // 2 if batch_size >= 2 else 2
+
+
+def run_estimate(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    *,
+    budget_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> EstimateResult:
+    started = time.perf_counter()
+    settings = spec.settings_for(settings)
+    report = progress or (lambda message: None)
+    simulations: dict[int, Simulation] = {}
+    first = {}
+
+    def trace_at(batch_size: int) -> dict[str, int]:
+        report(f"tracing batch size {batch_size}")
+        traced = trace_step(spec, settings.replace(batch_size=batch_size))
+        simulation = simulate(traced)
+        simulations[batch_size] = simulation
+        if not first:
+            first.update(
+                nodes=len(traced.graph.graph.nodes),
+                parameters=traced.parameter_count,
+                trainable=traced.trainable_parameter_count,
+                blocks=tuple(traced.checkpointed_blocks),
+            )
+        return simulation.phase_peak_bytes
+
+    batch_size = settings.batch_size
+    known = {batch_size: trace_at(batch_size)}
+    other = second_batch_size(batch_size)
+    known[other] = trace_at(other)
+    main = simulations[batch_size]
+    slope = (main.peak_bytes - known[other][main.phase]) // (batch_size - other)
+    max_batch = fits = None
+    if budget_bytes is not None:
+        fits = main.peak_bytes <= budget_bytes
+        max_batch = find_max_batch_size(dict(known), trace_at, budget_bytes)
+    unsupported = sorted({op for simulation in simulations.values() for op in simulation.unsupported_ops})
+    return EstimateResult(
+        model=spec.name,
+        settings=settings,
+        peak_bytes=main.peak_bytes,
+        breakdown=Breakdown(**main.breakdown),
+        phase=main.phase,
+        peak_op=main.peak_op,
+        peak_module=main.peak_module,
+        phase_peak_bytes=dict(main.phase_peak_bytes),
+        per_sample_activation_bytes=slope,
+        fixed_bytes=main.peak_bytes - slope * batch_size,
+        parameter_count=first["parameters"],
+        trainable_parameter_count=first["trainable"],
+        checkpointed_blocks=first["blocks"],
+        unsupported_ops=tuple(unsupported),
+        graph_nodes=first["nodes"],
+        traces=len(simulations),
+        seconds=time.perf_counter() - started,
+        budget_bytes=budget_bytes,
+        fits=fits,
+        max_batch_size=max_batch,
+        notes=tuple(_notes(settings)),
+    )

@@ -1,0 +1,128 @@
+"""The canonical training loop, run identically under fake tensors (to trace) and real ones (to measure).
+
+for micro_batch in range(grad_accum):
+    with autocast(...):                      # amp-* precisions only
+        loss = loss_of(model(**batch))       # model output not kept past the loss
+    (loss / grad_accum).backward()           # scaled by the loss scale for amp-fp16
+optimizer.step()                             # after unscaling the gradients for amp-fp16
+optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from memplan.estimator.checkpointing import apply_checkpoint_all
+from memplan.estimator.optimizers import build_optimizer
+from memplan.models.source import Batch, ModelSpec, call_model
+from memplan.settings import TrainingSettings
+
+STORAGE_DTYPES = {
+    "fp32": torch.float32,
+    "amp-bf16": torch.float32,
+    "amp-fp16": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+AUTOCAST_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
+# torch.amp.GradScaler's default init_scale (torch/amp/grad_scaler.py).
+INITIAL_LOSS_SCALE = 2.0**16
+
+Marker = Callable[[str], None]
+
+
+def _no_marker(phase: str) -> None:
+    return None
+
+
+@dataclass
+class TrainingState:
+    """Live objects of one training setup: the model, its batch, optimizer and loss-scaler state."""
+
+    model: nn.Module
+    batch: Batch
+    optimizer: Optimizer | None
+    loss_of: Callable[[Any, Batch], torch.Tensor]
+    settings: TrainingSettings
+    trainable: list[nn.Parameter]
+    checkpointed_blocks: list[str]
+    loss_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+
+
+def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
+    """Build model, batch and optimizer in the active tensor mode (fake or real)."""
+    model = spec.build()
+    model.train()
+    dtype = STORAGE_DTYPES[settings.precision]
+    if dtype != torch.float32:
+        model.to(dtype)
+    checkpointed = apply_checkpoint_all(model) if settings.checkpoint == "all" else []
+    batch = spec.make_batch(settings, dtype)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    state = TrainingState(
+        model=model,
+        batch=batch,
+        optimizer=build_optimizer(trainable, settings),
+        loss_of=spec.loss_of,
+        settings=settings,
+        trainable=trainable,
+        checkpointed_blocks=checkpointed,
+    )
+    if settings.precision == "amp-fp16":
+        # GradScaler keeps its scale and found-inf flag as one-element float32 tensors.
+        state.loss_scale = torch.full((1,), INITIAL_LOSS_SCALE, dtype=torch.float32)
+        state.found_inf = torch.zeros((1,), dtype=torch.float32)
+    return state
+
+
+def autocast_context(settings: TrainingSettings):
+    if not settings.is_amp:
+        return nullcontext()
+    # CPU autocast on both targets: the tracer runs on fake CPU tensors (design.md §3).
+    return torch.autocast(device_type="cpu", dtype=AUTOCAST_DTYPES[settings.precision])
+
+
+def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
+    settings = state.settings
+    with autocast_context(settings):
+        loss = state.loss_of(call_model(state.model, state.batch), state.batch)
+    marker("forward")
+    if settings.grad_accum > 1:
+        loss = loss / settings.grad_accum
+    if state.loss_scale is not None:
+        loss = loss * state.loss_scale
+    loss.backward()
+    marker("backward")
+
+
+def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
+    """Unscale (amp-fp16), step, zero_grad(set_to_none=True); returns the gradients it dropped."""
+    grads = [param.grad for param in state.trainable if param.grad is not None]
+    if state.loss_scale is not None and grads:
+        inv_scale = state.loss_scale.double().reciprocal().float()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, state.found_inf, inv_scale)
+    if state.optimizer is not None:
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+    for param in state.trainable:
+        param.grad = None
+    return grads
+
+
+def iteration(state: TrainingState, marker: Marker = _no_marker) -> None:
+    """One whole iteration of the canonical loop (used by real runs)."""
+    for _ in range(state.settings.grad_accum):
+        micro_batch(state, marker)
+    optimizer_step(state)

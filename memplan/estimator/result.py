@@ -1,0 +1,62 @@
+"""The result of an estimate: a frozen dataclass with units in its field names and a to_dict()."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.settings import TrainingSettings
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes by category live at the peak; they sum to `peak_bytes`."""
+
+    parameters: int  # parameters and buffers
+    gradients: int
+    optimizer_state: int  # including the amp-fp16 loss scaler's state
+    activations: int  # made in the forward pass and saved for the backward pass
+    temporaries: int  # everything else: forward/backward/optimizer intermediates
+    inputs: int  # the current micro-batch
+
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EstimateResult:
+    model: str
+    settings: TrainingSettings
+    peak_bytes: int
+    breakdown: Breakdown
+    phase: str  # forward / backward / optimizer: where the peak falls
+    peak_op: str
+    peak_module: str | None  # None in the backward pass and the optimizer step
+    phase_peak_bytes: dict[str, int]
+    per_sample_activation_bytes: int  # slope of the peak phase's peak, bytes per extra sample
+    fixed_bytes: int  # peak_bytes minus per_sample_activation_bytes × batch_size
+    parameter_count: int
+    trainable_parameter_count: int
+    checkpointed_blocks: tuple[str, ...]
+    unsupported_ops: tuple[str, ...]
+    graph_nodes: int
+    traces: int
+    seconds: float
+    budget_bytes: int | None = None
+    fits: bool | None = None
+    max_batch_size: int | None = None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data["settings"] = self.settings.to_dict()
+        data["breakdown"] = self.breakdown.to_dict()
+        data["checkpointed_blocks"] = list(self.checkpointed_blocks)
+        data["unsupported_ops"] = list(self.unsupported_ops)
+        data["notes"] = list(self.notes)
+        data["seconds"] = round(self.seconds, 3)
+        return data

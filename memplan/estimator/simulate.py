@@ -1,0 +1,167 @@
+"""Storage-level liveness over a traced step: the memory timeline, its peak and the breakdown there.
+
+Every tensor is keyed by its storage, so views and in-place results only extend their base's life.
+A storage is allocated by the first node producing it and freed after the last node reading any
+alias of it; placeholders (the batch), constants (parameters, buffers, optimizer state, existing
+gradients) and graph outputs (gradients, freed by zero_grad at the iteration's end) persist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten
+
+from memplan.estimator.trace import TracedStep
+
+BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+PHASES = ("forward", "backward", "optimizer")
+# c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512; round_size() rounds every request up to
+# a multiple of it, and memory_allocated() counts the rounded sizes.
+CUDA_BLOCK_BYTES = 512
+
+
+def round_for_device(num_bytes: int, device: str) -> int:
+    if device != "cuda" or num_bytes == 0:
+        return num_bytes
+    return -(-num_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+@dataclass(frozen=True)
+class Simulation:
+    peak_bytes: int
+    peak_node: int
+    phase: str
+    breakdown: dict[str, int]
+    phase_peak_bytes: dict[str, int]
+    peak_op: str
+    peak_module: str | None
+    unsupported_ops: tuple[str, ...]
+    timeline_bytes: tuple[int, ...]
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _returns_tensor(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any("Tensor" in str(ret.type) for ret in schema.returns)
+
+
+def _op_name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def _node_storages(
+    graph: fx.GraphModule, node: fx.Node, unsupported: dict[str, None]
+) -> list[tuple[StorageWeakRef, int]]:
+    if node.op == "get_attr":
+        value = getattr(graph, str(node.target))
+    elif "val" in node.meta:
+        value = node.meta["val"]
+    else:
+        if node.op == "call_function" and _returns_tensor(node):
+            unsupported[_op_name(node)] = None
+        return []
+    storages = []
+    for tensor in _tensors(value):
+        if tensor.layout != torch.strided:
+            unsupported[f"{_op_name(node)} ({tensor.layout})"] = None
+            continue
+        storage = tensor.untyped_storage()
+        storages.append((StorageWeakRef(storage), storage.nbytes()))
+    return storages
+
+
+def _phase_of(index: int, traced: TracedStep) -> str:
+    if index < traced.forward_end:
+        return "forward"
+    if index < traced.backward_end:
+        return "backward"
+    return "optimizer"
+
+
+def simulate(traced: TracedStep) -> Simulation:
+    graph = traced.graph
+    nodes = list(graph.graph.nodes)
+    device = traced.settings.device
+    unsupported: dict[str, None] = {}
+    storages = [_node_storages(graph, node, unsupported) for node in nodes]
+    index_of = {node: index for index, node in enumerate(nodes)}
+
+    size: dict[StorageWeakRef, int] = {}
+    born: dict[StorageWeakRef, int] = {}
+    last_use: dict[StorageWeakRef, int] = {}
+    for index, node in enumerate(nodes):
+        for key, nbytes in storages[index]:
+            size[key] = max(size.get(key, 0), round_for_device(nbytes, device))
+            born.setdefault(key, index)
+            last_use[key] = index
+        for source in node.all_input_nodes:
+            for key, _ in storages[index_of[source]]:
+                last_use[key] = index
+    # Live before the iteration: the batch, constants, and categorized storages the graph never reads.
+    static = {
+        key for index, node in enumerate(nodes) if node.op in ("placeholder", "get_attr") for key, _ in storages[index]
+    }
+    for key, nbytes in traced.storage_bytes.items():
+        if key not in size:
+            size[key] = round_for_device(nbytes, device)
+            static.add(key)
+    for key in static:
+        born[key] = 0
+    # Live until the iteration ends: the static storages and the graph outputs (gradients until zero_grad).
+    end = len(nodes)
+    for key in static:
+        last_use[key] = end
+    for source in nodes[-1].all_input_nodes if nodes and nodes[-1].op == "output" else []:
+        for key, _ in storages[index_of[source]]:
+            last_use[key] = end
+
+    allocations: list[list[StorageWeakRef]] = [[] for _ in nodes]
+    frees: list[list[StorageWeakRef]] = [[] for _ in range(len(nodes) + 1)]
+    for key in size:
+        allocations[born[key]].append(key)
+        frees[last_use[key]].append(key)
+
+    live = 0
+    timeline = []
+    peak_bytes, peak_node = -1, 0
+    phase_peaks = dict.fromkeys(PHASES, 0)
+    for index in range(len(nodes)):
+        live += sum(size[key] for key in allocations[index])
+        timeline.append(live)
+        if live > peak_bytes:
+            peak_bytes, peak_node = live, index
+        phase = _phase_of(index, traced)
+        phase_peaks[phase] = max(phase_peaks[phase], live)
+        live -= sum(size[key] for key in frees[index])
+
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+    for key in size:
+        if born[key] <= peak_node <= last_use[key]:
+            breakdown[_category(key, born[key], last_use[key], traced)] += size[key]
+    return Simulation(
+        peak_bytes=peak_bytes,
+        peak_node=peak_node,
+        phase=_phase_of(peak_node, traced),
+        breakdown=breakdown,
+        phase_peak_bytes=phase_peaks,
+        peak_op=_op_name(nodes[peak_node]),
+        peak_module=traced.node_modules[peak_node],
+        unsupported_ops=tuple(unsupported),
+        timeline_bytes=tuple(timeline),
+    )
+
+
+def _category(key: StorageWeakRef, born: int, last_use: int, traced: TracedStep) -> str:
+    category = traced.storage_categories.get(key)
+    if category is not None:
+        return category
+    if born < traced.forward_end <= last_use < len(traced.node_modules):
+        return "activations"  # made in the forward pass, read by the backward: saved for backward
+    return "temporaries"

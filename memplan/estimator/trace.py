@@ -1,0 +1,232 @@
+"""Capture one steady-state iteration as an FX graph over fake tensors (design.md §3).
+
+The step is traced *statefully*: the model's own fake parameters, `.backward()` through the autograd
+engine, then the real `torch.optim` optimizer. Parameters, buffers, optimizer state and existing
+gradients become graph constants; the batch becomes the graph's placeholders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memplan.errors import MemplanError, TraceError
+from memplan.estimator.loop import TrainingState, micro_batch, optimizer_step, prepare
+from memplan.estimator.optimizers import optimizer_state_tensors
+from memplan.models.source import ModelSpec
+from memplan.settings import TrainingSettings
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs")
+
+
+@dataclass
+class TracedStep:
+    """The captured graph plus what memplan knows about its storages and phases."""
+
+    graph: fx.GraphModule
+    settings: TrainingSettings
+    forward_end: int  # index of the first node after the forward pass (and loss)
+    backward_end: int  # index of the first node of the optimizer step
+    storage_categories: dict[StorageWeakRef, str]
+    storage_bytes: dict[StorageWeakRef, int]  # of the categorized storages, used by the graph or not
+    node_modules: list[str | None]
+    parameter_count: int
+    trainable_parameter_count: int
+    checkpointed_blocks: list[str]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(tensor.untyped_storage())
+
+
+@contextlib.contextmanager
+def constant_item() -> Iterator[None]:
+    """Let optimizers call `.item()` on fake tensors (step counters, Adafactor's norms).
+
+    The value only steers arithmetic, never which tensors are allocated, so a constant is safe.
+    """
+    previous = FakeTensor.__dict__.get("item")
+
+    def item(self: FakeTensor) -> float | int | bool:
+        if self.dtype == torch.bool:
+            return False
+        return 2.0 if self.dtype.is_floating_point else 2
+
+    FakeTensor.item = item  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del FakeTensor.item
+        else:
+            FakeTensor.item = previous  # type: ignore[method-assign]
+
+
+class _ModuleTracker:
+    """Records which module is running as graph nodes are added, to name where the peak falls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
+        self.stack: list[str] = []
+        self.transitions: list[tuple[int, str | None]] = [(0, None)]
+        self.handles: list = []
+
+    def _node_count(self) -> int:
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    def _pre(self, module: nn.Module, args: object) -> None:
+        name = self.names.get(id(module))
+        if name is not None:
+            self.stack.append(name)
+            self.transitions.append((self._node_count(), name))
+
+    def _post(self, module: nn.Module, args: object, output: object) -> None:
+        if self.names.get(id(module)) is not None and self.stack:
+            self.stack.pop()
+            self.transitions.append((self._node_count(), self.stack[-1] if self.stack else None))
+
+    def current(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    def __enter__(self) -> _ModuleTracker:
+        self.handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def per_node(self, node_count: int) -> list[str | None]:
+        result: list[str | None] = [None] * node_count
+        for (start, name), (end, _) in zip(self.transitions, self.transitions[1:] + [(node_count, None)], strict=True):
+            for index in range(start, min(end, node_count)):
+                result[index] = name
+        return result
+
+
+def _warm_up_optimizer(state: TrainingState) -> None:
+    """Create the optimizer state a steady-state iteration finds (one untraced step on zero grads)."""
+    if state.optimizer is None:
+        return
+    for param in state.trainable:
+        param.grad = torch.zeros_like(param)
+    with constant_item():
+        state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+
+
+def _categorize(
+    state: TrainingState, grads: list[torch.Tensor]
+) -> tuple[dict[StorageWeakRef, str], dict[StorageWeakRef, int]]:
+    categories: dict[StorageWeakRef, str] = {}
+    sizes: dict[StorageWeakRef, int] = {}
+    groups = {
+        "inputs": [leaf for leaf in tree_flatten(state.batch)[0] if isinstance(leaf, torch.Tensor)],
+        "optimizer_state": optimizer_state_tensors(state.optimizer)
+        + [t for t in (state.loss_scale, state.found_inf) if t is not None],
+        "gradients": grads,
+        "parameters": list(state.model.parameters()) + list(state.model.buffers()),
+    }
+    for category, tensors in groups.items():
+        for tensor in tensors:
+            key = storage_key(tensor)
+            categories[key] = category
+            sizes[key] = tensor.untyped_storage().nbytes()
+    return categories, sizes
+
+
+def _trace_failure(error: Exception, module: str | None, spec: ModelSpec) -> TraceError:
+    where = f"in module {module}" if module else "outside any module (loss or optimizer)"
+    op = getattr(error, "func", None)
+    if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
+        return TraceError(
+            f"cannot trace {spec.name}: op {op} {where} depends on tensor values "
+            "(data-dependent control flow, .item() or a data-dependent shape); "
+            "make that code shape-only or pass a model without it"
+        )
+    if isinstance(error, UnsupportedOperatorException):
+        return TraceError(
+            f"cannot trace {spec.name}: op {op} {where} has no fake-tensor implementation; "
+            "memplan cannot predict its memory (report it with --debug output)"
+        )
+    return TraceError(
+        f"cannot trace {spec.name} {where}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        "; rerun with --debug for the traceback"
+    )
+
+
+def trace_step(spec: ModelSpec, settings: TrainingSettings) -> TracedStep:
+    """Trace the last micro-batch (gradients already present when grad_accum > 1) and the optimizer step."""
+    started = time.perf_counter()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        state = prepare(spec, settings)
+        _warm_up_optimizer(state)
+        if settings.grad_accum > 1:
+            # Later micro-batches find every gradient allocated: they dominate the first one.
+            for param in state.trainable:
+                param.grad = torch.zeros_like(param)
+    flat_inputs, batch_tree = tree_flatten(state.batch)
+    tensor_positions = [i for i, leaf in enumerate(flat_inputs) if isinstance(leaf, torch.Tensor)]
+    boundaries: dict[str, int] = {}
+    captured_grads: list[torch.Tensor] = []
+
+    def marker(phase: str) -> None:
+        mode = get_proxy_mode()
+        boundaries[phase] = len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    def step(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        leaves = list(flat_inputs)
+        for position, tensor in zip(tensor_positions, tensors, strict=True):
+            leaves[position] = tensor
+        state.batch = tree_unflatten(leaves, batch_tree)
+        micro_batch(state, marker)
+        with constant_item():
+            grads = optimizer_step(state)
+        captured_grads.extend(grads)
+        return grads  # graph outputs: gradients live until zero_grad ends the iteration
+
+    tracker = _ModuleTracker(state.model)
+    try:
+        with fake_mode, tracker:
+            graph = make_fx(step, tracing_mode="real")(*[flat_inputs[i] for i in tensor_positions])
+    except MemplanError:
+        raise
+    except Exception as error:  # any failure inside the user's model becomes one clear message
+        raise _trace_failure(error, tracker.current(), spec) from error
+    node_count = len(graph.graph.nodes)
+    categories, sizes = _categorize(state, captured_grads)
+    return TracedStep(
+        graph=graph,
+        settings=settings,
+        forward_end=boundaries.get("forward", node_count),
+        backward_end=boundaries.get("backward", node_count),
+        storage_categories=categories,
+        storage_bytes=sizes,
+        node_modules=tracker.per_node(node_count),
+        parameter_count=sum(p.numel() for p in state.model.parameters()),
+        trainable_parameter_count=sum(p.numel() for p in state.trainable),
+        checkpointed_blocks=state.checkpointed_blocks,
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,100 @@
+"""Measure a real CPU run of the canonical loop: the peak of live tensor storage bytes.
+
+A dispatch mode sees every op's outputs; each storage is counted once from its first appearance
+until a weakref finalizer reports it freed. Storages that existed before the measured iteration
+(parameters, buffers, optimizer state, the batch, cached constants the model reads) are counted
+for the whole iteration.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memplan.estimator.loop import TrainingState, iteration, prepare
+from memplan.estimator.optimizers import optimizer_state_tensors
+from memplan.models.source import ModelSpec
+from memplan.settings import TrainingSettings
+
+
+@dataclass(frozen=True)
+class CpuMeasurement:
+    peak_bytes: int
+    static_bytes: int  # live before the iteration and throughout it
+
+
+class LiveStorageCounter(TorchDispatchMode):
+    """Counts bytes of live tensor storages created or read while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.static_bytes = 0
+        self.dynamic_bytes = 0
+        self.dynamic_peak_bytes = 0
+        self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
+
+    def add_static(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self._live:
+            self._live[key] = storage.nbytes()
+            self.static_bytes += storage.nbytes()
+
+    def _add_dynamic(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        self._live[key] = nbytes
+        self.dynamic_bytes += nbytes
+        weakref.finalize(storage, self._release, key, nbytes)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        if self._live.pop(key, None) is not None:
+            self.dynamic_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
+                self.add_static(leaf)  # existed before the iteration, so live throughout it
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._add_dynamic(leaf)
+        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
+        return out
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.static_bytes + self.dynamic_peak_bytes
+
+
+def _static_tensors(state: TrainingState) -> list[torch.Tensor]:
+    tensors = list(state.model.parameters()) + list(state.model.buffers())
+    tensors += optimizer_state_tensors(state.optimizer)
+    tensors += [leaf for leaf in tree_flatten(state.batch)[0] if isinstance(leaf, torch.Tensor)]
+    tensors += [t for t in (state.loss_scale, state.found_inf) if t is not None]
+    return tensors
+
+
+def measure_cpu(
+    spec: ModelSpec, settings: TrainingSettings, *, warmup_iterations: int = 1, seed: int = 0
+) -> CpuMeasurement:
+    """Run `warmup_iterations` real iterations, then measure one steady-state iteration."""
+    torch.manual_seed(seed)
+    state = prepare(spec, settings)
+    for _ in range(warmup_iterations):
+        iteration(state)
+    gc.collect()
+    counter = LiveStorageCounter()
+    for tensor in _static_tensors(state):
+        counter.add_static(tensor)
+    with counter:
+        iteration(state)
+    return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)

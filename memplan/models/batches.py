@@ -1,0 +1,69 @@
+"""Synthesize the training batch a task head expects, in whatever tensor mode is active."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memplan.errors import SettingsError
+from memplan.settings import TrainingSettings
+
+TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq", "image-classification")
+TEXT_TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq")
+DEFAULT_SEQ_LEN = 512
+DEFAULT_IMAGE_SIZE = 224
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence the model's absolute position embeddings allow (None: no limit known)."""
+    if getattr(config, "model_type", None) == "t5":
+        return None  # relative position buckets: any length
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> TrainingSettings:
+    """Fill in the sequence length / image size the batch will have and check it against the model."""
+    if task in TEXT_TASKS:
+        limit = max_positions(config)
+        seq_len = settings.seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)
+        if limit is not None and seq_len > limit:
+            raise SettingsError(
+                f"--seq-len {seq_len} is longer than the model's maximum of {limit} positions; "
+                f"use --seq-len {limit} or less"
+            )
+        target_len = settings.target_len or (seq_len if task == "seq2seq" else None)
+        return settings.replace(seq_len=seq_len, target_len=target_len)
+    image_size = settings.image_size or getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE
+    return settings.replace(image_size=int(image_size))
+
+
+def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Full-length, unpadded batches (no attention mask), labels as a data collator makes them."""
+    batch = settings.batch_size
+    vocab = getattr(config, "vocab_size", 2)
+    if task in ("causal-lm", "masked-lm"):
+        input_ids = torch.randint(0, vocab, (batch, settings.seq_len))
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+    if task == "sequence-classification":
+        return {
+            "input_ids": torch.randint(0, vocab, (batch, settings.seq_len)),
+            "labels": torch.randint(0, config.num_labels, (batch,)),
+        }
+    if task == "seq2seq":
+        return {
+            "input_ids": torch.randint(0, vocab, (batch, settings.seq_len)),
+            "labels": torch.randint(0, vocab, (batch, settings.target_len)),
+        }
+    if task == "image-classification":
+        channels = getattr(config, "num_channels", 3)
+        size = settings.image_size
+        return {
+            "pixel_values": torch.randn(batch, channels, size, size, dtype=dtype),
+            "labels": torch.randint(0, config.num_labels, (batch,)),
+        }
+    raise AssertionError(f"unknown task {task}")

@@ -1,0 +1,118 @@
+"""Hugging Face models from presets, model types, config files or the local hub cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.models.batches import TASKS
+from memplan.models.presets import get_preset
+
+# Which transformers auto class builds each task head.
+_AUTO_CLASS_BY_TASK = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
+}
+# Mapping names in transformers.models.auto.modeling_auto, in the order a task is guessed.
+_MAPPING_BY_TASK = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+}
+_ARCHITECTURE_SUFFIXES = {
+    "ForCausalLM": "causal-lm",
+    "LMHeadModel": "causal-lm",
+    "ForConditionalGeneration": "seq2seq",
+    "ForMaskedLM": "masked-lm",
+    "ForPreTraining": "masked-lm",
+    "ForImageClassification": "image-classification",
+    "ForSequenceClassification": "sequence-classification",
+}
+
+
+@dataclass(frozen=True)
+class HFSource:
+    name: str
+    config: Any
+    task: str
+
+
+def model_types() -> list[str]:
+    from transformers import CONFIG_MAPPING
+
+    return sorted(CONFIG_MAPPING.keys())
+
+
+def _guess_task(config: Any) -> str | None:
+    for architecture in getattr(config, "architectures", None) or []:
+        for suffix, task in _ARCHITECTURE_SUFFIXES.items():
+            if architecture.endswith(suffix):
+                return task
+    from transformers.models.auto import modeling_auto
+
+    for task, mapping in _MAPPING_BY_TASK.items():
+        if config.model_type in getattr(modeling_auto, mapping):
+            return task
+    return None
+
+
+def _load_config(name: str) -> Any | None:
+    """A config from a preset, a config.json / model directory, a model type or the hub cache."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    preset = get_preset(name)
+    if preset is not None:
+        return AutoConfig.for_model(preset.model_type, **preset.config)
+    if os.path.isdir(name) or (os.path.isfile(name) and name.endswith(".json")):
+        return AutoConfig.from_pretrained(name)
+    if name in CONFIG_MAPPING:
+        return AutoConfig.for_model(name)
+    if "/" in name and not os.path.exists(name):
+        try:
+            return AutoConfig.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def resolve_hf(name: str, task: str | None) -> HFSource | None:
+    """None when `name` names no Hugging Face model memplan can find offline."""
+    config = _load_config(name)
+    if config is None:
+        return None
+    preset = get_preset(name)
+    chosen = task or (preset.task if preset else None) or _guess_task(config)
+    if chosen is None:
+        from memplan.errors import UsageError
+
+        raise UsageError(
+            f"cannot tell which head to train for {name!r} (model type {config.model_type}); "
+            f"pass --task, one of {', '.join(TASKS)}"
+        )
+    if chosen in ("sequence-classification", "image-classification") and not getattr(config, "num_labels", None):
+        config.num_labels = 2
+    return HFSource(name=name, config=config, task=chosen)
+
+
+def build_hf_model(source: HFSource) -> Any:
+    """Build with random initialisation in the active tensor mode (fake or real)."""
+    import transformers
+
+    auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[source.task])
+    config = source.config
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    try:
+        return auto_class.from_config(config)
+    except ValueError as error:
+        from memplan.errors import UsageError
+
+        raise UsageError(
+            f"transformers has no {source.task} head for model type {config.model_type} ({error}); pick another --task"
+        ) from error

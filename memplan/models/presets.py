@@ -1,0 +1,34 @@
+"""Model presets shipped as config data (memplan/models/presets/*.json): no weights, no network."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    model_type: str
+    task: str
+    hub_id: str
+    config: dict[str, Any]
+
+
+@cache
+def all_presets() -> dict[str, Preset]:
+    folder = resources.files("memplan.models") / "presets"
+    presets = {}
+    for entry in sorted(folder.iterdir(), key=lambda item: item.name):
+        if entry.name.endswith(".json"):
+            data = json.loads(entry.read_text())
+            name = entry.name.removesuffix(".json")
+            presets[name] = Preset(name=name, **data)
+    return presets
+
+
+def get_preset(name: str) -> Preset | None:
+    return all_presets().get(name.lower())

@@ -1,0 +1,145 @@
+"""Turn what the user named into a `ModelSpec`: how to build the model, its batch, and its loss."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.errors import InputsError, LossError, UnknownModelError, UsageError
+from memplan.models.batches import resolve_lengths, synthesize_batch
+from memplan.models.hf import build_hf_model, model_types, resolve_hf
+from memplan.models.imports import import_object, is_import_path
+from memplan.models.presets import all_presets
+from memplan.settings import TrainingSettings
+
+Batch = torch.Tensor | tuple | dict
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to run the canonical loop for one model, in any tensor mode."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[TrainingSettings, torch.dtype], Batch]
+    loss_of: Callable[[Any, Batch], torch.Tensor]
+    settings_for: Callable[[TrainingSettings], TrainingSettings]
+
+
+def call_model(model: nn.Module, batch: Batch) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, tuple | list):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(output: Any, batch: Batch) -> torch.Tensor:
+    """A scalar output is the loss; otherwise `output.loss` or `output["loss"]`."""
+    if isinstance(output, torch.Tensor):
+        if output.dim() == 0:
+            return output
+        raise LossError(
+            f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss; "
+            "pass --loss package.module:fn where fn(output, batch) returns the loss"
+        )
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    raise LossError(
+        f"the model output ({type(output).__name__}) has no scalar `loss`; "
+        "pass --loss package.module:fn where fn(output, batch) returns the loss"
+    )
+
+
+def _check_batch(batch: Any, path: str) -> Batch:
+    if isinstance(batch, torch.Tensor | Mapping) or (
+        isinstance(batch, tuple) and all(isinstance(item, torch.Tensor) for item in batch)
+    ):
+        return batch
+    raise InputsError(
+        f"inputs function {path!r} returned a {type(batch).__name__}; "
+        "return a tensor, a tuple of tensors or a dict of keyword arguments"
+    )
+
+
+def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
+    factory = import_object(name, "model")
+    if inputs is None:
+        raise UsageError(
+            "a custom model needs its batch: pass --inputs package.module:fn where fn(batch_size) returns it"
+        )
+    inputs_fn = import_object(inputs, "inputs")
+    try:
+        inspect.signature(inputs_fn).bind(1)
+    except TypeError as error:
+        raise InputsError(f"inputs function {inputs!r} must take one argument, the batch size ({error})") from error
+    except ValueError:
+        pass  # builtins without a signature: let the call decide
+    loss_fn = import_object(loss, "loss") if loss else None
+
+    def build() -> nn.Module:
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"model factory {name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:
+        return _check_batch(inputs_fn(settings.batch_size), inputs)
+
+    def loss_of(output: Any, batch: Batch) -> torch.Tensor:
+        if loss_fn is not None:
+            value = loss_fn(output, batch)
+            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                raise LossError(f"loss function {loss!r} must return a scalar tensor, got {type(value).__name__}")
+            return value
+        return default_loss(output, batch)
+
+    return ModelSpec(name=name, build=build, make_batch=make_batch, loss_of=loss_of, settings_for=lambda s: s)
+
+
+def _suggest(name: str) -> str:
+    candidates = list(all_presets()) + model_types()
+    close = difflib.get_close_matches(name.lower(), candidates, n=3, cutoff=0.6)
+    return f"did you mean {', '.join(close)}? " if close else ""
+
+
+def resolve_model(
+    name: str, *, inputs: str | None = None, loss: str | None = None, task: str | None = None
+) -> ModelSpec:
+    """Presets, transformers model types, config paths, cached hub ids, or `pkg.mod:callable`."""
+    if is_import_path(name):
+        return _custom_spec(name, inputs, loss)
+    source = resolve_hf(name, task)
+    if source is None:
+        raise UnknownModelError(
+            f"unknown model {name!r}: {_suggest(name)}"
+            "`memplan presets` lists the presets; also accepted are a transformers model type, "
+            "a config.json or model directory, a cached hub id, or package.module:callable"
+        )
+    loss_fn = import_object(loss, "loss") if loss else None
+
+    def settings_for(settings: TrainingSettings) -> TrainingSettings:
+        return resolve_lengths(source.config, source.task, settings)
+
+    def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:
+        return synthesize_batch(source.config, source.task, settings, dtype)
+
+    def loss_of(output: Any, batch: Batch) -> torch.Tensor:
+        return loss_fn(output, batch) if loss_fn else default_loss(output, batch)
+
+    return ModelSpec(
+        name=name,
+        build=lambda: build_hf_model(source),
+        make_batch=make_batch,
+        loss_of=loss_of,
+        settings_for=settings_for,
+    )

@@ -1,0 +1,78 @@
+"""Render an EstimateResult as a rich table or JSON; the estimator itself never prints."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from memplan.estimator.result import EstimateResult
+from memplan.settings import format_bytes
+
+_CATEGORY_LABELS = {
+    "parameters": "parameters (+ buffers)",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations saved for backward",
+    "temporaries": "temporaries",
+    "inputs": "inputs (micro-batch)",
+}
+
+
+def to_json(result: EstimateResult) -> str:
+    return json.dumps(result.to_dict(), indent=2)
+
+
+def _describe_settings(result: EstimateResult) -> str:
+    s = result.settings
+    shape = f"seq {s.seq_len}" if s.seq_len else f"image {s.image_size}²" if s.image_size else ""
+    if s.target_len and s.target_len != s.seq_len:
+        shape += f", target {s.target_len}"
+    parts = [
+        f"batch {s.batch_size}",
+        shape,
+        f"grad-accum {s.grad_accum}" if s.grad_accum > 1 else "",
+        s.precision,
+        s.optimizer if s.optimizer_impl == "default" else f"{s.optimizer} ({s.optimizer_impl})",
+        "checkpoint all blocks" if s.checkpoint == "all" else "",
+        f"target {s.device}",
+    ]
+    return ", ".join(part for part in parts if part)
+
+
+def render_estimate(result: EstimateResult, console: Console) -> None:
+    console.print(f"[bold]{result.model}[/bold]: {_describe_settings(result)}")
+    console.print(
+        f"{result.parameter_count:,} parameters ({result.trainable_parameter_count:,} trainable)"
+        + (f", {len(result.checkpointed_blocks)} blocks checkpointed" if result.checkpointed_blocks else "")
+    )
+    table = Table(title="memory at the peak", title_justify="left")
+    table.add_column("category")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    for key, value in result.breakdown.to_dict().items():
+        share = value / result.peak_bytes if result.peak_bytes else 0.0
+        table.add_row(_CATEGORY_LABELS[key], format_bytes(value), f"{share:.1%}")
+    table.add_row("[bold]peak[/bold]", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
+    console.print(table)
+    where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")
+    console.print(f"peak in the {result.phase} pass at {where}")
+    phases = ", ".join(f"{phase} {format_bytes(value)}" for phase, value in result.phase_peak_bytes.items())
+    console.print(f"peak by phase: {phases}")
+    console.print(
+        f"per sample: {format_bytes(result.per_sample_activation_bytes)}; "
+        f"fixed part: {format_bytes(result.fixed_bytes)}"
+    )
+    if result.budget_bytes is not None:
+        verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
+        console.print(f"budget {format_bytes(result.budget_bytes)}: {verdict}")
+        if result.max_batch_size:
+            console.print(f"largest batch size that fits: {result.max_batch_size}")
+        else:
+            console.print("[red]not even batch size 1 fits[/red]: try bf16, checkpointing or a smaller sequence")
+    if result.unsupported_ops:
+        console.print(f"[yellow]unsupported ops (not counted):[/yellow] {', '.join(result.unsupported_ops)}")
+    for note in result.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    console.print(f"[dim]{result.traces} traces, {result.graph_nodes:,} graph nodes, {result.seconds:.1f} s[/dim]")

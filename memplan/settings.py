@@ -1,0 +1,120 @@
+"""Training settings and memory sizes: the user's description of one training iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.errors import SettingsError, SizeParseError
+
+PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "none")
+OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
+CHECKPOINT_MODES = ("none", "all")
+DEVICES = ("cuda", "cpu")
+
+# Binary and decimal units; "GB" is 10**9 as disks and nvidia-smi's marketing sizes use it,
+# "GiB" is 2**30 as torch.cuda reports it.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse `80GB`, `24GiB`, `512MiB`, `1.5 GiB` or plain bytes into a byte count."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise SizeParseError(f"size must be positive, got {text}")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise SizeParseError(f"cannot read {text!r} as a size; write e.g. 24GiB, 80GB, 512MiB or a number of bytes")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 1:
+        raise SizeParseError(f"size must be at least one byte, got {text!r}")
+    return int(value)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units, as torch.cuda and memory_viz print them."""
+    sign = "-" if num_bytes < 0 else ""
+    value = abs(float(num_bytes))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{sign}{value:,.0f} {unit}" if unit == "B" else f"{sign}{value:,.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SettingsError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """One steady-state iteration of the canonical loop (see docs/concepts.md).
+
+    `seq_len`, `target_len` and `image_size` are None where the model source decides (its
+    default or maximum); `optimizer_impl` "default" means what torch picks on `device`.
+    """
+
+    batch_size: int = 1
+    seq_len: int | None = None
+    target_len: int | None = None
+    image_size: int | None = None
+    grad_accum: int = 1
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    optimizer_impl: str = "default"
+    checkpoint: str = "none"
+    device: str = "cuda"
+    keep_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive("batch size", self.batch_size)
+        _check_positive("gradient accumulation steps", self.grad_accum)
+        _check_positive("sequence length", self.seq_len)
+        _check_positive("target length", self.target_len)
+        _check_positive("image size", self.image_size)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("optimizer implementation", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
+        _check_choice("device", self.device, DEVICES)
+        if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):
+            raise SettingsError(
+                f"torch has no fused implementation of {self.optimizer}; "
+                "use --optimizer-impl default, foreach or for-loop"
+            )
+
+    @property
+    def is_amp(self) -> bool:
+        return self.precision.startswith("amp-")
+
+    def replace(self, **changes: Any) -> TrainingSettings:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,156 @@
+"""The accuracy zoo: small configurations of structurally different models and the settings to run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memplan.settings import TrainingSettings
+
+# Small transformers configs: structurally the real thing, sized for CI.
+TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 128,
+        "vocab_size": 512,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "architectures": ["GPT2LMHeadModel"],
+    },
+    "bert": {
+        "model_type": "bert",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+        "max_position_embeddings": 128,
+        "architectures": ["BertForMaskedLM"],
+    },
+    "distilbert": {
+        "model_type": "distilbert",
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "hidden_dim": 128,
+        "vocab_size": 512,
+        "max_position_embeddings": 128,
+        "architectures": ["DistilBertForMaskedLM"],
+    },
+    "t5": {
+        "model_type": "t5",
+        "d_model": 64,
+        "d_kv": 16,
+        "d_ff": 128,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_heads": 4,
+        "vocab_size": 512,
+        "architectures": ["T5ForConditionalGeneration"],
+    },
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        "architectures": ["LlamaForCausalLM"],
+    },
+    "vit": {
+        "model_type": "vit",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "image_size": 32,
+        "patch_size": 8,
+        "num_labels": 10,
+        "architectures": ["ViTForImageClassification"],
+    },
+    "resnet": {
+        "model_type": "resnet",
+        "embedding_size": 16,
+        "hidden_sizes": [32, 64],
+        "depths": [1, 2],
+        "layer_type": "bottleneck",
+        "num_labels": 10,
+        "architectures": ["ResNetForImageClassification"],
+    },
+}
+
+
+@dataclass(frozen=True)
+class ZooCase:
+    id: str
+    model: str  # a TINY_HF_CONFIGS key or a tests.zoo_models import path
+    settings: TrainingSettings
+    inputs: str | None = None
+    loss: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _cpu(**kwargs: Any) -> TrainingSettings:
+    return TrainingSettings(device="cpu", **kwargs)
+
+
+ZOO_CASES = [
+    ZooCase("gpt2-adamw", "gpt2", _cpu(batch_size=2, seq_len=64)),
+    ZooCase("gpt2-checkpoint-all", "gpt2", _cpu(batch_size=2, seq_len=64, checkpoint="all")),
+    ZooCase("bert-sgd-momentum-accum", "bert", _cpu(batch_size=2, seq_len=64, optimizer="sgd-momentum", grad_accum=2)),
+    ZooCase(
+        "distilbert-adam-checkpoint", "distilbert", _cpu(batch_size=2, seq_len=64, optimizer="adam", checkpoint="all")
+    ),
+    ZooCase("t5-adafactor", "t5", _cpu(batch_size=2, seq_len=32, target_len=16, optimizer="adafactor")),
+    ZooCase("llama-amp-bf16", "llama", _cpu(batch_size=2, seq_len=64, precision="amp-bf16")),
+    ZooCase("llama-bf16-sgd", "llama", _cpu(batch_size=2, seq_len=64, precision="bf16", optimizer="sgd")),
+    ZooCase("vit-sgd", "vit", _cpu(batch_size=2, optimizer="sgd")),
+    ZooCase("resnet-adamw", "resnet", _cpu(batch_size=2, image_size=32)),
+    ZooCase(
+        "conv-bn-inplace",
+        "tests.zoo_models:conv_bn_net",
+        _cpu(batch_size=4, optimizer="sgd-momentum"),
+        inputs="tests.zoo_models:conv_bn_inputs",
+    ),
+    ZooCase("tied-weights", "tests.zoo_models:tied_lm", _cpu(batch_size=4), inputs="tests.zoo_models:token_inputs"),
+    ZooCase(
+        "reused-module-adam8bit",
+        "tests.zoo_models:reused_block",
+        _cpu(batch_size=4, optimizer="adam8bit"),
+        inputs="tests.zoo_models:features_inputs",
+        loss="tests.zoo_models:mean_square_loss",
+    ),
+    ZooCase(
+        "frozen-submodule",
+        "tests.zoo_models:frozen_encoder",
+        _cpu(batch_size=4),
+        inputs="tests.zoo_models:features_inputs",
+    ),
+    ZooCase(
+        "custom-function-no-optimizer",
+        "tests.zoo_models:custom_function_net",
+        _cpu(batch_size=4, optimizer="none"),
+        inputs="tests.zoo_models:features_inputs",
+    ),
+    ZooCase(
+        "lstm-accum",
+        "tests.zoo_models:lstm_tagger",
+        _cpu(batch_size=4, grad_accum=3),
+        inputs="tests.zoo_models:sequence_inputs",
+    ),
+]
+
+
+def write_tiny_config(name: str, folder: Path) -> str:
+    """Write a tiny config as a model directory (the `config.json` source) and return its path."""
+    target = folder / name
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(TINY_HF_CONFIGS[name]))
+    return str(target)

@@ -1,0 +1,175 @@
+"""Structurally awkward custom models for the accuracy zoo, importable as tests.zoo_models:NAME."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+FEATURES = 64
+
+
+class ConvBNNet(nn.Module):
+    """Conv + BatchNorm + in-place ReLU (in-place ops must not allocate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
+        )
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.body(images), labels)
+
+
+class TiedLM(nn.Module):
+    """Output projection shares the embedding's weight."""
+
+    def __init__(self, vocab: int = 500) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, FEATURES)
+        self.mix = nn.Linear(FEATURES, FEATURES)
+        self.head = nn.Linear(FEATURES, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), ids.flatten()), "logits": logits}
+
+
+class ReusedBlock(nn.Module):
+    """One block applied four times: its parameters once, its activations four times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(FEATURES, 4 * FEATURES), nn.GELU(), nn.Linear(4 * FEATURES, FEATURES))
+        self.out = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = x + self.block(x)
+        return self.out(x)  # not a scalar: the zoo passes --loss
+
+
+class FrozenEncoder(nn.Module):
+    """A frozen encoder feeding a trainable head: no gradients or optimizer state for the encoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256))
+        for param in self.encoder.parameters():
+            param.requires_grad_(False)
+        self.head = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x)).pow(2).mean()
+
+
+class SquarePlusOne(torch.autograd.Function):
+    """A custom autograd.Function that saves its input and a derived tensor."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        doubled = 2 * x
+        ctx.save_for_backward(doubled)
+        return x * x + 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (doubled,) = ctx.saved_tensors
+        return grad * doubled
+
+
+class CustomFunctionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(FEATURES, 512)
+        self.outer = nn.Linear(512, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(SquarePlusOne.apply(self.inner(x))).mean()
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(FEATURES, 96, num_layers=2, batch_first=True)
+        self.head = nn.Linear(96, 5)
+
+    def forward(self, x: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(x)
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), tags.flatten())
+
+
+class DataDependent(nn.Module):
+    """Branches on a tensor value: cannot be traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        score = self.gate(x).mean()
+        if score.item() > 0:
+            return score
+        return -score
+
+
+def conv_bn_net() -> nn.Module:
+    return ConvBNNet()
+
+
+def conv_bn_inputs(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,))
+
+
+def tied_lm() -> nn.Module:
+    return TiedLM()
+
+
+def token_inputs(batch_size: int) -> dict[str, torch.Tensor]:
+    return {"ids": torch.randint(0, 500, (batch_size, 48))}
+
+
+def reused_block() -> nn.Module:
+    return ReusedBlock()
+
+
+def features_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 32, FEATURES)
+
+
+def mean_square_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def frozen_encoder() -> nn.Module:
+    return FrozenEncoder()
+
+
+def custom_function_net() -> nn.Module:
+    return CustomFunctionNet()
+
+
+def lstm_tagger() -> nn.Module:
+    return LSTMTagger()
+
+
+def sequence_inputs(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 24, FEATURES), torch.randint(0, 5, (batch_size, 24))
+
+
+def data_dependent() -> nn.Module:
+    return DataDependent()
+
+
+def inputs_without_batch_size() -> torch.Tensor:
+    return torch.randn(2, FEATURES)
