@@ -51,6 +51,8 @@ TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
         "num_decoder_layers": 2,
         "num_heads": 4,
         "vocab_size": 512,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
         "architectures": ["T5ForConditionalGeneration"],
     },
     "llama": {

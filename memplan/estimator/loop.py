@@ -57,13 +57,32 @@ class TrainingState:
     found_inf: torch.Tensor | None = None
 
 
+def cast_floating_point(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)` for floating-point parameters and buffers, also under fake tensors.
+
+    `nn.Module.to` swaps parameter storage in place, which fake tensors refuse; replacing each
+    parameter (once, so tied weights stay tied) gives the same memory.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+
+
 def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     """Build model, batch and optimizer in the active tensor mode (fake or real)."""
     model = spec.build()
     model.train()
     dtype = STORAGE_DTYPES[settings.precision]
     if dtype != torch.float32:
-        model.to(dtype)
+        cast_floating_point(model, dtype)
     checkpointed = apply_checkpoint_all(model) if settings.checkpoint == "all" else []
     batch = spec.make_batch(settings, dtype)
     trainable = [param for param in model.parameters() if param.requires_grad]

@@ -15,6 +15,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
+from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.trace import TracedStep
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
@@ -67,14 +68,30 @@ def _node_storages(
         if node.op == "call_function" and _returns_tensor(node):
             unsupported[_op_name(node)] = None
         return []
+    rule = OUTPUT_BYTES_RULES.get(node.target) if node.op == "call_function" else None
+    true_bytes = rule(*_fake_args(graph, node)) if rule is not None else None
     storages = []
-    for tensor in _tensors(value):
+    for position, tensor in enumerate(_tensors(value)):
         if tensor.layout != torch.strided:
             unsupported[f"{_op_name(node)} ({tensor.layout})"] = None
             continue
         storage = tensor.untyped_storage()
-        storages.append((StorageWeakRef(storage), storage.nbytes()))
+        nbytes = true_bytes[position] if true_bytes is not None else storage.nbytes()
+        storages.append((StorageWeakRef(storage), nbytes))
     return storages
+
+
+def _fake_args(graph: fx.GraphModule, node: fx.Node) -> tuple[tuple, dict]:
+    """The node's arguments with every graph node replaced by its fake value."""
+
+    def value_of(arg: object) -> object:
+        if not isinstance(arg, fx.Node):
+            return arg
+        return getattr(graph, str(arg.target)) if arg.op == "get_attr" else arg.meta.get("val")
+
+    args = fx.node.map_aggregate(node.args, value_of)
+    kwargs = fx.node.map_aggregate(node.kwargs, value_of)
+    return tuple(args), dict(kwargs)
 
 
 def _phase_of(index: int, traced: TracedStep) -> str:
@@ -104,6 +121,9 @@ def simulate(traced: TracedStep) -> Simulation:
         for source in node.all_input_nodes:
             for key, _ in storages[index_of[source]]:
                 last_use[key] = index
+    for key, end in traced.argument_lifetimes:
+        if key in last_use:
+            last_use[key] = max(last_use[key], end)
     # Live before the iteration: the batch, constants, and categorized storages the graph never reads.
     static = {
         key for index, node in enumerate(nodes) if node.op in ("placeholder", "get_attr") for key, _ in storages[index]

@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memplan.errors import MemplanError, TraceError
+from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.loop import TrainingState, micro_batch, optimizer_step, prepare
 from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.models.source import ModelSpec
@@ -48,6 +49,7 @@ class TracedStep:
     parameter_count: int
     trainable_parameter_count: int
     checkpointed_blocks: list[str]
+    argument_lifetimes: list[tuple[StorageWeakRef, int]]  # (storage, last node of a call taking it)
     seconds: float
     notes: list[str] = field(default_factory=list)
 
@@ -87,6 +89,17 @@ class _ModuleTracker:
         self.stack: list[str] = []
         self.transitions: list[tuple[int, str | None]] = [(0, None)]
         self.handles: list = []
+        # Python keeps a call's tensor arguments alive until the call returns, past their last use.
+        self.open_calls: list[list[StorageWeakRef]] = []
+        self.argument_lifetimes: list[tuple[StorageWeakRef, int]] = []
+
+    def _open_call(self, args: object) -> None:
+        self.open_calls.append([storage_key(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)])
+
+    def _close_call(self) -> None:
+        if self.open_calls:
+            end = self._node_count() - 1
+            self.argument_lifetimes.extend((key, end) for key in self.open_calls.pop())
 
     def _node_count(self) -> int:
         mode = get_proxy_mode()
@@ -95,11 +108,13 @@ class _ModuleTracker:
     def _pre(self, module: nn.Module, args: object) -> None:
         name = self.names.get(id(module))
         if name is not None:
+            self._open_call(args)
             self.stack.append(name)
             self.transitions.append((self._node_count(), name))
 
     def _post(self, module: nn.Module, args: object, output: object) -> None:
         if self.names.get(id(module)) is not None and self.stack:
+            self._close_call()
             self.stack.pop()
             self.transitions.append((self._node_count(), self.stack[-1] if self.stack else None))
 
@@ -107,6 +122,18 @@ class _ModuleTracker:
         return self.stack[-1] if self.stack else None
 
     def __enter__(self) -> _ModuleTracker:
+        function_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+        tracker = self
+
+        def apply(cls: type, *args: object, **kwargs: object) -> object:
+            tracker._open_call(args)
+            try:
+                return function_apply(cls, *args, **kwargs)
+            finally:
+                tracker._close_call()
+
+        self._function_apply = function_apply
+        torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
         self.handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post, always_call=True),
@@ -114,6 +141,7 @@ class _ModuleTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        torch.autograd.Function.apply = classmethod(self._function_apply)  # type: ignore[assignment]
         for handle in self.handles:
             handle.remove()
 
@@ -180,7 +208,7 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings) -> TracedStep:
     """Trace the last micro-batch (gradients already present when grad_accum > 1) and the optimizer step."""
     started = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode:
+    with fake_mode, constant_item(), no_weight_init():
         state = prepare(spec, settings)
         _warm_up_optimizer(state)
         if settings.grad_accum > 1:
@@ -209,7 +237,7 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings) -> TracedStep:
 
     tracker = _ModuleTracker(state.model)
     try:
-        with fake_mode, tracker:
+        with fake_mode, tracker, real_run_paths():
             graph = make_fx(step, tracing_mode="real")(*[flat_inputs[i] for i in tensor_positions])
     except MemplanError:
         raise
@@ -228,5 +256,6 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings) -> TracedStep:
         parameter_count=sum(p.numel() for p in state.model.parameters()),
         trainable_parameter_count=sum(p.numel() for p in state.trainable),
         checkpointed_blocks=state.checkpointed_blocks,
+        argument_lifetimes=tracker.argument_lifetimes,
         seconds=time.perf_counter() - started,
     )
