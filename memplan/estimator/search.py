@@ -44,15 +44,20 @@ def find_max_batch_size(known: dict[int, PhasePeaks], trace_at: Callable[[int], 
         return max(known[batch].values())
 
     low = 0
-    for _ in range(64):
+    for attempt in range(64):
         low = max((b for b in known if peak(b) <= budget_bytes), default=0)
         high = min((b for b in known if peak(b) > budget_bytes and b > low), default=None)
         if high == low + 1:
             return low
-        anchor = low or high or 1
-        pair = sorted(sorted(known, key=lambda b: (abs(b - anchor), b))[:2])
+        if low and high is not None:
+            pair = [low, high]  # the chord across the bracket
+        else:
+            anchor = low or high or 1
+            pair = sorted(sorted(known, key=lambda b: (abs(b - anchor), b))[:2])
         guess, predict = _line_max_batch([(b, known[b]) for b in pair], budget_bytes)
         guess = min(max(guess, low + 1), high - 1 if high is not None else MAX_BATCH_SIZE)
+        if high is not None and attempt % 2 == 1:
+            guess = (low + high) // 2  # every other step bisects, so a bent line cannot stall the search
         known[guess] = trace_at(guess)
         confirmed = abs(peak(guess) - predict(guess)) <= FIT_TOLERANCE * budget_bytes
         if peak(guess) <= budget_bytes and confirmed and predict(guess + 1) > budget_bytes:

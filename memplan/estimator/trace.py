@@ -136,7 +136,7 @@ class _ModuleTracker:
         torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
         self.handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
-            nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+            nn.modules.module.register_module_forward_hook(self._post),  # not on error: keep the failing module
         ]
         return self
 

@@ -10,8 +10,9 @@ from memplan.models.presets import all_presets
 
 def render_presets(console: Console) -> None:
     table = Table(title="presets (config data shipped with memplan; no weights)", title_justify="left")
-    for column in ("name", "model type", "task", "config of"):
-        table.add_column(column)
+    table.add_column("name", no_wrap=True)
+    for column in ("model type", "task", "config of"):
+        table.add_column(column, overflow="fold")
     for preset in all_presets().values():
         table.add_row(preset.name, preset.model_type, preset.task, preset.hub_id)
     console.print(table)

@@ -1,0 +1,41 @@
+"""The max-batch search on synthetic piecewise-linear peaks, counting the traces it spends."""
+
+from memplan.estimator.search import find_max_batch_size
+
+
+def _search(peak_of, budget, start=(8, 4)):
+    calls = []
+
+    def trace_at(batch):
+        calls.append(batch)
+        return peak_of(batch)
+
+    known = {batch: peak_of(batch) for batch in start}
+    return find_max_batch_size(known, trace_at, budget), calls
+
+
+def linear(batch):
+    return {"forward": 1000 + 90 * batch, "backward": 1000 + 100 * batch, "optimizer": 1500}
+
+
+def test_linear_peaks_need_one_confirming_trace():
+    # 1000 + 100 b <= 5000 -> b = 40
+    best, calls = _search(linear, 5000)
+    assert best == 40
+    assert calls == [40]
+
+
+def test_flat_phase_above_budget_means_nothing_fits():
+    best, _ = _search(linear, 1400)
+    assert best == 0
+
+
+def test_piecewise_peaks_are_searched_until_bracketed():
+    def piecewise(batch):
+        extra = 0 if batch < 20 else 50 * (batch - 20)  # steeper above 20
+        return {"backward": 1000 + 100 * batch + extra}
+
+    best, calls = _search(piecewise, 5000)
+    expected = max(b for b in range(1, 200) if piecewise(b)["backward"] <= 5000)
+    assert best == expected
+    assert len(calls) <= 6

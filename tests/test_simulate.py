@@ -1,0 +1,98 @@
+"""The liveness simulator on hand-built graphs with hand-computed bytes."""
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from memplan.estimator.simulate import round_for_device, simulate
+from memplan.estimator.trace import TracedStep
+from memplan.settings import TrainingSettings
+
+FLOAT = 4
+
+
+def _traced(fn, *shapes, device="cpu", forward_end=None, backward_end=None) -> TracedStep:
+    with FakeTensorMode() as mode:
+        inputs = [torch.empty(shape) for shape in shapes]
+        graph = make_fx(fn, tracing_mode="real")(*inputs)
+    del mode
+    count = len(graph.graph.nodes)
+    return TracedStep(
+        graph=graph,
+        settings=TrainingSettings(device=device),
+        forward_end=forward_end or count,
+        backward_end=backward_end or count,
+        storage_categories={},
+        storage_bytes={},
+        node_modules=[None] * count,
+        parameter_count=0,
+        trainable_parameter_count=0,
+        checkpointed_blocks=[],
+        argument_lifetimes=[],
+        seconds=0.0,
+    )
+
+
+def test_chain_frees_each_temporary_after_its_last_reader():
+    # x (persistent input, 100 floats); a = x*2; b = a+1 (a freed); c = b.sum() (b freed)
+    def fn(x):
+        a = x * 2
+        b = a + 1
+        return b.sum()
+
+    simulation = simulate(_traced(fn, (100,)))
+    # peak at b: x + a + b are live together
+    assert simulation.peak_bytes == 3 * 100 * FLOAT
+    assert simulation.timeline_bytes[-2] == 100 * FLOAT + FLOAT + 100 * FLOAT  # at sum: x, b, result
+
+
+def test_views_and_in_place_ops_share_their_base_storage():
+    def fn(x):
+        a = x * 2  # 64 floats
+        view = a.view(8, 8)  # no new storage
+        view.add_(1)  # in place: no new storage
+        t = view.t()  # still the same storage
+        return (t * 1).sum()  # a, t*1 live together
+
+    simulation = simulate(_traced(fn, (64,)))
+    assert simulation.peak_bytes == 3 * 64 * FLOAT
+
+
+def test_output_stays_live_to_the_end():
+    def fn(x):
+        kept = x * 2  # output: never freed
+        temp = x + 1
+        return [kept, temp.sum()]
+
+    simulation = simulate(_traced(fn, (50,)))
+    assert simulation.timeline_bytes[-1] == 2 * 50 * FLOAT + FLOAT
+
+
+def test_cuda_rounding_to_512_byte_blocks():
+    assert round_for_device(1, "cuda") == 512
+    assert round_for_device(513, "cuda") == 1024
+    assert round_for_device(0, "cuda") == 0
+    assert round_for_device(513, "cpu") == 513
+
+    def fn(x):
+        return (x + 1).sum()
+
+    # x: 10 floats = 40 B -> 512; x + 1 -> 512; sum -> 4 B -> 512
+    assert simulate(_traced(fn, (10,), device="cuda")).peak_bytes == 3 * 512
+
+
+def test_phase_of_the_peak_follows_the_boundaries():
+    def fn(x):
+        big = x.repeat(10)
+        small = big.sum()
+        return small * 2
+
+    # nodes: 0 x, 1 repeat, 2 sum, 3 mul, 4 output; the peak is at sum: x, big and the scalar
+    traced = _traced(fn, (100,), forward_end=3, backward_end=4)
+    simulation = simulate(traced)
+    assert simulation.peak_bytes == 11 * 100 * FLOAT + FLOAT
+    assert simulation.peak_node == 2
+    assert simulation.phase == "forward"
+    assert simulation.phase_peak_bytes["backward"] == 100 * FLOAT + 2 * FLOAT
+    assert isinstance(traced.graph, fx.GraphModule)
