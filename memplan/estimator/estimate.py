@@ -8,7 +8,7 @@ from collections.abc import Callable
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
-from memplan.estimator.trace import trace_step
+from memplan.estimator.trace import build_fake_setup, trace_step
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -45,10 +45,12 @@ def run_estimate(
     report = progress or (lambda message: None)
     simulations: dict[int, Simulation] = {}
     first = {}
+    report("building the model under fake tensors")
+    setup = build_fake_setup(spec, settings)
 
     def trace_at(batch_size: int) -> dict[str, int]:
         report(f"tracing batch size {batch_size}")
-        traced = trace_step(spec, settings.replace(batch_size=batch_size))
+        traced = trace_step(spec, settings.replace(batch_size=batch_size), setup)
         simulation = simulate(traced)
         simulations[batch_size] = simulation
         if not first:

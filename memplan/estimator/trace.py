@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memplan.errors import MemplanError, TraceError
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
-from memplan.estimator.loop import TrainingState, micro_batch, optimizer_step, prepare
+from memplan.estimator.loop import STORAGE_DTYPES, TrainingState, micro_batch, optimizer_step, prepare
 from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
@@ -204,13 +204,33 @@ def _trace_failure(error: Exception, module: str | None, spec: ModelSpec) -> Tra
     )
 
 
-def trace_step(spec: ModelSpec, settings: TrainingSettings) -> TracedStep:
-    """Trace the last micro-batch (gradients already present when grad_accum > 1) and the optimizer step."""
-    started = time.perf_counter()
+@dataclass
+class FakeSetup:
+    """A model, optimizer and state built once under fake tensors, reusable across batch sizes."""
+
+    fake_mode: FakeTensorMode
+    state: TrainingState
+
+
+def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init():
         state = prepare(spec, settings)
         _warm_up_optimizer(state)
+    return FakeSetup(fake_mode=fake_mode, state=state)
+
+
+def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | None = None) -> TracedStep:
+    """Trace the last micro-batch (gradients already present when grad_accum > 1) and the optimizer step.
+
+    `setup` (from `build_fake_setup` with the same settings but any batch size) skips rebuilding the model.
+    """
+    started = time.perf_counter()
+    setup = setup or build_fake_setup(spec, settings)
+    fake_mode, state = setup.fake_mode, setup.state
+    state.settings = settings
+    with fake_mode:
+        state.batch = spec.make_batch(settings, STORAGE_DTYPES[settings.precision])
         if settings.grad_accum > 1:
             # Later micro-batches find every gradient allocated: they dominate the first one.
             for param in state.trainable:

@@ -1,0 +1,57 @@
+"""Wall time and peak RSS of whole `memplan estimate` processes, and MemTracker for comparison.
+
+Usage: python benchmarks/bench_estimate.py [--only NAME]
+Each command runs as its own process under /usr/bin/time, so start-up (importing torch and
+transformers) is included, as a user would experience it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMPLAN = [sys.executable, "-m", "memplan", "estimate"]
+CASES = {
+    "gpt2": MEMPLAN + ["gpt2", "--batch-size", "8", "--seq-len", "1024", "--json"],
+    "gpt2-budget": MEMPLAN + ["gpt2", "--batch-size", "8", "--seq-len", "1024", "--budget", "24GiB", "--json"],
+    "bert-large-uncased": MEMPLAN + ["bert-large-uncased", "--batch-size", "32", "--seq-len", "512", "--json"],
+    "llama-2-7b": MEMPLAN
+    + ["llama-2-7b", "--batch-size", "1", "--seq-len", "4096", "--precision", "amp-bf16", "--json"],
+    "resnet-50": MEMPLAN + ["resnet-50", "--batch-size", "64", "--image-size", "224", "--json"],
+    "memtracker-gpt2": [sys.executable, str(ROOT / "benchmarks" / "memtracker_step.py")],
+}
+
+
+def run(name: str, command: list[str]) -> dict:
+    started = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB=%M", *command], capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - started
+    rss = int(re.search(r"MAXRSS_KB=(\d+)", done.stderr).group(1)) * 1024
+    row = {"name": name, "wall_s": round(wall, 2), "peak_rss_bytes": rss, "exit_code": done.returncode}
+    if done.returncode == 0 and done.stdout.strip().startswith("{"):
+        data = json.loads(done.stdout)
+        row.update(peak_bytes=data["peak_bytes"], traces=data["traces"], max_batch_size=data["max_batch_size"])
+    elif done.returncode == 0:
+        row["output"] = done.stdout.strip()
+    else:
+        row["error"] = done.stderr.strip().splitlines()[-1]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", action="append", choices=sorted(CASES))
+    names = parser.parse_args().only or list(CASES)
+    for name in names:
+        row = run(name, CASES[name])
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
