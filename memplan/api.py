@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memplan.errors import SettingsError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.models.source import resolve_model
@@ -28,6 +29,12 @@ def estimate(
     (`batch_size=8, precision="amp-bf16", ...`). With `budget` ("24GiB", "80GB", bytes) the result
     says whether the configuration fits and the largest batch size that does.
     """
+    unknown = set(setting_overrides) - set(TrainingSettings.__dataclass_fields__)
+    if unknown:
+        raise SettingsError(
+            f"unknown setting(s) {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
+        )
     settings = (settings or TrainingSettings()).replace(**setting_overrides)
     spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
     budget_bytes = parse_size(budget) if budget is not None else None

@@ -116,7 +116,11 @@ def estimate(
     """
 
     def action() -> None:
+        from transformers.utils import logging as transformers_logging
+
         from memplan.api import estimate as run_estimate
+
+        transformers_logging.set_verbosity_error()  # its config warnings are not the user's problem here
         from memplan.render.estimate import render_estimate, to_json
         from memplan.settings import TrainingSettings
 

@@ -124,3 +124,11 @@ def test_presets_lists_every_shipped_preset():
         "resnet-101",
     ]:
         assert name in result.output
+
+
+def test_api_rejects_unknown_settings():
+    import memplan
+    from memplan.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="unknown setting"):
+        memplan.estimate("gpt2", batch_sise=4)
