@@ -90,7 +90,6 @@ class TrainingSettings:
     optimizer_impl: str = "default"
     checkpoint: str = "none"
     device: str = "cuda"
-    keep_output: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)

@@ -52,7 +52,4 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], settings: TrainingSett
 def optimizer_state_tensors(optimizer: Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []
-    tensors = [
-        value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)
-    ]
-    return tensors
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]

@@ -20,9 +20,6 @@ class Breakdown:
     temporaries: int  # everything else: forward/backward/optimizer intermediates
     inputs: int  # the current micro-batch
 
-    def total(self) -> int:
-        return sum(dataclasses.astuple(self))
-
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 

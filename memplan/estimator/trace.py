@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -32,8 +32,6 @@ from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs")
-
 
 @dataclass
 class TracedStep:
@@ -51,7 +49,6 @@ class TracedStep:
     checkpointed_blocks: list[str]
     argument_lifetimes: list[tuple[StorageWeakRef, int]]  # (storage, last node of a call taking it)
     seconds: float
-    notes: list[str] = field(default_factory=list)
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
