@@ -73,6 +73,40 @@ def _check_positive(name: str, value: int | None) -> None:
 
 
 @dataclass(frozen=True)
+class CheckpointLayout:
+    """Which modules a training run checkpoints (non-reentrant `torch.utils.checkpoint`).
+
+    Each segment is a run of consecutive sibling modules (blocks of one `nn.ModuleList`) wrapped
+    in one checkpoint, which keeps only the first block's inputs; a segment of one module is
+    ordinary per-module checkpointing.
+    """
+
+    segments: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = list(self.modules)
+        if any(not segment for segment in self.segments):
+            raise SettingsError("a checkpoint segment must name at least one module")
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise SettingsError(f"modules checkpointed twice in one layout: {', '.join(repeated)}")
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(name for segment in self.segments for name in segment)
+
+    def describe(self) -> str:
+        return f"{len(self.segments)} checkpoint(s) over {len(self.modules)} module(s)"
+
+    def to_dict(self) -> dict[str, list]:
+        return {"segments": [list(segment) for segment in self.segments]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CheckpointLayout:
+        return cls(segments=tuple(tuple(segment) for segment in data.get("segments", ())))
+
+
+@dataclass(frozen=True)
 class TrainingSettings:
     """One steady-state iteration of the canonical loop (see docs/concepts.md).
 
@@ -88,7 +122,7 @@ class TrainingSettings:
     precision: str = "fp32"
     optimizer: str = "adamw"
     optimizer_impl: str = "default"
-    checkpoint: str = "none"
+    checkpoint: str | CheckpointLayout = "none"  # "none", "all" (every repeated block) or a layout
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -100,7 +134,8 @@ class TrainingSettings:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("optimizer implementation", self.optimizer_impl, OPTIMIZER_IMPLS)
-        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
+        if not isinstance(self.checkpoint, CheckpointLayout):
+            _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         _check_choice("device", self.device, DEVICES)
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):
             raise SettingsError(
@@ -116,4 +151,7 @@ class TrainingSettings:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if isinstance(self.checkpoint, CheckpointLayout):
+            data["checkpoint"] = self.checkpoint.to_dict()
+        return data

@@ -12,7 +12,7 @@ from memplan.settings import TrainingSettings
 FLOAT = 4
 
 
-def _traced(fn, *shapes, device="cpu", forward_end=None, backward_end=None) -> TracedStep:
+def _traced(fn, *shapes, device="cpu", forward_end=None, backward_end=None, backward_node_ops=()) -> TracedStep:
     with FakeTensorMode() as mode:
         inputs = [torch.empty(shape) for shape in shapes]
         graph = make_fx(fn, tracing_mode="real")(*inputs)
@@ -30,6 +30,7 @@ def _traced(fn, *shapes, device="cpu", forward_end=None, backward_end=None) -> T
         trainable_parameter_count=0,
         checkpointed_blocks=[],
         argument_lifetimes=[],
+        backward_node_ops=[list(ops) for ops in backward_node_ops],
         seconds=0.0,
     )
 
@@ -45,6 +46,21 @@ def test_chain_frees_each_temporary_after_its_last_reader():
     # peak at b: x + a + b are live together
     assert simulation.peak_bytes == 3 * 100 * FLOAT
     assert simulation.timeline_bytes[-2] == 100 * FLOAT + FLOAT + 100 * FLOAT  # at sum: x, b, result
+
+
+def test_an_autograd_formula_keeps_what_it_reads_until_it_returns():
+    # Nodes: 0 x, 1 a = x*2, 2 b = a+1, 3 c = b*3, 4 sum, 5 output. Alone, a dies at node 2 and
+    # the peak is two 100-float temporaries beside x. As one formula (nodes 2-3), a is held
+    # until node 3 returns, so a, b and c are live together with x.
+    def fn(x):
+        a = x * 2
+        b = a + 1
+        c = b * 3
+        return c.sum()
+
+    assert simulate(_traced(fn, (100,))).peak_bytes == 3 * 100 * FLOAT
+    held = simulate(_traced(fn, (100,), backward_node_ops=[(2, 3)]))
+    assert held.peak_bytes == 4 * 100 * FLOAT
 
 
 def test_views_and_in_place_ops_share_their_base_storage():

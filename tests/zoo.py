@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.settings import TrainingSettings
+from memplan.settings import CheckpointLayout, TrainingSettings
 
 # Small transformers configs: structurally the real thing, sized for CI.
 TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -107,12 +107,21 @@ def _cpu(**kwargs: Any) -> TrainingSettings:
 
 ZOO_CASES = [
     ZooCase("gpt2-adamw", "gpt2", _cpu(batch_size=2, seq_len=64)),
+    ZooCase("gpt2-checkpoint-all", "gpt2", _cpu(batch_size=2, seq_len=64, checkpoint="all")),
     ZooCase(
-        "gpt2-checkpoint-all",
+        "gpt2-checkpoint-segment",
         "gpt2",
-        _cpu(batch_size=2, seq_len=64, checkpoint="all"),
-        known_miss="predicted 2.6% low: inside checkpointed GPT-2 blocks the real forward holds up to "
-        "352 KiB more attention temporaries than the graph's last uses say (distilbert-checkpoint matches)",
+        _cpu(batch_size=2, seq_len=64, checkpoint=CheckpointLayout(segments=(("transformer.h.0", "transformer.h.1"),))),
+    ),
+    ZooCase(
+        "llama-checkpoint-segment-amp",
+        "llama",
+        _cpu(
+            batch_size=2,
+            seq_len=64,
+            precision="amp-bf16",
+            checkpoint=CheckpointLayout(segments=(("model.layers.0", "model.layers.1"),)),
+        ),
     ),
     ZooCase("bert-sgd-momentum-accum", "bert", _cpu(batch_size=2, seq_len=64, optimizer="sgd-momentum", grad_accum=2)),
     ZooCase(

@@ -1,11 +1,31 @@
-"""Activation checkpointing as Hugging Face's gradient checkpointing applies it: every repeated block."""
+"""Activation checkpointing, applied identically to fake models (to trace) and real ones (to measure).
+
+Two forms, all non-reentrant `torch.utils.checkpoint`:
+- one module: its forward runs under `checkpoint`, as Hugging Face's gradient checkpointing does;
+- a segment of consecutive blocks of one `nn.ModuleList`: one checkpoint opens before the first
+  block and closes after the last (the way `torch.distributed._composable.checkpoint` wraps one
+  module with hooks), so only the first block's inputs are kept; recomputation replays the blocks,
+  feeding each the previous block's output where the parent's loop did;
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import (
+    _checkpoint_without_reentrant_generator,
+    checkpoint,
+    noop_context_fn,
+)
+
+from memplan.errors import SettingsError
+from memplan.settings import CheckpointLayout
 
 
 def repeated_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -22,17 +42,160 @@ def repeated_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
+def block_names(model: nn.Module) -> list[str]:
+    """Qualified names of every block of every repeated-block list, in module order."""
+    return [
+        f"{list_name}.{index}" if list_name else str(index)
+        for list_name, blocks in repeated_block_lists(model)
+        for index in range(len(blocks))
+    ]
+
+
 def checkpoint_module(module: nn.Module) -> None:
     """Non-reentrant checkpointing of one module's forward (kwargs pass through)."""
     forward = module.forward
     module.forward = functools.partial(checkpoint, forward, use_reentrant=False)  # type: ignore[method-assign]
 
 
-def apply_checkpoint_all(model: nn.Module) -> list[str]:
-    """Checkpoint every block of every repeated-block list; returns the qualified block names."""
-    names = []
-    for list_name, blocks in repeated_block_lists(model):
-        for index, block in enumerate(blocks):
-            checkpoint_module(block)
-            names.append(f"{list_name}.{index}" if list_name else str(index))
-    return names
+class SegmentError(SettingsError):
+    """A segment whose blocks are not chained output-to-input by their parent's loop."""
+
+
+@dataclass
+class _Segment:
+    """Hooks that put blocks[0] … blocks[-1] under one non-reentrant checkpoint."""
+
+    name: str
+    blocks: list[nn.Module]
+    # For each later block: its call as a pytree, with tensor leaves given as ("prev", i), the i-th
+    # tensor of the previous block's output, or ("input", i), the i-th tensor of the first call.
+    templates: list[tuple[list[Any], Any] | None] = field(default_factory=list)
+    generator: Generator[None, None, None] | None = None
+    first_inputs: list[torch.Tensor] = field(default_factory=list)
+    previous_output: list[torch.Tensor] = field(default_factory=list)
+    replaying: bool = False
+
+    def __post_init__(self) -> None:
+        self.templates = [None] * len(self.blocks)
+        for position, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(functools.partial(self._pre, position), with_kwargs=True)
+            block.register_forward_hook(functools.partial(self._post, position), always_call=True)
+
+    def _pre(self, position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.replaying:
+            return
+        if position == 0:
+            self.first_inputs = _tensor_leaves((args, kwargs))
+            self.generator = _checkpoint_without_reentrant_generator(
+                self._replay, True, noop_context_fn, "default", False, True, *args, **kwargs
+            )
+            next(self.generator)
+            return
+        self.templates[position] = self._template(position, args, kwargs)
+
+    def _post(self, position: int, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.replaying:
+            return
+        self.previous_output = _tensor_leaves(output)
+        if position == len(self.blocks) - 1 or self.generator is None:
+            generator, self.generator = self.generator, None
+            self.first_inputs, self.previous_output = [], []
+            if generator is not None:
+                for _ in generator:  # closes the checkpoint (saved-tensor hooks) after the last block
+                    raise AssertionError("checkpoint generator yielded twice")
+
+    def _template(self, position: int, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+        leaves, spec = tree_flatten((args, kwargs))
+        template: list[Any] = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                template.append(leaf)
+                continue
+            source = _find(leaf, self.previous_output, "prev") or _find(leaf, self.first_inputs, "input")
+            if source is None:
+                raise SegmentError(
+                    f"cannot checkpoint {self.name} as one segment: block {position} of it takes a tensor that "
+                    "is neither the previous block's output nor an input of the first block; checkpoint its "
+                    "blocks one by one instead"
+                )
+            template.append(source)
+        return template, spec
+
+    def _replay(self, *args: Any, **kwargs: Any) -> None:
+        """Recompute the segment from the first block's inputs (called by checkpoint's unpack hook)."""
+        self.replaying = True
+        try:
+            first_inputs = _tensor_leaves((args, kwargs))
+            output = self.blocks[0](*args, **kwargs)
+            for block, recorded in zip(self.blocks[1:], self.templates[1:], strict=True):
+                assert recorded is not None, "a segment is replayed only after its forward ran"
+                template, spec = recorded
+                previous = _tensor_leaves(output)
+                leaves = [
+                    (previous if item[0] == "prev" else first_inputs)[item[1]] if _is_source(item) else item
+                    for item in template
+                ]
+                call_args, call_kwargs = tree_unflatten(leaves, spec)
+                output = block(*call_args, **call_kwargs)
+        finally:
+            self.replaying = False
+
+
+class _Source(tuple):
+    """A template slot: ("prev" | "input", tensor index)."""
+
+
+def _is_source(item: Any) -> bool:
+    return isinstance(item, _Source)
+
+
+def _find(tensor: torch.Tensor, candidates: list[torch.Tensor], kind: str) -> _Source | None:
+    for index, candidate in enumerate(candidates):
+        if candidate is tensor:
+            return _Source((kind, index))
+    return None
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _resolve(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise SettingsError(f"the checkpoint layout names module {name!r}, which this model does not have") from None
+
+
+def _check_consecutive(model: nn.Module, segment: tuple[str, ...]) -> None:
+    parents = {name.rpartition(".")[0] for name in segment}
+    indices = [name.rpartition(".")[2] for name in segment]
+    parent = _resolve(model, next(iter(parents))) if len(parents) == 1 and next(iter(parents)) else None
+    consecutive = all(index.isdigit() for index in indices) and [int(i) for i in indices] == list(
+        range(int(indices[0]), int(indices[0]) + len(indices))
+    )
+    if not isinstance(parent, nn.ModuleList) or not consecutive:
+        raise SettingsError(
+            f"checkpoint segment {segment[0]} … {segment[-1]} is not a run of consecutive blocks of one ModuleList"
+        )
+
+
+def apply_layout(model: nn.Module, layout: CheckpointLayout) -> list[str]:
+    """Checkpoint `model` in place as `layout` says; returns the checkpointed module names."""
+    for segment in layout.segments:
+        modules = [_resolve(model, name) for name in segment]
+        if len(segment) == 1:
+            checkpoint_module(modules[0])
+        else:
+            _check_consecutive(model, segment)
+            _Segment(name=f"{segment[0]}…{segment[-1]}", blocks=modules)
+    return list(layout.modules)
+
+
+def apply_checkpointing(model: nn.Module, checkpointing: str | CheckpointLayout) -> list[str]:
+    """The settings' `checkpoint` value applied: "none", "all" (every repeated block) or a layout."""
+    if isinstance(checkpointing, CheckpointLayout):
+        return apply_layout(model, checkpointing)
+    if checkpointing == "all":
+        return apply_layout(model, CheckpointLayout(segments=tuple((name,) for name in block_names(model))))
+    return []

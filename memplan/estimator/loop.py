@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from memplan.estimator.checkpointing import apply_checkpoint_all
+from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.optimizers import build_optimizer
 from memplan.models.source import Batch, ModelSpec, call_model
 from memplan.settings import TrainingSettings
@@ -83,7 +83,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     dtype = STORAGE_DTYPES[settings.precision]
     if dtype != torch.float32:
         cast_floating_point(model, dtype)
-    checkpointed = apply_checkpoint_all(model) if settings.checkpoint == "all" else []
+    checkpointed = apply_checkpointing(model, settings.checkpoint)
     batch = spec.make_batch(settings, dtype)
     trainable = [param for param in model.parameters() if param.requires_grad]
     state = TrainingState(

@@ -124,6 +124,14 @@ def simulate(traced: TracedStep) -> Simulation:
     for key, end in traced.argument_lifetimes:
         if key in last_use:
             last_use[key] = max(last_use[key], end)
+    for formula in traced.backward_node_ops:
+        if not formula:
+            continue
+        last = formula[-1]
+        for index in formula:
+            for source in nodes[index].all_input_nodes:
+                for key, _ in storages[index_of[source]]:
+                    last_use[key] = max(last_use[key], last)
     # Live before the iteration: the batch, constants, and categorized storages the graph never reads.
     static = {
         key for index, node in enumerate(nodes) if node.op in ("placeholder", "get_attr") for key, _ in storages[index]

@@ -8,9 +8,13 @@ gradients become graph constants; the batch becomes the graph's placeholders.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -23,6 +27,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memplan.errors import MemplanError, TraceError
@@ -47,7 +52,8 @@ class TracedStep:
     parameter_count: int
     trainable_parameter_count: int
     checkpointed_blocks: list[str]
-    argument_lifetimes: list[tuple[StorageWeakRef, int]]  # (storage, last node of a call taking it)
+    argument_lifetimes: list[tuple[StorageWeakRef, int]]  # (storage, last node before Python let go of it)
+    backward_node_ops: list[list[int]]  # graph nodes run by each autograd Node's backward formula
     seconds: float
 
 
@@ -78,8 +84,22 @@ def constant_item() -> Iterator[None]:
             FakeTensor.item = previous  # type: ignore[method-assign]
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
+
+
+def _holds_python_locals(filename: str) -> bool:
+    """Frames whose local variables can keep a model's tensors alive: model code, not torch's machinery."""
+    if filename == __file__:
+        return False
+    return not filename.startswith(_TORCH_DIR) or filename.startswith(_TORCH_NN_DIR)
+
+
 class _ModuleTracker:
-    """Records which module is running as graph nodes are added, to name where the peak falls."""
+    """Records which module is running as graph nodes are added, to name where the peak falls.
+
+    It also records that Python keeps a call's tensor arguments alive until the call returns.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self.names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
@@ -148,6 +168,93 @@ class _ModuleTracker:
             for index in range(start, min(end, node_count)):
                 result[index] = name
         return result
+
+
+class _EagerLifetimes(TorchDispatchMode):
+    """What keeps tensors alive in eager execution past their last use by an op in the graph.
+
+    - A function's local variables live until it returns. GPT-2's attention keeps the fused q/k/v
+      storage in locals through its output projection; inside a checkpointed block nothing else
+      holds it. At every op the model-code frames on the Python stack are noted; when one is gone,
+      it has returned, and its last locals lived until then (a returned frame we hold keeps them).
+    - The autograd engine keeps a Node's incoming gradient and its unpacked saved tensors alive
+      until the whole formula returns (torch/csrc/autograd/engine.cpp, call_function), past their
+      last use by any single op of it. A post-hook on every Node marks where its formula ends: the
+      additions that follow (gradient accumulation into the next Node's input buffer) are not part
+      of it. Recomputation inside a checkpoint runs with grad mode on, which tells its ops apart.
+    """
+
+    def __init__(self, node_count: Callable[[], int]) -> None:
+        super().__init__()
+        self.node_count = node_count
+        self.backward_node_ops: list[list[int]] = []
+        self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
+        self._frames: dict[int, FrameType] = {}
+        self._keeps_locals: dict[object, bool] = {}
+        self._current: object = None
+        self._formula_done = False
+        self._hooked = False
+
+    def _formula_returned(self, grad_inputs: object, grad_outputs: object) -> None:
+        self._formula_done = True
+
+    def _hook_graph(self, root: Any) -> None:
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node is not root:
+                node.register_hook(self._formula_returned)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+
+    def _observe_frames(self, now: int) -> None:
+        on_stack: set[int] = set()
+        frame: FrameType | None = sys._getframe(2)
+        while frame is not None:
+            keeps = self._keeps_locals.get(frame.f_code)
+            if keeps is None:
+                keeps = self._keeps_locals[frame.f_code] = _holds_python_locals(frame.f_code.co_filename)
+            if keeps:
+                on_stack.add(id(frame))
+                self._frames.setdefault(id(frame), frame)
+            frame = frame.f_back
+        for key in [key for key in self._frames if key not in on_stack]:
+            self._record_locals(self._frames.pop(key), now)
+
+    def _record_locals(self, frame: FrameType, end: int) -> None:
+        for value in frame.f_locals.values():
+            items = value if isinstance(value, tuple | list) else (value,)
+            for item in items:
+                if isinstance(item, torch.Tensor):
+                    self.local_lifetimes.append((storage_key(item), end))
+
+    def finish(self) -> None:
+        end = self.node_count() - 1
+        for frame in self._frames.values():
+            self._record_locals(frame, end)
+        self._frames.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        start = self.node_count()
+        self._observe_frames(start - 1)
+        autograd_node = torch._C._current_autograd_node()
+        out = func(*args, **(kwargs or {}))
+        end = self.node_count() - 1
+        if autograd_node is None or torch.is_grad_enabled():
+            return out
+        if not self._hooked:
+            self._hooked = True
+            self._hook_graph(autograd_node)
+        if autograd_node is not self._current:
+            self.backward_node_ops.append([])
+            self._current = autograd_node
+            self._formula_done = False
+        if not self._formula_done:
+            self.backward_node_ops[-1].extend(range(start, end + 1))
+        return out
 
 
 def _warm_up_optimizer(state: TrainingState) -> None:
@@ -237,16 +344,23 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
     boundaries: dict[str, int] = {}
     captured_grads: list[torch.Tensor] = []
 
-    def marker(phase: str) -> None:
+    def node_count() -> int:
         mode = get_proxy_mode()
-        boundaries[phase] = len(mode.tracer.graph.nodes) if mode is not None else 0
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    def marker(phase: str) -> None:
+        boundaries[phase] = node_count()
+
+    eager_lifetimes = _EagerLifetimes(node_count)
 
     def step(*tensors: torch.Tensor) -> list[torch.Tensor]:
         leaves = list(flat_inputs)
         for position, tensor in zip(tensor_positions, tensors, strict=True):
             leaves[position] = tensor
         state.batch = tree_unflatten(leaves, batch_tree)
-        micro_batch(state, marker)
+        with eager_lifetimes:
+            micro_batch(state, marker)
+        eager_lifetimes.finish()
         with constant_item():
             grads = optimizer_step(state)
         captured_grads.extend(grads)
@@ -273,6 +387,7 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
         parameter_count=sum(p.numel() for p in state.model.parameters()),
         trainable_parameter_count=sum(p.numel() for p in state.trainable),
         checkpointed_blocks=state.checkpointed_blocks,
-        argument_lifetimes=tracker.argument_lifetimes,
+        argument_lifetimes=tracker.argument_lifetimes + eager_lifetimes.local_lifetimes,
+        backward_node_ops=eager_lifetimes.backward_node_ops,
         seconds=time.perf_counter() - started,
     )
