@@ -10,8 +10,9 @@ Two forms, all non-reentrant `torch.utils.checkpoint`:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,10 +52,15 @@ def block_names(model: nn.Module) -> list[str]:
     ]
 
 
-def checkpoint_module(module: nn.Module) -> None:
-    """Non-reentrant checkpointing of one module's forward (kwargs pass through)."""
+def checkpoint_module(module: nn.Module) -> Callable[[], None]:
+    """Non-reentrant checkpointing of one module's forward (kwargs pass through); returns the undo."""
     forward = module.forward
     module.forward = functools.partial(checkpoint, forward, use_reentrant=False)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        del module.forward
+
+    return undo
 
 
 class SegmentError(SettingsError):
@@ -74,12 +80,20 @@ class _Segment:
     first_inputs: list[torch.Tensor] = field(default_factory=list)
     previous_output: list[torch.Tensor] = field(default_factory=list)
     replaying: bool = False
+    handles: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.templates = [None] * len(self.blocks)
+        self.handles = []
         for position, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(functools.partial(self._pre, position), with_kwargs=True)
-            block.register_forward_hook(functools.partial(self._post, position), always_call=True)
+            self.handles.append(
+                block.register_forward_pre_hook(functools.partial(self._pre, position), with_kwargs=True)
+            )
+            self.handles.append(block.register_forward_hook(functools.partial(self._post, position), always_call=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def _pre(self, position: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.replaying:
@@ -180,22 +194,41 @@ def _check_consecutive(model: nn.Module, segment: tuple[str, ...]) -> None:
         )
 
 
-def apply_layout(model: nn.Module, layout: CheckpointLayout) -> list[str]:
-    """Checkpoint `model` in place as `layout` says; returns the checkpointed module names."""
+def apply_layout(model: nn.Module, layout: CheckpointLayout) -> Callable[[], None]:
+    """Checkpoint `model` in place as `layout` says; returns the function that undoes it."""
+    undos: list[Callable[[], None]] = []
     for segment in layout.segments:
         modules = [_resolve(model, name) for name in segment]
         if len(segment) == 1:
-            checkpoint_module(modules[0])
+            undos.append(checkpoint_module(modules[0]))
         else:
             _check_consecutive(model, segment)
-            _Segment(name=f"{segment[0]}…{segment[-1]}", blocks=modules)
-    return list(layout.modules)
+            undos.append(_Segment(name=f"{segment[0]}…{segment[-1]}", blocks=modules).remove)
+
+    def undo() -> None:
+        for step in reversed(undos):
+            step()
+
+    return undo
+
+
+@contextlib.contextmanager
+def layout_applied(model: nn.Module, layout: CheckpointLayout) -> Iterator[None]:
+    undo = apply_layout(model, layout)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def all_blocks_layout(model: nn.Module) -> CheckpointLayout:
+    return CheckpointLayout(segments=tuple((name,) for name in block_names(model)))
 
 
 def apply_checkpointing(model: nn.Module, checkpointing: str | CheckpointLayout) -> list[str]:
     """The settings' `checkpoint` value applied: "none", "all" (every repeated block) or a layout."""
-    if isinstance(checkpointing, CheckpointLayout):
-        return apply_layout(model, checkpointing)
-    if checkpointing == "all":
-        return apply_layout(model, CheckpointLayout(segments=tuple((name,) for name in block_names(model))))
-    return []
+    layout = all_blocks_layout(model) if checkpointing == "all" else checkpointing
+    if not isinstance(layout, CheckpointLayout):
+        return []
+    apply_layout(model, layout)
+    return list(layout.modules)

@@ -102,7 +102,19 @@ def _phase_of(index: int, traced: TracedStep) -> str:
     return "optimizer"
 
 
-def simulate(traced: TracedStep) -> Simulation:
+@dataclass(frozen=True)
+class Liveness:
+    """When each storage is allocated and freed, by node index (`len(nodes)` = the iteration's end)."""
+
+    nodes: list[fx.Node]
+    storages: list[list[tuple[StorageWeakRef, int]]]  # each node's output storages and their bytes
+    size: dict[StorageWeakRef, int]
+    born: dict[StorageWeakRef, int]
+    last_use: dict[StorageWeakRef, int]
+    unsupported_ops: tuple[str, ...]
+
+
+def liveness(traced: TracedStep) -> Liveness:
     graph = traced.graph
     nodes = list(graph.graph.nodes)
     device = traced.settings.device
@@ -149,7 +161,12 @@ def simulate(traced: TracedStep) -> Simulation:
     for source in nodes[-1].all_input_nodes if nodes and nodes[-1].op == "output" else []:
         for key, _ in storages[index_of[source]]:
             last_use[key] = end
+    return Liveness(nodes, storages, size, born, last_use, tuple(unsupported))
 
+
+def simulate(traced: TracedStep) -> Simulation:
+    lifetimes = liveness(traced)
+    nodes, size, born, last_use = lifetimes.nodes, lifetimes.size, lifetimes.born, lifetimes.last_use
     allocations: list[list[StorageWeakRef]] = [[] for _ in nodes]
     frees: list[list[StorageWeakRef]] = [[] for _ in range(len(nodes) + 1)]
     for key in size:
@@ -181,7 +198,7 @@ def simulate(traced: TracedStep) -> Simulation:
         phase_peak_bytes=phase_peaks,
         peak_op=_op_name(nodes[peak_node]),
         peak_module=traced.node_modules[peak_node],
-        unsupported_ops=tuple(unsupported),
+        unsupported_ops=lifetimes.unsupported_ops,
         timeline_bytes=tuple(timeline),
     )
 

@@ -1,0 +1,188 @@
+"""What checkpointing each candidate would free and cost, read off one trace without checkpointing.
+
+Candidates form a chain in forward order (blocks of `nn.ModuleList`s). Block j's forward ends at
+node `forward_end[j]`; its backward starts at `backward_start[j]`, the first node that frees one
+of its saved tensors. At node i the *level* is how many blocks have finished their forward but
+not begun their backward; in a chain these intervals nest, so level k means blocks 0..k-1 hold
+their saved tensors. Level k covers block k's forward and block k's backward (plus the head at
+level n). Checkpointing a segment a..b removes `freed_bytes(a, b)` — the storages born in it,
+saved for the backward, and read by no forward op after it (storage-exact, from the trace's
+liveness) — from every level above b, and from levels inside the segment's forward as it goes;
+its backward first recomputes the segment's forward on top of what is live then.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from memplan.errors import SettingsError
+from memplan.estimator.simulate import Liveness, Simulation
+from memplan.estimator.trace import TracedStep
+from memplan.planner.flops import node_flops
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    names: tuple[str, ...]  # candidates in forward order
+    forward_flops: tuple[int, ...]  # per candidate: what recomputing it costs
+    chainable: tuple[bool, ...]  # candidate j and j+1 may share one checkpoint (consecutive siblings)
+    forward_level_peak: tuple[int, ...]  # per level 0..n: highest live bytes at forward nodes
+    backward_level_peak: tuple[int, ...]  # per level 0..n: highest live bytes at backward/optimizer nodes
+    backward_start_bytes: tuple[int, ...]  # per candidate: live bytes where its backward starts
+    freed: tuple[tuple[int, ...], ...]  # freed[a][b - a]: bytes a checkpoint over a..b frees
+    forward_growth: tuple[tuple[int, ...], ...]  # growth[a][b - a]: how far live bytes rise in a..b's forward
+    step_flops: int  # the whole traced step without checkpointing
+    peak_bytes: int  # the traced step's peak without checkpointing
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def freed_bytes(self, first: int, last: int) -> int:
+        return self.freed[first][last - first]
+
+    def growth_bytes(self, first: int, last: int) -> int:
+        return self.forward_growth[first][last - first]
+
+    def can_join(self, first: int, last: int) -> bool:
+        return all(self.chainable[first:last])
+
+    def recompute_flops(self, segments: list[tuple[int, int]]) -> int:
+        return sum(sum(self.forward_flops[a : b + 1]) for a, b in segments)
+
+
+def _in_module(module: str | None, name: str) -> bool:
+    return module is not None and (module == name or module.startswith(name + "."))
+
+
+def _consecutive_siblings(first: str, second: str) -> bool:
+    parent_a, _, index_a = first.rpartition(".")
+    parent_b, _, index_b = second.rpartition(".")
+    return parent_a == parent_b and index_a.isdigit() and index_b.isdigit() and int(index_b) == int(index_a) + 1
+
+
+def select_candidates(module_names: list[str], blocks: list[str], pattern: str | None) -> list[str]:
+    """The default candidates are the repeated blocks; a regex picks the outermost matching modules."""
+    if pattern is None:
+        return blocks
+    try:
+        regex = re.compile(pattern)
+    except re.error as error:
+        raise SettingsError(f"--candidates {pattern!r} is not a valid regular expression: {error}") from None
+    chosen: list[str] = []
+    for name in module_names:
+        if name and regex.fullmatch(name) and not any(name.startswith(outer + ".") for outer in chosen):
+            chosen.append(name)
+    if not chosen:
+        raise SettingsError(f"--candidates {pattern!r} matches no module; module names look like {blocks[:2]}")
+    return chosen
+
+
+def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation, names: list[str]) -> ChainCosts:
+    """Costs of checkpointing `names` (candidate modules), from a trace of the step without checkpointing."""
+    nodes, modules = lifetimes.nodes, traced.node_modules
+    forward_end = traced.forward_end
+    spans: dict[str, tuple[int, int]] = {}
+    for name in names:
+        indices = [i for i in range(forward_end) if _in_module(modules[i], name)]
+        if indices:
+            spans[name] = (indices[0], indices[-1])
+    order = sorted(spans, key=lambda name: spans[name][0])
+    if not order:
+        raise SettingsError("none of the checkpoint candidates runs any op in the forward pass")
+    count = len(order)
+    starts = [spans[name][0] for name in order]
+    ends = [spans[name][1] for name in order]
+    timeline = simulation.timeline_bytes
+
+    def block_at(index: int) -> int | None:
+        for j in range(count):
+            if starts[j] <= index <= ends[j]:
+                return j
+        return None
+
+    # Last forward reader of every storage, to tell internal tensors from a block's output.
+    last_forward_read: dict[object, int] = {}
+    index_of = {node: i for i, node in enumerate(nodes)}
+    for i in range(forward_end):
+        for source in nodes[i].all_input_nodes:
+            for key, _ in lifetimes.storages[index_of[source]]:
+                last_forward_read[key] = i
+    # contributions[x][y]: bytes born in block x, saved for the backward, last read in forward by block y.
+    contributions = [[0] * count for _ in range(count)]
+    backward_start = [len(nodes)] * count
+    for key, born in lifetimes.born.items():
+        if lifetimes.last_use[key] < forward_end or lifetimes.last_use[key] >= len(nodes):
+            continue  # not saved for the backward, or live to the end (outputs, state)
+        born_block = block_at(born)
+        if born_block is None:
+            continue
+        read = last_forward_read.get(key, born)
+        read_block = next((j for j in range(born_block, count) if read <= ends[j]), None)
+        if read_block is None:
+            continue  # read by the head after the last candidate: never freed by checkpointing
+        contributions[born_block][read_block] += lifetimes.size[key]
+        if read_block == born_block:
+            backward_start[born_block] = min(backward_start[born_block], lifetimes.last_use[key])
+    for j in range(count - 2, -1, -1):  # blocks with nothing saved start their backward with their successor
+        if backward_start[j] == len(nodes):
+            backward_start[j] = backward_start[j + 1]
+
+    freed = [[0] * (count - a) for a in range(count)]
+    for a in range(count - 1, -1, -1):
+        row_total = 0
+        for b in range(a, count):
+            row_total += contributions[a][b]
+            freed[a][b - a] = row_total + (freed[a + 1][b - a - 1] if b > a else 0)
+    block_high = [max(timeline[starts[j] : ends[j] + 1]) for j in range(count)]
+    growth = []
+    for a in range(count):
+        base = timeline[starts[a] - 1] if starts[a] > 0 else 0
+        row, highest = [], 0
+        for b in range(a, count):
+            highest = max(highest, block_high[b])
+            row.append(max(0, highest - base))
+        growth.append(tuple(row))
+
+    forward_peak = [0] * (count + 1)
+    backward_peak = [0] * (count + 1)
+    for i, live in enumerate(timeline):
+        level = sum(1 for j in range(count) if ends[j] < i < backward_start[j])
+        if i < forward_end:
+            forward_peak[level] = max(forward_peak[level], live)
+        else:
+            backward_peak[level] = max(backward_peak[level], live)
+    flops = [sum(node_flops(nodes[i]) for i in range(starts[j], ends[j] + 1)) for j in range(count)]
+    return ChainCosts(
+        names=tuple(order),
+        forward_flops=tuple(flops),
+        chainable=tuple(_consecutive_siblings(order[j], order[j + 1]) for j in range(count - 1)),
+        forward_level_peak=tuple(forward_peak),
+        backward_level_peak=tuple(backward_peak),
+        backward_start_bytes=tuple(timeline[min(b, len(timeline) - 1)] for b in backward_start),
+        freed=tuple(tuple(row) for row in freed),
+        forward_growth=tuple(growth),
+        step_flops=sum(node_flops(node) for node in nodes),
+        peak_bytes=simulation.peak_bytes,
+    )
+
+
+def model_peak_bytes(costs: ChainCosts, segments: list[tuple[int, int]]) -> int:
+    """The peak the cost model predicts for checkpointing `segments` ((first, last) candidate indices).
+
+    Written independently of the solvers, which must agree with it (tests brute-force small chains).
+    """
+    count = len(costs)
+    segment_of: dict[int, tuple[int, int]] = {j: (a, b) for a, b in segments for j in range(a, b + 1)}
+    peak = 0
+    for level in range(count + 1):
+        before = sum(costs.freed_bytes(a, b) for a, b in segments if b < level)
+        within = 0
+        if level < count and level in segment_of and segment_of[level][0] < level:
+            within = costs.freed_bytes(segment_of[level][0], level - 1)
+        peak = max(peak, costs.forward_level_peak[level] - before - within, costs.backward_level_peak[level] - before)
+    for a, b in segments:
+        before = sum(costs.freed_bytes(x, y) for x, y in segments if y < a)
+        recompute = costs.backward_start_bytes[b] - before - costs.freed_bytes(a, b) + costs.growth_bytes(a, b)
+        peak = max(peak, recompute)
+    return peak
