@@ -1,12 +1,17 @@
 """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
 
-from memplan.api import estimate
+from memplan.api import apply_plan, estimate, plan
 from memplan.errors import MemplanError
 from memplan.estimator.result import Breakdown, EstimateResult
-from memplan.settings import TrainingSettings, format_bytes, parse_size
+from memplan.planner.plan import PlanResult
+from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes, parse_size
 
 __all__ = [
     "Breakdown",
+    "CheckpointLayout",
+    "PlanResult",
+    "apply_plan",
+    "plan",
     "EstimateResult",
     "MemplanError",
     "TrainingSettings",

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
-from memplan.models.source import resolve_model
-from memplan.settings import TrainingSettings, parse_size
+from memplan.models.source import ModelSpec, resolve_model
+from memplan.planner.plan import PlanResult, make_plan
+from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
+from memplan.settings import CHECKPOINT_MODES, TrainingSettings, parse_size
+
+__all__ = ["apply_plan", "estimate", "plan"]
+
+
+def _settings(settings: TrainingSettings | None, overrides: dict[str, Any]) -> tuple[TrainingSettings, Plan | None]:
+    """Settings from a base and keyword overrides; `checkpoint` may also be a plan (file or loaded)."""
+    unknown = set(overrides) - set(TrainingSettings.__dataclass_fields__)
+    if unknown:
+        raise SettingsError(
+            f"unknown setting(s) {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
+        )
+    checkpoint = overrides.get("checkpoint")
+    plan = None
+    if isinstance(checkpoint, Plan | Path) or (isinstance(checkpoint, str) and checkpoint not in CHECKPOINT_MODES):
+        plan = load_plan(checkpoint)
+        overrides = {**overrides, "checkpoint": plan.layout}
+    return (settings or TrainingSettings()).replace(**overrides), plan
+
+
+def _checked_against_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | None) -> TrainingSettings:
+    settings = spec.settings_for(settings)
+    if plan is not None:
+        check_settings(plan, settings)
+    return settings
 
 
 def estimate(
@@ -26,16 +54,43 @@ def estimate(
 
     `model` is a preset name, a transformers model type, a config.json or model directory, a cached
     hub id, or `package.module:callable`. Settings come from `settings` and/or keyword overrides
-    (`batch_size=8, precision="amp-bf16", ...`). With `budget` ("24GiB", "80GB", bytes) the result
-    says whether the configuration fits and the largest batch size that does.
+    (`batch_size=8, precision="amp-bf16", ...`); `checkpoint` is "none", "all", a `CheckpointLayout`
+    or a plan file from `plan` (refused if made for another model or other settings). With `budget`
+    ("24GiB", "80GB", bytes) the result says whether the configuration fits and the largest batch
+    size that does.
     """
-    unknown = set(setting_overrides) - set(TrainingSettings.__dataclass_fields__)
-    if unknown:
-        raise SettingsError(
-            f"unknown setting(s) {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
-        )
-    settings = (settings or TrainingSettings()).replace(**setting_overrides)
+    settings, loaded = _settings(settings, setting_overrides)
     spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    settings = _checked_against_plan(spec, settings, loaded)
     budget_bytes = parse_size(budget) if budget is not None else None
-    return run_estimate(spec, settings, budget_bytes=budget_bytes, progress=progress)
+    return run_estimate(
+        spec,
+        settings,
+        budget_bytes=budget_bytes,
+        progress=progress,
+        plan_fingerprint=loaded.fingerprint if loaded is not None else None,
+    )
+
+
+def plan(
+    model: str,
+    settings: TrainingSettings | None = None,
+    *,
+    budget: str | int,
+    inputs: str | None = None,
+    loss: str | None = None,
+    task: str | None = None,
+    candidates: str | None = None,
+    solver: str = "auto",
+    progress: Progress | None = None,
+    **setting_overrides: Any,
+) -> PlanResult:
+    """The checkpointing plan with the least recomputation whose simulated peak fits `budget`.
+
+    `candidates` is a regex over qualified module names (default: every block of every repeated
+    `nn.ModuleList`); `solver` is "auto", "dp" (exact on the chain cost model) or "greedy". Write
+    the result with `memplan.planner.plan_file.write_plan` and use it with `apply_plan`.
+    """
+    settings, _ = _settings(settings, {**setting_overrides, "checkpoint": "none"})
+    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    return make_plan(spec, settings, parse_size(budget), candidates=candidates, solver=solver, progress=progress)

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from memplan.errors import MemplanError, SizeParseError
-from memplan.settings import CHECKPOINT_MODES, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
+from memplan.settings import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
 
 
 class SizeType(click.ParamType):
@@ -66,39 +66,63 @@ def presets() -> None:
     render_presets(Console(highlight=False))
 
 
+def _training_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The options that describe one training iteration, shared by estimate, plan and validate."""
+    options = [
+        click.argument("model"),
+        click.option("--batch-size", "-b", type=int, default=1, show_default=True, help="Micro-batch size."),
+        click.option("--seq-len", type=int, help="Sequence length for text models [default: min(512, maximum)]."),
+        click.option("--target-len", type=int, help="Decoder length for seq2seq models [default: --seq-len]."),
+        click.option("--image-size", type=int, help="Image side for vision models [default: the config's, or 224]."),
+        click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
+        click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
+        click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True),
+        click.option(
+            "--optimizer-impl",
+            type=click.Choice(OPTIMIZER_IMPLS),
+            default="default",
+            show_default=True,
+            help="default = what torch picks on the target device (foreach on CUDA, for-loop on CPU).",
+        ),
+        click.option(
+            "--device", type=click.Choice(DEVICES), default="cuda", show_default=True, help="The target device."
+        ),
+        click.option(
+            "--task",
+            help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
+            "image-classification.",
+        ),
+        click.option("--inputs", help="package.module:fn where fn(batch_size) returns the batch (custom models)."),
+        click.option("--loss", help="package.module:fn where fn(output, batch) returns the scalar loss."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
+        click.option("--debug", is_flag=True, help="Show tracebacks."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _progress(as_json: bool) -> Callable[[str], None] | None:
+    if as_json or not sys.stderr.isatty():
+        return None
+    return lambda message: _stderr_console().print(f"[dim]{message}…[/dim]")
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()  # its config warnings are not the user's problem here
+
+
 @main.command()
-@click.argument("model")
-@click.option("--batch-size", "-b", type=int, default=1, show_default=True, help="Micro-batch size.")
-@click.option("--seq-len", type=int, help="Sequence length for text models [default: min(512, maximum)].")
-@click.option("--target-len", type=int, help="Decoder length for seq2seq models [default: --seq-len].")
-@click.option("--image-size", type=int, help="Image side for vision models [default: the config's, or 224].")
-@click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps.")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True)
-@click.option(
-    "--optimizer-impl",
-    type=click.Choice(OPTIMIZER_IMPLS),
-    default="default",
-    show_default=True,
-    help="default = what torch picks on the target device (foreach on CUDA, for-loop on CPU).",
-)
+@_training_options
 @click.option(
     "--checkpoint",
-    type=click.Choice(CHECKPOINT_MODES),
     default="none",
     show_default=True,
-    help="all = non-reentrant checkpointing of every repeated block, like HF gradient checkpointing.",
+    help="none; all = every repeated block, like HF gradient checkpointing; or a plan file from `memplan plan`.",
 )
-@click.option("--device", type=click.Choice(DEVICES), default="cuda", show_default=True, help="The target device.")
-@click.option(
-    "--task",
-    help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, image-classification.",
-)
-@click.option("--inputs", help="package.module:fn where fn(batch_size) returns the batch (custom models).")
-@click.option("--loss", help="package.module:fn where fn(output, batch) returns the scalar loss.")
 @click.option("--budget", type=SizeType(), help="Memory budget (80GB, 24GiB, 512MiB, bytes): fits? largest batch?")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
 def estimate(
     model: str,
     budget: int | None,
@@ -116,18 +140,12 @@ def estimate(
     """
 
     def action() -> None:
-        from transformers.utils import logging as transformers_logging
-
         from memplan.api import estimate as run_estimate
-
-        transformers_logging.set_verbosity_error()  # its config warnings are not the user's problem here
         from memplan.render.estimate import render_estimate, to_json
-        from memplan.settings import TrainingSettings
 
-        quiet = as_json or not sys.stderr.isatty()
-        progress = None if quiet else (lambda message: _stderr_console().print(f"[dim]{message}…[/dim]"))
+        _quiet_transformers()
         result = run_estimate(
-            model, TrainingSettings(**settings), inputs=inputs, loss=loss, task=task, budget=budget, progress=progress
+            model, inputs=inputs, loss=loss, task=task, budget=budget, progress=_progress(as_json), **settings
         )
         if as_json:
             click.echo(to_json(result))
@@ -135,6 +153,70 @@ def estimate(
             from rich.console import Console
 
             render_estimate(result, Console(highlight=False))
+
+    _run(debug, action)
+
+
+@main.command()
+@_training_options
+@click.option("--budget", type=SizeType(), required=True, help="The byte budget to fit (80GB, 24GiB, 512MiB, bytes).")
+@click.option(
+    "--candidates",
+    metavar="REGEX",
+    help="Modules that may be checkpointed (full-match on qualified names) [default: every repeated block].",
+)
+@click.option(
+    "--solver",
+    type=click.Choice(["auto", "dp", "greedy"]),
+    default="auto",
+    show_default=True,
+    help="dp = exact on the chain cost model; greedy = fast heuristic; auto = dp up to 128 candidates.",
+)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the plan to this JSON file.")
+def plan(
+    model: str,
+    budget: int,
+    candidates: str | None,
+    solver: str,
+    output: str | None,
+    as_json: bool,
+    debug: bool,
+    task: str | None,
+    inputs: str | None,
+    loss: str | None,
+    **settings: Any,
+) -> None:
+    """Choose which blocks of MODEL to checkpoint so one training iteration fits --budget.
+
+    The plan is the least recomputation whose re-traced, simulated peak fits; it is shown beside
+    the usual baselines (none, all blocks, sqrt(n) segments, every 2nd block), all simulated the same way.
+    """
+
+    def action() -> None:
+        from memplan.api import plan as make_plan
+        from memplan.planner.plan_file import write_plan
+        from memplan.render.plan import plan_to_json, render_plan
+
+        _quiet_transformers()
+        result = make_plan(
+            model,
+            budget=budget,
+            inputs=inputs,
+            loss=loss,
+            task=task,
+            candidates=candidates,
+            solver=solver,
+            progress=_progress(as_json),
+            **settings,
+        )
+        if output is not None:
+            write_plan(result, output)
+        if as_json:
+            click.echo(plan_to_json(result))
+        else:
+            from rich.console import Console
+
+            render_plan(result, Console(highlight=False), output)
 
     _run(debug, action)
 

@@ -49,3 +49,7 @@ class TraceError(MemplanError):
 
 class MeasurementError(MemplanError):
     """A real run used for validation failed."""
+
+
+class PlanFileError(UsageError):
+    """A checkpointing plan file is unreadable, of another format version, or made for another setup."""

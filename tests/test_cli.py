@@ -132,3 +132,38 @@ def test_api_rejects_unknown_settings():
 
     with pytest.raises(SettingsError, match="unknown setting"):
         memplan.estimate("gpt2", batch_sise=4)
+
+
+def _deep_gpt2(tmp_path):
+    from tests.zoo import TINY_HF_CONFIGS
+
+    folder = tmp_path / "gpt2-deep"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**TINY_HF_CONFIGS["gpt2"], "n_layer": 4}))
+    return str(folder)
+
+
+def test_plan_json_and_plan_file_round_trip(tmp_path):
+    model = _deep_gpt2(tmp_path)
+    common = [model, "-b", "2", "--seq-len", "32", "--device", "cpu"]
+    plan_path = tmp_path / "plan.json"
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", *common, "--budget", "9MiB", "--json", "-o", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert {"fits", "predicted_peak_bytes", "recompute_flops", "baselines"} <= set(data)
+    assert {b["name"] for b in data["baselines"]} == {"none", "all blocks", "sqrt(n) segments", "every 2nd block"}
+    assert all({"name", "fits", "predicted_peak_bytes", "recompute_flops"} <= set(b) for b in data["baselines"])
+
+    estimated = runner.invoke(main, ["estimate", *common, "--checkpoint", str(plan_path), "--json"])
+    assert estimated.exit_code == 0, estimated.output
+    assert json.loads(estimated.output)["peak_bytes"] == data["predicted_peak_bytes"]
+
+    other_settings = runner.invoke(main, ["estimate", *common[:2], "4", *common[3:], "--checkpoint", str(plan_path)])
+    assert other_settings.exit_code == 2
+    assert "batch_size 2 in the plan, 4 here" in other_settings.output
+
+    not_a_plan = tmp_path / "other.json"
+    not_a_plan.write_text("{}")
+    refused = runner.invoke(main, ["estimate", *common, "--checkpoint", str(not_a_plan)])
+    assert refused.exit_code == 2 and "not a memplan checkpoint plan" in refused.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from memplan.errors import PlanFileError
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
@@ -39,6 +40,7 @@ def run_estimate(
     *,
     budget_bytes: int | None = None,
     progress: Progress | None = None,
+    plan_fingerprint: str | None = None,
 ) -> EstimateResult:
     started = time.perf_counter()
     settings = spec.settings_for(settings)
@@ -47,6 +49,15 @@ def run_estimate(
     first = {}
     report("building the model under fake tensors")
     setup = build_fake_setup(spec, settings)
+    if plan_fingerprint is not None:
+        from memplan.planner.plan import model_fingerprint
+
+        actual = model_fingerprint(setup.state.model)
+        if actual != plan_fingerprint:
+            raise PlanFileError(
+                f"the checkpoint plan was made for another model (fingerprint {plan_fingerprint}); {spec.name} has "
+                f"other modules or parameter shapes (fingerprint {actual}); make a plan for it with `memplan plan`"
+            )
 
     def trace_at(batch_size: int) -> dict[str, int]:
         report(f"tracing batch size {batch_size}")

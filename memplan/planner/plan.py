@@ -184,13 +184,11 @@ def make_plan(
 
     if found is not None:
         solution, peak = found
-        # A baseline that fits with less recompute than the model's choice is the better plan.
-        fitting = [option for option in baselines if option.fits and option.recompute_flops < solution.recompute_flops]
-        if fitting:
-            best = min(fitting, key=lambda option: (option.recompute_flops, option.predicted_peak_bytes))
-            layout, peak, flops = best.layout, best.predicted_peak_bytes, best.recompute_flops
-        else:
-            layout, flops = layout_of(costs, solution.segments), solution.recompute_flops
+        # The model may rank two layouts differently from their simulations: of everything traced
+        # that fits, keep the least recompute, then the lowest peak.
+        options = [(solution.recompute_flops, peak, layout_of(costs, solution.segments))]
+        options += [(o.recompute_flops, o.predicted_peak_bytes, o.layout) for o in baselines if o.fits]
+        flops, peak, layout = min(options, key=lambda option: option[:2])
         suggestions: tuple[str, ...] = ()
     else:
         closest = min(baselines, key=lambda option: option.predicted_peak_bytes)

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.estimator.result import EstimateResult
-from memplan.settings import format_bytes
+from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes
 
 _CATEGORY_LABELS = {
     "parameters": "parameters (+ buffers)",
@@ -24,8 +24,7 @@ def to_json(result: EstimateResult) -> str:
     return json.dumps(result.to_dict(), indent=2)
 
 
-def _describe_settings(result: EstimateResult) -> str:
-    s = result.settings
+def describe_settings(s: TrainingSettings) -> str:
     shape = f"seq {s.seq_len}" if s.seq_len else f"image {s.image_size}²" if s.image_size else ""
     if s.target_len and s.target_len != s.seq_len:
         shape += f", target {s.target_len}"
@@ -35,14 +34,20 @@ def _describe_settings(result: EstimateResult) -> str:
         f"grad-accum {s.grad_accum}" if s.grad_accum > 1 else "",
         s.precision,
         s.optimizer if s.optimizer_impl == "default" else f"{s.optimizer} ({s.optimizer_impl})",
-        "checkpoint all blocks" if s.checkpoint == "all" else "",
+        _describe_checkpoint(s.checkpoint),
         f"target {s.device}",
     ]
     return ", ".join(part for part in parts if part)
 
 
+def _describe_checkpoint(checkpoint: str | CheckpointLayout) -> str:
+    if isinstance(checkpoint, CheckpointLayout):
+        return f"checkpoint plan: {checkpoint.describe()}" if checkpoint.segments else ""
+    return "checkpoint all blocks" if checkpoint == "all" else ""
+
+
 def render_estimate(result: EstimateResult, console: Console) -> None:
-    console.print(f"[bold]{result.model}[/bold]: {_describe_settings(result)}")
+    console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings)}")
     console.print(
         f"{result.parameter_count:,} parameters ({result.trainable_parameter_count:,} trainable)"
         + (f", {len(result.checkpointed_blocks)} blocks checkpointed" if result.checkpointed_blocks else "")

@@ -72,5 +72,6 @@ def solve(costs: ChainCosts, budget_bytes: int) -> Solution | None:
     finals = [point for point in _pareto(fronts[count]) if level_fits(count, point.freed)]
     if not finals:
         return None
-    best = min(finals, key=lambda p: (p.flops, -p.freed))
-    return solution_for(costs, _segments(best))
+    least = min(point.flops for point in finals)
+    ties = [solution_for(costs, _segments(point)) for point in finals if point.flops == least]
+    return min(ties, key=lambda solution: solution.model_peak_bytes)

@@ -1,0 +1,123 @@
+"""Checkpointing plans as versioned JSON documents, and applying one to a real model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from memplan.errors import PlanFileError
+from memplan.estimator.checkpointing import apply_layout
+from memplan.planner.plan import PlanResult, model_fingerprint
+from memplan.settings import CheckpointLayout, TrainingSettings
+
+PLAN_FORMAT = "memplan-checkpoint-plan"
+PLAN_VERSION = 1
+# Settings a plan's prediction depends on; the checkpoint itself is what the plan provides.
+_MATCHED_SETTINGS = tuple(field for field in TrainingSettings.__dataclass_fields__ if field != "checkpoint")
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    fingerprint: str
+    settings: dict[str, Any]
+    layout: CheckpointLayout
+    budget_bytes: int
+    fits: bool
+    predicted_peak_bytes: int
+    recompute_flops: int
+
+
+def plan_document(result: PlanResult) -> dict[str, Any]:
+    settings = result.settings.to_dict()
+    settings.pop("checkpoint")
+    return {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "model": result.model,
+        "fingerprint": result.fingerprint,
+        "settings": settings,
+        "layout": result.layout.to_dict(),
+        "budget_bytes": result.budget_bytes,
+        "fits": result.fits,
+        "predicted_peak_bytes": result.predicted_peak_bytes,
+        "recompute_flops": result.recompute_flops,
+    }
+
+
+def write_plan(result: PlanResult, path: str | Path) -> None:
+    try:
+        Path(path).write_text(json.dumps(plan_document(result), indent=2) + "\n")
+    except OSError as error:
+        raise PlanFileError(f"cannot write the plan to {path}: {error.strerror}") from None
+
+
+def load_plan(source: str | Path | Plan) -> Plan:
+    if isinstance(source, Plan):
+        return source
+    try:
+        document = json.loads(Path(source).read_text())
+    except OSError as error:
+        raise PlanFileError(f"cannot read plan {source}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise PlanFileError(
+            f"{source} is not JSON ({error.msg}, line {error.lineno}); pass a file from `memplan plan --output`"
+        ) from None
+    if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
+        raise PlanFileError(f"{source} is not a memplan checkpoint plan; make one with `memplan plan --output FILE`")
+    if document.get("version") != PLAN_VERSION:
+        raise PlanFileError(
+            f"{source} is plan format version {document.get('version')}; this memplan reads version {PLAN_VERSION}: "
+            "re-run `memplan plan`"
+        )
+    try:
+        return Plan(
+            model=document["model"],
+            fingerprint=document["fingerprint"],
+            settings=dict(document["settings"]),
+            layout=CheckpointLayout.from_dict(document["layout"]),
+            budget_bytes=int(document["budget_bytes"]),
+            fits=bool(document["fits"]),
+            predicted_peak_bytes=int(document["predicted_peak_bytes"]),
+            recompute_flops=int(document["recompute_flops"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise PlanFileError(f"{source} is missing or mangles field {error}; re-run `memplan plan --output`") from None
+
+
+def check_fingerprint(plan: Plan, model: nn.Module, where: str = "this model") -> None:
+    actual = model_fingerprint(model)
+    if actual != plan.fingerprint:
+        raise PlanFileError(
+            f"the plan was made for {plan.model} (fingerprint {plan.fingerprint}), but {where} has other modules or "
+            f"parameter shapes (fingerprint {actual}); make a plan for it with `memplan plan`"
+        )
+
+
+def check_settings(plan: Plan, settings: TrainingSettings) -> None:
+    wanted = settings.to_dict()
+    differing = [
+        f"{field} {plan.settings.get(field)!r} in the plan, {wanted[field]!r} here"
+        for field in _MATCHED_SETTINGS
+        if plan.settings.get(field) != wanted[field]
+    ]
+    if differing:
+        raise PlanFileError(
+            "the plan was made for other settings (" + "; ".join(differing) + "); use the plan's settings "
+            "or make a new plan with `memplan plan`"
+        )
+
+
+def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
+    """Checkpoint a real model as a plan says (non-reentrant checkpoints); returns the modules checkpointed.
+
+    The plan is refused if it was made for a model with other module names or parameter shapes.
+    """
+    loaded = load_plan(plan)
+    check_fingerprint(loaded, model)
+    apply_layout(model, loaded.layout)
+    return list(loaded.layout.modules)

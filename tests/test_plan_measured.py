@@ -1,0 +1,101 @@
+"""Plans applied to real models on CPU: the measured peak fits the budget and matches the prediction.
+
+Targets (issue 4): measured peak <= budget and within 0.5% of the plan's prediction; the plan's
+recompute is no more than any baseline that fits.
+"""
+
+import json
+
+import pytest
+import torch
+
+from memplan.errors import PlanFileError
+from memplan.estimator.loop import micro_batch, prepare
+from memplan.measure.cpu import measure_cpu
+from memplan.models.source import resolve_model
+from memplan.planner.plan import make_plan
+from memplan.planner.plan_file import apply_plan, load_plan, write_plan
+from memplan.settings import TrainingSettings
+from tests.zoo import TINY_HF_CONFIGS
+
+TOLERANCE = 0.005
+
+
+@pytest.fixture(scope="module")
+def deep_models(tmp_path_factory):
+    """Tiny configs with 6 blocks, so plans have room to differ from the baselines."""
+    folder = tmp_path_factory.mktemp("deep")
+    paths = {}
+    for name, layers_key in (("gpt2", "n_layer"), ("llama", "num_hidden_layers"), ("bert", "num_hidden_layers")):
+        config = {**TINY_HF_CONFIGS[name], layers_key: 6}
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(folder / name)
+    return paths
+
+
+_BASELINE_PEAKS: dict = {}
+
+
+def _baseline_peaks(spec, settings):
+    key = (spec.name, settings)
+    if key not in _BASELINE_PEAKS:
+        wide = make_plan(spec, settings, 1 << 40)
+        _BASELINE_PEAKS[key] = {option.name: option.predicted_peak_bytes for option in wide.baselines}
+    return _BASELINE_PEAKS[key]
+
+
+def _budget_between(spec, settings, fraction):
+    """A budget part-way between checkpointing every block and none (both traced)."""
+    peaks = _baseline_peaks(spec, settings)
+    return int(peaks["all blocks"] + fraction * (peaks["none"] - peaks["all blocks"]))
+
+
+@pytest.mark.parametrize(("model", "fraction"), [("gpt2", 0.5), ("gpt2", 0.2), ("llama", 0.6), ("bert", 0.35)])
+def test_planned_step_measures_within_budget_and_prediction(model, fraction, deep_models):
+    spec = resolve_model(deep_models[model])
+    settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
+    budget = _budget_between(spec, settings, fraction)
+    result = make_plan(spec, settings, budget)
+    assert result.fits and result.layout.segments
+    measured = measure_cpu(spec, result.settings).peak_bytes
+    error = (result.predicted_peak_bytes - measured) / measured
+    assert measured <= budget, f"measured {measured:,} B over the {budget:,} B budget"
+    assert abs(error) <= TOLERANCE, f"predicted {result.predicted_peak_bytes:,} B, measured {measured:,} B"
+    for baseline in result.baselines:
+        if baseline.fits:
+            assert result.recompute_flops <= baseline.recompute_flops, baseline.name
+
+
+def test_nothing_fits_says_by_how_much_and_what_would(deep_models):
+    spec = resolve_model(deep_models["gpt2"])
+    settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
+    least = min(_baseline_peaks(spec, settings).values())
+    budget = least - 200_000
+    result = make_plan(spec, settings, budget)
+    assert not result.fits
+    assert result.over_budget_bytes == result.predicted_peak_bytes - budget == least - budget
+    assert any("--batch-size" in suggestion for suggestion in result.suggestions)
+
+
+def test_apply_plan_checkpoints_a_real_model_and_refuses_another(deep_models, tiny_model_dirs, tmp_path):
+    spec = resolve_model(deep_models["gpt2"])
+    settings = spec.settings_for(TrainingSettings(batch_size=2, seq_len=32, device="cpu"))
+    result = make_plan(spec, settings, _budget_between(spec, settings, 0.3))
+    path = tmp_path / "plan.json"
+    write_plan(result, path)
+    assert load_plan(path).layout == result.layout
+
+    torch.manual_seed(0)
+    state = prepare(spec, settings)
+    assert apply_plan(state.model, path) == list(result.layout.modules)
+    assert all(
+        "forward" in vars(state.model.get_submodule(segment[0])) or len(segment) > 1
+        for segment in result.layout.segments
+    )
+    micro_batch(state)
+    assert all(param.grad is not None for param in state.trainable)
+
+    other = prepare(resolve_model(str(tiny_model_dirs["gpt2"])), settings)  # 2 blocks, not 6
+    with pytest.raises(PlanFileError, match="fingerprint"):
+        apply_plan(other.model, path)
