@@ -29,7 +29,8 @@ def main() -> None:
         predicted = simulate(trace_step(spec, settings)).peak_bytes
         measured = measure_cpu(spec, settings).peak_bytes
         s = settings
-        described = f"b{s.batch_size} {s.precision} {s.optimizer} accum {s.grad_accum} ckpt {s.checkpoint}"
+        checkpoint = s.checkpoint if isinstance(s.checkpoint, str) else "one segment of all blocks"
+        described = f"b{s.batch_size} {s.precision} {s.optimizer} accum {s.grad_accum} ckpt {checkpoint}"
         error = (predicted - measured) / measured
         print(f"| {case.id} | {described} | {predicted:,} | {measured:,} | {error:+.4%} |", flush=True)
 

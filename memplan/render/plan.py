@@ -56,7 +56,9 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
             name, format_bytes(peak), "[green]yes[/green]" if fits else "[red]no[/red]", _flops(flops), f"+{share:.1%}"
         )
     console.print(table)
-    if result.fits:
+    if result.fits and not result.layout.segments:
+        console.print("[green]plan[/green]: no checkpointing needed, the step fits as it is")
+    elif result.fits:
         console.print(f"[green]plan[/green]: checkpoint {describe_layout(result.layout)}")
     else:
         console.print(
