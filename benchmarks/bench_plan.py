@@ -52,7 +52,8 @@ def main() -> None:
     for at, message in steps:
         print(f"  {at:6.1f} s  {message}")
     print(
-        f"budget {format_bytes(budget)}: plan {result.layout.describe()}, peak {format_bytes(result.predicted_peak_bytes)}"
+        f"budget {format_bytes(budget)}: plan {result.layout.describe()}, "
+        f"peak {format_bytes(result.predicted_peak_bytes)}"
     )
     for option in result.baselines:
         print(
