@@ -30,7 +30,6 @@ def _random_chain(count: int, seed: int) -> ChainCosts:
         freed=freed,
         forward_growth=growth,
         step_flops=1000,
-        peak_bytes=max(kept) + 120,
     )
 
 

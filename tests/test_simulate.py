@@ -29,7 +29,7 @@ def _traced(fn, *shapes, device="cpu", forward_end=None, backward_end=None, back
         parameter_count=0,
         trainable_parameter_count=0,
         checkpointed_blocks=[],
-        argument_lifetimes=[],
+        python_lifetimes=[],
         backward_node_ops=[list(ops) for ops in backward_node_ops],
         seconds=0.0,
     )

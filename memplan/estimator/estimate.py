@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from memplan.errors import PlanFileError
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.trace import build_fake_setup, trace_step
+from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -50,14 +50,7 @@ def run_estimate(
     report("building the model under fake tensors")
     setup = build_fake_setup(spec, settings)
     if plan_fingerprint is not None:
-        from memplan.planner.plan import model_fingerprint
-
-        actual = model_fingerprint(setup.state.model)
-        if actual != plan_fingerprint:
-            raise PlanFileError(
-                f"the checkpoint plan was made for another model (fingerprint {plan_fingerprint}); {spec.name} has "
-                f"other modules or parameter shapes (fingerprint {actual}); make a plan for it with `memplan plan`"
-            )
+        check_fingerprint(plan_fingerprint, "another model", setup.state.model, spec.name)
 
     def trace_at(batch_size: int) -> dict[str, int]:
         report(f"tracing batch size {batch_size}")

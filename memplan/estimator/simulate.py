@@ -133,7 +133,7 @@ def liveness(traced: TracedStep) -> Liveness:
         for source in node.all_input_nodes:
             for key, _ in storages[index_of[source]]:
                 last_use[key] = index
-    for key, end in traced.argument_lifetimes:
+    for key, end in traced.python_lifetimes:
         if key in last_use:
             last_use[key] = max(last_use[key], end)
     for formula in traced.backward_node_ops:

@@ -52,7 +52,7 @@ class TracedStep:
     parameter_count: int
     trainable_parameter_count: int
     checkpointed_blocks: list[str]
-    argument_lifetimes: list[tuple[StorageWeakRef, int]]  # (storage, last node before Python let go of it)
+    python_lifetimes: list[tuple[StorageWeakRef, int]]  # (storage, last node before Python let go of it)
     backward_node_ops: list[list[int]]  # graph nodes run by each autograd Node's backward formula
     seconds: float
 
@@ -96,27 +96,13 @@ def _holds_python_locals(filename: str) -> bool:
 
 
 class _ModuleTracker:
-    """Records which module is running as graph nodes are added, to name where the peak falls.
-
-    It also records that Python keeps a call's tensor arguments alive until the call returns.
-    """
+    """Records which module is running as graph nodes are added, to name where the peak falls."""
 
     def __init__(self, model: nn.Module) -> None:
         self.names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
         self.stack: list[str] = []
         self.transitions: list[tuple[int, str | None]] = [(0, None)]
         self.handles: list = []
-        # Python keeps a call's tensor arguments alive until the call returns, past their last use.
-        self.open_calls: list[list[StorageWeakRef]] = []
-        self.argument_lifetimes: list[tuple[StorageWeakRef, int]] = []
-
-    def _open_call(self, args: object) -> None:
-        self.open_calls.append([storage_key(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)])
-
-    def _close_call(self) -> None:
-        if self.open_calls:
-            end = self._node_count() - 1
-            self.argument_lifetimes.extend((key, end) for key in self.open_calls.pop())
 
     def _node_count(self) -> int:
         mode = get_proxy_mode()
@@ -125,13 +111,11 @@ class _ModuleTracker:
     def _pre(self, module: nn.Module, args: object) -> None:
         name = self.names.get(id(module))
         if name is not None:
-            self._open_call(args)
             self.stack.append(name)
             self.transitions.append((self._node_count(), name))
 
     def _post(self, module: nn.Module, args: object, output: object) -> None:
         if self.names.get(id(module)) is not None and self.stack:
-            self._close_call()
             self.stack.pop()
             self.transitions.append((self._node_count(), self.stack[-1] if self.stack else None))
 
@@ -139,18 +123,6 @@ class _ModuleTracker:
         return self.stack[-1] if self.stack else None
 
     def __enter__(self) -> _ModuleTracker:
-        function_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
-        tracker = self
-
-        def apply(cls: type, *args: object, **kwargs: object) -> object:
-            tracker._open_call(args)
-            try:
-                return function_apply(cls, *args, **kwargs)
-            finally:
-                tracker._close_call()
-
-        self._function_apply = function_apply
-        torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
         self.handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post),  # not on error: keep the failing module
@@ -158,7 +130,6 @@ class _ModuleTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torch.autograd.Function.apply = classmethod(self._function_apply)  # type: ignore[assignment]
         for handle in self.handles:
             handle.remove()
 
@@ -387,7 +358,7 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
         parameter_count=sum(p.numel() for p in state.model.parameters()),
         trainable_parameter_count=sum(p.numel() for p in state.trainable),
         checkpointed_blocks=state.checkpointed_blocks,
-        argument_lifetimes=tracker.argument_lifetimes + eager_lifetimes.local_lifetimes,
+        python_lifetimes=eager_lifetimes.local_lifetimes,
         backward_node_ops=eager_lifetimes.backward_node_ops,
         seconds=time.perf_counter() - started,
     )

@@ -33,7 +33,6 @@ class ChainCosts:
     freed: tuple[tuple[int, ...], ...]  # freed[a][b - a]: bytes a checkpoint over a..b frees
     forward_growth: tuple[tuple[int, ...], ...]  # growth[a][b - a]: how far live bytes rise in a..b's forward
     step_flops: int  # the whole traced step without checkpointing
-    peak_bytes: int  # the traced step's peak without checkpointing
 
     def __len__(self) -> int:
         return len(self.names)
@@ -163,7 +162,6 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
         freed=tuple(tuple(row) for row in freed),
         forward_growth=tuple(growth),
         step_flops=sum(node_flops(node) for node in nodes),
-        peak_bytes=simulation.peak_bytes,
     )
 
 

@@ -10,20 +10,18 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from torch import nn
 
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names, layout_applied
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, liveness, simulate
 from memplan.estimator.trace import FakeSetup, build_fake_setup, trace_step
+from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
 from memplan.planner.solvers import Solution, dp, greedy, solution_for
@@ -49,13 +47,8 @@ class PlanOption:
     recompute_flops: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "fits": self.fits,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "recompute_flops": self.recompute_flops,
-            "layout": self.layout.to_dict(),
-        }
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {**data, "layout": self.layout.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -79,31 +72,16 @@ class PlanResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "fingerprint": self.fingerprint,
-            "settings": self.settings.to_dict(),
-            "budget_bytes": self.budget_bytes,
-            "fits": self.fits,
-            "layout": self.layout.to_dict(),
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "model_peak_bytes": self.model_peak_bytes,
-            "recompute_flops": self.recompute_flops,
-            "step_flops": self.step_flops,
-            "solver": self.solver,
-            "candidates": list(self.candidates),
-            "baselines": [option.to_dict() for option in self.baselines],
-            "over_budget_bytes": self.over_budget_bytes,
-            "suggestions": list(self.suggestions),
-            "traces": self.traces,
-            "seconds": round(self.seconds, 3),
-        }
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """Module names and parameter shapes: what a plan's module names and costs depend on."""
-    described = [[name, list(param.shape)] for name, param in model.named_parameters(remove_duplicate=False)]
-    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data.update(
+            settings=self.settings.to_dict(),
+            layout=self.layout.to_dict(),
+            candidates=list(self.candidates),
+            baselines=[option.to_dict() for option in self.baselines],
+            suggestions=list(self.suggestions),
+            seconds=round(self.seconds, 3),
+        )
+        return data
 
 
 def layout_of(costs: ChainCosts, segments: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> CheckpointLayout:
@@ -116,14 +94,18 @@ class _Tracer:
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup, report: Progress) -> None:
         self.spec, self.settings, self.setup, self.report = spec, settings, setup, report
         self.simulations: dict[CheckpointLayout, Simulation] = {}
+        self.traces = 0
+
+    def simulate(self, layout: CheckpointLayout, batch_size: int) -> Simulation:
+        self.traces += 1
+        with layout_applied(self.setup.state.model, layout):
+            settings = self.settings.replace(batch_size=batch_size, checkpoint=layout)
+            return simulate(trace_step(self.spec, settings, self.setup))
 
     def peak(self, layout: CheckpointLayout) -> int:
         if layout not in self.simulations:
             self.report(f"tracing with {layout.describe()}")
-            model = self.setup.state.model
-            with layout_applied(model, layout):
-                traced = trace_step(self.spec, self.settings.replace(checkpoint=layout), self.setup)
-            self.simulations[layout] = simulate(traced)
+            self.simulations[layout] = self.simulate(layout, self.settings.batch_size)
         return self.simulations[layout].peak_bytes
 
 
@@ -168,6 +150,7 @@ def make_plan(
     tracer = _Tracer(spec, settings, setup, report)
     report("tracing without checkpointing")
     traced = trace_step(spec, settings, setup)
+    tracer.traces += 1
     base_simulation = simulate(traced)
     tracer.simulations[CheckpointLayout()] = base_simulation
     costs = chain_costs(traced, liveness(traced), base_simulation, names)
@@ -193,7 +176,7 @@ def make_plan(
     else:
         closest = min(baselines, key=lambda option: option.predicted_peak_bytes)
         layout, peak, flops = closest.layout, closest.predicted_peak_bytes, closest.recompute_flops
-        suggestions = _suggestions(spec, settings, setup, layout, budget_bytes, report)
+        suggestions = _suggestions(tracer, layout, budget_bytes)
     segments = [(costs.names.index(segment[0]), costs.names.index(segment[-1])) for segment in layout.segments]
     return PlanResult(
         model=spec.name,
@@ -211,43 +194,34 @@ def make_plan(
         baselines=tuple(baselines),
         over_budget_bytes=max(0, peak - budget_bytes),
         suggestions=suggestions,
-        traces=len(tracer.simulations),
+        traces=tracer.traces,
         seconds=time.perf_counter() - started,
     )
 
 
-def _suggestions(
-    spec: ModelSpec,
-    settings: TrainingSettings,
-    setup: FakeSetup,
-    layout: CheckpointLayout,
-    budget_bytes: int,
-    report: Progress,
-) -> tuple[str, ...]:
-    """What would fit instead, each checked by tracing: a smaller micro-batch with that layout."""
+def _suggestions(tracer: _Tracer, layout: CheckpointLayout, budget_bytes: int) -> tuple[str, ...]:
+    """What would fit instead: a smaller micro-batch with `layout`, found by tracing; untraced hints after it."""
+    settings = tracer.settings
     suggestions = []
 
     def trace_at(batch_size: int) -> dict[str, int]:
-        report(f"tracing batch size {batch_size} with {layout.describe()}")
-        with layout_applied(setup.state.model, layout):
-            traced = trace_step(spec, settings.replace(batch_size=batch_size, checkpoint=layout), setup)
-        return dict(simulate(traced).phase_peak_bytes)
+        tracer.report(f"tracing batch size {batch_size} with {layout.describe()}")
+        return dict(tracer.simulate(layout, batch_size).phase_peak_bytes)
 
     batch = settings.batch_size
     if batch > 1:
-        known = {batch: trace_at(batch), max(1, batch // 2): trace_at(max(1, batch // 2))}
-        fitting = find_max_batch_size(known, trace_at, budget_bytes) if len(known) == 2 else 0
+        known = {batch: dict(tracer.simulations[layout].phase_peak_bytes), batch // 2: trace_at(batch // 2)}
+        fitting = find_max_batch_size(known, trace_at, budget_bytes)
         if fitting >= 1:
-            peak = max(known[fitting].values()) if fitting in known else None
             accumulation = -(-batch * settings.grad_accum // fitting)
             suggestions.append(
                 f"--batch-size {fitting} with --grad-accum {accumulation} (same effective batch) fits with "
-                f"{layout.describe()}" + (f": {format_bytes(peak)}" if peak is not None else "")
+                f"{layout.describe()}: {format_bytes(max(known[fitting].values()))}"
             )
         else:
             suggestions.append("not even batch size 1 fits with this checkpointing")
     if settings.precision == "fp32":
-        suggestions.append("--precision amp-bf16 or bf16 halves activation and (for bf16) parameter memory")
+        suggestions.append("(not traced) --precision amp-bf16 or bf16, which store activations in 16 bits")
     if settings.optimizer in ("adam", "adamw"):
-        suggestions.append("--optimizer adam8bit or adafactor shrinks optimizer state")
+        suggestions.append("(not traced) --optimizer adam8bit or adafactor, which keep less optimizer state")
     return tuple(suggestions)

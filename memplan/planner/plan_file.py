@@ -11,7 +11,8 @@ from torch import nn
 
 from memplan.errors import PlanFileError
 from memplan.estimator.checkpointing import apply_layout
-from memplan.planner.plan import PlanResult, model_fingerprint
+from memplan.models.fingerprint import check_fingerprint
+from memplan.planner.plan import PlanResult
 from memplan.settings import CheckpointLayout, TrainingSettings
 
 PLAN_FORMAT = "memplan-checkpoint-plan"
@@ -89,15 +90,6 @@ def load_plan(source: str | Path | Plan) -> Plan:
         raise PlanFileError(f"{source} is missing or mangles field {error}; re-run `memplan plan --output`") from None
 
 
-def check_fingerprint(plan: Plan, model: nn.Module, where: str = "this model") -> None:
-    actual = model_fingerprint(model)
-    if actual != plan.fingerprint:
-        raise PlanFileError(
-            f"the plan was made for {plan.model} (fingerprint {plan.fingerprint}), but {where} has other modules or "
-            f"parameter shapes (fingerprint {actual}); make a plan for it with `memplan plan`"
-        )
-
-
 def check_settings(plan: Plan, settings: TrainingSettings) -> None:
     wanted = settings.to_dict()
     differing = [
@@ -118,6 +110,6 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
     The plan is refused if it was made for a model with other module names or parameter shapes.
     """
     loaded = load_plan(plan)
-    check_fingerprint(loaded, model)
+    check_fingerprint(loaded.fingerprint, loaded.model, model, "this model")
     apply_layout(model, loaded.layout)
     return list(loaded.layout.modules)
