@@ -160,7 +160,8 @@ class _EagerLifetimes(TorchDispatchMode):
         self.node_count = node_count
         self.backward_node_ops: list[list[int]] = []
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
-        self._frames: dict[int, FrameType] = {}
+        self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
+        self._depth: dict[int, int] = {}  # id of each of them -> its index there
         self._keeps_locals: dict[object, bool] = {}
         self._current: object = None
         self._formula_done = False
@@ -182,18 +183,28 @@ class _EagerLifetimes(TorchDispatchMode):
             stack.extend(next_node for next_node, _ in node.next_functions)
 
     def _observe_frames(self, now: int) -> None:
-        on_stack: set[int] = set()
+        # Walk down only to the first model frame already known: what lies below it cannot have
+        # changed, and every known frame above it has returned. This keeps the walk short per op.
+        fresh: list[FrameType] = []
+        survivor = -1
         frame: FrameType | None = sys._getframe(2)
         while frame is not None:
             keeps = self._keeps_locals.get(frame.f_code)
             if keeps is None:
                 keeps = self._keeps_locals[frame.f_code] = _holds_python_locals(frame.f_code.co_filename)
             if keeps:
-                on_stack.add(id(frame))
-                self._frames.setdefault(id(frame), frame)
+                survivor = self._depth.get(id(frame), -1)
+                if survivor >= 0:
+                    break
+                fresh.append(frame)
             frame = frame.f_back
-        for key in [key for key in self._frames if key not in on_stack]:
-            self._record_locals(self._frames.pop(key), now)
+        for returned in self._frames[survivor + 1 :]:
+            del self._depth[id(returned)]
+            self._record_locals(returned, now)
+        del self._frames[survivor + 1 :]
+        for frame in reversed(fresh):
+            self._depth[id(frame)] = len(self._frames)
+            self._frames.append(frame)
 
     def _record_locals(self, frame: FrameType, end: int) -> None:
         for value in frame.f_locals.values():
@@ -204,9 +215,10 @@ class _EagerLifetimes(TorchDispatchMode):
 
     def finish(self) -> None:
         end = self.node_count() - 1
-        for frame in self._frames.values():
+        for frame in self._frames:
             self._record_locals(frame, end)
         self._frames.clear()
+        self._depth.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         start = self.node_count()
