@@ -8,6 +8,7 @@ from typing import Any
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
+from memplan.gpus import gpu_named
 from memplan.models.source import ModelSpec, resolve_model
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
@@ -30,6 +31,13 @@ def _settings(settings: TrainingSettings | None, overrides: dict[str, Any]) -> t
         plan = load_plan(checkpoint)
         overrides = {**overrides, "checkpoint": plan.layout}
     return (settings or TrainingSettings()).replace(**overrides), plan
+
+
+def _budget(budget: str | int | None, settings: TrainingSettings) -> int | None:
+    """An explicit budget, else the usable memory of the named GPU, else none."""
+    if budget is not None:
+        return parse_size(budget)
+    return gpu_named(settings.gpu).usable_bytes if settings.gpu is not None else None
 
 
 def _checked_against_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | None) -> TrainingSettings:
@@ -56,13 +64,13 @@ def estimate(
     hub id, or `package.module:callable`. Settings come from `settings` and/or keyword overrides
     (`batch_size=8, precision="amp-bf16", ...`); `checkpoint` is "none", "all", a `CheckpointLayout`
     or a plan file from `plan` (refused if made for another model or other settings). With `budget`
-    ("24GiB", "80GB", bytes) the result says whether the configuration fits and the largest batch
-    size that does.
+    ("24GiB", "80GB", bytes), or a `gpu` name and no budget (its usable memory), the result says
+    whether the configuration fits and the largest batch size that does.
     """
     settings, loaded = _settings(settings, setting_overrides)
     spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
     settings = _checked_against_plan(spec, settings, loaded)
-    budget_bytes = parse_size(budget) if budget is not None else None
+    budget_bytes = _budget(budget, settings)
     return run_estimate(
         spec,
         settings,
@@ -76,7 +84,7 @@ def plan(
     model: str,
     settings: TrainingSettings | None = None,
     *,
-    budget: str | int,
+    budget: str | int | None = None,
     inputs: str | None = None,
     loss: str | None = None,
     task: str | None = None,
@@ -92,5 +100,8 @@ def plan(
     the result with `memplan.planner.plan_file.write_plan` and use it with `apply_plan`.
     """
     settings, _ = _settings(settings, {**setting_overrides, "checkpoint": "none"})
+    budget_bytes = _budget(budget, settings)
+    if budget_bytes is None:
+        raise SettingsError("a plan needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
     spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
-    return make_plan(spec, settings, parse_size(budget), candidates=candidates, solver=solver, progress=progress)
+    return make_plan(spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress)

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from memplan.errors import MemplanError, SizeParseError
-from memplan.settings import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
+from memplan.settings import ATTENTION_IMPLEMENTATIONS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
 
 
 class SizeType(click.ParamType):
@@ -88,6 +88,19 @@ def _training_options(command: Callable[..., None]) -> Callable[..., None]:
             "--device", type=click.Choice(DEVICES), default="cuda", show_default=True, help="The target device."
         ),
         click.option(
+            "--gpu",
+            metavar="NAME",
+            help="The card: its compute capability picks CUDA kernels, and its usable memory is the budget "
+            "unless --budget is given (H100-80GB, H200, A100-40GB, A100-80GB, L4, A10G, RTX-4090, T4, ...).",
+        ),
+        click.option(
+            "--attn-impl",
+            type=click.Choice(ATTENTION_IMPLEMENTATIONS),
+            default="sdpa",
+            show_default=True,
+            help="transformers' attn_implementation (sdpa where the architecture supports it).",
+        ),
+        click.option(
             "--task",
             help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
             "image-classification.",
@@ -159,7 +172,11 @@ def estimate(
 
 @main.command()
 @_training_options
-@click.option("--budget", type=SizeType(), required=True, help="The byte budget to fit (80GB, 24GiB, 512MiB, bytes).")
+@click.option(
+    "--budget",
+    type=SizeType(),
+    help="The byte budget to fit (80GB, 24GiB, 512MiB, bytes) [default: --gpu's usable memory].",
+)
 @click.option(
     "--candidates",
     metavar="REGEX",
@@ -175,7 +192,7 @@ def estimate(
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the plan to this JSON file.")
 def plan(
     model: str,
-    budget: int,
+    budget: int | None,
     candidates: str | None,
     solver: str,
     output: str | None,

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.errors import SettingsError, SizeParseError
+from memplan.gpus import gpu_named
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "none")
 OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
 CHECKPOINT_MODES = ("none", "all")
 DEVICES = ("cuda", "cpu")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Binary and decimal units; "GB" is 10**9 as disks and nvidia-smi's marketing sizes use it,
 # "GiB" is 2**30 as torch.cuda reports it.
@@ -124,6 +126,8 @@ class TrainingSettings:
     optimizer_impl: str = "default"
     checkpoint: str | CheckpointLayout = "none"  # "none", "all" (every repeated block) or a layout
     device: str = "cuda"
+    gpu: str | None = None  # cuda: the card whose kernels are emulated (memplan.gpus); None = H100
+    attn_impl: str = "sdpa"  # transformers' attn_implementation
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -137,6 +141,9 @@ class TrainingSettings:
         if not isinstance(self.checkpoint, CheckpointLayout):
             _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("attention implementation", self.attn_impl, ATTENTION_IMPLEMENTATIONS)
+        if self.gpu is not None:
+            object.__setattr__(self, "gpu", gpu_named(self.gpu).name)  # canonical name
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):
             raise SettingsError(
                 f"torch has no fused implementation of {self.optimizer}; "

@@ -26,7 +26,9 @@ def test_estimate_json_has_the_documented_fields(tiny_model_dirs):
         "activations",
         "temporaries",
         "inputs",
+        "workspaces",
     }
+    assert data["breakdown"]["workspaces"] == 0  # cuBLAS workspaces exist on cuda targets only
     assert sum(data["breakdown"].values()) == data["peak_bytes"]
     assert data["phase"] in ("forward", "backward", "optimizer")
     assert data["settings"]["batch_size"] == 2 and data["settings"]["seq_len"] == 32

@@ -9,6 +9,7 @@ from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.trace import build_fake_setup, trace_step
+from memplan.gpus import CONTEXT_BYTES, DEFAULT_GPU
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
@@ -20,9 +21,9 @@ def _notes(settings: TrainingSettings) -> list[str]:
     notes = []
     if settings.device == "cuda":
         notes.append(
-            "cuda target: 512-byte allocator rounding and foreach optimizers are modelled; CUDA kernel "
-            "choices (SDPA backend, fused dropout) and CUDA's autocast lists are not yet, so attention "
-            "and amp predictions follow the CPU kernels"
+            f"cuda target ({settings.gpu or DEFAULT_GPU}): CUDA's autocast lists, SDPA backend, fused dropout, "
+            "cuBLAS workspaces and the caching allocator are emulated; cuDNN convolution workspaces are not "
+            "counted, and the CUDA context in device_peak_bytes is an estimate (memplan.gpus.CONTEXT_BYTES)"
         )
     if settings.optimizer == "adam8bit":
         notes.append("adam8bit: bitsandbytes' state layout (uint8 moments + blockwise absmax), in-place update")
@@ -86,6 +87,8 @@ def run_estimate(
         peak_op=main.peak_op,
         peak_module=main.peak_module,
         phase_peak_bytes=dict(main.phase_peak_bytes),
+        reserved_peak_bytes=main.reserved_peak_bytes,
+        device_peak_bytes=main.reserved_peak_bytes + CONTEXT_BYTES if main.reserved_peak_bytes is not None else None,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,
         parameter_count=first["parameters"],

@@ -78,7 +78,7 @@ def cast_floating_point(model: nn.Module, dtype: torch.dtype) -> None:
 
 def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     """Build model, batch and optimizer in the active tensor mode (fake or real)."""
-    model = spec.build()
+    model = spec.build(settings)
     model.train()
     dtype = STORAGE_DTYPES[settings.precision]
     if dtype != torch.float32:

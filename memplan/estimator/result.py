@@ -19,6 +19,7 @@ class Breakdown:
     activations: int  # made in the forward pass and saved for the backward pass
     temporaries: int  # everything else: forward/backward/optimizer intermediates
     inputs: int  # the current micro-batch
+    workspaces: int = 0  # cuda: cuBLAS workspaces, allocated through the caching allocator
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -43,6 +44,8 @@ class EstimateResult:
     graph_nodes: int
     traces: int
     seconds: float
+    reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved, from the allocator simulator
+    device_peak_bytes: int | None = None  # cuda: reserved + the CUDA context, what nvidia-smi shows
     budget_bytes: int | None = None
     fits: bool | None = None
     max_batch_size: int | None = None

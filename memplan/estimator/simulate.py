@@ -15,20 +15,35 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
+from memplan.estimator.cuda.allocator import CachingAllocator, round_size
+from memplan.estimator.cuda.kernels import cublas_workspace_bytes
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.trace import TracedStep
 
-BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
 PHASES = ("forward", "backward", "optimizer")
-# c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512; round_size() rounds every request up to
-# a multiple of it, and memory_allocated() counts the rounded sizes.
-CUDA_BLOCK_BYTES = 512
+# Steady state: the allocator's segments after this many iterations (they are never released, and
+# the third iteration reuses what the first two cached; see allocator_peaks).
+STEADY_STATE_ITERATIONS = 3
+# Ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp).
+CUBLAS_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._addmm_activation.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.addbmm.default,
+    torch.ops.aten.mv.default,
+    torch.ops.aten.addmv.default,
+    torch.ops.aten.dot.default,
+}
 
 
 def round_for_device(num_bytes: int, device: str) -> int:
+    """memory_allocated() counts each request rounded up to the caching allocator's 512-byte blocks."""
     if device != "cuda" or num_bytes == 0:
         return num_bytes
-    return -(-num_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return round_size(num_bytes)
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,7 @@ class Simulation:
     peak_module: str | None
     unsupported_ops: tuple[str, ...]
     timeline_bytes: tuple[int, ...]
+    reserved_peak_bytes: int | None = None  # cuda: what the caching allocator holds (max_memory_reserved)
 
 
 def _tensors(value: object) -> list[torch.Tensor]:
@@ -164,6 +180,24 @@ def liveness(traced: TracedStep) -> Liveness:
     return Liveness(nodes, storages, size, born, last_use, tuple(unsupported))
 
 
+def cublas_workspaces(traced: TracedStep) -> list[int]:
+    """The cuBLAS workspaces a CUDA step holds: one per thread that runs a matmul.
+
+    cuBLAS handles and their workspaces are per thread (CublasHandlePool.cpp), and the autograd
+    engine runs CUDA backward formulas on its own device thread, so a step whose forward (or
+    optimizer) and backward both multiply matrices holds two. They persist from the first step on.
+    """
+    if traced.settings.device != "cuda":
+        return []
+    from memplan.gpus import DEFAULT_GPU, gpu_named
+
+    size = round_size(cublas_workspace_bytes(gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability))
+    nodes = list(traced.graph.graph.nodes)
+    main_thread = nodes[: traced.forward_end] + nodes[traced.backward_end :]
+    backward_thread = nodes[traced.forward_end : traced.backward_end]
+    return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]
+
+
 def simulate(traced: TracedStep) -> Simulation:
     lifetimes = liveness(traced)
     nodes, size, born, last_use = lifetimes.nodes, lifetimes.size, lifetimes.born, lifetimes.last_use
@@ -173,7 +207,11 @@ def simulate(traced: TracedStep) -> Simulation:
         allocations[born[key]].append(key)
         frees[last_use[key]].append(key)
 
-    live = 0
+    workspaces = cublas_workspaces(traced)
+    reserved = None
+    if traced.settings.device == "cuda":
+        reserved = allocator_peaks(lifetimes, allocations, frees, workspaces)[1]
+    live = sum(workspaces)
     timeline = []
     peak_bytes, peak_node = -1, 0
     phase_peaks = dict.fromkeys(PHASES, 0)
@@ -187,6 +225,7 @@ def simulate(traced: TracedStep) -> Simulation:
         live -= sum(size[key] for key in frees[index])
 
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+    breakdown["workspaces"] = sum(workspaces)
     for key in size:
         if born[key] <= peak_node <= last_use[key]:
             breakdown[_category(key, born[key], last_use[key], traced)] += size[key]
@@ -200,7 +239,49 @@ def simulate(traced: TracedStep) -> Simulation:
         peak_module=traced.node_modules[peak_node],
         unsupported_ops=lifetimes.unsupported_ops,
         timeline_bytes=tuple(timeline),
+        reserved_peak_bytes=reserved,
     )
+
+
+def allocator_peaks(
+    lifetimes: Liveness,
+    allocations: list[list[StorageWeakRef]],
+    frees: list[list[StorageWeakRef]],
+    workspaces: list[int],
+) -> tuple[int, int]:
+    """(max_memory_allocated, max_memory_reserved) of a steady-state iteration, from the allocator simulator.
+
+    What lives through the whole iteration (cuBLAS workspaces, parameters, buffers, optimizer
+    state, the batch) is allocated first, in graph order; then the iteration's allocations and frees run
+    STEADY_STATE_ITERATIONS times and the peaks of the last one are reported. A real run creates
+    the optimizer state inside its first step, between that step's temporaries, which this order
+    does not reproduce; its effect on the segments is what validation on a GPU measures.
+    """
+    end = len(lifetimes.nodes)
+    persistent = [
+        key
+        for index in range(end)
+        for key in allocations[index]
+        if lifetimes.last_use[key] == end and lifetimes.born[key] == 0 and lifetimes.size[key] > 0
+    ]
+    persistent_set = set(persistent)
+    allocator = CachingAllocator()
+    for workspace_bytes in workspaces:
+        allocator.malloc(workspace_bytes)
+    for key in persistent:
+        allocator.malloc(lifetimes.size[key])
+    for iteration in range(STEADY_STATE_ITERATIONS):
+        if iteration == STEADY_STATE_ITERATIONS - 1:
+            allocator.reset_peak_stats()
+        handles: dict[StorageWeakRef, int] = {}
+        for index in range(end + 1):
+            for key in allocations[index] if index < end else ():
+                if key not in persistent_set and lifetimes.size[key] > 0:  # a 0-byte request allocates nothing
+                    handles[key] = allocator.malloc(lifetimes.size[key])
+            for key in frees[index]:
+                if key in handles:
+                    allocator.free(handles.pop(key))
+    return allocator.max_allocated_bytes, allocator.max_reserved_bytes
 
 
 def _category(key: StorageWeakRef, born: int, last_use: int, traced: TracedStep) -> str:

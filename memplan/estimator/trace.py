@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memplan.errors import MemplanError, TraceError
+from memplan.estimator.cuda.autocast import cuda_autocast_policy
+from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.loop import STORAGE_DTYPES, TrainingState, micro_batch, optimizer_step, prepare
 from memplan.estimator.optimizers import optimizer_state_tensors
@@ -291,6 +293,16 @@ def _trace_failure(error: Exception, module: str | None, spec: ModelSpec) -> Tra
     )
 
 
+@contextlib.contextmanager
+def _target_kernels(settings: TrainingSettings) -> Iterator[None]:
+    """On a cuda target, CUDA's autocast lists, attention backends and dropout kernel."""
+    if settings.device != "cuda":
+        yield
+        return
+    with cuda_autocast_policy(), cuda_kernels(settings.gpu):
+        yield
+
+
 @dataclass
 class FakeSetup:
     """A model, optimizer and state built once under fake tensors, reusable across batch sizes."""
@@ -351,7 +363,7 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
 
     tracker = _ModuleTracker(state.model)
     try:
-        with fake_mode, tracker, real_run_paths():
+        with fake_mode, tracker, real_run_paths(), _target_kernels(settings):
             graph = make_fx(step, tracing_mode="real")(*[flat_inputs[i] for i in tensor_positions])
     except MemplanError:
         raise

@@ -100,8 +100,12 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
     return HFSource(name=name, config=config, task=chosen)
 
 
-def build_hf_model(source: HFSource) -> Any:
-    """Build with random initialisation in the active tensor mode (fake or real)."""
+def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
+    """Build with random initialisation in the active tensor mode (fake or real).
+
+    `attn_impl` is transformers' attn_implementation: "sdpa" (its default where the architecture
+    supports it) or "eager".
+    """
     import transformers
 
     auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[source.task])
@@ -109,7 +113,10 @@ def build_hf_model(source: HFSource) -> Any:
     if hasattr(config, "use_cache"):
         config.use_cache = False
     try:
-        return auto_class.from_config(config)
+        if attn_impl == "sdpa":
+            # transformers' own default: SDPA where the architecture supports it, eager elsewhere.
+            return auto_class.from_config(config)
+        return auto_class.from_config(config, attn_implementation=attn_impl)
     except ValueError as error:
         from memplan.errors import UsageError
 

@@ -26,7 +26,7 @@ class ModelSpec:
     """Everything needed to run the canonical loop for one model, in any tensor mode."""
 
     name: str
-    build: Callable[[], nn.Module]
+    build: Callable[[TrainingSettings], nn.Module]
     make_batch: Callable[[TrainingSettings, torch.dtype], Batch]
     loss_of: Callable[[Any, Batch], torch.Tensor]
     settings_for: Callable[[TrainingSettings], TrainingSettings]
@@ -86,7 +86,7 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
         pass  # builtins without a signature: let the call decide
     loss_fn = import_object(loss, "loss") if loss else None
 
-    def build() -> nn.Module:
+    def build(settings: TrainingSettings) -> nn.Module:
         model = factory()
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory {name!r} returned a {type(model).__name__}, not a torch.nn.Module")
@@ -138,7 +138,7 @@ def resolve_model(
 
     return ModelSpec(
         name=name,
-        build=lambda: build_hf_model(source),
+        build=lambda settings: build_hf_model(source, settings.attn_impl),
         make_batch=make_batch,
         loss_of=loss_of,
         settings_for=settings_for,

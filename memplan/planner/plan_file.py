@@ -92,10 +92,11 @@ def load_plan(source: str | Path | Plan) -> Plan:
 
 def check_settings(plan: Plan, settings: TrainingSettings) -> None:
     wanted = settings.to_dict()
+    defaults = TrainingSettings().to_dict()  # for settings added after the plan was written
     differing = [
-        f"{field} {plan.settings.get(field)!r} in the plan, {wanted[field]!r} here"
+        f"{field} {plan.settings.get(field, defaults[field])!r} in the plan, {wanted[field]!r} here"
         for field in _MATCHED_SETTINGS
-        if plan.settings.get(field) != wanted[field]
+        if plan.settings.get(field, defaults[field]) != wanted[field]
     ]
     if differing:
         raise PlanFileError(

@@ -17,6 +17,7 @@ _CATEGORY_LABELS = {
     "activations": "activations saved for backward",
     "temporaries": "temporaries",
     "inputs": "inputs (micro-batch)",
+    "workspaces": "cuBLAS workspaces",
 }
 
 
@@ -35,7 +36,8 @@ def describe_settings(s: TrainingSettings) -> str:
         s.precision,
         s.optimizer if s.optimizer_impl == "default" else f"{s.optimizer} ({s.optimizer_impl})",
         _describe_checkpoint(s.checkpoint),
-        f"target {s.device}",
+        f"target {s.device}" + (f" ({s.gpu})" if s.gpu else ""),
+        "eager attention" if s.attn_impl == "eager" else "",
     ]
     return ", ".join(part for part in parts if part)
 
@@ -57,9 +59,15 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
     for key, value in result.breakdown.to_dict().items():
+        if key == "workspaces" and result.settings.device != "cuda":
+            continue
         share = value / result.peak_bytes if result.peak_bytes else 0.0
         table.add_row(_CATEGORY_LABELS[key], format_bytes(value), f"{share:.1%}")
-    table.add_row("[bold]peak[/bold]", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
+    table.add_row("[bold]peak[/bold] (max_memory_allocated)", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
+    if result.reserved_peak_bytes is not None:
+        table.add_row("reserved by the caching allocator", format_bytes(result.reserved_peak_bytes), "")
+    if result.device_peak_bytes is not None:
+        table.add_row("device total with CUDA context (nvidia-smi)", format_bytes(result.device_peak_bytes), "")
     console.print(table)
     where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")
     console.print(f"peak in the {result.phase} pass at {where}")

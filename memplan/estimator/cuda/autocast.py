@@ -1,0 +1,173 @@
+"""CUDA's autocast policy, emulated on the fake CPU tensors memplan traces with (design.md §3).
+
+CPU and CUDA autocast cast different ops: CUDA runs softmax, log_softmax, layer_norm, sum, exp,
+pow, the losses and more in float32, and leaves ops such as `cat` or `cross_entropy_loss` alone
+that CPU autocast casts. While `cuda_autocast_policy()` is active, every op that either backend
+registers an autocast kernel for gets a Python AutocastCPU kernel implementing CUDA's policy for
+it; leaving the context removes them and CPU autocast is itself again.
+
+The op lists are CUDA's, from ATen/autocast_mode.h (torch 2.13): AT_FORALL_LOWER_PRECISION_FP,
+AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE and
+AT_FORALL_PROMOTE, plus the CUDA-only registrations in ATen/autocast_mode.cpp (cudnn convolutions,
+and binary_cross_entropy, which CUDA autocast refuses). tests/test_cuda_autocast.py checks these
+tables against the ops the installed torch registers for AutocastCUDA, and each policy against
+CUDA autocast itself run on fake CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+LOWER_PRECISION = frozenset(
+    """_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
+    conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv
+    linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot _thnn_fused_lstm_cell
+    _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell _scaled_dot_product_flash_attention
+    scaled_dot_product_attention cudnn_convolution cudnn_convolution_transpose""".split()
+)
+FP32 = frozenset(
+    """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow.Tensor_Scalar
+    pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm.dim
+    nuclear_norm nuclear_norm.dim cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d
+    hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss
+    multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss
+    binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d
+    _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d
+    _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa
+    upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa""".split()
+)
+FP32_SET_OPT_DTYPE = frozenset(
+    """prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm linalg_matrix_norm
+    linalg_matrix_norm.str_ord sum sum.dim_IntList""".split()
+)
+# Ops without a dtype argument that CUDA redispatches to the overload that has one, with float32.
+FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+PROMOTE = frozenset(
+    "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split()
+)
+BANNED = frozenset({"binary_cross_entropy"})
+# ATen/autocast_mode.cpp, the message CUDA autocast raises for binary_cross_entropy.
+BANNED_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast."
+)
+
+
+def cuda_policies() -> dict[str, str]:
+    """Every op CUDA autocast has a kernel for, by `name.overload`, and the policy it applies."""
+    policies: dict[str, str] = {}
+    for names, policy in (
+        (LOWER_PRECISION, "lower_precision_fp"),
+        (FP32, "fp32"),
+        (FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
+        (FP32_APPEND_DTYPE, "fp32_append_dtype"),
+        (PROMOTE, "promote"),
+        (BANNED, "banned"),
+    ):
+        policies.update(dict.fromkeys(names, policy))
+    return policies
+
+
+# CPU autocast's own lower_precision_fp list (ATen/autocast_mode.cpp, TORCH_LIBRARY_IMPL(aten,
+# AutocastCPU)): where CUDA agrees, CPU's C++ kernel stays, keeping its cache of cast parameters.
+CPU_LOWER_PRECISION = frozenset(
+    """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear _convolution.deprecated matmul
+    conv_tbc conv_transpose1d conv_transpose2d.input conv_transpose3d.input prelu
+    scaled_dot_product_attention""".split()
+)
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    base, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _eligible(value: object) -> bool:
+    """autocast_mode.h is_eligible: a floating-point tensor that is not float64."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+
+
+def _cast_all(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    def cast(value: object) -> object:
+        return value.to(dtype) if _eligible(value) and value.dtype != dtype else value  # type: ignore[union-attr]
+
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def _below_autocast(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+        return op(*args, **kwargs)
+
+
+def _kernel(name: str, policy: str):  # type: ignore[no-untyped-def]
+    op = _overload(name)
+    dtype_position = next(
+        (i for i, argument in enumerate(op._schema.arguments) if argument.name == "dtype" and not argument.kwarg_only),
+        None,
+    )
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if policy == "banned":
+            raise RuntimeError(BANNED_MESSAGE)
+        if policy == "lower_precision_fp":
+            args, kwargs = _cast_all(args, kwargs, torch.get_autocast_dtype("cpu"))
+        elif policy == "fp32":
+            args, kwargs = _cast_all(args, kwargs, torch.float32)
+        elif policy == "promote":
+            widest = torch.get_autocast_dtype("cpu")
+            for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if _eligible(value):
+                    widest = torch.promote_types(widest, value.dtype)
+            args, kwargs = _cast_all(args, kwargs, widest)
+        elif policy == "fp32_set_opt_dtype" and args and _eligible(args[0]):
+            # autocast_mode.h set_opt_dtype: only when the caller gave no dtype of its own.
+            if dtype_position is None:
+                if kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            elif len(args) <= dtype_position or args[dtype_position] is None:
+                defaults = [argument.default_value for argument in op._schema.arguments[len(args) : dtype_position]]
+                args = (*args[:dtype_position], *defaults, torch.float32, *args[dtype_position + 1 :])
+        elif policy == "fp32_append_dtype" and args and _eligible(args[0]):
+            target = getattr(torch.ops.aten.norm, FP32_APPEND_DTYPE[name])
+            return _below_autocast(target, args, {**kwargs, "dtype": torch.float32})
+        return _below_autocast(op, args, kwargs)
+
+    return kernel
+
+
+def _registered(key: str) -> set[str]:
+    return {name.removeprefix("aten::") for name in torch._C._dispatch_get_registrations_for_dispatch_key(key)}
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy() -> Iterator[None]:
+    """While active, torch.autocast("cpu", ...) applies CUDA's op lists instead of CPU's."""
+    library = torch.library.Library("aten", "IMPL")
+    policies = cuda_policies()
+    for name in sorted(set(policies) | _registered("AutocastCPU")):
+        policy = policies.get(name)
+        if policy == "lower_precision_fp" and name in CPU_LOWER_PRECISION:
+            continue  # CPU's kernel already does this, with the parameter cast cache CUDA also has
+        try:
+            _overload(name)
+        except AttributeError:
+            continue  # an op of a newer or older torch than the tables
+        # No CUDA kernel: the op falls through to run on its inputs as they are, and the ops it
+        # decomposes into meet autocast again, as on CUDA (cross_entropy -> log_softmax, nll_loss).
+        kernel = _kernel(name, policy) if policy else torch.library.fallthrough_kernel
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended
+            library.impl(name, kernel, "AutocastCPU")
+    try:
+        yield
+    finally:
+        library._destroy()

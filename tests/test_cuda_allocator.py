@@ -1,0 +1,79 @@
+"""The caching-allocator simulator on hand-written allocation traces, with hand-computed segments."""
+
+from memplan.estimator.cuda.allocator import CachingAllocator, round_size, segment_size
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_round_size_and_segment_sizes_follow_the_allocator_constants() -> None:
+    assert [round_size(n) for n in (1, 511, 512, 513)] == [512, 512, 512, 1024]
+    assert segment_size(512) == 2 * MiB  # small pool: 2 MiB segments
+    assert segment_size(1 * MiB) == 2 * MiB  # 1 MiB is still small
+    assert segment_size(1 * MiB + 512) == 20 * MiB  # large, under 10 MiB: a 20 MiB segment
+    assert segment_size(10 * MiB) == 10 * MiB  # 10 MiB and up: rounded to 2 MiB
+    assert segment_size(11 * MiB) == 12 * MiB
+
+
+def test_small_requests_share_one_2mib_segment() -> None:
+    allocator = CachingAllocator()
+    handles = [allocator.malloc(100 * KiB) for _ in range(20)]  # 20 x 100 KiB = 2000 KiB <= 2048 KiB
+    assert allocator.segments == 1
+    assert allocator.reserved_bytes == 2 * MiB
+    assert allocator.allocated_bytes == 20 * 100 * KiB
+    allocator.malloc(100 * KiB)  # 48 KiB left in the segment: a second one
+    assert allocator.segments == 2
+    for handle in handles:
+        allocator.free(handle)
+    assert allocator.allocated_bytes == 100 * KiB
+    assert allocator.max_reserved_bytes == 4 * MiB
+
+
+def test_large_requests_below_10mib_carve_20mib_segments() -> None:
+    allocator = CachingAllocator()
+    first = allocator.malloc(6 * MiB)
+    second = allocator.malloc(6 * MiB)
+    third = allocator.malloc(6 * MiB)  # 18 MiB of one 20 MiB segment
+    assert allocator.segments == 1
+    fourth = allocator.malloc(6 * MiB)  # 2 MiB left: a new segment
+    assert (allocator.segments, allocator.reserved_bytes) == (2, 40 * MiB)
+    for handle in (first, second, third, fourth):
+        allocator.free(handle)
+    # Freed neighbours merge: 20 MiB fits again in the first segment's one free block.
+    allocator.malloc(20 * MiB)
+    assert allocator.segments == 2
+
+
+def test_an_unsplit_block_is_counted_whole() -> None:
+    allocator = CachingAllocator()
+    big = allocator.malloc(12 * MiB)  # a 12 MiB segment
+    allocator.free(big)
+    # 11.5 MiB leaves 0.5 MiB, not more than 1 MiB: the large pool does not split, so the whole
+    # 12 MiB block is handed out and memory_allocated counts 12 MiB.
+    allocator.malloc(11 * MiB + 512 * KiB)
+    assert allocator.allocated_bytes == 12 * MiB
+    assert allocator.segments == 1
+
+
+def test_best_fit_takes_the_smallest_block_that_holds_the_request() -> None:
+    allocator = CachingAllocator()
+    a = allocator.malloc(30 * MiB)
+    b = allocator.malloc(14 * MiB)
+    allocator.free(a)
+    allocator.free(b)  # free blocks: 30 MiB and 14 MiB, separate segments
+    allocator.malloc(12 * MiB)  # best fit: the 14 MiB block, split 12 + 2 (2 MiB > 1 MiB)
+    allocator.malloc(28 * MiB)  # the 30 MiB block, split 28 + 2
+    assert allocator.segments == 2
+    assert allocator.allocated_bytes == 40 * MiB
+    allocator.malloc(2 * MiB)  # one of the two 2 MiB remainders
+    assert allocator.segments == 2
+
+
+def test_fragmentation_forces_a_new_segment_and_peaks_reset() -> None:
+    allocator = CachingAllocator()
+    blocks = [allocator.malloc(4 * MiB) for _ in range(5)]  # one 20 MiB segment, full
+    for handle in blocks[::2]:
+        allocator.free(handle)  # three free 4 MiB holes, none adjacent
+    allocator.reset_peak_stats()
+    assert allocator.max_allocated_bytes == 8 * MiB
+    allocator.malloc(8 * MiB)  # no hole holds 8 MiB: a second 20 MiB segment
+    assert (allocator.segments, allocator.max_reserved_bytes, allocator.max_allocated_bytes) == (2, 40 * MiB, 16 * MiB)

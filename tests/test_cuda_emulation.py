@@ -1,0 +1,195 @@
+"""CUDA emulation on fake CPU tensors, checked against PyTorch's own CUDA tables and rules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memplan.estimator.cuda.autocast import cuda_autocast_policy, cuda_policies
+from memplan.estimator.cuda.kernels import cuda_kernels, select_sdpa_backend
+from memplan.estimator.trace import trace_step
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def test_policy_tables_cover_exactly_the_ops_cuda_autocast_registers() -> None:
+    registered = {
+        name.removeprefix("aten::") for name in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
+    }
+    assert set(cuda_policies()) == registered
+
+
+def _probes(device: str) -> dict[str, Callable[[], torch.Tensor]]:
+    def t(*shape: int, dtype: torch.dtype = F32) -> torch.Tensor:
+        return torch.empty(*shape, device=device, dtype=dtype)
+
+    labels = torch.zeros(4, dtype=torch.long, device=device)
+    return {
+        "mm": lambda: torch.mm(t(4, 8), t(8, 4)),
+        "bmm": lambda: torch.bmm(t(2, 4, 8), t(2, 8, 4)),
+        "einsum": lambda: torch.einsum("ij,jk->ik", t(4, 8), t(8, 4)),
+        "softmax": lambda: torch.softmax(t(4, 8, dtype=BF16), -1),
+        "log_softmax": lambda: torch.log_softmax(t(4, 8, dtype=BF16), -1),
+        "layer_norm": lambda: torch.nn.functional.layer_norm(t(4, 8, dtype=BF16), (8,)),
+        "group_norm": lambda: torch.nn.functional.group_norm(t(2, 4, 8, dtype=BF16), 2),
+        "sum": lambda: torch.sum(t(4, 8, dtype=BF16)),
+        "sum_dim": lambda: torch.sum(t(4, 8, dtype=BF16), dim=1),
+        "cumsum": lambda: torch.cumsum(t(4, 8, dtype=BF16), 1),
+        "exp": lambda: torch.exp(t(4, 8, dtype=BF16)),
+        "pow": lambda: torch.pow(t(4, 8, dtype=BF16), 2),
+        "rsqrt": lambda: torch.rsqrt(t(4, 8, dtype=BF16)),
+        "norm": lambda: torch.norm(t(4, 8, dtype=BF16)),
+        "mse_loss": lambda: torch.nn.functional.mse_loss(t(4, 8, dtype=BF16), t(4, 8, dtype=BF16)),
+        "cross_entropy": lambda: torch.nn.functional.cross_entropy(t(4, 8, dtype=BF16), labels),
+        "cat": lambda: torch.cat([t(4, 8, dtype=BF16), t(4, 8)]),
+        "stack": lambda: torch.stack([t(4, 8, dtype=BF16), t(4, 8)]),
+        "addcmul": lambda: torch.addcmul(t(4, 8, dtype=BF16), t(4, 8), t(4, 8, dtype=BF16)),
+        "gelu": lambda: torch.nn.functional.gelu(t(4, 8, dtype=BF16)),
+    }
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        leaves = out if isinstance(out, tuple | list) else (out,)
+        self.ops.append((str(func), tuple(leaf.dtype for leaf in leaves if isinstance(leaf, torch.Tensor))))
+        return out
+
+
+def _record(probe: Callable[[], torch.Tensor]) -> list[tuple[str, tuple[torch.dtype, ...]]]:
+    recorder = _OpRecorder()
+    with recorder:
+        probe()
+    # The ops that make tensors, without the probe's own input factories.
+    return [op for op in recorder.ops if op[1] and op[0] not in ("aten.empty.memory_format", "aten.zeros.default")]
+
+
+def _cuda_autocast_reference() -> dict[str, list]:
+    """CUDA autocast itself, run on fake CUDA tensors (a CPU-only torch runs forward ops there)."""
+    with FakeTensorMode():
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", BF16)
+        try:
+            return {name: _record(probe) for name, probe in _probes("cuda").items()}
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+            torch.clear_autocast_cache()
+
+
+def _cpu_autocast(emulate: bool) -> dict[str, list]:
+    with FakeTensorMode(), torch.autocast("cpu", dtype=BF16):
+        if not emulate:
+            return {name: _record(probe) for name, probe in _probes("cpu").items()}
+        with cuda_autocast_policy():
+            return {name: _record(probe) for name, probe in _probes("cpu").items()}
+
+
+def test_emulated_policy_runs_the_same_ops_in_the_same_dtypes_as_cuda_autocast() -> None:
+    reference = _cuda_autocast_reference()
+    emulated = _cpu_autocast(emulate=True)
+    mismatches = {name: (emulated[name], reference[name]) for name in reference if emulated[name] != reference[name]}
+    assert mismatches == {}
+    # Without the emulation CPU autocast differs (design.md §3): the emulation is what makes them equal.
+    plain = _cpu_autocast(emulate=False)
+    differing = sorted(name for name in reference if plain[name] != reference[name])
+    assert {"softmax", "layer_norm", "cross_entropy", "exp"} <= set(differing)
+    # And leaving the context gives CPU autocast back.
+    assert _cpu_autocast(emulate=False) == plain
+
+
+def _qkv(heads: int = 4, seq: int = 128, head_dim: int = 64, dtype: torch.dtype = BF16) -> list[torch.Tensor]:
+    return [torch.empty(2, heads, seq, head_dim, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "mask", "causal", "capability", "expected"),
+    [
+        # sdp_utils.cpp: flash needs fp16/bf16, sm80+, no mask, head_dim <= 256.
+        (BF16, 64, False, True, (9, 0), "flash"),
+        (torch.float16, 128, False, False, (8, 0), "flash"),
+        (BF16, 256, False, True, (9, 0), "flash"),
+        (BF16, 96, False, True, (9, 0), "flash"),  # padded to a multiple of 8 by attention.cpp
+        # fp32, a mask or a large head dim: memory-efficient (head dim a multiple of 8 / 4 for fp32).
+        (F32, 64, False, True, (9, 0), "efficient"),
+        (BF16, 64, True, False, (9, 0), "efficient"),
+        (F32, 64, True, False, (8, 0), "efficient"),
+        (BF16, 512, False, False, (9, 0), "efficient"),
+        # Before Ampere: no flash; memory-efficient has no bf16 there.
+        (torch.float16, 64, False, True, (7, 5), "efficient"),
+        (torch.float16, 64, False, True, (7, 0), "efficient"),
+        (BF16, 64, False, True, (7, 5), "math"),
+        # A head dim memory-efficient cannot align: math.
+        (BF16, 300, False, False, (9, 0), "math"),
+        # sm86/89 training with 192 < head_dim <= 224: not flash.
+        (BF16, 200, False, False, (8, 9), "efficient"),
+    ],
+)
+def test_sdpa_backend_selection_follows_sdp_utils(dtype, head_dim, mask, causal, capability, expected) -> None:  # type: ignore[no-untyped-def]
+    q, k, v = _qkv(head_dim=head_dim, dtype=dtype)
+    attn_mask = torch.empty(2, 1, 128, 128, dtype=dtype) if mask else None
+    assert select_sdpa_backend(q, k, v, attn_mask, causal, False, capability) == expected
+
+
+def test_unequal_heads_need_enable_gqa() -> None:
+    q = torch.empty(2, 8, 128, 64, dtype=BF16)
+    k = v = torch.empty(2, 2, 128, 64, dtype=BF16)
+    assert select_sdpa_backend(q, k, v, None, True, False) == "math"
+    assert select_sdpa_backend(q, k, v, None, True, True) == "flash"
+
+
+def test_dropout_is_the_fused_kernel_with_a_bool_mask() -> None:
+    with FakeTensorMode(), cuda_kernels(None):
+        x = torch.empty(16, 32, requires_grad=True)
+        recorder = _OpRecorder()
+        with recorder:
+            torch.nn.functional.dropout(x, 0.1, training=True)
+    assert ("aten.native_dropout.default", (F32, torch.bool)) in recorder.ops
+    with FakeTensorMode():
+        recorder = _OpRecorder()
+        with recorder:
+            torch.nn.functional.dropout(torch.empty(16, 32, requires_grad=True), 0.1, training=True)
+    assert not any(op == "aten.native_dropout.default" for op, _ in recorder.ops)  # CPU again
+
+
+def _graph_ops(model_dir: str, **settings: object) -> set[str]:
+    spec = resolve_model(model_dir)
+    traced = trace_step(spec, spec.settings_for(TrainingSettings(batch_size=2, seq_len=64, **settings)))
+    return {str(node.target) for node in traced.graph.graph.nodes if node.op == "call_function"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "attention_op"),
+    [
+        ({"precision": "amp-bf16"}, "aten._scaled_dot_product_flash_attention.default"),
+        ({"precision": "fp32"}, "aten._scaled_dot_product_efficient_attention.default"),
+        ({"precision": "amp-bf16", "gpu": "T4"}, "aten.bmm.default"),  # sm75 has no bf16 kernel: math
+        ({"precision": "amp-fp16", "gpu": "T4"}, "aten._scaled_dot_product_efficient_attention.default"),
+        ({"precision": "amp-bf16", "attn_impl": "eager"}, "aten.bmm.default"),
+    ],
+)
+def test_a_cuda_trace_runs_the_attention_kernel_cuda_would(tiny_model_dirs, settings, attention_op) -> None:  # type: ignore[no-untyped-def]
+    ops = _graph_ops(tiny_model_dirs["gpt2"], device="cuda", **settings)
+    assert attention_op in ops
+    fused = {op for op in ops if "flash" in op or "efficient" in op}
+    assert fused <= {attention_op, attention_op.replace(".default", "_backward.default")}
+    assert "aten.native_dropout.default" in ops
+
+
+def test_a_cpu_trace_keeps_cpu_kernels(tiny_model_dirs) -> None:  # type: ignore[no-untyped-def]
+    ops = _graph_ops(tiny_model_dirs["gpt2"], device="cpu", precision="amp-bf16")
+    assert not {op for op in ops if "flash" in op or "efficient" in op} - {
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    }
+    assert "aten.native_dropout.default" not in ops
+    assert "aten.bernoulli_.float" in ops  # CPU dropout: a mask in the input's dtype
