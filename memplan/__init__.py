@@ -1,10 +1,11 @@
 """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
 
-from memplan.api import apply_plan, estimate, plan
+from memplan.api import apply_plan, estimate, plan, validate, validate_suite
 from memplan.errors import MemplanError
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.planner.plan import PlanResult
 from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes, parse_size
+from memplan.validate.result import ValidationResult
 
 __all__ = [
     "Breakdown",
@@ -18,5 +19,8 @@ __all__ = [
     "estimate",
     "format_bytes",
     "parse_size",
+    "validate",
+    "validate_suite",
+    "ValidationResult",
 ]
 __version__ = "0.1.0"

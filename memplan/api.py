@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,16 @@ from memplan.models.source import ModelSpec, resolve_model
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
 from memplan.settings import CHECKPOINT_MODES, TrainingSettings, parse_size
+from memplan.validate.result import ValidationResult
+from memplan.validate.runner import (
+    DEFAULT_TIMEOUT_SECONDS,
+    DEFAULT_WARMUP_ITERATIONS,
+    check_can_measure,
+    validate_config,
+)
+from memplan.validate.suite import SuiteConfig, run_suite, suite_named
 
-__all__ = ["apply_plan", "estimate", "plan"]
+__all__ = ["apply_plan", "estimate", "plan", "validate", "validate_suite"]
 
 
 def _settings(settings: TrainingSettings | None, overrides: dict[str, Any]) -> tuple[TrainingSettings, Plan | None]:
@@ -105,3 +114,64 @@ def plan(
         raise SettingsError("a plan needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
     spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
     return make_plan(spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress)
+
+
+def validate(
+    model: str,
+    settings: TrainingSettings | None = None,
+    *,
+    inputs: str | None = None,
+    loss: str | None = None,
+    task: str | None = None,
+    warmup: int = DEFAULT_WARMUP_ITERATIONS,
+    snapshot: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_SECONDS,
+    progress: Progress | None = None,
+    **setting_overrides: Any,
+) -> ValidationResult:
+    """Predict one configuration, run it for real in a subprocess, and compare.
+
+    On cuda the run is measured with torch.cuda.max_memory_allocated / max_memory_reserved after
+    `warmup` iterations; on cpu with memplan's live-storage counter. An out-of-memory run is a
+    result (`out_of_memory=True`), not an exception. `snapshot` (cuda) saves PyTorch's memory
+    snapshot of the measured iteration for memory_viz.
+    """
+    settings, loaded = _settings(settings, setting_overrides)
+    check_can_measure(settings.device)
+    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    settings = _checked_against_plan(spec, settings, loaded)
+    return validate_config(
+        model,
+        spec,
+        settings,
+        inputs=inputs,
+        loss=loss,
+        task=task,
+        warmup=warmup,
+        snapshot=snapshot,
+        timeout_s=timeout_s,
+        plan_fingerprint=loaded.fingerprint if loaded is not None else None,
+        progress=progress,
+    )
+
+
+def validate_suite(
+    name: str,
+    results: str | Path,
+    *,
+    device: str = "cuda",
+    resume: bool = False,
+    warmup: int = DEFAULT_WARMUP_ITERATIONS,
+    timeout_s: float = DEFAULT_TIMEOUT_SECONDS,
+) -> Iterator[tuple[SuiteConfig, ValidationResult | None]]:
+    """Validate every configuration of a built-in suite, appending each result to `results` as it goes.
+
+    Yields (configuration, result) as each finishes; the result is None for configurations a
+    resumed run finds already in the file.
+    """
+    configs = suite_named(name)
+
+    def measure(config: SuiteConfig) -> ValidationResult:
+        return validate(config.model, warmup=warmup, timeout_s=timeout_s, device=device, **config.settings)
+
+    return run_suite(name, configs, Path(results), measure, resume=resume)

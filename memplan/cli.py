@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from typing import Any
 
 import click
 
-from memplan.errors import MemplanError, SizeParseError
+from memplan.errors import MemplanError, SizeParseError, UsageError
 from memplan.settings import ATTENTION_IMPLEMENTATIONS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
 
 
@@ -66,10 +67,10 @@ def presets() -> None:
     render_presets(Console(highlight=False))
 
 
-def _training_options(command: Callable[..., None]) -> Callable[..., None]:
+def _training_options(command: Callable[..., None], model_required: bool = True) -> Callable[..., None]:
     """The options that describe one training iteration, shared by estimate, plan and validate."""
     options = [
-        click.argument("model"),
+        click.argument("model", required=model_required),
         click.option("--batch-size", "-b", type=int, default=1, show_default=True, help="Micro-batch size."),
         click.option("--seq-len", type=int, help="Sequence length for text models [default: min(512, maximum)]."),
         click.option("--target-len", type=int, help="Decoder length for seq2seq models [default: --seq-len]."),
@@ -236,6 +237,107 @@ def plan(
             render_plan(result, Console(highlight=False), output)
 
     _run(debug, action)
+
+
+@main.command()
+@functools.partial(_training_options, model_required=False)
+@click.option(
+    "--checkpoint",
+    default="none",
+    show_default=True,
+    help="none; all = every repeated block; or a plan file from `memplan plan`.",
+)
+@click.option("--suite", help="Run a built-in suite instead of one MODEL: main (a GPU with 80 GB) or smoke (CPU).")
+@click.option(
+    "--results",
+    type=click.Path(dir_okay=False),
+    help="With --suite: the results file, written after every configuration [default: validation-SUITE.json].",
+)
+@click.option("--resume", is_flag=True, help="With --suite: skip the configurations already in --results.")
+@click.option(
+    "--snapshot", type=click.Path(dir_okay=False), help="cuda: save the measured iteration's memory snapshot."
+)
+@click.option("--warmup", type=int, default=2, show_default=True, help="Iterations run before the measured one.")
+@click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds allowed per configuration.")
+def validate(
+    model: str | None,
+    suite: str | None,
+    results: str | None,
+    resume: bool,
+    snapshot: str | None,
+    warmup: int,
+    timeout: float,
+    as_json: bool,
+    debug: bool,
+    task: str | None,
+    inputs: str | None,
+    loss: str | None,
+    **settings: Any,
+) -> None:
+    """Run MODEL's training iteration for real and compare the measured peak with the prediction.
+
+    Takes the same arguments as `estimate`. Each configuration runs in its own subprocess, so an
+    out-of-memory error or a CUDA error is a result, not a crash. --suite NAME runs a built-in set
+    of configurations instead (same --device), appending each result to --results as it goes.
+    """
+
+    def action() -> None:
+        from rich.console import Console
+
+        _quiet_transformers()
+        if suite is not None:
+            _validate_suite(suite, results, resume, settings["device"], warmup, timeout, as_json)
+            return
+        if model is None:
+            raise UsageError("name a MODEL to validate, or a built-in --suite (main, smoke)")
+        from memplan.api import validate as run_validate
+        from memplan.render.validate import render_validation, validation_to_json
+
+        result = run_validate(
+            model,
+            inputs=inputs,
+            loss=loss,
+            task=task,
+            warmup=warmup,
+            snapshot=snapshot,
+            timeout_s=timeout,
+            progress=_progress(as_json),
+            **settings,
+        )
+        if as_json:
+            click.echo(validation_to_json(result))
+        else:
+            render_validation(result, Console(highlight=False))
+
+    _run(debug, action)
+
+
+def _validate_suite(
+    suite: str, results: str | None, resume: bool, device: str, warmup: int, timeout: float, as_json: bool
+) -> None:
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from memplan.api import validate_suite
+    from memplan.render.validate import render_suite, suite_row
+    from memplan.validate.suite import load_results, summary
+
+    path = Path(results or f"validation-{suite}.json")
+    for config, result in validate_suite(suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout):
+        if result is not None and not as_json:
+            _stderr_console().print(" · ".join(suite_row(config.id, result)[:4]))
+    document = load_results(path)
+    from memplan.validate.result import ValidationResult
+
+    rows = [(entry["id"], ValidationResult.from_dict(entry)) for entry in document["configs"]]
+    totals = summary([result for _, result in rows])
+    if as_json:
+        click.echo(json.dumps({**document, "summary": totals}, indent=2))
+    else:
+        render_suite(rows, totals, Console(highlight=False))
+        _stderr_console().print(f"[dim]results: {path}[/dim]")
 
 
 if __name__ == "__main__":

@@ -162,3 +162,14 @@ class TrainingSettings:
         if isinstance(self.checkpoint, CheckpointLayout):
             data["checkpoint"] = self.checkpoint.to_dict()
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainingSettings:
+        """The inverse of to_dict; unknown keys are an error, missing ones take their defaults."""
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise SettingsError(f"unknown setting(s) {', '.join(sorted(unknown))}")
+        checkpoint = data.get("checkpoint", "none")
+        if isinstance(checkpoint, dict):
+            data = {**data, "checkpoint": CheckpointLayout.from_dict(checkpoint)}
+        return cls(**data)

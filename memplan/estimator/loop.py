@@ -55,6 +55,7 @@ class TrainingState:
     checkpointed_blocks: list[str]
     loss_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
+    autocast_device: str = "cpu"  # where the tensors are: fake CPU when tracing, cuda in a real CUDA run
 
 
 def cast_floating_point(model: nn.Module, dtype: torch.dtype) -> None:
@@ -102,16 +103,17 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     return state
 
 
-def autocast_context(settings: TrainingSettings):
+def autocast_context(settings: TrainingSettings, device_type: str = "cpu"):
     if not settings.is_amp:
         return nullcontext()
-    # CPU autocast on both targets: the tracer runs on fake CPU tensors (design.md §3).
-    return torch.autocast(device_type="cpu", dtype=AUTOCAST_DTYPES[settings.precision])
+    # The tracer runs on fake CPU tensors for both targets (design.md §3); a cuda target's trace
+    # applies CUDA's op lists through memplan.estimator.cuda.autocast.
+    return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[settings.precision])
 
 
 def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
     settings = state.settings
-    with autocast_context(settings):
+    with autocast_context(settings, state.autocast_device):
         loss = state.loss_of(call_model(state.model, state.batch), state.batch)
     marker("forward")
     if settings.grad_accum > 1:

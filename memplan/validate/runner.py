@@ -1,0 +1,123 @@
+"""Predict a configuration here, measure it in a subprocess, and put the two side by side."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+
+from memplan.errors import MeasurementError
+from memplan.estimator.estimate import run_estimate
+from memplan.models.source import ModelSpec
+from memplan.settings import TrainingSettings, format_bytes
+from memplan.validate.measure import NO_CUDA_MESSAGE
+from memplan.validate.result import ValidationResult
+
+DEFAULT_WARMUP_ITERATIONS = 2
+DEFAULT_TIMEOUT_SECONDS = 1800
+
+
+def check_can_measure(device: str) -> None:
+    """Refuse at once, before any prediction, to measure cuda where there is no GPU."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MeasurementError(NO_CUDA_MESSAGE)
+
+
+def measure_in_subprocess(
+    model: str,
+    settings: TrainingSettings,
+    *,
+    inputs: str | None = None,
+    loss: str | None = None,
+    task: str | None = None,
+    warmup: int = DEFAULT_WARMUP_ITERATIONS,
+    snapshot: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_SECONDS,
+) -> dict:
+    """Run memplan.validate.worker on one configuration; its measurement, or {"error": ...}."""
+    request = {
+        "model": model,
+        "inputs": inputs,
+        "loss": loss,
+        "task": task,
+        "settings": settings.to_dict(),
+        "warmup": warmup,
+        "snapshot": snapshot,
+    }
+    try:
+        completed = subprocess.run(
+            [sys.executable, "-m", "memplan.validate.worker"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"the measurement ran past {timeout_s:.0f} s and was stopped (--timeout)"}
+    lines = completed.stdout.strip().splitlines()
+    if lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    tail = " | ".join(completed.stderr.strip().splitlines()[-3:])
+    return {"error": f"the measuring process died (exit {completed.returncode}): {tail or 'no output'}"}
+
+
+def validate_config(
+    model: str,
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    *,
+    inputs: str | None = None,
+    loss: str | None = None,
+    task: str | None = None,
+    warmup: int = DEFAULT_WARMUP_ITERATIONS,
+    snapshot: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_SECONDS,
+    plan_fingerprint: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ValidationResult:
+    report = progress or (lambda message: None)
+    prediction = run_estimate(spec, settings, progress=progress, plan_fingerprint=plan_fingerprint)
+    report(f"measuring a real {settings.device} run")
+    measured = measure_in_subprocess(
+        model,
+        prediction.settings,
+        inputs=inputs,
+        loss=loss,
+        task=task,
+        warmup=warmup,
+        snapshot=snapshot,
+        timeout_s=timeout_s,
+    )
+    error = measured.get("error")
+    if measured.get("error_class") == MeasurementError.__name__:
+        raise MeasurementError(error)  # nothing to measure with here (no GPU): not a result
+    out_of_memory = bool(measured.get("out_of_memory"))
+    if out_of_memory:
+        error = (
+            f"measured: out of memory above {format_bytes(measured['peak_bytes'])}; "
+            f"predicted {format_bytes(prediction.peak_bytes)} ({measured.get('message')})"
+        )
+    return ValidationResult(
+        model=model,
+        settings=prediction.settings.to_dict(),
+        device=settings.device,
+        predicted_peak_bytes=prediction.peak_bytes,
+        measured_peak_bytes=measured.get("peak_bytes"),
+        predicted_reserved_bytes=prediction.reserved_peak_bytes,
+        measured_reserved_bytes=measured.get("reserved_bytes"),
+        predicted_device_bytes=prediction.device_peak_bytes,
+        measured_device_bytes=measured.get("device_used_bytes"),
+        device_name=measured.get("device_name", "unknown"),
+        torch_version=measured.get("torch_version", "unknown"),
+        out_of_memory=out_of_memory,
+        error=error,
+        predict_seconds=prediction.seconds,
+        measure_seconds=measured.get("seconds", 0.0),
+        snapshot=snapshot if snapshot is not None and error is None else None,
+    )

@@ -1,0 +1,139 @@
+"""Built-in validation suites, and the results file a suite run appends to as it goes.
+
+The results file is one JSON document (`device_name`, `torch_version`, `suite`, `configs`),
+rewritten after every configuration, so an interrupted run keeps what it measured and `--resume`
+skips the configurations already in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import UsageError
+from memplan.validate.result import ValidationResult
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    id: str
+    model: str
+    settings: dict[str, Any] = field(default_factory=dict)  # TrainingSettings fields besides the device
+
+
+def _c(id: str, model: str, **settings: Any) -> SuiteConfig:
+    return SuiteConfig(id, model, settings)
+
+
+# Sized for one 80 GB GPU; every architecture memplan's presets cover except the 7-8B models,
+# whose AdamW state alone (16 bytes per parameter) exceeds 80 GB.
+MAIN = (
+    _c("gpt2-fp32-adamw", "gpt2", batch_size=8, seq_len=1024),
+    _c("gpt2-amp-bf16", "gpt2", batch_size=8, seq_len=1024, precision="amp-bf16"),
+    _c("gpt2-amp-fp16", "gpt2", batch_size=8, seq_len=1024, precision="amp-fp16"),
+    _c("gpt2-bf16", "gpt2", batch_size=16, seq_len=1024, precision="bf16"),
+    _c("gpt2-checkpoint-all", "gpt2", batch_size=8, seq_len=1024, checkpoint="all"),
+    _c("gpt2-sgd-accum4", "gpt2", batch_size=4, seq_len=1024, optimizer="sgd", grad_accum=4),
+    _c("gpt2-eager-attention", "gpt2", batch_size=4, seq_len=1024, precision="amp-bf16", attn_impl="eager"),
+    _c("gpt2-medium-amp-bf16", "gpt2-medium", batch_size=4, seq_len=1024, precision="amp-bf16"),
+    _c("bert-large-amp-bf16", "bert-large-uncased", batch_size=16, seq_len=512, precision="amp-bf16"),
+    _c("bert-large-checkpoint", "bert-large-uncased", batch_size=8, seq_len=512, checkpoint="all"),
+    _c("distilbert-fp32", "distilbert-base-uncased", batch_size=32, seq_len=512),
+    _c(
+        "distilbert-amp-fp16-sgd",
+        "distilbert-base-uncased",
+        batch_size=32,
+        seq_len=512,
+        precision="amp-fp16",
+        optimizer="sgd-momentum",
+    ),
+    _c("t5-base-adafactor", "t5-base", batch_size=8, seq_len=512, optimizer="adafactor"),
+    _c("t5-small-amp-bf16", "t5-small", batch_size=32, seq_len=512, precision="amp-bf16"),
+    _c("qwen2.5-0.5b-amp-bf16", "qwen2.5-0.5b", batch_size=4, seq_len=1024, precision="amp-bf16"),
+    _c("qwen2.5-0.5b-bf16-checkpoint", "qwen2.5-0.5b", batch_size=8, seq_len=1024, precision="bf16", checkpoint="all"),
+    _c("qwen2.5-0.5b-fp32", "qwen2.5-0.5b", batch_size=2, seq_len=2048),
+    _c("vit-base-amp-bf16", "vit-base-patch16-224", batch_size=64, precision="amp-bf16"),
+    _c("vit-base-fp32-sgd", "vit-base-patch16-224", batch_size=32, optimizer="sgd"),
+    _c("resnet-50-fp32-sgd-momentum", "resnet-50", batch_size=64, optimizer="sgd-momentum"),
+    _c("resnet-50-amp-fp16", "resnet-50", batch_size=64, precision="amp-fp16"),
+    _c("resnet-101-accum2", "resnet-101", batch_size=32, grad_accum=2),
+    _c("resnet-101-bf16-sgd", "resnet-101", batch_size=50, precision="bf16", optimizer="sgd"),
+)
+
+# Two-layer models that measure in seconds on a CPU: `memplan validate --suite smoke --device cpu`.
+SMOKE = (
+    _c("tiny-gpt2-fp32", "tiny-gpt2", batch_size=2, seq_len=64),
+    _c("tiny-gpt2-checkpoint-accum", "tiny-gpt2", batch_size=2, seq_len=64, checkpoint="all", grad_accum=2),
+    _c("tiny-llama-amp-bf16", "tiny-llama", batch_size=2, seq_len=64, precision="amp-bf16", optimizer="sgd"),
+)
+
+SUITES = {"main": MAIN, "smoke": SMOKE}
+
+
+def suite_named(name: str) -> tuple[SuiteConfig, ...]:
+    if name not in SUITES:
+        raise UsageError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
+    return SUITES[name]
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(
+            f"cannot read results file {path} ({error}); pass another --results or drop --resume"
+        ) from error
+    if not isinstance(document, dict) or not isinstance(document.get("configs"), list):
+        raise UsageError(f"{path} is not a memplan validation results file")
+    return document
+
+
+def _write_atomically(path: Path, document: dict[str, Any]) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(document, indent=2) + "\n")
+    os.replace(temporary, path)
+
+
+def run_suite(
+    name: str,
+    configs: tuple[SuiteConfig, ...],
+    results_path: Path,
+    measure: Callable[[SuiteConfig], ValidationResult],
+    *,
+    resume: bool = False,
+) -> Iterator[tuple[SuiteConfig, ValidationResult | None]]:
+    """Measure each configuration, writing the results file after each; yields (config, result or None if resumed)."""
+    if results_path.exists() and not resume:
+        raise UsageError(f"{results_path} exists: pass --resume to continue it, or another --results file")
+    document = load_results(results_path) if resume and results_path.exists() else {"suite": name, "configs": []}
+    if document.get("suite") != name:
+        raise UsageError(f"{results_path} holds suite {document.get('suite')!r}, not {name!r}")
+    done = {entry["id"] for entry in document["configs"]}
+    for config in configs:
+        if config.id in done:
+            yield config, None
+            continue
+        result = measure(config)
+        document.setdefault("device_name", result.device_name)
+        document.setdefault("torch_version", result.torch_version)
+        document["configs"].append({"id": config.id, **result.to_dict()})
+        _write_atomically(results_path, document)
+        yield config, result
+
+
+def summary(results: list[ValidationResult]) -> dict[str, float | int | None]:
+    """Median and largest |relative error| over the measured configurations."""
+    peak = [abs(r.relative_error) for r in results if r.relative_error is not None]
+    reserved = [abs(r.reserved_relative_error) for r in results if r.reserved_relative_error is not None]
+    return {
+        "measured": len(peak),
+        "failed": len(results) - len(peak),
+        "median_abs_error": statistics.median(peak) if peak else None,
+        "max_abs_error": max(peak) if peak else None,
+        "median_abs_reserved_error": statistics.median(reserved) if reserved else None,
+    }
