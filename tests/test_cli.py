@@ -161,6 +161,13 @@ def test_plan_json_and_plan_file_round_trip(tmp_path):
     assert estimated.exit_code == 0, estimated.output
     assert json.loads(estimated.output)["peak_bytes"] == data["predicted_peak_bytes"]
 
+    # validate --checkpoint plan.json: the plan applied to a real run, measured within budget.
+    validated = runner.invoke(main, ["validate", *common, "--checkpoint", str(plan_path), "--json"])
+    assert validated.exit_code == 0, validated.output
+    measured = json.loads(validated.output)
+    assert measured["predicted_peak_bytes"] == data["predicted_peak_bytes"]
+    assert measured["measured_peak_bytes"] <= 9 * 2**20 and abs(measured["relative_error"]) <= 0.005
+
     other_settings = runner.invoke(main, ["estimate", *common[:2], "4", *common[3:], "--checkpoint", str(plan_path)])
     assert other_settings.exit_code == 2
     assert "batch_size 2 in the plan, 4 here" in other_settings.output
