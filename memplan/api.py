@@ -137,7 +137,7 @@ def validate(
     snapshot of the measured iteration for memory_viz.
     """
     settings, loaded = _settings(settings, setting_overrides)
-    check_can_measure(settings.device)
+    check_can_measure(settings.device, snapshot)
     spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
     settings = _checked_against_plan(spec, settings, loaded)
     return validate_config(

@@ -308,6 +308,8 @@ def validate(
             click.echo(validation_to_json(result))
         else:
             render_validation(result, Console(highlight=False))
+        if result.error is not None and not result.out_of_memory:
+            sys.exit(1)  # the run failed before measuring: a failure, not a result (an OOM is one)
 
     _run(debug, action)
 
@@ -322,16 +324,14 @@ def _validate_suite(
 
     from memplan.api import validate_suite
     from memplan.render.validate import render_suite, suite_row
-    from memplan.validate.suite import load_results, summary
+    from memplan.validate.suite import load_results, result_rows, summary
 
     path = Path(results or f"validation-{suite}.json")
     for config, result in validate_suite(suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout):
         if result is not None and not as_json:
             _stderr_console().print(" · ".join(suite_row(config.id, result)[:4]))
     document = load_results(path)
-    from memplan.validate.result import ValidationResult
-
-    rows = [(entry["id"], ValidationResult.from_dict(entry)) for entry in document["configs"]]
+    rows = result_rows(document)
     totals = summary([result for _, result in rows])
     if as_json:
         click.echo(json.dumps({**document, "summary": totals}, indent=2))

@@ -28,6 +28,8 @@ def test_validate_on_cpu_measures_and_compares(tiny_model_dirs) -> None:  # type
     assert measured > 0 and data["device_name"] == "cpu" and data["torch_version"] == torch.__version__
     assert data["relative_error"] == pytest.approx((predicted - measured) / measured)
     assert abs(data["relative_error"]) <= 0.005  # issue 2's CPU target, now measured in a subprocess
+    refused = run("validate", tiny_model_dirs["gpt2"], "--device", "cpu", "--snapshot", "s.pickle")
+    assert refused.exit_code == 2 and "needs --device cuda" in refused.output  # before any prediction
 
 
 def test_validate_cuda_without_a_gpu_is_a_one_line_failure() -> None:

@@ -19,11 +19,12 @@ from memplan.estimator.cuda.allocator import CachingAllocator, round_size
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.trace import TracedStep
+from memplan.gpus import DEFAULT_GPU, gpu_named
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
 PHASES = ("forward", "backward", "optimizer")
 # Steady state: the allocator's segments after this many iterations (they are never released, and
-# the third iteration reuses what the first two cached; see allocator_peaks).
+# the third iteration reuses what the first two cached; see reserved_peak_bytes).
 STEADY_STATE_ITERATIONS = 3
 # Ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp).
 CUBLAS_OPS = {
@@ -189,8 +190,6 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     """
     if traced.settings.device != "cuda":
         return []
-    from memplan.gpus import DEFAULT_GPU, gpu_named
-
     size = round_size(cublas_workspace_bytes(gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability))
     nodes = list(traced.graph.graph.nodes)
     main_thread = nodes[: traced.forward_end] + nodes[traced.backward_end :]
@@ -210,7 +209,7 @@ def simulate(traced: TracedStep) -> Simulation:
     workspaces = cublas_workspaces(traced)
     reserved = None
     if traced.settings.device == "cuda":
-        reserved = allocator_peaks(lifetimes, allocations, frees, workspaces)[1]
+        reserved = reserved_peak_bytes(lifetimes, allocations, frees, workspaces)
     live = sum(workspaces)
     timeline = []
     peak_bytes, peak_node = -1, 0
@@ -243,13 +242,13 @@ def simulate(traced: TracedStep) -> Simulation:
     )
 
 
-def allocator_peaks(
+def reserved_peak_bytes(
     lifetimes: Liveness,
     allocations: list[list[StorageWeakRef]],
     frees: list[list[StorageWeakRef]],
     workspaces: list[int],
-) -> tuple[int, int]:
-    """(max_memory_allocated, max_memory_reserved) of a steady-state iteration, from the allocator simulator.
+) -> int:
+    """max_memory_reserved of a steady-state iteration, from the allocator simulator.
 
     What lives through the whole iteration (cuBLAS workspaces, parameters, buffers, optimizer
     state, the batch) is allocated first, in graph order; then the iteration's allocations and frees run
@@ -281,7 +280,7 @@ def allocator_peaks(
             for key in frees[index]:
                 if key in handles:
                     allocator.free(handles.pop(key))
-    return allocator.max_allocated_bytes, allocator.max_reserved_bytes
+    return allocator.max_reserved_bytes
 
 
 def _category(key: StorageWeakRef, born: int, last_use: int, traced: TracedStep) -> str:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from memplan.errors import MeasurementError
+from memplan.errors import MeasurementError, UsageError
 from memplan.estimator.estimate import run_estimate
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings, format_bytes
@@ -18,10 +18,12 @@ DEFAULT_WARMUP_ITERATIONS = 2
 DEFAULT_TIMEOUT_SECONDS = 1800
 
 
-def check_can_measure(device: str) -> None:
-    """Refuse at once, before any prediction, to measure cuda where there is no GPU."""
+def check_can_measure(device: str, snapshot: str | None = None) -> None:
+    """Refuse at once, before any prediction, what cannot be measured here."""
     import torch
 
+    if snapshot is not None and device != "cuda":
+        raise UsageError("--snapshot records the CUDA caching allocator; it needs --device cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise MeasurementError(NO_CUDA_MESSAGE)
 
@@ -95,8 +97,6 @@ def validate_config(
         timeout_s=timeout_s,
     )
     error = measured.get("error")
-    if measured.get("error_class") == MeasurementError.__name__:
-        raise MeasurementError(error)  # nothing to measure with here (no GPU): not a result
     out_of_memory = bool(measured.get("out_of_memory"))
     if out_of_memory:
         error = (

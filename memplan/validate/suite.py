@@ -93,6 +93,11 @@ def load_results(path: Path) -> dict[str, Any]:
     return document
 
 
+def result_rows(document: dict[str, Any]) -> list[tuple[str, ValidationResult]]:
+    """The (config id, result) pairs of a results document, in the order they were measured."""
+    return [(entry["id"], ValidationResult.from_dict(entry)) for entry in document["configs"]]
+
+
 def _write_atomically(path: Path, document: dict[str, Any]) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(document, indent=2) + "\n")

@@ -96,8 +96,6 @@ def select_sdpa_backend(
 
 
 def _sdpa_as_on_cuda(compute_capability: tuple[int, int]):  # type: ignore[no-untyped-def]
-    original = F.scaled_dot_product_attention
-
     def scaled_dot_product_attention(
         query: torch.Tensor,
         key: torch.Tensor,
@@ -139,7 +137,6 @@ def _sdpa_as_on_cuda(compute_capability: tuple[int, int]):  # type: ignore[no-un
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
             )[0]
 
-    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
     return scaled_dot_product_attention
 
 
