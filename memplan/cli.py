@@ -116,6 +116,15 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
     return command
 
 
+def _check_output_paths(**paths: str | None) -> None:
+    """Refuse an output file whose folder does not exist before the work, not after it."""
+    from pathlib import Path
+
+    for option, path in paths.items():
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise UsageError(f"--{option} {path}: the folder {Path(path).parent} does not exist; create it first")
+
+
 def _progress(as_json: bool) -> Callable[[str], None] | None:
     if as_json or not sys.stderr.isatty():
         return None
@@ -137,9 +146,21 @@ def _quiet_transformers() -> None:
     help="none; all = every repeated block, like HF gradient checkpointing; or a plan file from `memplan plan`.",
 )
 @click.option("--budget", type=SizeType(), help="Memory budget (80GB, 24GiB, 512MiB, bytes): fits? largest batch?")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    help="Write a PNG of the iteration's memory over time, stacked by category.",
+)
+@click.option(
+    "--snapshot",
+    type=click.Path(dir_okay=False),
+    help="cuda: write the predicted iteration as a torch.cuda.memory._snapshot() pickle for memory_viz.",
+)
 def estimate(
     model: str,
     budget: int | None,
+    plot: str | None,
+    snapshot: str | None,
     as_json: bool,
     debug: bool,
     task: str | None,
@@ -157,10 +178,14 @@ def estimate(
         from memplan.api import estimate as run_estimate
         from memplan.render.estimate import render_estimate, to_json
 
+        if snapshot is not None and settings["device"] != "cuda":
+            raise UsageError("--snapshot writes the CUDA caching allocator's view; use it with --device cuda")
+        _check_output_paths(plot=plot, snapshot=snapshot)
         _quiet_transformers()
         result = run_estimate(
             model, inputs=inputs, loss=loss, task=task, budget=budget, progress=_progress(as_json), **settings
         )
+        _write_pictures(result, plot, snapshot)
         if as_json:
             click.echo(to_json(result))
         else:
@@ -169,6 +194,24 @@ def estimate(
             render_estimate(result, Console(highlight=False))
 
     _run(debug, action)
+
+
+def _write_pictures(result: Any, plot: str | None, snapshot: str | None) -> None:
+    from memplan.render.estimate import describe_settings
+
+    title = f"{result.model}: {describe_settings(result.settings)}"
+    if plot is not None:
+        from memplan.render.plot import plot_timeline
+
+        plot_timeline(result.timeline, plot, title=title, budget_bytes=result.budget_bytes)
+        _stderr_console().print(f"[dim]plot: {plot}[/dim]")
+    if snapshot is not None:
+        from memplan.render.snapshot import predicted_snapshot, write_snapshot
+
+        metadata = {"model": result.model, "settings": result.settings.to_dict(), "peak_bytes": result.peak_bytes}
+        write_snapshot(predicted_snapshot(result.timeline, metadata), snapshot)
+        view = f"python -m torch.cuda._memory_viz trace_plot {snapshot} -o page.html"
+        _stderr_console().print(f"[dim]snapshot: {snapshot} (view it: {view})[/dim]")
 
 
 @main.command()
@@ -215,6 +258,7 @@ def plan(
         from memplan.planner.plan_file import write_plan
         from memplan.render.plan import plan_to_json, render_plan
 
+        _check_output_paths(output=output)
         _quiet_transformers()
         result = make_plan(
             model,

@@ -53,3 +53,11 @@ class MeasurementError(MemplanError):
 
 class PlanFileError(UsageError):
     """A checkpointing plan file is unreadable, of another format version, or made for another setup."""
+
+
+class OutputError(UsageError):
+    """A file the user asked for (--plot, --snapshot, --output) cannot be written there."""
+
+
+class HfArgsError(UsageError):
+    """A TrainingArguments file is unreadable or asks for something memplan cannot model."""

@@ -102,4 +102,5 @@ def run_estimate(
         fits=fits,
         max_batch_size=max_batch,
         notes=tuple(_notes(settings)),
+        timeline=main.timeline,
     )

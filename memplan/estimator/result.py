@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from memplan.estimator.timeline import MemoryTimeline
 from memplan.settings import TrainingSettings
 
 
@@ -50,9 +51,11 @@ class EstimateResult:
     fits: bool | None = None
     max_batch_size: int | None = None
     notes: tuple[str, ...] = ()
+    # The predicted iteration allocation by allocation (for --plot and --snapshot); not in to_dict().
+    timeline: MemoryTimeline | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data = {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.name != "timeline"}
         data["settings"] = self.settings.to_dict()
         data["breakdown"] = self.breakdown.to_dict()
         data["checkpointed_blocks"] = list(self.checkpointed_blocks)

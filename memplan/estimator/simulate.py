@@ -18,14 +18,16 @@ from torch.utils._pytree import tree_flatten
 from memplan.estimator.cuda.allocator import CachingAllocator, round_size
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
+from memplan.estimator.timeline import (
+    BREAKDOWN_KEYS,
+    PHASES,
+    MemoryTimeline,
+    TimelineAllocation,
+    replay_steady_state,
+)
 from memplan.estimator.trace import TracedStep
 from memplan.gpus import DEFAULT_GPU, gpu_named
 
-BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
-PHASES = ("forward", "backward", "optimizer")
-# Steady state: the allocator's segments after this many iterations (they are never released, and
-# the third iteration reuses what the first two cached; see reserved_peak_bytes).
-STEADY_STATE_ITERATIONS = 3
 # Ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp).
 CUBLAS_OPS = {
     torch.ops.aten.mm.default,
@@ -58,6 +60,7 @@ class Simulation:
     peak_module: str | None
     unsupported_ops: tuple[str, ...]
     timeline_bytes: tuple[int, ...]
+    timeline: MemoryTimeline
     reserved_peak_bytes: int | None = None  # cuda: what the caching allocator holds (max_memory_reserved)
 
 
@@ -207,16 +210,19 @@ def simulate(traced: TracedStep) -> Simulation:
         frees[last_use[key]].append(key)
 
     workspaces = cublas_workspaces(traced)
+    timeline = memory_timeline(traced, lifetimes, workspaces)
     reserved = None
     if traced.settings.device == "cuda":
-        reserved = reserved_peak_bytes(lifetimes, allocations, frees, workspaces)
+        allocator = CachingAllocator()
+        replay_steady_state(timeline, allocator)
+        reserved = allocator.max_reserved_bytes
     live = sum(workspaces)
-    timeline = []
+    live_bytes = []
     peak_bytes, peak_node = -1, 0
     phase_peaks = dict.fromkeys(PHASES, 0)
     for index in range(len(nodes)):
         live += sum(size[key] for key in allocations[index])
-        timeline.append(live)
+        live_bytes.append(live)
         if live > peak_bytes:
             peak_bytes, peak_node = live, index
         phase = _phase_of(index, traced)
@@ -237,50 +243,30 @@ def simulate(traced: TracedStep) -> Simulation:
         peak_op=_op_name(nodes[peak_node]),
         peak_module=traced.node_modules[peak_node],
         unsupported_ops=lifetimes.unsupported_ops,
-        timeline_bytes=tuple(timeline),
+        timeline_bytes=tuple(live_bytes),
+        timeline=timeline,
         reserved_peak_bytes=reserved,
     )
 
 
-def reserved_peak_bytes(
-    lifetimes: Liveness,
-    allocations: list[list[StorageWeakRef]],
-    frees: list[list[StorageWeakRef]],
-    workspaces: list[int],
-) -> int:
-    """max_memory_reserved of a steady-state iteration, from the allocator simulator.
-
-    What lives through the whole iteration (cuBLAS workspaces, parameters, buffers, optimizer
-    state, the batch) is allocated first, in graph order; then the iteration's allocations and frees run
-    STEADY_STATE_ITERATIONS times and the peaks of the last one are reported. A real run creates
-    the optimizer state inside its first step, between that step's temporaries, which this order
-    does not reproduce; its effect on the segments is what validation on a GPU measures.
-    """
+def memory_timeline(traced: TracedStep, lifetimes: Liveness, workspaces: list[int]) -> MemoryTimeline:
+    """Every storage of the step with its lifetime and category, workspaces first, then in request order."""
     end = len(lifetimes.nodes)
-    persistent = [
-        key
-        for index in range(end)
-        for key in allocations[index]
-        if lifetimes.last_use[key] == end and lifetimes.born[key] == 0 and lifetimes.size[key] > 0
-    ]
-    persistent_set = set(persistent)
-    allocator = CachingAllocator()
-    for workspace_bytes in workspaces:
-        allocator.malloc(workspace_bytes)
-    for key in persistent:
-        allocator.malloc(lifetimes.size[key])
-    for iteration in range(STEADY_STATE_ITERATIONS):
-        if iteration == STEADY_STATE_ITERATIONS - 1:
-            allocator.reset_peak_stats()
-        handles: dict[StorageWeakRef, int] = {}
-        for index in range(end + 1):
-            for key in allocations[index] if index < end else ():
-                if key not in persistent_set and lifetimes.size[key] > 0:  # a 0-byte request allocates nothing
-                    handles[key] = allocator.malloc(lifetimes.size[key])
-            for key in frees[index]:
-                if key in handles:
-                    allocator.free(handles.pop(key))
-    return allocator.max_reserved_bytes
+    allocations = [TimelineAllocation(0, end, size, "workspaces", "cublas workspace", None) for size in workspaces]
+    for key, size in lifetimes.size.items():
+        born, last_use = lifetimes.born[key], lifetimes.last_use[key]
+        allocations.append(
+            TimelineAllocation(
+                allocated_at=born,
+                freed_at=last_use,
+                size_bytes=size,
+                category=_category(key, born, last_use, traced),
+                op=_op_name(lifetimes.nodes[born]),
+                module=traced.node_modules[born],
+            )
+        )
+    allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
+    return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))
 
 
 def _category(key: StorageWeakRef, born: int, last_use: int, traced: TracedStep) -> str:

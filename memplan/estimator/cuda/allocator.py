@@ -87,6 +87,7 @@ class CachingAllocator:
         self._next_address = 0
         self._handles: dict[int, _Block] = {}
         self._next_handle = 0
+        self._segment_heads: list[_Block] = []
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.segments = 0
@@ -139,11 +140,30 @@ class CachingAllocator:
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         block = _Block(self._next_address, size, small)
+        self._segment_heads.append(block)
         self._next_address += size
         self.reserved_bytes += size
         self.segments += 1
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
         return block
+
+    def block(self, handle: int) -> tuple[int, int]:
+        """(address, size) of a live allocation; size is what memory_allocated counts for it."""
+        block = self._handles[handle]
+        return block.address, block.size
+
+    def segment_layout(self) -> list[tuple[int, int, bool, list[tuple[int, int, int | None]]]]:
+        """Every segment as (address, size, small, blocks), each block (address, size, live handle or None)."""
+        handle_of = {id(block): handle for handle, block in self._handles.items()}
+        result = []
+        for head in self._segment_heads:
+            blocks = []
+            block: _Block | None = head
+            while block is not None:
+                blocks.append((block.address, block.size, handle_of.get(id(block))))
+                block = block.next
+            result.append((head.address, sum(size for _, size, _ in blocks), head.small, blocks))
+        return result
 
     def reset_peak_stats(self) -> None:
         """torch.cuda.reset_peak_memory_stats(): peaks restart from the current values."""

@@ -1,0 +1,108 @@
+"""The predicted iteration allocation by allocation: what `--plot` draws and `--snapshot` writes.
+
+Node indices are positions in the traced graph; an allocation is live from `allocated_at` through
+`freed_at` inclusive (the simulation counts a node's outputs and inputs as live while it runs),
+and `freed_at == node_count` means it outlives the iteration (parameters, optimizer state, the
+batch, and the gradients until zero_grad).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import accumulate
+
+from memplan.estimator.cuda.allocator import CachingAllocator
+
+BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
+PHASES = ("forward", "backward", "optimizer")
+# Steady state: the allocator's segments after this many iterations (they are never released, and
+# the third iteration reuses what the first two cached; see replay_steady_state).
+STEADY_STATE_ITERATIONS = 3
+
+
+@dataclass(frozen=True)
+class TimelineAllocation:
+    allocated_at: int
+    freed_at: int
+    size_bytes: int
+    category: str  # one of BREAKDOWN_KEYS
+    op: str  # the aten op (or placeholder / get_attr) that produced it
+    module: str | None  # the module running when it was produced, if any
+
+    def persists(self, node_count: int) -> bool:
+        """Alive before the iteration starts and after it ends: parameters, state, the batch, workspaces."""
+        return self.allocated_at == 0 and self.freed_at == node_count
+
+
+@dataclass(frozen=True)
+class MemoryTimeline:
+    node_count: int
+    forward_end: int  # first node of the backward pass
+    backward_end: int  # first node of the optimizer step
+    allocations: tuple[TimelineAllocation, ...]  # in the order the step requests them
+
+    def phase_starts(self) -> dict[str, int]:
+        return {"forward": 0, "backward": self.forward_end, "optimizer": self.backward_end}
+
+    def category_bytes(self) -> dict[str, list[int]]:
+        """Live bytes of each category at every node (the same counting as the peak)."""
+        deltas = {key: [0] * (self.node_count + 1) for key in BREAKDOWN_KEYS}
+        for allocation in self.allocations:
+            delta = deltas[allocation.category]
+            delta[allocation.allocated_at] += allocation.size_bytes
+            if allocation.freed_at < self.node_count:
+                delta[allocation.freed_at + 1] -= allocation.size_bytes
+        return {key: list(accumulate(delta[: self.node_count])) for key, delta in deltas.items()}
+
+    def total_bytes(self) -> list[int]:
+        per_category = self.category_bytes()
+        return [sum(values) for values in zip(*per_category.values(), strict=True)]
+
+
+AllocatorEvent = Callable[[str, int, TimelineAllocation], None]  # (action, allocator handle, allocation)
+
+
+def replay_steady_state(
+    timeline: MemoryTimeline, allocator: CachingAllocator, on_event: AllocatorEvent | None = None
+) -> None:
+    """Run the iteration's requests through `allocator` as a training loop would reach steady state.
+
+    What lives through the whole iteration (cuBLAS workspaces, parameters, buffers, optimizer
+    state, the batch) is allocated first, in request order; then the iteration's allocations and
+    frees run STEADY_STATE_ITERATIONS times, and the peak statistics are reset before the last one,
+    as `memplan validate` resets them before its measured iteration. `on_event(action, handle,
+    allocation)` sees the "persistent" allocations and the last iteration's "alloc"s and "free"s.
+    A real run creates the optimizer state inside its first step, between that step's
+    temporaries, which this order does not reproduce; its effect on the segments is what
+    validation on a GPU measures.
+    """
+    end = timeline.node_count
+    by_start: list[list[TimelineAllocation]] = [[] for _ in range(end)]
+    by_end: list[list[TimelineAllocation]] = [[] for _ in range(end + 1)]
+    for allocation in timeline.allocations:
+        if allocation.size_bytes == 0:
+            continue  # a 0-byte request allocates nothing
+        if allocation.persists(end):
+            handle = allocator.malloc(allocation.size_bytes)
+            if on_event is not None:
+                on_event("persistent", handle, allocation)
+            continue
+        by_start[allocation.allocated_at].append(allocation)
+        by_end[allocation.freed_at].append(allocation)
+    for iteration in range(STEADY_STATE_ITERATIONS):
+        last = iteration == STEADY_STATE_ITERATIONS - 1
+        if last:
+            allocator.reset_peak_stats()
+        handles: dict[int, int] = {}
+        for index in range(end + 1):
+            for allocation in by_start[index] if index < end else ():
+                handle = allocator.malloc(allocation.size_bytes)
+                handles[id(allocation)] = handle
+                if last and on_event is not None:
+                    on_event("alloc", handle, allocation)
+            for allocation in by_end[index]:
+                handle = handles.pop(id(allocation))
+                allocator.free(handle)
+                if last and on_event is not None:
+                    on_event("free", handle, allocation)

@@ -1,0 +1,126 @@
+"""The predicted iteration as a `torch.cuda.memory._snapshot()` pickle, for PyTorch's memory_viz.
+
+`python -m torch.cuda._memory_viz trace_plot FILE -o page.html` draws it like a measured snapshot
+(`memplan validate --snapshot`), so the two can be put side by side. The format follows
+torch/cuda/memory.py's `_snapshot` docstring and what torch/utils/viz/MemoryViz.js reads:
+`segments` is the allocator's state after the iteration (each with its blocks, in address order),
+`device_traces[0]` the iteration's events: `segment_alloc`, `alloc`, `free_requested` and
+`free_completed`, each with `addr`, `size`, `stream` and `frames`.
+
+Addresses come from memplan's caching-allocator simulator replaying the steady-state iteration
+(memplan.estimator.timeline.replay_steady_state). A "frame" names what made the tensor: the
+module as the file, the graph node as the line, and the aten op with memplan's category as the
+function. Event `category` fields are left out: MemoryViz.js (torch 2.x) fails on categories
+without an "unknown" one.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import OutputError
+from memplan.estimator.cuda.allocator import SMALL_REQUEST_BYTES, CachingAllocator
+from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, replay_steady_state
+
+# Where the simulated device memory starts; a CUDA-like address, so no block sits at address 0.
+BASE_ADDRESS = 0x7F0000000000
+
+
+def _frames(allocation: TimelineAllocation) -> list[dict[str, Any]]:
+    return [
+        {
+            "filename": allocation.module or "(no module)",
+            "line": allocation.allocated_at,
+            "name": f"{allocation.op} [{allocation.category}]",
+        }
+    ]
+
+
+def predicted_snapshot(timeline: MemoryTimeline, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The steady-state iteration's events and the allocator's state after it, as memory_viz reads them."""
+    allocator = CachingAllocator()
+    events: list[dict[str, Any]] = []
+    frames_of: dict[int, list[dict[str, Any]]] = {}  # live handle -> frames
+    requested_of: dict[int, int] = {}  # live handle -> requested bytes (the block may be larger)
+    blocks_of: dict[int, tuple[int, int]] = {}  # live handle -> (address, requested bytes)
+    known_segments: set[int] | None = None  # segment addresses before the recorded iteration
+
+    def on_event(action: str, handle: int, allocation: TimelineAllocation) -> None:
+        nonlocal known_segments
+        requested_of[handle] = allocation.size_bytes
+        if action == "persistent":
+            frames_of[handle] = _frames(allocation)
+            return
+        if known_segments is None:  # the recorded (last) iteration starts
+            known_segments = {address for address, *_ in allocator.segment_layout()}
+        if action == "alloc":
+            for address, size, _, _ in allocator.segment_layout():
+                if address not in known_segments:  # this request made the allocator cudaMalloc
+                    known_segments.add(address)
+                    events.append(_event("segment_alloc", address, size, []))
+            frames_of[handle] = _frames(allocation)
+            blocks_of[handle] = (allocator.block(handle)[0], allocation.size_bytes)
+            events.append(_event("alloc", *blocks_of[handle], frames_of[handle]))
+        else:
+            address, size = blocks_of.pop(handle)
+            frames = frames_of.pop(handle)
+            events.append(_event("free_requested", address, size, frames))
+            events.append(_event("free_completed", address, size, frames))
+
+    replay_steady_state(timeline, allocator, on_event)
+    return {
+        "segments": [_segment(*layout, frames_of, requested_of) for layout in allocator.segment_layout()],
+        "device_traces": [events],
+        "allocator_settings": {},
+        "memplan": {"kind": "predicted", **(metadata or {})},
+    }
+
+
+def _event(action: str, address: int, size: int, frames: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"action": action, "addr": BASE_ADDRESS + address, "size": size, "stream": 0, "frames": frames}
+
+
+def _segment(
+    address: int,
+    size: int,
+    small: bool,
+    blocks: list[tuple[int, int, int | None]],
+    frames_by_handle: dict[int, list[dict[str, Any]]],
+    requested_by_handle: dict[int, int],
+) -> dict[str, Any]:
+    rendered = [
+        {
+            "address": BASE_ADDRESS + block_address,
+            "size": block_size,
+            "requested_size": requested_by_handle[handle] if handle is not None else 0,
+            "state": "active_allocated" if handle is not None else "inactive",
+            "frames": frames_by_handle[handle] if handle is not None else [],
+        }
+        for block_address, block_size, handle in blocks
+    ]
+    active = [block for block in rendered if block["state"] == "active_allocated"]
+    allocated = sum(block["size"] for block in active)
+    return {
+        "device": 0,
+        "address": BASE_ADDRESS + address,
+        "total_size": size,
+        "allocated_size": allocated,
+        "active_size": allocated,
+        "requested_size": sum(block["requested_size"] for block in active),
+        "stream": 0,
+        "segment_type": "small" if small and size <= 2 * SMALL_REQUEST_BYTES else "large",
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "frames": [],
+        "blocks": rendered,
+    }
+
+
+def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> None:
+    try:
+        with open(path, "wb") as file:
+            pickle.dump(snapshot, file)
+    except OSError as error:
+        raise OutputError(f"cannot write the snapshot to {path}: {error.strerror or error}") from error
