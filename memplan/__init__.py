@@ -3,6 +3,7 @@
 from memplan.api import apply_plan, estimate, plan, validate, validate_suite
 from memplan.errors import MemplanError
 from memplan.estimator.result import Breakdown, EstimateResult
+from memplan.hf_args import read_training_args
 from memplan.planner.plan import PlanResult
 from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes, parse_size
 from memplan.validate.result import ValidationResult
@@ -19,6 +20,7 @@ __all__ = [
     "estimate",
     "format_bytes",
     "parse_size",
+    "read_training_args",
     "validate",
     "validate_suite",
     "ValidationResult",

@@ -106,6 +106,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
             "image-classification.",
         ),
+        click.option(
+            "--hf-args",
+            type=click.Path(dir_okay=False),
+            help="A Hugging Face TrainingArguments JSON/YAML file: batch size, accumulation, bf16/fp16, "
+            "gradient_checkpointing and optim; flags given explicitly override it.",
+        ),
         click.option("--inputs", help="package.module:fn where fn(batch_size) returns the batch (custom models)."),
         click.option("--loss", help="package.module:fn where fn(output, batch) returns the scalar loss."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
@@ -123,6 +129,34 @@ def _check_output_paths(**paths: str | None) -> None:
     for option, path in paths.items():
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"--{option} {path}: the folder {Path(path).parent} does not exist; create it first")
+
+
+def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
+    """Settings from --hf-args under the flags the user typed (a flag left at its default does not count)."""
+    from click.core import ParameterSource
+
+    path = settings.pop("hf_args", None)
+    if path is None:
+        return settings
+    from memplan.hf_args import read_training_args
+
+    context = click.get_current_context()
+
+    def typed(name: str) -> bool:
+        return context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+    loaded = read_training_args(path, read_optim=not typed("optimizer"))
+    if "checkpoint" not in settings:
+        loaded.settings.pop("checkpoint", None)  # plan chooses the checkpointing itself
+    from_file = {key: value for key, value in loaded.settings.items() if not typed(key)}
+    merged = {**settings, **from_file}
+    if not as_json:
+        console = _stderr_console()
+        taken = ", ".join(f"{key}={value}" for key, value in from_file.items()) or "nothing (flags override it all)"
+        console.print(f"[dim]from {path}: {taken}[/dim]")
+        for note in loaded.notes:
+            console.print(f"[dim]note: {note}[/dim]")
+    return merged
 
 
 def _progress(as_json: bool) -> Callable[[str], None] | None:
@@ -183,7 +217,13 @@ def estimate(
         _check_output_paths(plot=plot, snapshot=snapshot)
         _quiet_transformers()
         result = run_estimate(
-            model, inputs=inputs, loss=loss, task=task, budget=budget, progress=_progress(as_json), **settings
+            model,
+            inputs=inputs,
+            loss=loss,
+            task=task,
+            budget=budget,
+            progress=_progress(as_json),
+            **_with_hf_args(settings, as_json),
         )
         _write_pictures(result, plot, snapshot)
         if as_json:
@@ -269,7 +309,7 @@ def plan(
             candidates=candidates,
             solver=solver,
             progress=_progress(as_json),
-            **settings,
+            **_with_hf_args(settings, as_json),
         )
         if output is not None:
             write_plan(result, output)
@@ -346,7 +386,7 @@ def validate(
             snapshot=snapshot,
             timeout_s=timeout,
             progress=_progress(as_json),
-            **settings,
+            **_with_hf_args(settings, as_json),
         )
         if as_json:
             click.echo(validation_to_json(result))

@@ -1,0 +1,140 @@
+"""Read a Hugging Face `TrainingArguments` file (JSON or YAML) into memplan's training settings.
+
+The keys read are the ones that change one GPU's memory; the rest of TrainingArguments (learning
+rate, logging, saving, ...) is ignored. Mappings follow transformers' Trainer (transformers 5.x,
+trainer.py `get_optimizer_cls_and_kwargs` and training_args.py):
+
+- per_device_train_batch_size -> batch_size; gradient_accumulation_steps -> grad_accum
+- gradient_checkpointing: true -> checkpoint "all" (Trainer calls gradient_checkpointing_enable,
+  which checkpoints every decoder/encoder layer, as memplan's "all" does)
+- bf16 / fp16: true -> amp-bf16 / amp-fp16 (Trainer autocasts through accelerate; the weights stay fp32)
+- optim -> OPTIMS below; the default is adamw_torch_fused, as TrainingArguments' on torch >= 2.8
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memplan.errors import HfArgsError
+
+# TrainingArguments.optim -> (memplan optimizer, optimizer implementation).
+OPTIMS: dict[str, tuple[str, str]] = {
+    "adamw_torch": ("adamw", "default"),
+    "adamw_torch_fused": ("adamw", "fused"),
+    "adamw_hf": ("adamw", "default"),
+    "adafactor": ("adafactor", "default"),
+    "adamw_bnb_8bit": ("adam8bit", "default"),
+    "adamw_8bit": ("adam8bit", "default"),  # an alias of adamw_bnb_8bit in OptimizerNames
+    "sgd": ("sgd", "default"),
+}
+DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default with torch >= 2.8
+# Keys that put the run outside one GPU holding everything, which memplan does not model.
+_SHARDING_KEYS = ("fsdp", "deepspeed")
+
+
+@dataclass(frozen=True)
+class HfTrainingArgs:
+    """The settings a TrainingArguments file gives, and what memplan noticed but does not model."""
+
+    path: str
+    settings: dict[str, Any]
+    notes: tuple[str, ...]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise HfArgsError(f"cannot read --hf-args {path}: {error.strerror or error}") from error
+    import yaml
+
+    kind = "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
+    try:
+        data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+    except (ValueError, yaml.YAMLError) as error:
+        raise HfArgsError(f"--hf-args {path} is not valid {kind}: {error}".splitlines()[0]) from error
+    if not isinstance(data, dict):
+        raise HfArgsError(f"--hf-args {path} must hold one mapping of TrainingArguments fields")
+    return data
+
+
+def _flag(data: dict[str, Any], key: str) -> bool:
+    value = data.get(key, False)
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes")
+    return bool(value)
+
+
+def _positive_int(data: dict[str, Any], key: str, path: Path) -> int | None:
+    if key not in data or data[key] is None:
+        return None
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HfArgsError(f"--hf-args {path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _momentum(optim_args: object) -> float:
+    """SGD's momentum from TrainingArguments.optim_args ("momentum=0.9,nesterov=True")."""
+    if not isinstance(optim_args, str):
+        return 0.0
+    match = re.search(r"(?:^|,)\s*momentum\s*=\s*([0-9.eE+-]+)", optim_args)
+    return float(match.group(1)) if match else 0.0
+
+
+def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTrainingArgs:
+    """Settings from a TrainingArguments JSON/YAML file (as saved by `TrainingArguments.to_json_string`).
+
+    `read_optim=False` leaves the optimizer out (the caller names one itself), so an optim memplan
+    cannot model is no error then.
+    """
+    path = Path(path)
+    data = _load(path)
+    settings: dict[str, Any] = {}
+    notes: list[str] = []
+    for key in _SHARDING_KEYS:
+        if data.get(key):
+            raise HfArgsError(
+                f"--hf-args {path} sets {key}; memplan models one GPU holding the whole model and optimizer "
+                f"(no sharding): remove {key} from the file to estimate the unsharded run"
+            )
+    batch_size = _positive_int(data, "per_device_train_batch_size", path)
+    if batch_size is not None:
+        settings["batch_size"] = batch_size
+    grad_accum = _positive_int(data, "gradient_accumulation_steps", path)
+    if grad_accum is not None:
+        settings["grad_accum"] = grad_accum
+    if _flag(data, "gradient_checkpointing"):
+        settings["checkpoint"] = "all"
+    if _flag(data, "bf16") and _flag(data, "fp16"):
+        raise HfArgsError(f"--hf-args {path} sets both bf16 and fp16; TrainingArguments refuses that too")
+    if _flag(data, "bf16"):
+        settings["precision"] = "amp-bf16"
+    elif _flag(data, "fp16"):
+        settings["precision"] = "amp-fp16"
+    optim = str(data.get("optim") or DEFAULT_OPTIM).lower() if read_optim else None
+    if optim is not None and optim not in OPTIMS:
+        raise HfArgsError(
+            f"--hf-args {path}: memplan cannot model optim {optim!r}; it models {', '.join(OPTIMS)} "
+            "(or pass --optimizer to override the file)"
+        )
+    if optim is not None:
+        settings["optimizer"], settings["optimizer_impl"] = OPTIMS[optim]
+    if optim == "sgd" and _momentum(data.get("optim_args")) > 0:
+        settings["optimizer"] = "sgd-momentum"
+    if optim == "adafactor":
+        notes.append(
+            "optim adafactor is transformers' Adafactor; memplan traces torch.optim.Adafactor, whose factored "
+            "state has the same shapes"
+        )
+    if data.get("max_grad_norm", 1.0):
+        notes.append(
+            "gradient clipping (max_grad_norm) is not traced; its temporaries are one scalar per parameter tensor"
+        )
+    if _flag(data, "torch_compile"):
+        notes.append("torch_compile is not modelled: memplan predicts the eager step, compiled steps usually use less")
+    return HfTrainingArgs(str(path), settings, tuple(notes))
