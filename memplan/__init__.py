@@ -1,6 +1,6 @@
 """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
 
-from memplan.api import apply_plan, estimate, plan, validate, validate_suite
+from memplan.api import apply_plan, compare, estimate, plan, sweep, validate, validate_suite
 from memplan.errors import MemplanError
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.hf_args import read_training_args
@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointLayout",
     "PlanResult",
     "apply_plan",
+    "compare",
     "plan",
     "EstimateResult",
     "MemplanError",
@@ -21,6 +22,7 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "read_training_args",
+    "sweep",
     "validate",
     "validate_suite",
     "ValidationResult",

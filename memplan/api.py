@@ -9,6 +9,8 @@ from typing import Any
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
+from memplan.explore.compare import CompareResult, run_compare
+from memplan.explore.sweep import DEFAULT_BATCH_SIZES, SweepResult, run_sweep
 from memplan.gpus import gpu_named
 from memplan.models.source import ModelSpec, resolve_model
 from memplan.planner.plan import PlanResult, make_plan
@@ -23,7 +25,7 @@ from memplan.validate.runner import (
 )
 from memplan.validate.suite import SuiteConfig, run_suite, suite_named
 
-__all__ = ["apply_plan", "estimate", "plan", "validate", "validate_suite"]
+__all__ = ["apply_plan", "compare", "estimate", "plan", "sweep", "validate", "validate_suite"]
 
 
 def _settings(settings: TrainingSettings | None, overrides: dict[str, Any]) -> tuple[TrainingSettings, Plan | None]:
@@ -87,6 +89,61 @@ def estimate(
         progress=progress,
         plan_fingerprint=loaded.fingerprint if loaded is not None else None,
     )
+
+
+def sweep(
+    model: str,
+    settings: TrainingSettings | None = None,
+    *,
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    precisions: tuple[str, ...] | None = None,
+    checkpoints: tuple[str, ...] | None = None,
+    budget: str | int | None = None,
+    inputs: str | None = None,
+    loss: str | None = None,
+    task: str | None = None,
+    progress: Progress | None = None,
+    **setting_overrides: Any,
+) -> SweepResult:
+    """Predicted peak at each of `batch_sizes` for every precision × checkpoint mode given.
+
+    `precisions` and `checkpoints` default to the settings' own; with `budget` (or a `gpu`), each
+    series also gets the largest batch size that fits.
+    """
+    settings, _ = _settings(settings, setting_overrides)
+    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    return run_sweep(
+        spec,
+        settings,
+        batch_sizes=tuple(batch_sizes),
+        precisions=tuple(precisions) if precisions else None,
+        checkpoints=tuple(checkpoints) if checkpoints else None,
+        budget_bytes=_budget(budget, settings),
+        progress=progress,
+    )
+
+
+def compare(
+    model: str,
+    settings: TrainingSettings | None = None,
+    *,
+    gpus: int = 1,
+    budget: str | int | None = None,
+    inputs: str | None = None,
+    loss: str | None = None,
+    task: str | None = None,
+    progress: Progress | None = None,
+    **setting_overrides: Any,
+) -> CompareResult:
+    """The usual memory-saving techniques applied one at a time to the settings, each predicted.
+
+    Rows: as given, AMP bf16/fp16, pure bf16, gradient accumulation ×2/×4 at the same effective
+    batch, Adafactor, 8-bit Adam, checkpointing every block, and AMP bf16 with checkpointing;
+    `gpus` (data-parallel replicas) only multiplies the effective batch.
+    """
+    settings, _ = _settings(settings, setting_overrides)
+    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    return run_compare(spec, settings, gpus=gpus, budget_bytes=_budget(budget, settings), progress=progress)
 
 
 def plan(

@@ -26,16 +26,47 @@ class SizeType(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
+_ACTIVE_PROGRESS: list[Any] = []  # rich Status spinners on stderr, stopped before anything else prints
+
+
+def _stop_progress() -> None:
+    while _ACTIVE_PROGRESS:
+        _ACTIVE_PROGRESS.pop().stop()
+
+
+def _quiet() -> bool:
+    context = click.get_current_context(silent=True)
+    return bool(context is not None and context.find_root().meta.get("memplan.quiet"))
+
+
 def _stderr_console():
+    """Messages: stderr, colour only on a terminal (rich's default), silent under --quiet."""
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    _stop_progress()
+    return Console(stderr=True, highlight=False, quiet=_quiet())
+
+
+def _stdout_console():
+    """Tables for the terminal's width; piped or redirected, 120 columns rather than rich's 80."""
+    from rich.console import Console
+
+    _stop_progress()
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+
+
+def _set_quiet(context: click.Context, parameter: click.Parameter, value: bool) -> None:
+    if value:
+        context.find_root().meta["memplan.quiet"] = True
 
 
 def _run(debug: bool, action: Callable[[], None]) -> None:
     """Turn MemplanError into one line on stderr and its exit code; tracebacks only with --debug."""
     try:
-        action()
+        try:
+            action()
+        finally:
+            _stop_progress()
     except MemplanError as error:
         if debug:
             traceback.print_exc()
@@ -115,6 +146,14 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         click.option("--inputs", help="package.module:fn where fn(batch_size) returns the batch (custom models)."),
         click.option("--loss", help="package.module:fn where fn(output, batch) returns the scalar loss."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
+        click.option(
+            "--quiet",
+            "-q",
+            is_flag=True,
+            expose_value=False,
+            callback=_set_quiet,
+            help="No progress, notes or file messages on stderr (errors still print).",
+        ),
         click.option("--debug", is_flag=True, help="Show tracebacks."),
     ]
     for option in reversed(options):
@@ -160,9 +199,15 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
 
 
 def _progress(as_json: bool) -> Callable[[str], None] | None:
-    if as_json or not sys.stderr.isatty():
+    """A spinner on stderr naming the current step; off with --json, --quiet, or when stderr is no terminal."""
+    if as_json or _quiet() or not sys.stderr.isatty():
         return None
-    return lambda message: _stderr_console().print(f"[dim]{message}…[/dim]")
+    from rich.console import Console
+
+    status = Console(stderr=True).status("starting…")
+    status.start()
+    _ACTIVE_PROGRESS.append(status)
+    return lambda message: status.update(f"{message}…")
 
 
 def _quiet_transformers() -> None:
@@ -229,9 +274,7 @@ def estimate(
         if as_json:
             click.echo(to_json(result))
         else:
-            from rich.console import Console
-
-            render_estimate(result, Console(highlight=False))
+            render_estimate(result, _stdout_console())
 
     _run(debug, action)
 
@@ -316,9 +359,144 @@ def plan(
         if as_json:
             click.echo(plan_to_json(result))
         else:
-            from rich.console import Console
+            render_plan(result, _stdout_console(), output)
 
-            render_plan(result, Console(highlight=False), output)
+    _run(debug, action)
+
+
+def _emit(result: Any, as_json: bool, render: Callable[[Any, Any], None]) -> None:
+    """JSON on stdout, or the rendered tables."""
+    if as_json:
+        import json
+
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        render(result, _stdout_console())
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--batch-sizes takes comma-separated integers, e.g. 1,2,4,8; got {text!r}") from None
+    return values
+
+
+def _name_list(text: str | None) -> tuple[str, ...] | None:
+    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+
+
+@main.command()
+@_training_options
+@click.option(
+    "--batch-sizes",
+    default="1,2,4,8,16,32",
+    show_default=True,
+    help="Comma-separated micro-batch sizes to trace (replaces --batch-size).",
+)
+@click.option("--precisions", metavar="LIST", help="Comma-separated precisions [default: --precision].")
+@click.option("--checkpoints", metavar="LIST", help="Comma-separated checkpoint modes, none,all [default: none].")
+@click.option("--budget", type=SizeType(), help="Memory budget: mark what fits, find each largest batch.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of peak against batch size.")
+def sweep(
+    model: str,
+    batch_sizes: str,
+    precisions: str | None,
+    checkpoints: str | None,
+    budget: int | None,
+    plot: str | None,
+    as_json: bool,
+    debug: bool,
+    task: str | None,
+    inputs: str | None,
+    loss: str | None,
+    **settings: Any,
+) -> None:
+    """Peak memory of MODEL against batch size, per precision and checkpointing.
+
+    Every point is traced and simulated. With --budget or --gpu, each setting also gets the largest
+    batch size that fits (the same search as `estimate --budget`).
+    """
+
+    def action() -> None:
+        from click.core import ParameterSource
+
+        from memplan.api import sweep as run_sweep
+
+        if click.get_current_context().get_parameter_source("batch_size") != ParameterSource.DEFAULT:
+            raise UsageError("sweep traces --batch-sizes (e.g. 1,2,4,8); --batch-size is for one configuration")
+        _check_output_paths(plot=plot)
+        _quiet_transformers()
+        result = run_sweep(
+            model,
+            batch_sizes=_int_list(batch_sizes),
+            precisions=_name_list(precisions),
+            checkpoints=_name_list(checkpoints),
+            budget=budget,
+            inputs=inputs,
+            loss=loss,
+            task=task,
+            progress=_progress(as_json),
+            **_with_hf_args(settings, as_json),
+        )
+        if plot is not None:
+            from memplan.render.estimate import describe_settings
+            from memplan.render.plot import plot_sweep
+
+            series = {s.label: [(p.batch_size, p.peak_bytes) for p in s.points] for s in result.series}
+            plot_sweep(
+                series,
+                plot,
+                title=f"{result.model}: {describe_settings(result.settings.replace(checkpoint='none'))}",
+                budget_bytes=result.budget_bytes,
+                max_batch_sizes={s.label: s.max_batch_size for s in result.series},
+            )
+            _stderr_console().print(f"[dim]plot: {plot}[/dim]")
+        from memplan.render.explore import render_sweep
+
+        _emit(result, as_json, render_sweep)
+
+    _run(debug, action)
+
+
+@main.command()
+@_training_options
+@click.option("--gpus", type=int, default=1, show_default=True, help="Data-parallel GPUs (multiplies the batch).")
+@click.option("--budget", type=SizeType(), help="Memory budget: which techniques fit, and their largest batch.")
+def compare(
+    model: str,
+    gpus: int,
+    budget: int | None,
+    as_json: bool,
+    debug: bool,
+    task: str | None,
+    inputs: str | None,
+    loss: str | None,
+    **settings: Any,
+) -> None:
+    """One table of the techniques people try: precision, accumulation, optimizers, checkpointing.
+
+    Each row changes the given settings one way and is traced and simulated; the cost column
+    says what it trades for memory (recomputed FLOPs, micro-steps, numerics).
+    """
+
+    def action() -> None:
+        from memplan.api import compare as run_compare
+
+        _quiet_transformers()
+        result = run_compare(
+            model,
+            gpus=gpus,
+            budget=budget,
+            inputs=inputs,
+            loss=loss,
+            task=task,
+            progress=_progress(as_json),
+            **_with_hf_args(settings, as_json),
+        )
+        from memplan.render.explore import render_compare
+
+        _emit(result, as_json, render_compare)
 
     _run(debug, action)
 
@@ -358,7 +536,7 @@ def validate(
     loss: str | None,
     **settings: Any,
 ) -> None:
-    """Run MODEL's training iteration for real and compare the measured peak with the prediction.
+    """Run MODEL for real and compare the measured peak with the prediction.
 
     Takes the same arguments as `estimate`. Each configuration runs in its own subprocess, so an
     out-of-memory error or a CUDA error is a result, not a crash. --suite NAME runs a built-in set
@@ -366,7 +544,6 @@ def validate(
     """
 
     def action() -> None:
-        from rich.console import Console
 
         _quiet_transformers()
         if suite is not None:
@@ -391,7 +568,7 @@ def validate(
         if as_json:
             click.echo(validation_to_json(result))
         else:
-            render_validation(result, Console(highlight=False))
+            render_validation(result, _stdout_console())
         if result.error is not None and not result.out_of_memory:
             sys.exit(1)  # the run failed before measuring: a failure, not a result (an OOM is one)
 
@@ -403,8 +580,6 @@ def _validate_suite(
 ) -> None:
     import json
     from pathlib import Path
-
-    from rich.console import Console
 
     from memplan.api import validate_suite
     from memplan.render.validate import render_suite, suite_row
@@ -420,7 +595,7 @@ def _validate_suite(
     if as_json:
         click.echo(json.dumps({**document, "summary": totals}, indent=2))
     else:
-        render_suite(rows, totals, Console(highlight=False))
+        render_suite(rows, totals, _stdout_console())
         _stderr_console().print(f"[dim]results: {path}[/dim]")
 
 

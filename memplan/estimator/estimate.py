@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from memplan.estimator.flops import node_flops
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
-from memplan.estimator.trace import build_fake_setup, trace_step
+from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
 from memplan.gpus import CONTEXT_BYTES, DEFAULT_GPU
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
@@ -35,6 +36,38 @@ def second_batch_size(batch_size: int) -> int:
     return batch_size // 2 if batch_size >= 2 else 2
 
 
+class BatchTracer:
+    """Traces and simulates one configuration at any batch size, building the fake model once."""
+
+    def __init__(self, spec: ModelSpec, settings: TrainingSettings, progress: Progress | None = None) -> None:
+        self.spec, self.settings = spec, settings
+        self.report = progress or (lambda message: None)
+        self.report("building the model under fake tensors")
+        self.setup = build_fake_setup(spec, settings)
+        self.simulations: dict[int, Simulation] = {}
+        self.first: TracedStep | None = None
+
+    def phase_peaks(self, batch_size: int) -> dict[str, int]:
+        return self.simulate(batch_size).phase_peak_bytes
+
+    def simulate(self, batch_size: int) -> Simulation:
+        if batch_size not in self.simulations:
+            self.report(f"tracing batch size {batch_size}")
+            traced = trace_step(self.spec, self.settings.replace(batch_size=batch_size), self.setup)
+            self.simulations[batch_size] = simulate(traced)
+            self.first = self.first or traced
+        return self.simulations[batch_size]
+
+    def max_batch_size(self, budget_bytes: int) -> int:
+        known = {batch: simulation.phase_peak_bytes for batch, simulation in self.simulations.items()}
+        return find_max_batch_size(known, self.phase_peaks, budget_bytes)
+
+
+def step_flops(traced: TracedStep) -> int:
+    """FLOPs of the traced iteration (torch.utils.flop_counter's formulas; recomputation included)."""
+    return sum(node_flops(node) for node in traced.graph.graph.nodes)
+
+
 def run_estimate(
     spec: ModelSpec,
     settings: TrainingSettings,
@@ -45,38 +78,20 @@ def run_estimate(
 ) -> EstimateResult:
     started = time.perf_counter()
     settings = spec.settings_for(settings)
-    report = progress or (lambda message: None)
-    simulations: dict[int, Simulation] = {}
-    first = {}
-    report("building the model under fake tensors")
-    setup = build_fake_setup(spec, settings)
+    tracer = BatchTracer(spec, settings, progress)
     if plan_fingerprint is not None:
-        check_fingerprint(plan_fingerprint, "another model", setup.state.model, spec.name)
-
-    def trace_at(batch_size: int) -> dict[str, int]:
-        report(f"tracing batch size {batch_size}")
-        traced = trace_step(spec, settings.replace(batch_size=batch_size), setup)
-        simulation = simulate(traced)
-        simulations[batch_size] = simulation
-        if not first:
-            first.update(
-                nodes=len(traced.graph.graph.nodes),
-                parameters=traced.parameter_count,
-                trainable=traced.trainable_parameter_count,
-                blocks=tuple(traced.checkpointed_blocks),
-            )
-        return simulation.phase_peak_bytes
-
+        check_fingerprint(plan_fingerprint, "another model", tracer.setup.state.model, spec.name)
+    simulations = tracer.simulations
     batch_size = settings.batch_size
-    known = {batch_size: trace_at(batch_size)}
+    main = tracer.simulate(batch_size)
+    traced = tracer.first
+    assert traced is not None
     other = second_batch_size(batch_size)
-    known[other] = trace_at(other)
-    main = simulations[batch_size]
-    slope = (main.peak_bytes - known[other][main.phase]) // (batch_size - other)
+    slope = (main.peak_bytes - tracer.phase_peaks(other)[main.phase]) // (batch_size - other)
     max_batch = fits = None
     if budget_bytes is not None:
         fits = main.peak_bytes <= budget_bytes
-        max_batch = find_max_batch_size(dict(known), trace_at, budget_bytes)
+        max_batch = tracer.max_batch_size(budget_bytes)
     unsupported = sorted({op for simulation in simulations.values() for op in simulation.unsupported_ops})
     return EstimateResult(
         model=spec.name,
@@ -91,11 +106,12 @@ def run_estimate(
         device_peak_bytes=main.reserved_peak_bytes + CONTEXT_BYTES if main.reserved_peak_bytes is not None else None,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,
-        parameter_count=first["parameters"],
-        trainable_parameter_count=first["trainable"],
-        checkpointed_blocks=first["blocks"],
+        parameter_count=traced.parameter_count,
+        trainable_parameter_count=traced.trainable_parameter_count,
+        checkpointed_blocks=tuple(traced.checkpointed_blocks),
         unsupported_ops=tuple(unsupported),
-        graph_nodes=first["nodes"],
+        graph_nodes=len(traced.graph.graph.nodes),
+        step_flops=step_flops(traced),
         traces=len(simulations),
         seconds=time.perf_counter() - started,
         budget_bytes=budget_bytes,

@@ -43,6 +43,7 @@ class EstimateResult:
     checkpointed_blocks: tuple[str, ...]
     unsupported_ops: tuple[str, ...]
     graph_nodes: int
+    step_flops: int  # FLOPs of the traced iteration (one micro-batch and the optimizer step), recompute included
     traces: int
     seconds: float
     reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved, from the allocator simulator

@@ -17,9 +17,9 @@ import re
 from dataclasses import dataclass
 
 from memplan.errors import SettingsError
+from memplan.estimator.flops import node_flops
 from memplan.estimator.simulate import Liveness, Simulation
 from memplan.estimator.trace import TracedStep
-from memplan.planner.flops import node_flops
 
 
 @dataclass(frozen=True)

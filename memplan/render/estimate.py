@@ -25,12 +25,12 @@ def to_json(result: EstimateResult) -> str:
     return json.dumps(result.to_dict(), indent=2)
 
 
-def describe_settings(s: TrainingSettings) -> str:
+def describe_settings(s: TrainingSettings, with_batch: bool = True) -> str:
     shape = f"seq {s.seq_len}" if s.seq_len else f"image {s.image_size}²" if s.image_size else ""
     if s.target_len and s.target_len != s.seq_len:
         shape += f", target {s.target_len}"
     parts = [
-        f"batch {s.batch_size}",
+        f"batch {s.batch_size}" if with_batch else "",
         shape,
         f"grad-accum {s.grad_accum}" if s.grad_accum > 1 else "",
         s.precision,

@@ -26,7 +26,7 @@ def describe_layout(layout: CheckpointLayout) -> str:
     return ", ".join(parts)
 
 
-def _flops(value: int) -> str:
+def format_flops(value: int) -> str:
     return f"{value / 1e12:,.2f} TFLOP" if value >= 1e11 else f"{value / 1e9:,.2f} GFLOP"
 
 
@@ -53,7 +53,11 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
     for name, peak, fits, flops in rows:
         share = flops / result.step_flops if result.step_flops else 0.0
         table.add_row(
-            name, format_bytes(peak), "[green]yes[/green]" if fits else "[red]no[/red]", _flops(flops), f"+{share:.1%}"
+            name,
+            format_bytes(peak),
+            "[green]yes[/green]" if fits else "[red]no[/red]",
+            format_flops(flops),
+            f"+{share:.1%}",
         )
     console.print(table)
     if result.fits and not result.layout.segments:

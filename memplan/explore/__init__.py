@@ -1,0 +1,1 @@
+"""Views over many estimates: sweeps of batch size and comparisons of techniques."""

@@ -1,0 +1,152 @@
+"""One model, the techniques people try when a step does not fit, each traced and simulated.
+
+Every technique changes the settings given (the base) in one way, or two for the last row. The
+cost columns are what the technique trades for memory: recomputation (FLOPs the traced step
+spends beyond its non-checkpointed twin), micro-steps per optimizer step (gradient accumulation
+keeps the effective batch by running smaller micro-batches), or numerics (lower precision).
+
+Effective batch = micro-batch × gradient accumulation steps × data-parallel GPUs; memory is per
+GPU and, under plain data parallelism (DDP), the same on every GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.errors import SettingsError
+from memplan.estimator.estimate import Progress, run_estimate
+from memplan.estimator.result import EstimateResult
+from memplan.models.source import ModelSpec
+from memplan.settings import TrainingSettings
+
+
+@dataclass(frozen=True)
+class Technique:
+    name: str
+    changes: dict[str, Any]
+    cost: str  # what it trades for memory, in words
+
+
+def techniques(base: TrainingSettings) -> list[Technique]:
+    """The usual list, without the ones the base already uses or that cannot keep its effective batch."""
+    found = [Technique("as given", {}, "")]
+    for precision, name, cost in (
+        ("amp-bf16", "AMP bf16", "numerics: bf16 matmuls"),
+        ("amp-fp16", "AMP fp16", "numerics: fp16 matmuls, loss scaling"),
+        ("bf16", "pure bf16", "numerics: bf16 weights and updates"),
+    ):
+        if base.precision != precision:
+            found.append(Technique(name, {"precision": precision}, cost))
+    for factor in (2, 4):
+        if base.batch_size % factor == 0:
+            found.append(
+                Technique(
+                    f"grad accumulation ×{factor}",
+                    {"batch_size": base.batch_size // factor, "grad_accum": base.grad_accum * factor},
+                    f"{base.grad_accum * factor} micro-steps per optimizer step",
+                )
+            )
+    for optimizer, name, cost in (
+        ("adafactor", "Adafactor", "numerics: factored 2nd moment"),
+        ("adam8bit", "8-bit Adam", "numerics: 8-bit state (bitsandbytes)"),
+    ):
+        if base.optimizer != optimizer:
+            found.append(Technique(name, {"optimizer": optimizer, "optimizer_impl": "default"}, cost))
+    if base.checkpoint == "none":
+        found.append(Technique("checkpoint all blocks", {"checkpoint": "all"}, "recompute"))
+        if base.precision != "amp-bf16":
+            found.append(
+                Technique("AMP bf16 + checkpoint all", {"precision": "amp-bf16", "checkpoint": "all"}, "recompute")
+            )
+    return found
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    name: str
+    cost: str
+    estimate: EstimateResult
+    effective_batch_size: int
+    recompute_flops: int | None  # checkpointing rows: step FLOPs beyond the same settings without it
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "name": self.name,
+            "cost": self.cost,
+            "settings": e.settings.to_dict(),
+            "peak_bytes": e.peak_bytes,
+            "reserved_peak_bytes": e.reserved_peak_bytes,
+            "breakdown": e.breakdown.to_dict(),
+            "fits": e.fits,
+            "max_batch_size": e.max_batch_size,
+            "effective_batch_size": self.effective_batch_size,
+            "micro_steps_per_optimizer_step": e.settings.grad_accum,
+            "step_flops": e.step_flops,
+            "recompute_flops": self.recompute_flops,
+        }
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    model: str
+    settings: TrainingSettings
+    gpus: int
+    budget_bytes: int | None
+    rows: tuple[CompareRow, ...]
+    skipped: tuple[str, ...]  # techniques that do not apply, with the reason
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "settings": self.settings.to_dict(),
+            "gpus": self.gpus,
+            "budget_bytes": self.budget_bytes,
+            "rows": [row.to_dict() for row in self.rows],
+            "skipped": list(self.skipped),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def run_compare(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    *,
+    gpus: int = 1,
+    budget_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> CompareResult:
+    started = time.perf_counter()
+    if gpus < 1:
+        raise SettingsError(f"--gpus must be a positive integer, got {gpus}")
+    if not isinstance(settings.checkpoint, str):
+        raise SettingsError("compare starts from --checkpoint none or all, not a plan file")
+    report = progress or (lambda message: None)
+    settings = spec.settings_for(settings)
+    results: dict[str, EstimateResult] = {}
+    rows, skipped = [], []
+    for technique in techniques(settings):
+        variant = settings.replace(**technique.changes)
+        result = run_estimate(
+            spec,
+            variant,
+            budget_bytes=budget_bytes,
+            progress=lambda message, name=technique.name: report(f"{name}: {message}"),
+        )
+        if variant.checkpoint == "all" and not result.checkpointed_blocks:
+            skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
+            continue
+        results[technique.name] = result
+        recompute = None
+        if variant.checkpoint == "all" and settings.checkpoint == "none":
+            twin = next((r for r in results.values() if r.settings == result.settings.replace(checkpoint="none")), None)
+            twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
+            recompute = result.step_flops - twin.step_flops
+        effective = variant.batch_size * variant.grad_accum * gpus
+        rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute))
+    return CompareResult(
+        spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), time.perf_counter() - started
+    )

@@ -1,0 +1,114 @@
+"""Peak memory against batch size for several settings: the picture for choosing a batch and a technique.
+
+Every point is a traced and simulated iteration (no interpolation); the largest batch that fits
+the budget is found per setting by the same search `estimate` uses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.errors import SettingsError
+from memplan.estimator.estimate import BatchTracer, Progress
+from memplan.models.source import ModelSpec
+from memplan.settings import CHECKPOINT_MODES, PRECISIONS, TrainingSettings
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    batch_size: int
+    peak_bytes: int
+    reserved_peak_bytes: int | None
+    fits: bool | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "peak_bytes": self.peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class SweepSeries:
+    precision: str
+    checkpoint: str
+    points: tuple[SweepPoint, ...]
+    max_batch_size: int | None  # with a budget: the largest batch size that fits (0: none does)
+
+    @property
+    def label(self) -> str:
+        return self.precision + (", checkpoint all" if self.checkpoint == "all" else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "precision": self.precision,
+            "checkpoint": self.checkpoint,
+            "points": [point.to_dict() for point in self.points],
+            "max_batch_size": self.max_batch_size,
+        }
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    model: str
+    settings: TrainingSettings  # the base settings; each series overrides precision and checkpoint
+    budget_bytes: int | None
+    series: tuple[SweepSeries, ...]
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "settings": self.settings.to_dict(),
+            "budget_bytes": self.budget_bytes,
+            "series": [series.to_dict() for series in self.series],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _check(values: tuple[str, ...], known: tuple[str, ...], option: str) -> None:
+    unknown = [value for value in values if value not in known]
+    if unknown or not values:
+        raise SettingsError(f"{option} takes a comma-separated list of {', '.join(known)}; got {','.join(values)}")
+
+
+def run_sweep(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    *,
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    precisions: tuple[str, ...] | None = None,
+    checkpoints: tuple[str, ...] | None = None,
+    budget_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> SweepResult:
+    started = time.perf_counter()
+    precisions = precisions or (settings.precision,)
+    checkpoints = checkpoints or (settings.checkpoint if isinstance(settings.checkpoint, str) else "none",)
+    _check(precisions, PRECISIONS, "--precisions")
+    _check(checkpoints, CHECKPOINT_MODES, "--checkpoints")
+    if not batch_sizes or any(batch < 1 for batch in batch_sizes):
+        raise SettingsError("--batch-sizes takes positive integers, e.g. 1,2,4,8")
+    report = progress or (lambda message: None)
+    series = []
+    for precision in precisions:
+        for checkpoint in checkpoints:
+            variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
+            label = precision + (", checkpoint all" if checkpoint == "all" else "")
+            tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
+            points = []
+            for batch in sorted(set(batch_sizes)):
+                simulation = tracer.simulate(batch)
+                fits = simulation.peak_bytes <= budget_bytes if budget_bytes is not None else None
+                points.append(SweepPoint(batch, simulation.peak_bytes, simulation.reserved_peak_bytes, fits))
+            max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
+            series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch))
+    seconds = time.perf_counter() - started
+    return SweepResult(spec.name, spec.settings_for(settings), budget_bytes, tuple(series), seconds)

@@ -1,0 +1,84 @@
+"""Render sweeps and technique comparisons as rich tables; JSON through their to_dict()."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from memplan.explore.compare import CompareResult
+from memplan.explore.sweep import SweepResult
+from memplan.render.estimate import describe_settings
+from memplan.render.plan import format_flops
+from memplan.settings import format_bytes
+
+
+def _peak_cell(peak_bytes: int, fits: bool | None) -> str:
+    if fits is None:
+        return format_bytes(peak_bytes)
+    return f"[green]{format_bytes(peak_bytes)}[/green]" if fits else f"[red]{format_bytes(peak_bytes)}[/red]"
+
+
+def render_sweep(result: SweepResult, console: Console) -> None:
+    base = result.settings.replace(checkpoint="none")
+    console.print(f"[bold]{result.model}[/bold]: {describe_settings(base, with_batch=False)}")
+    budget = f" against a budget of {format_bytes(result.budget_bytes)}" if result.budget_bytes else ""
+    table = Table(title=f"predicted peak (max_memory_allocated){budget}", title_justify="left")
+    table.add_column("batch", justify="right")
+    for series in result.series:
+        table.add_column(series.label, justify="right")
+    batch_sizes = [point.batch_size for point in result.series[0].points]
+    for row, batch in enumerate(batch_sizes):
+        cells = [_peak_cell(series.points[row].peak_bytes, series.points[row].fits) for series in result.series]
+        table.add_row(str(batch), *cells)
+    if result.budget_bytes is not None:
+        table.add_row(
+            "[bold]largest[/bold]", *[f"[bold]{series.max_batch_size or 'none'}[/bold]" for series in result.series]
+        )
+    console.print(table)
+    if result.budget_bytes is not None:
+        console.print("[dim]green fits the budget, red does not; 'largest' is the largest batch size that fits[/dim]")
+    console.print(f"[dim]{result.seconds:.1f} s[/dim]")
+
+
+def render_compare(result: CompareResult, console: Console) -> None:
+    console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings)}")
+    table = Table(title="techniques, each traced and simulated", title_justify="left")
+    table.add_column("technique", no_wrap=True)
+    for column in ("batch", "peak", "vs given", "optimizer", "activations", "max batch"):
+        table.add_column(column, justify="right")
+    table.add_column("costs", min_width=30)
+    reference = result.rows[0].estimate.peak_bytes
+    for row in result.rows:
+        e = row.estimate
+        s = e.settings
+        batch = f"{s.batch_size}×{s.grad_accum}" + (f"×{result.gpus}" if result.gpus > 1 else "")
+        batch += f" = {row.effective_batch_size}"
+        change = (e.peak_bytes - reference) / reference if reference else 0.0
+        cost = row.cost
+        if row.recompute_flops is not None:
+            share = row.recompute_flops / (e.step_flops - row.recompute_flops)
+            cost = f"recompute {format_flops(row.recompute_flops)} (+{share:.0%} FLOPs)"
+        table.add_row(
+            row.name,
+            batch,
+            _peak_cell(e.peak_bytes, e.fits),
+            "" if row is result.rows[0] else f"{change:+.1%}",
+            format_bytes(e.breakdown.optimizer_state),
+            format_bytes(e.breakdown.activations),
+            "" if e.max_batch_size is None else str(e.max_batch_size or "none"),
+            cost,
+        )
+    console.print(table)
+    console.print(
+        "[dim]batch = micro-batch × accumulation steps"
+        + (" × GPUs" if result.gpus > 1 else "")
+        + " = effective batch; memory is per GPU (data parallel replicates it)."
+        + " Optimizer and activations: bytes live at each row's peak."
+        + " Max batch: the largest micro-batch that fits."
+        + "[/dim]"
+    )
+    if result.budget_bytes is not None:
+        console.print(f"[dim]budget {format_bytes(result.budget_bytes)}: green fits, red does not[/dim]")
+    for reason in result.skipped:
+        console.print(f"[dim]skipped {reason}[/dim]")
+    console.print(f"[dim]{result.seconds:.1f} s[/dim]")

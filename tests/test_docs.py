@@ -1,0 +1,64 @@
+"""The docs agree with the code: the generated CLI reference, and every memplan command line they show."""
+
+import re
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+
+from memplan.cli import main
+from memplan.render.cli_reference import cli_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_cli_reference_is_in_sync():
+    generated = cli_reference(main)
+    on_disk = (ROOT / "docs" / "cli.md").read_text()
+    assert on_disk == generated, "regenerate: python -m memplan.render.cli_reference > docs/cli.md"
+
+
+def _command_lines():
+    """`memplan ...` lines inside the docs' code blocks, with backslash continuations joined."""
+    for path in DOCS:
+        in_block = False
+        pending = ""
+        for line in path.read_text().splitlines():
+            if line.startswith("```"):
+                in_block = not in_block
+                continue
+            if not in_block:
+                continue
+            text = pending + line.strip()
+            if text.endswith("\\"):
+                pending = text[:-1] + " "
+                continue
+            pending = ""
+            text = re.sub(r"^\$ ", "", text)
+            if text.startswith(("memplan ", "python -m memplan ")):
+                yield path.name, text
+
+
+COMMAND_LINES = list(_command_lines())
+
+
+def test_docs_show_commands():
+    assert len(COMMAND_LINES) >= 20
+
+
+@pytest.mark.parametrize(("doc", "line"), COMMAND_LINES, ids=[f"{doc}:{line[:60]}" for doc, line in COMMAND_LINES])
+def test_every_documented_command_parses(doc, line):
+    """Each command's options and values are ones the CLI accepts (parsed, not run)."""
+    command = line.split("#")[0] if " #" in line else line
+    command = re.split(r"\s[|>]\s|\s2>", command)[0]
+    words = shlex.split(command)
+    words = words[3:] if words[:3] == ["python", "-m", "memplan"] else words[1:]
+    root = click.Context(main, info_name="memplan")
+    sub = main.get_command(root, words[0])
+    assert sub is not None, line
+    try:
+        sub.make_context(words[0], words[1:], parent=root)
+    except click.exceptions.Exit:
+        pass  # --help / --version

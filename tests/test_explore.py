@@ -1,0 +1,86 @@
+"""sweep and compare: every number equals an estimate of the same settings; recompute FLOPs are independent."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.flop_counter import FlopCounterMode
+
+from memplan.api import compare, estimate, sweep
+from memplan.cli import main
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
+
+BASE = {"seq_len": 32, "device": "cpu", "attn_impl": "eager"}
+
+
+def test_sweep_points_and_largest_batches_match_estimates():
+    budget = estimate("tiny-gpt2", batch_size=6, **BASE).peak_bytes
+    result = sweep("tiny-gpt2", batch_sizes=(1, 4, 8), checkpoints=("none", "all"), budget=budget, **BASE)
+    assert [s.label for s in result.series] == ["fp32", "fp32, checkpoint all"]
+    for series in result.series:
+        for point in series.points:
+            expected = estimate("tiny-gpt2", batch_size=point.batch_size, checkpoint=series.checkpoint, **BASE)
+            assert point.peak_bytes == expected.peak_bytes
+            assert point.fits == (expected.peak_bytes <= budget)
+        largest = series.max_batch_size
+        at = estimate("tiny-gpt2", batch_size=largest, checkpoint=series.checkpoint, **BASE).peak_bytes
+        above = estimate("tiny-gpt2", batch_size=largest + 1, checkpoint=series.checkpoint, **BASE).peak_bytes
+        assert at <= budget < above
+    assert result.series[0].max_batch_size == 6
+    assert result.series[1].max_batch_size > 6  # checkpointing every block fits a larger batch
+
+
+def _block_forward_flops(batch_size: int) -> int:
+    """FLOPs of one real forward of tiny-gpt2's blocks, counted by torch's FlopCounterMode per module."""
+    spec = resolve_model("tiny-gpt2")
+    settings = spec.settings_for(TrainingSettings(batch_size=batch_size, **BASE))
+    torch.manual_seed(0)
+    model = spec.build(settings)
+    batch = spec.make_batch(settings, torch.float32)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(**batch)
+    counts = counter.get_flop_counts()
+    blocks = [name for name in counts if name.rsplit(".", 2)[-2:-1] == ["h"]]
+    assert blocks, list(counts)
+    return sum(sum(counts[name].values()) for name in blocks)
+
+
+def test_compare_rows_match_estimates_and_recompute_is_the_blocks_forward():
+    result = compare("tiny-gpt2", batch_size=4, gpus=2, **BASE)
+    rows = {row.name: row for row in result.rows}
+    assert {"as given", "AMP bf16", "pure bf16", "grad accumulation ×2", "grad accumulation ×4", "Adafactor",
+            "8-bit Adam", "checkpoint all blocks"} <= set(rows)  # fmt: skip
+    for row in result.rows:
+        s = row.estimate.settings
+        assert row.effective_batch_size == s.batch_size * s.grad_accum * 2 == 8
+    for name in ("as given", "grad accumulation ×4", "pure bf16"):
+        settings = rows[name].estimate.settings.to_dict()
+        assert rows[name].estimate.peak_bytes == estimate("tiny-gpt2", **settings).peak_bytes
+    assert rows["grad accumulation ×4"].estimate.settings.batch_size == 1
+    assert rows["checkpoint all blocks"].recompute_flops == _block_forward_flops(4)
+    assert rows["checkpoint all blocks"].estimate.peak_bytes < rows["as given"].estimate.peak_bytes
+
+
+def test_cli_sweep_and_compare(tmp_path):
+    plot = tmp_path / "sweep.png"
+    args = ["tiny-gpt2", "--seq-len", "32", "--device", "cpu"]
+    swept = CliRunner().invoke(main, ["sweep", *args, "--batch-sizes", "1,2", "--plot", str(plot), "--json"])
+    assert swept.exit_code == 0, swept.output
+    assert [p["batch_size"] for p in json.loads(swept.stdout)["series"][0]["points"]] == [1, 2]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    refused = CliRunner().invoke(main, ["sweep", *args, "-b", "4"])
+    assert refused.exit_code == 2 and "--batch-sizes" in refused.output
+    bad = CliRunner().invoke(main, ["sweep", *args, "--precisions", "fp8"])
+    assert bad.exit_code == 2 and "--precisions takes a comma-separated list" in bad.output
+    table = CliRunner().invoke(main, ["compare", *args, "-b", "2"])
+    assert table.exit_code == 0, table.output
+    assert "grad accumulation ×2" in table.output and "2×1 = 2" in table.output
+
+
+@pytest.mark.parametrize("gpus", [0, -1])
+def test_compare_refuses_no_gpus(gpus):
+    result = CliRunner().invoke(main, ["compare", "tiny-gpt2", "--gpus", str(gpus)])
+    assert result.exit_code == 2 and "--gpus must be a positive integer" in result.output
