@@ -462,7 +462,7 @@ def sweep(
 @main.command()
 @_training_options
 @click.option("--gpus", type=int, default=1, show_default=True, help="Data-parallel GPUs (multiplies the batch).")
-@click.option("--budget", type=SizeType(), help="Memory budget: which techniques fit, and their largest batch.")
+@click.option("--budget", type=SizeType(), help="Memory budget: which techniques fit.")
 def compare(
     model: str,
     gpus: int,

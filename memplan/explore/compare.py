@@ -70,6 +70,7 @@ class CompareRow:
     estimate: EstimateResult
     effective_batch_size: int
     recompute_flops: int | None  # checkpointing rows: step FLOPs beyond the same settings without it
+    fits: bool | None = None  # with a budget
 
     def to_dict(self) -> dict[str, Any]:
         e = self.estimate
@@ -80,8 +81,7 @@ class CompareRow:
             "peak_bytes": e.peak_bytes,
             "reserved_peak_bytes": e.reserved_peak_bytes,
             "breakdown": e.breakdown.to_dict(),
-            "fits": e.fits,
-            "max_batch_size": e.max_batch_size,
+            "fits": self.fits,
             "effective_batch_size": self.effective_batch_size,
             "micro_steps_per_optimizer_step": e.settings.grad_accum,
             "step_flops": e.step_flops,
@@ -130,12 +130,7 @@ def run_compare(
     rows, skipped = [], []
     for technique in techniques(settings):
         variant = settings.replace(**technique.changes)
-        result = run_estimate(
-            spec,
-            variant,
-            budget_bytes=budget_bytes,
-            progress=lambda message, name=technique.name: report(f"{name}: {message}"),
-        )
+        result = run_estimate(spec, variant, progress=lambda message, name=technique.name: report(f"{name}: {message}"))
         if variant.checkpoint == "all" and not result.checkpointed_blocks:
             skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
             continue
@@ -146,7 +141,8 @@ def run_compare(
             twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
             recompute = result.step_flops - twin.step_flops
         effective = variant.batch_size * variant.grad_accum * gpus
-        rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute))
+        fits = result.peak_bytes <= budget_bytes if budget_bytes is not None else None
+        rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute, fits))
     return CompareResult(
         spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), time.perf_counter() - started
     )

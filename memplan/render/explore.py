@@ -44,7 +44,7 @@ def render_compare(result: CompareResult, console: Console) -> None:
     console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings)}")
     table = Table(title="techniques, each traced and simulated", title_justify="left")
     table.add_column("technique", no_wrap=True)
-    for column in ("batch", "peak", "vs given", "optimizer", "activations", "max batch"):
+    for column in ("batch", "peak", "vs given", "optimizer", "activations"):
         table.add_column(column, justify="right")
     table.add_column("costs", min_width=30)
     reference = result.rows[0].estimate.peak_bytes
@@ -61,11 +61,10 @@ def render_compare(result: CompareResult, console: Console) -> None:
         table.add_row(
             row.name,
             batch,
-            _peak_cell(e.peak_bytes, e.fits),
+            _peak_cell(e.peak_bytes, row.fits),
             "" if row is result.rows[0] else f"{change:+.1%}",
             format_bytes(e.breakdown.optimizer_state),
             format_bytes(e.breakdown.activations),
-            "" if e.max_batch_size is None else str(e.max_batch_size or "none"),
             cost,
         )
     console.print(table)
@@ -74,7 +73,7 @@ def render_compare(result: CompareResult, console: Console) -> None:
         + (" × GPUs" if result.gpus > 1 else "")
         + " = effective batch; memory is per GPU (data parallel replicates it)."
         + " Optimizer and activations: bytes live at each row's peak."
-        + " Max batch: the largest micro-batch that fits."
+        + " `memplan sweep` finds the largest batch for a technique."
         + "[/dim]"
     )
     if result.budget_bytes is not None:
