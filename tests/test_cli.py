@@ -176,3 +176,19 @@ def test_plan_json_and_plan_file_round_trip(tmp_path):
     not_a_plan.write_text("{}")
     refused = runner.invoke(main, ["estimate", *common, "--checkpoint", str(not_a_plan)])
     assert refused.exit_code == 2 and "not a memplan checkpoint plan" in refused.output
+
+
+def test_cuda_budgets_hold_the_reserved_peak():
+    """Between the allocated and the reserved peak the step does not fit: the allocator needs its segments."""
+    from memplan.api import estimate
+
+    settings = {"batch_size": 4, "seq_len": 64}
+    unbounded = estimate("tiny-gpt2", **settings)
+    assert unbounded.reserved_peak_bytes > unbounded.peak_bytes
+    between = (unbounded.peak_bytes + unbounded.reserved_peak_bytes) // 2
+    result = estimate("tiny-gpt2", budget=between, **settings)
+    assert result.fits is False
+    largest = result.max_batch_size
+    assert estimate("tiny-gpt2", **{**settings, "batch_size": largest}).reserved_peak_bytes <= between
+    assert estimate("tiny-gpt2", **{**settings, "batch_size": largest + 1}).reserved_peak_bytes > between
+    assert estimate("tiny-gpt2", budget=unbounded.reserved_peak_bytes, **settings).fits is True

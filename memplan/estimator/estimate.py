@@ -47,8 +47,8 @@ class BatchTracer:
         self.simulations: dict[int, Simulation] = {}
         self.first: TracedStep | None = None
 
-    def phase_peaks(self, batch_size: int) -> dict[str, int]:
-        return self.simulate(batch_size).phase_peak_bytes
+    def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
+        return self.simulate(batch_size).fit_phase_peaks
 
     def simulate(self, batch_size: int) -> Simulation:
         if batch_size not in self.simulations:
@@ -59,8 +59,9 @@ class BatchTracer:
         return self.simulations[batch_size]
 
     def max_batch_size(self, budget_bytes: int) -> int:
-        known = {batch: simulation.phase_peak_bytes for batch, simulation in self.simulations.items()}
-        return find_max_batch_size(known, self.phase_peaks, budget_bytes)
+        """The largest batch size whose fit_bytes (reserved on cuda) is within the budget."""
+        known = {batch: simulation.fit_phase_peaks for batch, simulation in self.simulations.items()}
+        return find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
 
 
 def step_flops(traced: TracedStep) -> int:
@@ -87,10 +88,10 @@ def run_estimate(
     traced = tracer.first
     assert traced is not None
     other = second_batch_size(batch_size)
-    slope = (main.peak_bytes - tracer.phase_peaks(other)[main.phase]) // (batch_size - other)
+    slope = (main.peak_bytes - tracer.simulate(other).phase_peak_bytes[main.phase]) // (batch_size - other)
     max_batch = fits = None
     if budget_bytes is not None:
-        fits = main.peak_bytes <= budget_bytes
+        fits = main.fit_bytes <= budget_bytes
         max_batch = tracer.max_batch_size(budget_bytes)
     unsupported = sorted({op for simulation in simulations.values() for op in simulation.unsupported_ops})
     return EstimateResult(

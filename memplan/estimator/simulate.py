@@ -63,6 +63,18 @@ class Simulation:
     timeline: MemoryTimeline
     reserved_peak_bytes: int | None = None  # cuda: what the caching allocator holds (max_memory_reserved)
 
+    @property
+    def fit_bytes(self) -> int:
+        """What a memory budget must hold: on cuda the allocator's segments (reserved), else the allocated peak."""
+        return self.reserved_peak_bytes if self.reserved_peak_bytes is not None else self.peak_bytes
+
+    @property
+    def fit_phase_peaks(self) -> dict[str, int]:
+        """fit_bytes by phase, for the largest-batch search (reserved has no phases: one line)."""
+        if self.reserved_peak_bytes is not None:
+            return {"reserved": self.reserved_peak_bytes}
+        return dict(self.phase_peak_bytes)
+
 
 def _tensors(value: object) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]

@@ -141,7 +141,8 @@ def run_compare(
             twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
             recompute = result.step_flops - twin.step_flops
         effective = variant.batch_size * variant.grad_accum * gpus
-        fits = result.peak_bytes <= budget_bytes if budget_bytes is not None else None
+        fit_bytes = result.reserved_peak_bytes if result.reserved_peak_bytes is not None else result.peak_bytes
+        fits = fit_bytes <= budget_bytes if budget_bytes is not None else None
         rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute, fits))
     return CompareResult(
         spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), time.perf_counter() - started

@@ -106,7 +106,7 @@ def run_sweep(
             points = []
             for batch in sorted(set(batch_sizes)):
                 simulation = tracer.simulate(batch)
-                fits = simulation.peak_bytes <= budget_bytes if budget_bytes is not None else None
+                fits = simulation.fit_bytes <= budget_bytes if budget_bytes is not None else None
                 points.append(SweepPoint(batch, simulation.peak_bytes, simulation.reserved_peak_bytes, fits))
             max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
             series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch))

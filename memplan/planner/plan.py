@@ -102,11 +102,18 @@ class _Tracer:
             settings = self.settings.replace(batch_size=batch_size, checkpoint=layout)
             return simulate(trace_step(self.spec, settings, self.setup))
 
-    def peak(self, layout: CheckpointLayout) -> int:
+    def simulation(self, layout: CheckpointLayout) -> Simulation:
         if layout not in self.simulations:
             self.report(f"tracing with {layout.describe()}")
             self.simulations[layout] = self.simulate(layout, self.settings.batch_size)
-        return self.simulations[layout].peak_bytes
+        return self.simulations[layout]
+
+    def peak(self, layout: CheckpointLayout) -> int:
+        return self.simulation(layout).peak_bytes
+
+    def fit_bytes(self, layout: CheckpointLayout) -> int:
+        """What the budget must hold: reserved on cuda, the allocated peak on cpu (Simulation.fit_bytes)."""
+        return self.simulation(layout).fit_bytes
 
 
 def _solve_verified(
@@ -117,10 +124,11 @@ def _solve_verified(
         solution = solve(costs, target)
         if solution is None:
             return None
-        peak = tracer.peak(layout_of(costs, solution.segments))
-        if peak <= budget_bytes:
-            return solution, peak
-        target -= peak - budget_bytes  # the model was optimistic here by at least this much
+        layout = layout_of(costs, solution.segments)
+        fit = tracer.fit_bytes(layout)
+        if fit <= budget_bytes:
+            return solution, tracer.peak(layout)
+        target -= fit - budget_bytes  # the model was optimistic here by at least this much
     return None
 
 
@@ -162,8 +170,8 @@ def make_plan(
     for name, strategy in BASELINES.items():
         segments = strategy(costs)
         layout = layout_of(costs, segments)
-        peak = tracer.peak(layout)
-        baselines.append(PlanOption(name, layout, peak <= budget_bytes, peak, costs.recompute_flops(segments)))
+        fits = tracer.fit_bytes(layout) <= budget_bytes
+        baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), costs.recompute_flops(segments)))
 
     if found is not None:
         solution, peak = found
@@ -174,7 +182,7 @@ def make_plan(
         flops, peak, layout = min(options, key=lambda option: option[:2])
         suggestions: tuple[str, ...] = ()
     else:
-        closest = min(baselines, key=lambda option: option.predicted_peak_bytes)
+        closest = min(baselines, key=lambda option: tracer.fit_bytes(option.layout))
         layout, peak, flops = closest.layout, closest.predicted_peak_bytes, closest.recompute_flops
         suggestions = _suggestions(tracer, layout, budget_bytes)
     segments = [(costs.names.index(segment[0]), costs.names.index(segment[-1])) for segment in layout.segments]
@@ -183,7 +191,7 @@ def make_plan(
         fingerprint=model_fingerprint(model),
         settings=settings.replace(checkpoint=layout),
         budget_bytes=budget_bytes,
-        fits=peak <= budget_bytes,
+        fits=tracer.fit_bytes(layout) <= budget_bytes,
         layout=layout,
         predicted_peak_bytes=peak,
         model_peak_bytes=solution_for(costs, segments).model_peak_bytes,
@@ -192,7 +200,7 @@ def make_plan(
         solver=chosen_solver,
         candidates=costs.names,
         baselines=tuple(baselines),
-        over_budget_bytes=max(0, peak - budget_bytes),
+        over_budget_bytes=max(0, tracer.fit_bytes(layout) - budget_bytes),
         suggestions=suggestions,
         traces=tracer.traces,
         seconds=time.perf_counter() - started,
@@ -206,11 +214,11 @@ def _suggestions(tracer: _Tracer, layout: CheckpointLayout, budget_bytes: int) -
 
     def trace_at(batch_size: int) -> dict[str, int]:
         tracer.report(f"tracing batch size {batch_size} with {layout.describe()}")
-        return dict(tracer.simulate(layout, batch_size).phase_peak_bytes)
+        return tracer.simulate(layout, batch_size).fit_phase_peaks
 
     batch = settings.batch_size
     if batch > 1:
-        known = {batch: dict(tracer.simulations[layout].phase_peak_bytes), batch // 2: trace_at(batch // 2)}
+        known = {batch: tracer.simulations[layout].fit_phase_peaks, batch // 2: trace_at(batch // 2)}
         fitting = find_max_batch_size(known, trace_at, budget_bytes)
         if fitting >= 1:
             accumulation = -(-batch * settings.grad_accum // fitting)

@@ -79,7 +79,8 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     )
     if result.budget_bytes is not None:
         verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
-        console.print(f"budget {format_bytes(result.budget_bytes)}: {verdict}")
+        measure = "the reserved peak" if result.reserved_peak_bytes is not None else "the peak"
+        console.print(f"budget {format_bytes(result.budget_bytes)}: {verdict} ({measure} is compared)")
         if result.max_batch_size:
             console.print(f"largest batch size that fits: {result.max_batch_size}")
         else:
