@@ -447,7 +447,7 @@ def sweep(
             plot_sweep(
                 series,
                 plot,
-                title=f"{result.model}: {describe_settings(result.settings.replace(checkpoint='none'))}",
+                title=f"{result.model}: {describe_settings(result.settings.replace(checkpoint='none'), with_batch=False)}",
                 budget_bytes=result.budget_bytes,
                 max_batch_sizes={s.label: s.max_batch_size for s in result.series},
             )

@@ -90,6 +90,8 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
         model = factory()
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory {name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+        if settings.attn_impl != "sdpa":
+            _set_attention(model, settings.attn_impl, name)
         return model
 
     def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:
@@ -104,6 +106,18 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
         return default_loss(output, batch)
 
     return ModelSpec(name=name, build=build, make_batch=make_batch, loss_of=loss_of, settings_for=lambda s: s)
+
+
+def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
+    """--attn-impl for a custom model: set it on every transformers model inside it, or refuse."""
+    transformers_models = [module for module in model.modules() if hasattr(module, "set_attn_implementation")]
+    if not transformers_models:
+        raise UsageError(
+            f"--attn-impl {attn_impl} applies to transformers models, and {name!r} contains none; "
+            "choose the attention in your model's code instead"
+        )
+    for module in transformers_models:
+        module.set_attn_implementation(attn_impl)
 
 
 def _suggest(name: str) -> str:

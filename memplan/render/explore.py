@@ -21,8 +21,7 @@ def _peak_cell(peak_bytes: int, fits: bool | None) -> str:
 def render_sweep(result: SweepResult, console: Console) -> None:
     base = result.settings.replace(checkpoint="none")
     console.print(f"[bold]{result.model}[/bold]: {describe_settings(base, with_batch=False)}")
-    budget = f" against a budget of {format_bytes(result.budget_bytes)}" if result.budget_bytes else ""
-    table = Table(title=f"predicted peak (max_memory_allocated){budget}", title_justify="left")
+    table = Table(title="predicted peak", title_justify="left")
     table.add_column("batch", justify="right")
     for series in result.series:
         table.add_column(series.label, justify="right")
@@ -36,7 +35,11 @@ def render_sweep(result: SweepResult, console: Console) -> None:
         )
     console.print(table)
     if result.budget_bytes is not None:
-        console.print("[dim]green fits the budget, red does not; 'largest' is the largest batch size that fits[/dim]")
+        fit = "reserved peak" if result.settings.device == "cuda" else "peak"
+        console.print(
+            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits, red does not; "
+            "'largest' is the largest batch size that fits[/dim]"
+        )
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
 
 
@@ -77,7 +80,8 @@ def render_compare(result: CompareResult, console: Console) -> None:
         + "[/dim]"
     )
     if result.budget_bytes is not None:
-        console.print(f"[dim]budget {format_bytes(result.budget_bytes)}: green fits, red does not[/dim]")
+        fit = "reserved peak" if result.settings.device == "cuda" else "peak"
+        console.print(f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits[/dim]")
     for reason in result.skipped:
         console.print(f"[dim]skipped {reason}[/dim]")
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")

@@ -136,6 +136,9 @@ def plot_sweep(
             transform=axes.get_yaxis_transform(),
         )
     axes.set_xscale("log", base=2)
+    batch_sizes = sorted({batch for points in series.values() for batch, _ in points})
+    axes.set_xticks(batch_sizes, [str(batch) for batch in batch_sizes])
+    axes.minorticks_off()
     axes.set_xlabel("micro-batch size (dotted: largest that fits)")
     axes.set_ylabel(f"predicted peak ({unit})")
     axes.set_ylim(0, top / scale * 1.1)
