@@ -444,10 +444,11 @@ def sweep(
             from memplan.render.plot import plot_sweep
 
             series = {s.label: [(p.batch_size, p.peak_bytes) for p in s.points] for s in result.series}
+            base = result.settings.replace(checkpoint="none")
             plot_sweep(
                 series,
                 plot,
-                title=f"{result.model}: {describe_settings(result.settings.replace(checkpoint='none'), with_batch=False)}",
+                title=f"{result.model}: {describe_settings(base, with_batch=False)}",
                 budget_bytes=result.budget_bytes,
                 max_batch_sizes={s.label: s.max_batch_size for s in result.series},
             )
