@@ -61,7 +61,12 @@ class BatchTracer:
     def max_batch_size(self, budget_bytes: int) -> int:
         """The largest batch size whose fit_bytes (reserved on cuda) is within the budget."""
         known = {batch: simulation.fit_phase_peaks for batch, simulation in self.simulations.items()}
-        return find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
+        found = find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
+        # The search may stop on a fitted line's word that found + 1 is over budget; the reserved
+        # peak moves in allocator-segment steps, so trace found + 1 to be sure (same answer from any start).
+        while found and self.simulate(found + 1).fit_bytes <= budget_bytes:
+            found += 1
+        return found
 
 
 def step_flops(traced: TracedStep) -> int:

@@ -49,7 +49,7 @@ def render_compare(result: CompareResult, console: Console) -> None:
     table.add_column("technique", no_wrap=True)
     for column in ("batch", "peak", "vs given", "optimizer", "activations"):
         table.add_column(column, justify="right")
-    table.add_column("costs", min_width=30)
+    table.add_column("costs")
     reference = result.rows[0].estimate.peak_bytes
     for row in result.rows:
         e = row.estimate
