@@ -5,6 +5,13 @@ on this project's lent machines (/work/.library/device/KINDS.md: "NVIDIA H100 80
 81559 MiB", "NVIDIA H200 with 143771 MiB"); the others are the figures nvidia-smi is publicly
 reported to show for those cards and are not measured by memplan.
 
+`throughput` holds the datasheet peaks the roofline time estimate uses (memplan.estimator.cuda.
+roofline): dense (no structured sparsity) FLOP/s per math mode and the memory bandwidth, from
+NVIDIA's datasheets and architecture whitepapers for each card (H100/H200 SXM, H100 NVL, A100
+SXM, L40S, RTX A6000, L4, A10, Ada and Ampere GeForce whitepapers for the RTX 4090 / 3090 with
+FP32 accumulation, T4, V100 SXM2). None of them is measured by memplan. A10G is AWS's variant
+of the A10, whose own peaks are unpublished; the A10's are used.
+
 `usable_bytes` subtracts the CUDA context, which nvidia-smi counts but torch.cuda never sees.
 CONTEXT_BYTES is an estimate, not a measurement: the CUDA 12/13 context with lazy module loading
 plus the kernels torch loads for a training step is typically reported at 300-600 MiB; memplan
@@ -13,6 +20,7 @@ assumes 512 MiB until `memplan validate` on a GPU measures it (device_peak_bytes
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -22,11 +30,27 @@ MiB = 1 << 20
 CONTEXT_BYTES = 512 * MiB
 
 
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Datasheet peaks: dense FLOP/s by math mode, and bytes/s of device memory."""
+
+    fp32_flops: float  # CUDA cores
+    tf32_flops: float | None  # tensor cores; None where there are none for TF32 (Volta, Turing)
+    fp16_flops: float  # tensor cores, FP32 accumulation
+    bf16_flops: float | None  # None: no BF16 tensor cores (bf16 math then runs at the fp32 rate)
+    memory_bytes_per_s: float
+
+
 @dataclass(frozen=True)
 class Gpu:
     name: str
     total_bytes: int
     compute_capability: tuple[int, int]
+    throughput: Throughput
     measured: bool = False  # total_bytes read on a lent machine, not taken from public reports
 
     @property
@@ -39,26 +63,49 @@ class Gpu:
             "total_bytes": self.total_bytes,
             "usable_bytes": self.usable_bytes,
             "compute_capability": f"{self.compute_capability[0]}.{self.compute_capability[1]}",
+            "throughput": dataclasses.asdict(self.throughput),
         }
 
 
 GPUS = {
     gpu.name: gpu
     for gpu in (
-        Gpu("H200", 143771 * MiB, (9, 0), measured=True),
-        Gpu("H100-80GB", 81559 * MiB, (9, 0), measured=True),
-        Gpu("H100-94GB", 95830 * MiB, (9, 0)),
-        Gpu("A100-80GB", 81920 * MiB, (8, 0)),
-        Gpu("A100-40GB", 40960 * MiB, (8, 0)),
-        Gpu("L40S", 46068 * MiB, (8, 9)),
-        Gpu("A6000", 49140 * MiB, (8, 6)),
-        Gpu("L4", 23034 * MiB, (8, 9)),
-        Gpu("A10G", 23028 * MiB, (8, 6)),
-        Gpu("RTX-4090", 24564 * MiB, (8, 9)),
-        Gpu("RTX-3090", 24576 * MiB, (8, 6)),
-        Gpu("T4", 15360 * MiB, (7, 5)),
-        Gpu("V100-32GB", 32768 * MiB, (7, 0)),
-        Gpu("V100-16GB", 16160 * MiB, (7, 0)),
+        Gpu(
+            "H200",
+            143771 * MiB,
+            (9, 0),
+            Throughput(67 * TERA, 494.7 * TERA, 989.4 * TERA, 989.4 * TERA, 4800 * GIGA),
+            measured=True,
+        ),
+        Gpu(
+            "H100-80GB",
+            81559 * MiB,
+            (9, 0),
+            Throughput(67 * TERA, 494.7 * TERA, 989.4 * TERA, 989.4 * TERA, 3350 * GIGA),
+            measured=True,
+        ),
+        Gpu(
+            "H100-94GB",
+            95830 * MiB,
+            (9, 0),
+            Throughput(60 * TERA, 417.5 * TERA, 835.5 * TERA, 835.5 * TERA, 3900 * GIGA),
+        ),
+        Gpu("A100-80GB", 81920 * MiB, (8, 0), Throughput(19.5 * TERA, 156 * TERA, 312 * TERA, 312 * TERA, 2039 * GIGA)),
+        Gpu("A100-40GB", 40960 * MiB, (8, 0), Throughput(19.5 * TERA, 156 * TERA, 312 * TERA, 312 * TERA, 1555 * GIGA)),
+        Gpu("L40S", 46068 * MiB, (8, 9), Throughput(91.6 * TERA, 183 * TERA, 362 * TERA, 362 * TERA, 864 * GIGA)),
+        Gpu("A6000", 49140 * MiB, (8, 6), Throughput(38.7 * TERA, 77.4 * TERA, 154.8 * TERA, 154.8 * TERA, 768 * GIGA)),
+        Gpu("L4", 23034 * MiB, (8, 9), Throughput(30.3 * TERA, 60 * TERA, 121 * TERA, 121 * TERA, 300 * GIGA)),
+        Gpu("A10G", 23028 * MiB, (8, 6), Throughput(31.2 * TERA, 62.5 * TERA, 125 * TERA, 125 * TERA, 600 * GIGA)),
+        Gpu(
+            "RTX-4090",
+            24564 * MiB,
+            (8, 9),
+            Throughput(82.6 * TERA, 82.6 * TERA, 165.2 * TERA, 165.2 * TERA, 1008 * GIGA),
+        ),
+        Gpu("RTX-3090", 24576 * MiB, (8, 6), Throughput(35.6 * TERA, 35.6 * TERA, 71 * TERA, 71 * TERA, 936 * GIGA)),
+        Gpu("T4", 15360 * MiB, (7, 5), Throughput(8.1 * TERA, None, 65 * TERA, None, 320 * GIGA)),
+        Gpu("V100-32GB", 32768 * MiB, (7, 0), Throughput(15.7 * TERA, None, 125 * TERA, None, 900 * GIGA)),
+        Gpu("V100-16GB", 16160 * MiB, (7, 0), Throughput(15.7 * TERA, None, 125 * TERA, None, 900 * GIGA)),
     )
 }
 # What memplan assumes about kernels when no --gpu is named: the generation of an H100.

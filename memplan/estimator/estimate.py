@@ -109,6 +109,7 @@ def run_estimate(
         peak_module=main.peak_module,
         phase_peak_bytes=dict(main.phase_peak_bytes),
         reserved_peak_bytes=main.reserved_peak_bytes,
+        roofline_step_seconds=main.roofline_seconds,
         device_peak_bytes=main.reserved_peak_bytes + CONTEXT_BYTES if main.reserved_peak_bytes is not None else None,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,

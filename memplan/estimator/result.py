@@ -48,6 +48,7 @@ class EstimateResult:
     seconds: float
     reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved, from the allocator simulator
     device_peak_bytes: int | None = None  # cuda: reserved + the CUDA context, what nvidia-smi shows
+    roofline_step_seconds: float | None = None  # cuda: the iteration's roofline time on the card (lower bound)
     budget_bytes: int | None = None
     fits: bool | None = None
     max_batch_size: int | None = None

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.cuda.allocator import CachingAllocator, round_size
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
+from memplan.estimator.cuda.roofline import graph_seconds
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.timeline import (
     BREAKDOWN_KEYS,
@@ -62,6 +63,7 @@ class Simulation:
     timeline_bytes: tuple[int, ...]
     timeline: MemoryTimeline
     reserved_peak_bytes: int | None = None  # cuda: what the caching allocator holds (max_memory_reserved)
+    roofline_seconds: float | None = None  # cuda: the step's roofline time on the card (a lower bound)
 
     @property
     def fit_bytes(self) -> int:
@@ -223,11 +225,12 @@ def simulate(traced: TracedStep) -> Simulation:
 
     workspaces = cublas_workspaces(traced)
     timeline = memory_timeline(traced, lifetimes, workspaces)
-    reserved = None
+    reserved = roofline = None
     if traced.settings.device == "cuda":
         allocator = CachingAllocator()
         replay_steady_state(timeline, allocator)
         reserved = allocator.max_reserved_bytes
+        roofline = graph_seconds(traced.graph, gpu_named(traced.settings.gpu or DEFAULT_GPU).throughput)
     live = sum(workspaces)
     live_bytes = []
     peak_bytes, peak_node = -1, 0
@@ -258,6 +261,7 @@ def simulate(traced: TracedStep) -> Simulation:
         timeline_bytes=tuple(live_bytes),
         timeline=timeline,
         reserved_peak_bytes=reserved,
+        roofline_seconds=roofline,
     )
 
 

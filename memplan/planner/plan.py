@@ -45,6 +45,7 @@ class PlanOption:
     fits: bool
     predicted_peak_bytes: int
     recompute_flops: int
+    recompute_seconds: float | None = None  # cuda: roofline time the recomputation adds to the step
 
     def to_dict(self) -> dict[str, Any]:
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -70,6 +71,9 @@ class PlanResult:
     suggestions: tuple[str, ...]
     traces: int
     seconds: float
+    reserved_peak_bytes: int | None = None  # cuda: the planned step's reserved peak, what the budget holds
+    step_seconds: float | None = None  # cuda: roofline time of the planned step on the card (a lower bound)
+    recompute_seconds: float | None = None  # cuda: what the recomputation adds to it
 
     def to_dict(self) -> dict[str, Any]:
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -110,6 +114,11 @@ class _Tracer:
 
     def peak(self, layout: CheckpointLayout) -> int:
         return self.simulation(layout).peak_bytes
+
+    def recompute_seconds(self, layout: CheckpointLayout) -> float | None:
+        """Roofline time the layout adds over no checkpointing (cuda targets only)."""
+        planned, plain = self.simulation(layout).roofline_seconds, self.simulation(CheckpointLayout()).roofline_seconds
+        return planned - plain if planned is not None and plain is not None else None
 
     def fit_bytes(self, layout: CheckpointLayout) -> int:
         """What the budget must hold: reserved on cuda, the allocated peak on cpu (Simulation.fit_bytes)."""
@@ -171,7 +180,8 @@ def make_plan(
         segments = strategy(costs)
         layout = layout_of(costs, segments)
         fits = tracer.fit_bytes(layout) <= budget_bytes
-        baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), costs.recompute_flops(segments)))
+        flops, seconds = costs.recompute_flops(segments), tracer.recompute_seconds(layout)
+        baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), flops, seconds))
 
     if found is not None:
         solution, peak = found
@@ -204,6 +214,9 @@ def make_plan(
         suggestions=suggestions,
         traces=tracer.traces,
         seconds=time.perf_counter() - started,
+        reserved_peak_bytes=tracer.simulation(layout).reserved_peak_bytes,
+        step_seconds=tracer.simulation(layout).roofline_seconds,
+        recompute_seconds=tracer.recompute_seconds(layout),
     )
 
 

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.estimator.result import EstimateResult
+from memplan.gpus import DEFAULT_GPU
+from memplan.render.units import format_flops, format_seconds
 from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes
 
 _CATEGORY_LABELS = {
@@ -77,6 +79,11 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         f"per sample: {format_bytes(result.per_sample_activation_bytes)}; "
         f"fixed part: {format_bytes(result.fixed_bytes)}"
     )
+    if result.roofline_step_seconds is not None:
+        console.print(
+            f"step: {format_flops(result.step_flops)}; roofline time {format_seconds(result.roofline_step_seconds)} "
+            f"on {result.settings.gpu or DEFAULT_GPU} (a lower bound from datasheet peaks)"
+        )
     if result.budget_bytes is not None:
         verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
         measure = "the reserved peak" if result.reserved_peak_bytes is not None else "the peak"

@@ -8,7 +8,7 @@ from rich.table import Table
 from memplan.explore.compare import CompareResult
 from memplan.explore.sweep import SweepResult
 from memplan.render.estimate import describe_settings
-from memplan.render.plan import format_flops
+from memplan.render.units import format_flops
 from memplan.settings import format_bytes
 
 

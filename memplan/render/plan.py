@@ -9,6 +9,7 @@ from rich.table import Table
 
 from memplan.planner.plan import PlanResult
 from memplan.render.estimate import describe_settings
+from memplan.render.units import format_flops, format_seconds
 from memplan.settings import CheckpointLayout, format_bytes
 
 
@@ -26,10 +27,6 @@ def describe_layout(layout: CheckpointLayout) -> str:
     return ", ".join(parts)
 
 
-def format_flops(value: int) -> str:
-    return f"{value / 1e12:,.2f} TFLOP" if value >= 1e11 else f"{value / 1e9:,.2f} GFLOP"
-
-
 def render_plan(result: PlanResult, console: Console, output: str | None = None) -> None:
     console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings.replace(checkpoint='none'))}")
     console.print(f"budget {format_bytes(result.budget_bytes)}; {len(result.candidates)} candidate blocks")
@@ -39,34 +36,41 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
     table.add_column("fits")
     table.add_column("recompute", justify="right")
     table.add_column("of the step", justify="right")
+    timed = result.recompute_seconds is not None
+    if timed:
+        table.add_column("roofline time", justify="right")
     rows = [
         (
             f"[bold]plan[/bold] ({result.layout.describe()})",
             result.predicted_peak_bytes,
             result.fits,
             result.recompute_flops,
+            result.recompute_seconds,
         )
     ]
     rows += [
-        (option.name, option.predicted_peak_bytes, option.fits, option.recompute_flops) for option in result.baselines
+        (option.name, option.predicted_peak_bytes, option.fits, option.recompute_flops, option.recompute_seconds)
+        for option in result.baselines
     ]
-    for name, peak, fits, flops in rows:
+    for name, peak, fits, flops, seconds in rows:
         share = flops / result.step_flops if result.step_flops else 0.0
-        table.add_row(
-            name,
-            format_bytes(peak),
-            "[green]yes[/green]" if fits else "[red]no[/red]",
-            format_flops(flops),
-            f"+{share:.1%}",
-        )
+        cells = [name, format_bytes(peak), "[green]yes[/green]" if fits else "[red]no[/red]", format_flops(flops)]
+        cells.append(f"+{share:.1%}")
+        if timed:
+            cells.append(f"+{format_seconds(seconds)}" if seconds is not None else "")
+        table.add_row(*cells)
     console.print(table)
     if result.fits and not result.layout.segments:
         console.print("[green]plan[/green]: no checkpointing needed, the step fits as it is")
     elif result.fits:
         console.print(f"[green]plan[/green]: checkpoint {describe_layout(result.layout)}")
     else:
+        reserved = result.reserved_peak_bytes
+        least = format_bytes(result.predicted_peak_bytes)
+        if reserved is not None:
+            least += f" allocated, {format_bytes(reserved)} reserved (what the budget must hold)"
         console.print(
-            f"[red]nothing fits[/red]: the least memory found is {format_bytes(result.predicted_peak_bytes)} "
+            f"[red]nothing fits[/red]: the least memory found is {least} "
             f"({describe_layout(result.layout)}), {format_bytes(result.over_budget_bytes)} over budget"
         )
         for suggestion in result.suggestions:
@@ -74,5 +78,10 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
     if output:
         console.print(
             f"plan written to {output}; use it with `memplan estimate --checkpoint {output}` or memplan.apply_plan"
+        )
+    if result.step_seconds is not None:
+        console.print(
+            f"[dim]roofline time: a lower bound from the card's datasheet peaks; the planned step "
+            f"{format_seconds(result.step_seconds)}[/dim]"
         )
     console.print(f"[dim]{result.traces} traces, {result.seconds:.1f} s[/dim]")

@@ -1,0 +1,74 @@
+"""A roofline time estimate of a traced CUDA step: a lower bound, not a measurement.
+
+Each op takes max(FLOPs / peak FLOP/s of its math mode, bytes it reads and writes / memory
+bandwidth) (Williams, Waterman & Patterson, "Roofline", CACM 2009), with the card's datasheet
+peaks (memplan.gpus.Throughput). Real kernels reach a fraction of both peaks and launches add
+microseconds, so the estimate is optimistic in absolute terms; it serves to compare layouts and
+batch sizes on one card (recomputation adds FLOPs; small batches re-read the same weights).
+
+Math modes follow torch's defaults: matmuls in fp32 use fp32 CUDA cores
+(`torch.backends.cuda.matmul.allow_tf32` is False by default), convolutions in fp32 use TF32
+(`torch.backends.cudnn.allow_tf32` is True by default), 16-bit inputs use tensor cores.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten
+
+from memplan.estimator.flops import node_flops
+from memplan.gpus import Throughput
+
+aten = torch.ops.aten
+
+CONVOLUTIONS = {aten.convolution.default, aten.convolution_backward.default}
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Ops whose outputs alias an input without writing it (views) move no memory."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    infos = [ret.alias_info for ret in schema.returns]
+    return all(info is not None and not info.is_write for info in infos)
+
+
+def _input_values(node: fx.Node) -> list[torch.Tensor]:
+    values = [arg.meta.get("val") for arg in node.all_input_nodes]
+    return [tensor for value in values for tensor in _tensors(value)]
+
+
+def _bytes_moved(node: fx.Node) -> int:
+    if _is_view(node):
+        return 0
+    tensors = _input_values(node) + _tensors(node.meta.get("val"))
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def _flops_per_second(node: fx.Node, throughput: Throughput) -> float:
+    inputs = _input_values(node)
+    dtype = inputs[0].dtype if inputs else torch.float32
+    if dtype == torch.float16:
+        return throughput.fp16_flops
+    if dtype == torch.bfloat16:
+        return throughput.bf16_flops or throughput.fp32_flops
+    if node.target in CONVOLUTIONS and throughput.tf32_flops is not None:
+        return throughput.tf32_flops
+    return throughput.fp32_flops
+
+
+def node_seconds(node: fx.Node, throughput: Throughput) -> float:
+    if node.op != "call_function":
+        return 0.0
+    flops = node_flops(node)
+    compute = flops / _flops_per_second(node, throughput) if flops else 0.0
+    return max(compute, _bytes_moved(node) / throughput.memory_bytes_per_s)
+
+
+def graph_seconds(graph: fx.GraphModule, throughput: Throughput) -> float:
+    return sum(node_seconds(node, throughput) for node in graph.graph.nodes)
