@@ -1,6 +1,6 @@
 """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
 
-from memplan.api import apply_plan, compare, estimate, plan, sweep, validate, validate_suite
+from memplan.api import apply_plan, compare, estimate, plan, plan_batch, sweep, validate, validate_suite
 from memplan.errors import MemplanError
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.hf_args import read_training_args
@@ -15,6 +15,7 @@ __all__ = [
     "apply_plan",
     "compare",
     "plan",
+    "plan_batch",
     "EstimateResult",
     "MemplanError",
     "TrainingSettings",

@@ -13,6 +13,7 @@ from memplan.explore.compare import CompareResult, run_compare
 from memplan.explore.sweep import DEFAULT_BATCH_SIZES, SweepResult, run_sweep
 from memplan.gpus import gpu_named
 from memplan.models.source import ModelSpec, resolve_model
+from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
 from memplan.settings import CHECKPOINT_MODES, TrainingSettings, parse_size
@@ -25,7 +26,7 @@ from memplan.validate.runner import (
 )
 from memplan.validate.suite import SuiteConfig, run_suite, suite_named
 
-__all__ = ["apply_plan", "compare", "estimate", "plan", "sweep", "validate", "validate_suite"]
+__all__ = ["apply_plan", "compare", "estimate", "plan", "plan_batch", "sweep", "validate", "validate_suite"]
 
 
 def _settings(settings: TrainingSettings | None, overrides: dict[str, Any]) -> tuple[TrainingSettings, Plan | None]:
@@ -165,12 +166,47 @@ def plan(
     `nn.ModuleList`); `solver` is "auto", "dp" (exact on the chain cost model) or "greedy". Write
     the result with `memplan.planner.plan_file.write_plan` and use it with `apply_plan`.
     """
-    settings, _ = _settings(settings, {**setting_overrides, "checkpoint": "none"})
+    spec, settings, budget_bytes = _plan_inputs(model, settings, budget, inputs, loss, task, setting_overrides)
+    return make_plan(spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress)
+
+
+def _plan_inputs(
+    model: str,
+    settings: TrainingSettings | None,
+    budget: str | int | None,
+    inputs: str | None,
+    loss: str | None,
+    task: str | None,
+    overrides: dict[str, Any],
+) -> tuple[ModelSpec, TrainingSettings, int]:
+    settings, _ = _settings(settings, {**overrides, "checkpoint": "none"})
     budget_bytes = _budget(budget, settings)
     if budget_bytes is None:
         raise SettingsError("a plan needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
-    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
-    return make_plan(spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress)
+    return resolve_model(model, inputs=inputs, loss=loss, task=task), settings, budget_bytes
+
+
+def plan_batch(
+    model: str,
+    settings: TrainingSettings | None = None,
+    *,
+    budget: str | int | None = None,
+    inputs: str | None = None,
+    loss: str | None = None,
+    task: str | None = None,
+    candidates: str | None = None,
+    solver: str = "auto",
+    progress: Progress | None = None,
+    **setting_overrides: Any,
+) -> MaximizeResult:
+    """The micro-batch and checkpointing plan with the best roofline throughput within `budget`.
+
+    Plans batch sizes from the largest that fits without checkpointing to the largest that fits
+    with every block checkpointed; each option is a traced, fitting plan (`.best.plan` can be
+    written with `write_plan`). cuda targets only: the ranking needs the card's time estimate.
+    """
+    spec, settings, budget_bytes = _plan_inputs(model, settings, budget, inputs, loss, task, setting_overrides)
+    return maximize_batch(spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress)
 
 
 def validate(

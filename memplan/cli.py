@@ -279,6 +279,42 @@ def estimate(
     _run(debug, action)
 
 
+def _plan_batch(
+    model: str,
+    budget: int | None,
+    candidates: str | None,
+    solver: str,
+    output: str | None,
+    as_json: bool,
+    task: str | None,
+    inputs: str | None,
+    loss: str | None,
+    settings: dict[str, Any],
+) -> None:
+    from click.core import ParameterSource
+
+    from memplan.api import plan_batch
+    from memplan.planner.plan_file import write_plan
+    from memplan.render.plan import render_batch_options
+
+    if click.get_current_context().get_parameter_source("batch_size") != ParameterSource.DEFAULT:
+        raise UsageError("--maximize-batch chooses the batch size; leave out --batch-size")
+    result = plan_batch(
+        model,
+        budget=budget,
+        inputs=inputs,
+        loss=loss,
+        task=task,
+        candidates=candidates,
+        solver=solver,
+        progress=_progress(as_json),
+        **_with_hf_args(settings, as_json),
+    )
+    if output is not None:
+        write_plan(result.best.plan, output)
+    _emit(result, as_json, lambda result, console: render_batch_options(result, console, output))
+
+
 def _write_pictures(result: Any, plot: str | None, snapshot: str | None) -> None:
     from memplan.render.estimate import describe_settings
 
@@ -317,12 +353,19 @@ def _write_pictures(result: Any, plot: str | None, snapshot: str | None) -> None
     help="dp = exact on the chain cost model; greedy = fast heuristic; auto = dp up to 128 candidates.",
 )
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the plan to this JSON file.")
+@click.option(
+    "--maximize-batch",
+    is_flag=True,
+    help="cuda: choose the batch size too, by the best roofline throughput within the budget "
+    "(replaces --batch-size; --output gets the best option's plan).",
+)
 def plan(
     model: str,
     budget: int | None,
     candidates: str | None,
     solver: str,
     output: str | None,
+    maximize_batch: bool,
     as_json: bool,
     debug: bool,
     task: str | None,
@@ -343,6 +386,9 @@ def plan(
 
         _check_output_paths(output=output)
         _quiet_transformers()
+        if maximize_batch:
+            _plan_batch(model, budget, candidates, solver, output, as_json, task, inputs, loss, settings)
+            return
         result = make_plan(
             model,
             budget=budget,

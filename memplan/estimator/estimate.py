@@ -60,6 +60,9 @@ class BatchTracer:
 
     def max_batch_size(self, budget_bytes: int) -> int:
         """The largest batch size whose fit_bytes (reserved on cuda) is within the budget."""
+        for batch in (self.settings.batch_size, second_batch_size(self.settings.batch_size)):
+            if len(self.simulations) < 2:
+                self.simulate(batch)  # the search starts from two traced batch sizes
         known = {batch: simulation.fit_phase_peaks for batch, simulation in self.simulations.items()}
         found = find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
         # The search may stop on a fitted line's word that found + 1 is over budget; the reserved

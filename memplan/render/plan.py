@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from memplan.planner.maximize import MaximizeResult
 from memplan.planner.plan import PlanResult
 from memplan.render.estimate import describe_settings
 from memplan.render.units import format_flops, format_seconds
@@ -85,3 +86,47 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
             f"{format_seconds(result.step_seconds)}[/dim]"
         )
     console.print(f"[dim]{result.traces} traces, {result.seconds:.1f} s[/dim]")
+
+
+def render_batch_options(result: MaximizeResult, console: Console, output: str | None = None) -> None:
+    base = result.settings.replace(checkpoint="none")
+    console.print(f"[bold]{result.model}[/bold]: {describe_settings(base, with_batch=False)}")
+    console.print(f"budget {format_bytes(result.budget_bytes)}; {result.candidates} candidate blocks")
+    table = Table(title="batch size and plan, each traced and fitting", title_justify="left")
+    table.add_column("batch", justify="right")
+    table.add_column("checkpointed", justify="right")
+    table.add_column("peak", justify="right")
+    table.add_column("reserved", justify="right")
+    table.add_column("recompute", justify="right")
+    table.add_column("roofline step", justify="right")
+    table.add_column("samples/s", justify="right")
+    for option in result.options:
+        plan = option.plan
+        style = "bold green" if option is result.best else ""
+        table.add_row(
+            str(option.batch_size),
+            f"{len(plan.layout.modules)} of {result.candidates}",
+            format_bytes(plan.predicted_peak_bytes),
+            format_bytes(plan.reserved_peak_bytes) if plan.reserved_peak_bytes is not None else "",
+            format_flops(plan.recompute_flops),
+            format_seconds(plan.step_seconds) if plan.step_seconds is not None else "",
+            f"{option.samples_per_second:,.1f}",
+            style=style,
+        )
+    console.print(table)
+    best = result.best
+    largest = result.options[-1]
+    verdict = f"best: batch {best.batch_size} with {len(best.plan.layout.modules)} blocks checkpointed"
+    if largest is not best:
+        verdict += (
+            f" beats batch {largest.batch_size} with {len(largest.plan.layout.modules)}: "
+            f"{best.samples_per_second:,.1f} vs {largest.samples_per_second:,.1f} samples/s"
+        )
+    console.print(verdict)
+    console.print(
+        "[dim]samples/s = batch / roofline step time: an upper bound from the card's datasheet peaks, "
+        "for ranking options on one card[/dim]"
+    )
+    if output:
+        console.print(f"the best option's plan written to {output} (train with --batch-size {best.batch_size})")
+    console.print(f"[dim]{result.seconds:.1f} s[/dim]")

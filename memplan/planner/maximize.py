@@ -1,0 +1,125 @@
+"""Batch size and checkpointing plan together: the best throughput estimate within a byte budget.
+
+A larger micro-batch uses the GPU better (weights, optimizer state and launches are paid once per
+step), but past the largest batch that fits without checkpointing it needs checkpointing, which
+recomputes. memplan finds the largest batch that fits with no checkpointing and with every block
+checkpointed, plans the least-recompute layout for batch sizes between them, and ranks them by
+samples per second of the roofline time of each planned step (memplan.estimator.cuda.roofline):
+e.g. "batch 24 with 6 blocks checkpointed beats batch 32 with all 12". Every option is a plan:
+traced, simulated and fitting the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.errors import SettingsError
+from memplan.estimator.estimate import BatchTracer
+from memplan.models.source import ModelSpec
+from memplan.planner.plan import PlanResult, make_plan
+from memplan.settings import TrainingSettings
+
+Progress = Callable[[str], None]
+# Batch sizes planned between the two ends (log-spaced), besides the ends themselves.
+INTERMEDIATE_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class BatchOption:
+    batch_size: int
+    plan: PlanResult
+
+    @property
+    def samples_per_second(self) -> float:
+        assert self.plan.step_seconds is not None
+        return self.batch_size / self.plan.step_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "checkpointed_modules": len(self.plan.layout.modules),
+            "checkpoints": len(self.plan.layout.segments),
+            "layout": self.plan.layout.to_dict(),
+            "predicted_peak_bytes": self.plan.predicted_peak_bytes,
+            "reserved_peak_bytes": self.plan.reserved_peak_bytes,
+            "recompute_flops": self.plan.recompute_flops,
+            "step_seconds": self.plan.step_seconds,
+            "samples_per_second": self.samples_per_second,
+        }
+
+
+@dataclass(frozen=True)
+class MaximizeResult:
+    model: str
+    settings: TrainingSettings  # the base settings; each option has its own batch size and layout
+    budget_bytes: int
+    candidates: int  # blocks that may be checkpointed
+    options: tuple[BatchOption, ...]  # by batch size
+    best: BatchOption
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "settings": self.settings.to_dict(),
+            "budget_bytes": self.budget_bytes,
+            "candidates": self.candidates,
+            "options": [option.to_dict() for option in self.options],
+            "best": self.best.to_dict(),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _between(low: int, high: int) -> list[int]:
+    """low, high and INTERMEDIATE_BATCHES log-spaced batch sizes between them."""
+    sizes = {low, high}
+    for step in range(1, INTERMEDIATE_BATCHES + 1):
+        sizes.add(round(low * (high / low) ** (step / (INTERMEDIATE_BATCHES + 1))))
+    return sorted(size for size in sizes if low <= size <= high)
+
+
+def maximize_batch(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    budget_bytes: int,
+    *,
+    candidates: str | None = None,
+    solver: str = "auto",
+    progress: Progress | None = None,
+) -> MaximizeResult:
+    started = time.perf_counter()
+    report = progress or (lambda message: None)
+    if settings.device != "cuda":
+        raise SettingsError("--maximize-batch ranks by a GPU time estimate: use it with --device cuda (and --gpu)")
+    settings = spec.settings_for(settings)
+    ends = {}
+    for mode in ("none", "all"):
+        report(f"largest batch with checkpoint {mode}")
+        tracer = BatchTracer(spec, settings.replace(checkpoint=mode), report)
+        ends[mode] = tracer.max_batch_size(budget_bytes)
+    if ends["all"] == 0:
+        raise SettingsError(
+            "not even batch size 1 fits with every block checkpointed; try --precision amp-bf16 or bf16, "
+            "or --optimizer adam8bit or adafactor"
+        )
+    options = []
+    for batch in _between(max(ends["none"], 1), ends["all"]):
+        report(f"planning batch size {batch}")
+        plan = make_plan(spec, settings.replace(batch_size=batch), budget_bytes, candidates=candidates, solver=solver)
+        if plan.fits:
+            options.append(BatchOption(batch, plan))
+    if not options:
+        raise SettingsError("no batch size fits with a plan; try a larger budget")  # unreachable: ends["all"] fits
+    best = max(options, key=lambda option: option.samples_per_second)
+    return MaximizeResult(
+        spec.name,
+        settings,
+        budget_bytes,
+        len(options[-1].plan.candidates),
+        tuple(options),
+        best,
+        time.perf_counter() - started,
+    )
