@@ -32,20 +32,20 @@ For zsh use `zsh_source` in `~/.zshrc`; for fish,
 """
 
 
-def _help(command: click.Command, name: str, parent: click.Context | None) -> str:
-    context = click.Context(
-        command, info_name=name, parent=parent, terminal_width=HELP_WIDTH, max_content_width=HELP_WIDTH
+def _context(command: click.Command, name: str, parent: click.Context | None) -> click.Context:
+    """The context click itself would make (context_settings applied, e.g. -h), at a fixed width."""
+    return command.make_context(
+        name, [], parent=parent, resilient_parsing=True, terminal_width=HELP_WIDTH, max_content_width=HELP_WIDTH
     )
-    return command.get_help(context)
 
 
 def cli_reference(group: click.Group) -> str:
-    root = click.Context(group, info_name="memplan", terminal_width=HELP_WIDTH, max_content_width=HELP_WIDTH)
-    sections = [HEADER, "## memplan\n", "```text", _help(group, "memplan", None), "```\n"]
+    root = _context(group, "memplan", None)
+    sections = [HEADER, "## memplan\n", "```text", group.get_help(root), "```\n"]
     for name in sorted(group.list_commands(root)):
         command = group.get_command(root, name)
         assert command is not None
-        sections += [f"## memplan {name}\n", "```text", _help(command, name, root), "```\n"]
+        sections += [f"## memplan {name}\n", "```text", command.get_help(_context(command, name, root)), "```\n"]
     return "\n".join(sections)
 
 
