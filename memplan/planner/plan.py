@@ -183,14 +183,16 @@ def make_plan(
         flops, seconds = costs.recompute_flops(segments), tracer.recompute_seconds(layout)
         baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), flops, seconds))
 
+    # The cost model may rank two layouts differently from their simulations (or, budgeting the
+    # reserved peak on cuda, miss what fits): of everything traced that fits, keep the least
+    # recompute, then the lowest peak.
+    options = [(o.recompute_flops, o.predicted_peak_bytes, o.layout) for o in baselines if o.fits]
     if found is not None:
         solution, peak = found
-        # The model may rank two layouts differently from their simulations: of everything traced
-        # that fits, keep the least recompute, then the lowest peak.
-        options = [(solution.recompute_flops, peak, layout_of(costs, solution.segments))]
-        options += [(o.recompute_flops, o.predicted_peak_bytes, o.layout) for o in baselines if o.fits]
+        options.append((solution.recompute_flops, peak, layout_of(costs, solution.segments)))
+    suggestions: tuple[str, ...] = ()
+    if options:
         flops, peak, layout = min(options, key=lambda option: option[:2])
-        suggestions: tuple[str, ...] = ()
     else:
         closest = min(baselines, key=lambda option: tracer.fit_bytes(option.layout))
         layout, peak, flops = closest.layout, closest.predicted_peak_bytes, closest.recompute_flops
