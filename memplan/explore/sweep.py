@@ -98,17 +98,17 @@ def run_sweep(
         raise SettingsError("--batch-sizes takes positive integers, e.g. 1,2,4,8")
     report = progress or (lambda message: None)
     series = []
-    for precision in precisions:
-        for checkpoint in checkpoints:
-            variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
-            label = precision + (", checkpoint all" if checkpoint == "all" else "")
-            tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
-            points = []
-            for batch in sorted(set(batch_sizes)):
-                simulation = tracer.simulate(batch)
-                fits = simulation.fit_bytes <= budget_bytes if budget_bytes is not None else None
-                points.append(SweepPoint(batch, simulation.peak_bytes, simulation.reserved_peak_bytes, fits))
-            max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
-            series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch))
+    combinations = [(precision, checkpoint) for precision in precisions for checkpoint in checkpoints]
+    for number, (precision, checkpoint) in enumerate(combinations, start=1):
+        variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
+        label = f"[{number}/{len(combinations)}] " + precision + (", checkpoint all" if checkpoint == "all" else "")
+        tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
+        points = []
+        for batch in sorted(set(batch_sizes)):
+            simulation = tracer.simulate(batch)
+            fits = simulation.fit_bytes <= budget_bytes if budget_bytes is not None else None
+            points.append(SweepPoint(batch, simulation.peak_bytes, simulation.reserved_peak_bytes, fits))
+        max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
+        series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch))
     seconds = time.perf_counter() - started
     return SweepResult(spec.name, spec.settings_for(settings), budget_bytes, tuple(series), seconds)
