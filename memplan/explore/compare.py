@@ -128,9 +128,11 @@ def run_compare(
     settings = spec.settings_for(settings)
     results: dict[str, EstimateResult] = {}
     rows, skipped = [], []
-    for technique in techniques(settings):
+    listed = techniques(settings)
+    for number, technique in enumerate(listed, start=1):
         variant = settings.replace(**technique.changes)
-        result = run_estimate(spec, variant, progress=lambda message, name=technique.name: report(f"{name}: {message}"))
+        label = f"[{number}/{len(listed)}] {technique.name}"
+        result = run_estimate(spec, variant, progress=lambda message, label=label: report(f"{label}: {message}"))
         if variant.checkpoint == "all" and not result.checkpointed_blocks:
             skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
             continue
