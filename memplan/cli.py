@@ -185,7 +185,7 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
         return context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
     loaded = read_training_args(path, read_optim=not typed("optimizer"))
-    if "checkpoint" not in settings:
+    if click.get_current_context().info_name == "plan":
         loaded.settings.pop("checkpoint", None)  # plan chooses the checkpointing itself
     from_file = {key: value for key, value in loaded.settings.items() if not typed(key)}
     merged = {**settings, **from_file}
