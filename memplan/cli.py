@@ -168,6 +168,10 @@ def _check_output_paths(**paths: str | None) -> None:
     for option, path in paths.items():
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"--{option} {path}: the folder {Path(path).parent} does not exist; create it first")
+    if paths.get("plot") is not None:
+        from memplan.render.plot import check_plot_path
+
+        check_plot_path(paths["plot"])
 
 
 def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
@@ -185,8 +189,11 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
         return context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
     loaded = read_training_args(path, read_optim=not typed("optimizer"))
-    if click.get_current_context().info_name == "plan":
+    context_name = context.info_name
+    if context_name == "plan":
         loaded.settings.pop("checkpoint", None)  # plan chooses the checkpointing itself
+    if context_name == "sweep" or context.params.get("maximize_batch"):
+        loaded.settings.pop("batch_size", None)  # these commands choose the batch sizes themselves
     from_file = {key: value for key, value in loaded.settings.items() if not typed(key)}
     merged = {**settings, **from_file}
     if not as_json:
@@ -267,8 +274,8 @@ def estimate(
             loss=loss,
             task=task,
             budget=budget,
+            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
             progress=_progress(as_json),
-            **_with_hf_args(settings, as_json),
         )
         _write_pictures(result, plot, snapshot)
         if as_json:
@@ -307,8 +314,8 @@ def _plan_batch(
         task=task,
         candidates=candidates,
         solver=solver,
+        **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
         progress=_progress(as_json),
-        **_with_hf_args(settings, as_json),
     )
     if output is not None:
         write_plan(result.best.plan, output)
@@ -322,7 +329,13 @@ def _write_pictures(result: Any, plot: str | None, snapshot: str | None) -> None
     if plot is not None:
         from memplan.render.plot import plot_timeline
 
-        plot_timeline(result.timeline, plot, title=title, budget_bytes=result.budget_bytes)
+        plot_timeline(
+            result.timeline,
+            plot,
+            title=title,
+            budget_bytes=result.budget_bytes,
+            reserved_peak_bytes=result.reserved_peak_bytes,
+        )
         _stderr_console().print(f"[dim]plot: {plot}[/dim]")
     if snapshot is not None:
         from memplan.render.snapshot import predicted_snapshot, write_snapshot
@@ -397,8 +410,8 @@ def plan(
             task=task,
             candidates=candidates,
             solver=solver,
+            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
             progress=_progress(as_json),
-            **_with_hf_args(settings, as_json),
         )
         if output is not None:
             write_plan(result, output)
@@ -482,14 +495,18 @@ def sweep(
             inputs=inputs,
             loss=loss,
             task=task,
+            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
             progress=_progress(as_json),
-            **_with_hf_args(settings, as_json),
         )
         if plot is not None:
             from memplan.render.estimate import describe_settings
             from memplan.render.plot import plot_sweep
 
-            series = {s.label: [(p.batch_size, p.peak_bytes) for p in s.points] for s in result.series}
+            reserved = result.settings.device == "cuda"  # the budget holds the reserved peak there
+            series = {
+                s.label: [(p.batch_size, p.reserved_peak_bytes if reserved else p.peak_bytes) for p in s.points]
+                for s in result.series
+            }
             base = result.settings.replace(checkpoint="none")
             plot_sweep(
                 series,
@@ -497,6 +514,7 @@ def sweep(
                 title=f"{result.model}: {describe_settings(base, with_batch=False)}",
                 budget_bytes=result.budget_bytes,
                 max_batch_sizes={s.label: s.max_batch_size for s in result.series},
+                measure="predicted reserved peak" if reserved else "predicted peak",
             )
             _stderr_console().print(f"[dim]plot: {plot}[/dim]")
         from memplan.render.explore import render_sweep
@@ -538,8 +556,8 @@ def compare(
             inputs=inputs,
             loss=loss,
             task=task,
+            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
             progress=_progress(as_json),
-            **_with_hf_args(settings, as_json),
         )
         from memplan.render.explore import render_compare
 
@@ -609,8 +627,8 @@ def validate(
             warmup=warmup,
             snapshot=snapshot,
             timeout_s=timeout,
+            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
             progress=_progress(as_json),
-            **_with_hf_args(settings, as_json),
         )
         if as_json:
             click.echo(validation_to_json(result))

@@ -47,9 +47,11 @@ class HfTrainingArgs:
 
 def _load(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise HfArgsError(f"cannot read --hf-args {path}: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise HfArgsError(f"--hf-args {path} is not UTF-8 text; save it as UTF-8 JSON or YAML") from error
     import yaml
 
     kind = "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"

@@ -40,3 +40,15 @@ def test_fp32_convolutions_use_tf32_like_cudnn_by_default():
     graph = traced(conv, ((64, 256, 56, 56), torch.float32), ((256, 256, 3, 3), torch.float32))
     flops = 2 * 64 * 256 * 56 * 56 * 256 * 3 * 3
     assert graph_seconds(graph, H100) == pytest.approx(flops / H100.tf32_flops, rel=1e-12)
+
+
+def test_picking_outputs_of_a_multi_output_op_costs_nothing():
+    """native_layer_norm returns (out, mean, rstd); the getitem nodes that pick them run no kernel."""
+
+    def layer_norm(x, w, b):
+        return torch.nn.functional.layer_norm(x, (1024,), w, b)
+
+    graph = traced(layer_norm, ((4096, 1024), torch.float32), ((1024,), torch.float32), ((1024,), torch.float32))
+    assert any(node.target.__name__ == "getitem" for node in graph.graph.nodes if node.op == "call_function")
+    moved = (2 * 4096 * 1024 + 2 * 1024 + 2 * 4096) * 4  # x and out; weight and bias; mean and rstd
+    assert graph_seconds(graph, H100) == pytest.approx(moved / H100.memory_bytes_per_s, rel=1e-12)

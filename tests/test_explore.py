@@ -84,3 +84,8 @@ def test_cli_sweep_and_compare(tmp_path):
 def test_compare_refuses_no_gpus(gpus):
     result = CliRunner().invoke(main, ["compare", "tiny-gpt2", "--gpus", str(gpus)])
     assert result.exit_code == 2 and "--gpus must be a positive integer" in result.output
+
+
+def test_compare_from_checkpoint_all_without_blocks_keeps_the_given_row():
+    result = compare("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs", checkpoint="all", device="cpu")
+    assert result.rows[0].name == "as given" and not result.rows[0].estimate.checkpointed_blocks

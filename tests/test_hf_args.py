@@ -117,3 +117,10 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path):
         main, ["estimate", "tiny-gpt2", "--seq-len", "32", "--hf-args", str(path), "--optimizer", "sgd"]
     )
     assert typed.exit_code == 0, typed.output
+
+
+def test_a_file_that_is_not_utf8_is_a_clear_error(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_bytes(json.dumps(TRAINING_ARGS).encode("utf-16"))  # PowerShell's Out-File default
+    with pytest.raises(HfArgsError, match="is not UTF-8 text"):
+        read_training_args(path)

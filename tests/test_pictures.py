@@ -115,3 +115,8 @@ def test_cli_writes_both_files_and_refuses_bad_ones(tmp_path):
     assert cpu.exit_code == 2 and "use it with --device cuda" in cpu.output
     missing = CliRunner().invoke(main, [*args, "--plot", str(tmp_path / "no" / "m.png")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_plot_names_a_file_type_matplotlib_writes(tmp_path):
+    result = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--plot", str(tmp_path / "memory.txt")])
+    assert result.exit_code == 2 and "name a .png, .svg, .pdf file" in result.output

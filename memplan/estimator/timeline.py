@@ -64,7 +64,10 @@ AllocatorEvent = Callable[[str, int, TimelineAllocation], None]  # (action, allo
 
 
 def replay_steady_state(
-    timeline: MemoryTimeline, allocator: CachingAllocator, on_event: AllocatorEvent | None = None
+    timeline: MemoryTimeline,
+    allocator: CachingAllocator,
+    on_event: AllocatorEvent | None = None,
+    on_last_iteration: Callable[[], None] | None = None,
 ) -> None:
     """Run the iteration's requests through `allocator` as a training loop would reach steady state.
 
@@ -72,7 +75,8 @@ def replay_steady_state(
     state, the batch) is allocated first, in request order; then the iteration's allocations and
     frees run STEADY_STATE_ITERATIONS times, and the peak statistics are reset before the last one,
     as `memplan validate` resets them before its measured iteration. `on_event(action, handle,
-    allocation)` sees the "persistent" allocations and the last iteration's "alloc"s and "free"s.
+    allocation)` sees the "persistent" allocations and the last iteration's "alloc"s and "free"s;
+    `on_last_iteration()` is called as that iteration starts.
     A real run creates the optimizer state inside its first step, between that step's
     temporaries, which this order does not reproduce; its effect on the segments is what
     validation on a GPU measures.
@@ -94,6 +98,8 @@ def replay_steady_state(
         last = iteration == STEADY_STATE_ITERATIONS - 1
         if last:
             allocator.reset_peak_stats()
+            if on_last_iteration is not None:
+                on_last_iteration()
         handles: dict[int, int] = {}
         for index in range(end + 1):
             for allocation in by_start[index] if index < end else ():

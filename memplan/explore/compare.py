@@ -133,7 +133,7 @@ def run_compare(
         variant = settings.replace(**technique.changes)
         label = f"[{number}/{len(listed)}] {technique.name}"
         result = run_estimate(spec, variant, progress=lambda message, label=label: report(f"{label}: {message}"))
-        if variant.checkpoint == "all" and not result.checkpointed_blocks:
+        if technique.changes.get("checkpoint") == "all" and not result.checkpointed_blocks:
             skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
             continue
         results[technique.name] = result

@@ -46,6 +46,7 @@ class PlanOption:
     predicted_peak_bytes: int
     recompute_flops: int
     recompute_seconds: float | None = None  # cuda: roofline time the recomputation adds to the step
+    reserved_peak_bytes: int | None = None  # cuda: what the budget is compared with
 
     def to_dict(self) -> dict[str, Any]:
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -181,7 +182,8 @@ def make_plan(
         layout = layout_of(costs, segments)
         fits = tracer.fit_bytes(layout) <= budget_bytes
         flops, seconds = costs.recompute_flops(segments), tracer.recompute_seconds(layout)
-        baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), flops, seconds))
+        reserved = tracer.simulation(layout).reserved_peak_bytes
+        baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), flops, seconds, reserved))
 
     # The cost model may rank two layouts differently from their simulations (or, budgeting the
     # reserved peak on cuda, miss what fits): of everything traced that fits, keep the least

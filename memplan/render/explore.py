@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.explore.compare import CompareResult
-from memplan.explore.sweep import SweepResult
+from memplan.explore.sweep import SweepPoint, SweepResult
 from memplan.render.estimate import describe_settings
 from memplan.render.units import format_flops
 from memplan.settings import format_bytes
@@ -18,16 +18,26 @@ def _peak_cell(peak_bytes: int, fits: bool | None) -> str:
     return f"[green]{format_bytes(peak_bytes)}[/green]" if fits else f"[red]{format_bytes(peak_bytes)}[/red]"
 
 
+def _sweep_cell(point: SweepPoint) -> str:
+    text = format_bytes(point.peak_bytes)
+    if point.reserved_peak_bytes is not None:
+        text += f" ({format_bytes(point.reserved_peak_bytes)})"
+    if point.fits is None:
+        return text
+    return f"[green]{text}[/green]" if point.fits else f"[red]{text}[/red]"
+
+
 def render_sweep(result: SweepResult, console: Console) -> None:
     base = result.settings.replace(checkpoint="none")
     console.print(f"[bold]{result.model}[/bold]: {describe_settings(base, with_batch=False)}")
-    table = Table(title="predicted peak", title_justify="left")
+    reserved = result.settings.device == "cuda"
+    table = Table(title="predicted peak" + (" (reserved peak)" if reserved else ""), title_justify="left")
     table.add_column("batch", justify="right")
     for series in result.series:
         table.add_column(series.label, justify="right")
     batch_sizes = [point.batch_size for point in result.series[0].points]
     for row, batch in enumerate(batch_sizes):
-        cells = [_peak_cell(series.points[row].peak_bytes, series.points[row].fits) for series in result.series]
+        cells = [_sweep_cell(series.points[row]) for series in result.series]
         table.add_row(str(batch), *cells)
     if result.budget_bytes is not None:
         table.add_row(

@@ -34,6 +34,9 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
     table = Table(title="checkpointing, each re-traced and simulated", title_justify="left")
     table.add_column("layout")
     table.add_column("predicted peak", justify="right")
+    reserved = result.reserved_peak_bytes is not None
+    if reserved:
+        table.add_column("reserved", justify="right")
     table.add_column("fits")
     table.add_column("recompute", justify="right")
     table.add_column("of the step", justify="right")
@@ -44,23 +47,36 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
         (
             f"[bold]plan[/bold] ({result.layout.describe()})",
             result.predicted_peak_bytes,
+            result.reserved_peak_bytes,
             result.fits,
             result.recompute_flops,
             result.recompute_seconds,
         )
     ]
     rows += [
-        (option.name, option.predicted_peak_bytes, option.fits, option.recompute_flops, option.recompute_seconds)
+        (
+            option.name,
+            option.predicted_peak_bytes,
+            option.reserved_peak_bytes,
+            option.fits,
+            option.recompute_flops,
+            option.recompute_seconds,
+        )
         for option in result.baselines
     ]
-    for name, peak, fits, flops, seconds in rows:
+    for name, peak, reserved_peak, fits, flops, seconds in rows:
         share = flops / result.step_flops if result.step_flops else 0.0
-        cells = [name, format_bytes(peak), "[green]yes[/green]" if fits else "[red]no[/red]", format_flops(flops)]
+        cells = [name, format_bytes(peak)]
+        if reserved:
+            cells.append(format_bytes(reserved_peak) if reserved_peak is not None else "")
+        cells += ["[green]yes[/green]" if fits else "[red]no[/red]", format_flops(flops)]
         cells.append(f"+{share:.1%}")
         if timed:
             cells.append(f"+{format_seconds(seconds)}" if seconds is not None else "")
         table.add_row(*cells)
     console.print(table)
+    if reserved:
+        console.print("[dim]fits: the reserved peak (the caching allocator's segments) within the budget[/dim]")
     if result.fits and not result.layout.segments:
         console.print("[green]plan[/green]: no checkpointing needed, the step fits as it is")
     elif result.fits:

@@ -53,21 +53,41 @@ def _figure():  # noqa: ANN202 - matplotlib's types
     return plt
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Refuse a file type matplotlib would not write (before the work, not after it)."""
+    if Path(path).suffix.lower() not in PLOT_SUFFIXES:
+        raise OutputError(f"--plot {path}: name a {', '.join(PLOT_SUFFIXES)} file, e.g. memory.png")
+
+
 def _save(figure: object, path: str | Path) -> None:
+    check_plot_path(path)
     try:
         figure.savefig(path, dpi=120)  # type: ignore[attr-defined]
-    except OSError as error:
-        raise OutputError(f"cannot write the plot to {path}: {error.strerror or error}") from error
+    except (OSError, ValueError) as error:
+        raise OutputError(f"cannot write the plot to {path}: {getattr(error, 'strerror', None) or error}") from error
 
 
-def plot_timeline(timeline: MemoryTimeline, path: str | Path, *, title: str, budget_bytes: int | None = None) -> None:
-    """A stacked area of each category's live bytes across the iteration, phases marked, peak annotated."""
+def plot_timeline(
+    timeline: MemoryTimeline,
+    path: str | Path,
+    *,
+    title: str,
+    budget_bytes: int | None = None,
+    reserved_peak_bytes: int | None = None,
+) -> None:
+    """A stacked area of each category's live bytes across the iteration, phases marked, peak annotated.
+
+    On cuda the reserved peak is drawn as a line too: it, not the allocated peak, is what a budget holds.
+    """
     plt = _figure()
     per_category = timeline.category_bytes()
     totals = [sum(values) for values in zip(*per_category.values(), strict=True)]
     peak_node = max(range(len(totals)), key=totals.__getitem__)
     nodes = _thinned_nodes(totals)
-    top = max(totals[peak_node], budget_bytes or 0)
+    top = max(totals[peak_node], budget_bytes or 0, reserved_peak_bytes or 0)
     unit, scale = _unit(top)
     figure, axes = plt.subplots(figsize=(12, 5.5))
     shown = [key for key in BREAKDOWN_KEYS if any(per_category[key])]
@@ -94,6 +114,16 @@ def plot_timeline(timeline: MemoryTimeline, path: str | Path, *, title: str, bud
     if budget_bytes is not None:
         axes.axhline(budget_bytes / scale, color="red", linestyle="--", linewidth=1.2)
         axes.text(0, budget_bytes / scale, f" budget {format_bytes(budget_bytes)}", color="red", va="bottom")
+    if reserved_peak_bytes is not None:
+        axes.axhline(reserved_peak_bytes / scale, color="black", linestyle=":", linewidth=1.0)
+        axes.text(
+            timeline.node_count,
+            reserved_peak_bytes / scale,
+            f"reserved peak {format_bytes(reserved_peak_bytes)} ",
+            ha="right",
+            va="bottom",
+            fontsize=9,
+        )
     axes.set_xlim(0, timeline.node_count)
     axes.set_ylim(0, top / scale * 1.1)
     axes.set_xlabel("graph node of the traced iteration (forward, backward, optimizer step)")
@@ -112,6 +142,7 @@ def plot_sweep(
     title: str,
     budget_bytes: int | None = None,
     max_batch_sizes: dict[str, int | None] | None = None,
+    measure: str = "predicted peak",
 ) -> None:
     """Peak bytes against batch size, one line per setting, with the budget and each largest fitting batch."""
     plt = _figure()
@@ -140,7 +171,7 @@ def plot_sweep(
     axes.set_xticks(batch_sizes, [str(batch) for batch in batch_sizes])
     axes.minorticks_off()
     axes.set_xlabel("micro-batch size (dotted: largest that fits)")
-    axes.set_ylabel(f"predicted peak ({unit})")
+    axes.set_ylabel(f"{measure} ({unit})")
     axes.set_ylim(0, top / scale * 1.1)
     axes.set_title(title, fontsize=10)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)

@@ -45,16 +45,16 @@ def predicted_snapshot(timeline: MemoryTimeline, metadata: dict[str, Any] | None
     frames_of: dict[int, list[dict[str, Any]]] = {}  # live handle -> frames
     requested_of: dict[int, int] = {}  # live handle -> requested bytes (the block may be larger)
     blocks_of: dict[int, tuple[int, int]] = {}  # live handle -> (address, requested bytes)
-    known_segments: set[int] | None = None  # segment addresses before the recorded iteration
+    known_segments: set[int] = set()  # segment addresses before the recorded iteration, then as it goes
+
+    def on_last_iteration() -> None:
+        known_segments.update(address for address, *_ in allocator.segment_layout())
 
     def on_event(action: str, handle: int, allocation: TimelineAllocation) -> None:
-        nonlocal known_segments
         requested_of[handle] = allocation.size_bytes
         if action == "persistent":
             frames_of[handle] = _frames(allocation)
             return
-        if known_segments is None:  # the recorded (last) iteration starts
-            known_segments = {address for address, *_ in allocator.segment_layout()}
         if action == "alloc":
             for address, size, _, _ in allocator.segment_layout():
                 if address not in known_segments:  # this request made the allocator cudaMalloc
@@ -69,7 +69,7 @@ def predicted_snapshot(timeline: MemoryTimeline, metadata: dict[str, Any] | None
             events.append(_event("free_requested", address, size, frames))
             events.append(_event("free_completed", address, size, frames))
 
-    replay_steady_state(timeline, allocator, on_event)
+    replay_steady_state(timeline, allocator, on_event, on_last_iteration)
     return {
         "segments": [_segment(*layout, frames_of, requested_of) for layout in allocator.segment_layout()],
         "device_traces": [events],

@@ -63,8 +63,8 @@ def _flops_per_second(node: fx.Node, throughput: Throughput) -> float:
 
 
 def node_seconds(node: fx.Node, throughput: Throughput) -> float:
-    if node.op != "call_function":
-        return 0.0
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0.0  # placeholders, constants, and Python glue such as operator.getitem run no kernel
     flops = node_flops(node)
     compute = flops / _flops_per_second(node, throughput) if flops else 0.0
     return max(compute, _bytes_moved(node) / throughput.memory_bytes_per_s)
