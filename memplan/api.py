@@ -234,12 +234,8 @@ def validate(
     spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
     settings = _checked_against_plan(spec, settings, loaded)
     return validate_config(
-        model,
         spec,
         settings,
-        inputs=inputs,
-        loss=loss,
-        task=task,
         warmup=warmup,
         snapshot=snapshot,
         timeout_s=timeout_s,

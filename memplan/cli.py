@@ -205,6 +205,14 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
     return merged
 
 
+def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as_json: bool, **options: Any) -> Any:
+    """One library call with the options every command shares: the model's source, --hf-args, progress."""
+    settings = dict(settings)
+    source = {key: settings.pop(key) for key in ("inputs", "loss", "task")}
+    merged = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner
+    return function(model, **source, **options, **merged, progress=_progress(as_json))
+
+
 def _progress(as_json: bool) -> Callable[[str], None] | None:
     """A spinner on stderr naming the current step; off with --json, --quiet, or when stderr is no terminal."""
     if as_json or _quiet() or not sys.stderr.isatty():
@@ -249,9 +257,6 @@ def estimate(
     snapshot: str | None,
     as_json: bool,
     debug: bool,
-    task: str | None,
-    inputs: str | None,
-    loss: str | None,
     **settings: Any,
 ) -> None:
     """Predict the peak memory of one training iteration of MODEL.
@@ -268,15 +273,7 @@ def estimate(
             raise UsageError("--snapshot writes the CUDA caching allocator's view; use it with --device cuda")
         _check_output_paths(plot=plot, snapshot=snapshot)
         _quiet_transformers()
-        result = run_estimate(
-            model,
-            inputs=inputs,
-            loss=loss,
-            task=task,
-            budget=budget,
-            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
-            progress=_progress(as_json),
-        )
+        result = _call(run_estimate, model, settings, as_json, budget=budget)
         _write_pictures(result, plot, snapshot)
         if as_json:
             click.echo(to_json(result))
@@ -286,18 +283,7 @@ def estimate(
     _run(debug, action)
 
 
-def _plan_batch(
-    model: str,
-    budget: int | None,
-    candidates: str | None,
-    solver: str,
-    output: str | None,
-    as_json: bool,
-    task: str | None,
-    inputs: str | None,
-    loss: str | None,
-    settings: dict[str, Any],
-) -> None:
+def _plan_batch(call: Callable[..., Any], output: str | None, as_json: bool) -> None:
     from click.core import ParameterSource
 
     from memplan.api import plan_batch
@@ -306,17 +292,7 @@ def _plan_batch(
 
     if click.get_current_context().get_parameter_source("batch_size") != ParameterSource.DEFAULT:
         raise UsageError("--maximize-batch chooses the batch size; leave out --batch-size")
-    result = plan_batch(
-        model,
-        budget=budget,
-        inputs=inputs,
-        loss=loss,
-        task=task,
-        candidates=candidates,
-        solver=solver,
-        **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
-        progress=_progress(as_json),
-    )
+    result = call(plan_batch)
     if output is not None:
         write_plan(result.best.plan, output)
     _emit(result, as_json, lambda result, console: render_batch_options(result, console, output))
@@ -381,9 +357,6 @@ def plan(
     maximize_batch: bool,
     as_json: bool,
     debug: bool,
-    task: str | None,
-    inputs: str | None,
-    loss: str | None,
     **settings: Any,
 ) -> None:
     """Choose which blocks of MODEL to checkpoint so one training iteration fits --budget.
@@ -399,20 +372,13 @@ def plan(
 
         _check_output_paths(output=output)
         _quiet_transformers()
-        if maximize_batch:
-            _plan_batch(model, budget, candidates, solver, output, as_json, task, inputs, loss, settings)
-            return
-        result = make_plan(
-            model,
-            budget=budget,
-            inputs=inputs,
-            loss=loss,
-            task=task,
-            candidates=candidates,
-            solver=solver,
-            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
-            progress=_progress(as_json),
+        call = functools.partial(
+            _call, model=model, settings=settings, as_json=as_json, budget=budget, candidates=candidates, solver=solver
         )
+        if maximize_batch:
+            _plan_batch(call, output, as_json)
+            return
+        result = call(make_plan)
         if output is not None:
             write_plan(result, output)
         if as_json:
@@ -466,9 +432,6 @@ def sweep(
     plot: str | None,
     as_json: bool,
     debug: bool,
-    task: str | None,
-    inputs: str | None,
-    loss: str | None,
     **settings: Any,
 ) -> None:
     """Peak memory of MODEL against batch size, per precision and checkpointing.
@@ -486,17 +449,15 @@ def sweep(
             raise UsageError("sweep traces --batch-sizes (e.g. 1,2,4,8); --batch-size is for one configuration")
         _check_output_paths(plot=plot)
         _quiet_transformers()
-        result = run_sweep(
+        result = _call(
+            run_sweep,
             model,
+            settings,
+            as_json,
             batch_sizes=_int_list(batch_sizes),
             precisions=_name_list(precisions),
             checkpoints=_name_list(checkpoints),
             budget=budget,
-            inputs=inputs,
-            loss=loss,
-            task=task,
-            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
-            progress=_progress(as_json),
         )
         if plot is not None:
             from memplan.render.estimate import describe_settings
@@ -534,9 +495,6 @@ def compare(
     budget: int | None,
     as_json: bool,
     debug: bool,
-    task: str | None,
-    inputs: str | None,
-    loss: str | None,
     **settings: Any,
 ) -> None:
     """One table of the techniques people try: precision, accumulation, optimizers, checkpointing.
@@ -549,16 +507,7 @@ def compare(
         from memplan.api import compare as run_compare
 
         _quiet_transformers()
-        result = run_compare(
-            model,
-            gpus=gpus,
-            budget=budget,
-            inputs=inputs,
-            loss=loss,
-            task=task,
-            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
-            progress=_progress(as_json),
-        )
+        result = _call(run_compare, model, settings, as_json, gpus=gpus, budget=budget)
         from memplan.render.explore import render_compare
 
         _emit(result, as_json, render_compare)
@@ -596,9 +545,6 @@ def validate(
     timeout: float,
     as_json: bool,
     debug: bool,
-    task: str | None,
-    inputs: str | None,
-    loss: str | None,
     **settings: Any,
 ) -> None:
     """Run MODEL for real and compare the measured peak with the prediction.
@@ -619,17 +565,7 @@ def validate(
         from memplan.api import validate as run_validate
         from memplan.render.validate import render_validation, validation_to_json
 
-        result = run_validate(
-            model,
-            inputs=inputs,
-            loss=loss,
-            task=task,
-            warmup=warmup,
-            snapshot=snapshot,
-            timeout_s=timeout,
-            **_with_hf_args(settings, as_json),  # before _progress: its messages would stop the spinner
-            progress=_progress(as_json),
-        )
+        result = _call(run_validate, model, settings, as_json, warmup=warmup, snapshot=snapshot, timeout_s=timeout)
         if as_json:
             click.echo(validation_to_json(result))
         else:

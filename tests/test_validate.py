@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from memplan.cli import main
+from memplan.models.source import ModelRef
 from memplan.settings import TrainingSettings
 from memplan.validate.runner import measure_in_subprocess
 from memplan.validate.suite import SMOKE
@@ -42,9 +43,9 @@ def test_validate_cuda_without_a_gpu_is_a_one_line_failure() -> None:
 
 def test_a_crashing_or_slow_measurement_is_a_result_not_an_exception() -> None:
     settings = TrainingSettings(batch_size=2, seq_len=32, device="cpu")
-    timed_out = measure_in_subprocess("tiny-gpt2", settings, timeout_s=0.01)
+    timed_out = measure_in_subprocess(ModelRef("tiny-gpt2"), settings, timeout_s=0.01)
     assert "ran past" in timed_out["error"]
-    broken = measure_in_subprocess("tests.zoo_models:no_such_model", settings)
+    broken = measure_in_subprocess(ModelRef("tests.zoo_models:no_such_model"), settings)
     assert broken["error_class"] == "ImportPathError"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import find_max_batch_size
@@ -112,7 +113,7 @@ def run_estimate(
         peak_module=main.peak_module,
         phase_peak_bytes=dict(main.phase_peak_bytes),
         reserved_peak_bytes=main.reserved_peak_bytes,
-        roofline_step_seconds=main.roofline_seconds,
+        roofline_step_seconds=step_seconds(traced),
         device_peak_bytes=main.reserved_peak_bytes + CONTEXT_BYTES if main.reserved_peak_bytes is not None else None,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,

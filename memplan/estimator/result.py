@@ -56,6 +56,11 @@ class EstimateResult:
     # The predicted iteration allocation by allocation (for --plot and --snapshot); not in to_dict().
     timeline: MemoryTimeline | None = field(default=None, compare=False, repr=False)
 
+    @property
+    def fit_bytes(self) -> int:
+        """What a budget must hold: the reserved peak on cuda, the peak on cpu (as Simulation.fit_bytes)."""
+        return self.reserved_peak_bytes if self.reserved_peak_bytes is not None else self.peak_bytes
+
     def to_dict(self) -> dict[str, Any]:
         data = {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.name != "timeline"}
         data["settings"] = self.settings.to_dict()

@@ -17,7 +17,6 @@ from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.cuda.allocator import CachingAllocator, round_size
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
-from memplan.estimator.cuda.roofline import graph_seconds
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.timeline import (
     BREAKDOWN_KEYS,
@@ -63,7 +62,6 @@ class Simulation:
     timeline_bytes: tuple[int, ...]
     timeline: MemoryTimeline
     reserved_peak_bytes: int | None = None  # cuda: what the caching allocator holds (max_memory_reserved)
-    roofline_seconds: float | None = None  # cuda: the step's roofline time on the card (a lower bound)
 
     @property
     def fit_bytes(self) -> int:
@@ -214,8 +212,9 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]
 
 
-def simulate(traced: TracedStep) -> Simulation:
-    lifetimes = liveness(traced)
+def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulation:
+    """`lifetimes`: the trace's liveness when the caller already has it."""
+    lifetimes = lifetimes or liveness(traced)
     nodes, size, born, last_use = lifetimes.nodes, lifetimes.size, lifetimes.born, lifetimes.last_use
     allocations: list[list[StorageWeakRef]] = [[] for _ in nodes]
     frees: list[list[StorageWeakRef]] = [[] for _ in range(len(nodes) + 1)]
@@ -225,12 +224,11 @@ def simulate(traced: TracedStep) -> Simulation:
 
     workspaces = cublas_workspaces(traced)
     timeline = memory_timeline(traced, lifetimes, workspaces)
-    reserved = roofline = None
+    reserved = None
     if traced.settings.device == "cuda":
         allocator = CachingAllocator()
         replay_steady_state(timeline, allocator)
         reserved = allocator.max_reserved_bytes
-        roofline = graph_seconds(traced.graph, gpu_named(traced.settings.gpu or DEFAULT_GPU).throughput)
     live = sum(workspaces)
     live_bytes = []
     peak_bytes, peak_node = -1, 0
@@ -261,7 +259,6 @@ def simulate(traced: TracedStep) -> Simulation:
         timeline_bytes=tuple(live_bytes),
         timeline=timeline,
         reserved_peak_bytes=reserved,
-        roofline_seconds=roofline,
     )
 
 

@@ -19,6 +19,7 @@ from memplan.errors import SettingsError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.models.source import ModelSpec
+from memplan.results import fields_dict
 from memplan.settings import TrainingSettings
 
 
@@ -100,15 +101,7 @@ class CompareResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "settings": self.settings.to_dict(),
-            "gpus": self.gpus,
-            "budget_bytes": self.budget_bytes,
-            "rows": [row.to_dict() for row in self.rows],
-            "skipped": list(self.skipped),
-            "seconds": round(self.seconds, 3),
-        }
+        return fields_dict(self)
 
 
 def run_compare(
@@ -143,8 +136,7 @@ def run_compare(
             twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
             recompute = result.step_flops - twin.step_flops
         effective = variant.batch_size * variant.grad_accum * gpus
-        fit_bytes = result.reserved_peak_bytes if result.reserved_peak_bytes is not None else result.peak_bytes
-        fits = fit_bytes <= budget_bytes if budget_bytes is not None else None
+        fits = result.fit_bytes <= budget_bytes if budget_bytes is not None else None
         rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute, fits))
     return CompareResult(
         spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), time.perf_counter() - started

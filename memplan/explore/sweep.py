@@ -13,9 +13,14 @@ from typing import Any
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import BatchTracer, Progress
 from memplan.models.source import ModelSpec
+from memplan.results import fields_dict
 from memplan.settings import CHECKPOINT_MODES, PRECISIONS, TrainingSettings
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def series_label(precision: str, checkpoint: str) -> str:
+    return precision + (", checkpoint all" if checkpoint == "all" else "")
 
 
 @dataclass(frozen=True)
@@ -26,12 +31,7 @@ class SweepPoint:
     fits: bool | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "batch_size": self.batch_size,
-            "peak_bytes": self.peak_bytes,
-            "reserved_peak_bytes": self.reserved_peak_bytes,
-            "fits": self.fits,
-        }
+        return fields_dict(self)
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,10 @@ class SweepSeries:
 
     @property
     def label(self) -> str:
-        return self.precision + (", checkpoint all" if self.checkpoint == "all" else "")
+        return series_label(self.precision, self.checkpoint)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "precision": self.precision,
-            "checkpoint": self.checkpoint,
-            "points": [point.to_dict() for point in self.points],
-            "max_batch_size": self.max_batch_size,
-        }
+        return fields_dict(self, label=self.label)
 
 
 @dataclass(frozen=True)
@@ -64,13 +58,7 @@ class SweepResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "settings": self.settings.to_dict(),
-            "budget_bytes": self.budget_bytes,
-            "series": [series.to_dict() for series in self.series],
-            "seconds": round(self.seconds, 3),
-        }
+        return fields_dict(self)
 
 
 def _check(values: tuple[str, ...], known: tuple[str, ...], option: str) -> None:
@@ -101,7 +89,7 @@ def run_sweep(
     combinations = [(precision, checkpoint) for precision in precisions for checkpoint in checkpoints]
     for number, (precision, checkpoint) in enumerate(combinations, start=1):
         variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
-        label = f"[{number}/{len(combinations)}] " + precision + (", checkpoint all" if checkpoint == "all" else "")
+        label = f"[{number}/{len(combinations)}] {series_label(precision, checkpoint)}"
         tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
         points = []
         for batch in sorted(set(batch_sizes)):

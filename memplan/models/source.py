@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 from collections.abc import Callable, Mapping
@@ -22,14 +23,31 @@ Batch = torch.Tensor | tuple | dict
 
 
 @dataclass(frozen=True)
+class ModelRef:
+    """How the user named a model: what `resolve_model` takes, and what a worker process resolves again."""
+
+    name: str
+    inputs: str | None = None
+    loss: str | None = None
+    task: str | None = None
+
+    def to_dict(self) -> dict[str, str | None]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything needed to run the canonical loop for one model, in any tensor mode."""
 
-    name: str
+    ref: ModelRef  # how the user named it
     build: Callable[[TrainingSettings], nn.Module]
     make_batch: Callable[[TrainingSettings, torch.dtype], Batch]
     loss_of: Callable[[Any, Batch], torch.Tensor]
     settings_for: Callable[[TrainingSettings], TrainingSettings]
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
@@ -105,7 +123,7 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
             return value
         return default_loss(output, batch)
 
-    return ModelSpec(name=name, build=build, make_batch=make_batch, loss_of=loss_of, settings_for=lambda s: s)
+    return ModelSpec(ModelRef(name, inputs, loss), build, make_batch, loss_of, settings_for=lambda s: s)
 
 
 def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
@@ -132,6 +150,10 @@ def resolve_model(
     """Presets, transformers model types, config paths, cached hub ids, or `pkg.mod:callable`."""
     if is_import_path(name):
         return _custom_spec(name, inputs, loss)
+    return _hf_spec(name, loss, task)
+
+
+def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
     source = resolve_hf(name, task)
     if source is None:
         raise UnknownModelError(
@@ -151,7 +173,7 @@ def resolve_model(
         return loss_fn(output, batch) if loss_fn else default_loss(output, batch)
 
     return ModelSpec(
-        name=name,
+        ref=ModelRef(name, loss=loss, task=task),
         build=lambda settings: build_hf_model(source, settings.attn_impl),
         make_batch=make_batch,
         loss_of=loss_of,

@@ -20,6 +20,7 @@ from memplan.errors import SettingsError
 from memplan.estimator.estimate import BatchTracer
 from memplan.models.source import ModelSpec
 from memplan.planner.plan import PlanResult, make_plan
+from memplan.results import fields_dict
 from memplan.settings import TrainingSettings
 
 Progress = Callable[[str], None]
@@ -62,15 +63,7 @@ class MaximizeResult:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "settings": self.settings.to_dict(),
-            "budget_bytes": self.budget_bytes,
-            "candidates": self.candidates,
-            "options": [option.to_dict() for option in self.options],
-            "best": self.best.to_dict(),
-            "seconds": round(self.seconds, 3),
-        }
+        return fields_dict(self)
 
 
 def _between(low: int, high: int) -> list[int]:
@@ -95,11 +88,11 @@ def maximize_batch(
     if settings.device != "cuda":
         raise SettingsError("--maximize-batch ranks by a GPU time estimate: use it with --device cuda (and --gpu)")
     settings = spec.settings_for(settings)
-    ends = {}
+    ends, setups = {}, {}
     for mode in ("none", "all"):
         report(f"largest batch with checkpoint {mode}")
         tracer = BatchTracer(spec, settings.replace(checkpoint=mode), report)
-        ends[mode] = tracer.max_batch_size(budget_bytes)
+        ends[mode], setups[mode] = tracer.max_batch_size(budget_bytes), tracer.setup
     if ends["all"] == 0:
         raise SettingsError(
             "not even batch size 1 fits with every block checkpointed; try --precision amp-bf16 or bf16, "
@@ -108,11 +101,19 @@ def maximize_batch(
     options = []
     for batch in _between(max(ends["none"], 1), ends["all"]):
         report(f"planning batch size {batch}")
-        plan = make_plan(spec, settings.replace(batch_size=batch), budget_bytes, candidates=candidates, solver=solver)
+        plan = make_plan(
+            spec,
+            settings.replace(batch_size=batch, checkpoint="none"),
+            budget_bytes,
+            candidates=candidates,
+            solver=solver,
+            setup=setups["none"],  # one fake model for every plan
+        )
         if plan.fits:
             options.append(BatchOption(batch, plan))
     if not options:
-        raise SettingsError("no batch size fits with a plan; try a larger budget")  # unreachable: ends["all"] fits
+        # Only when the reserved peak is not monotonic in the batch size (allocator segments).
+        raise SettingsError("no planned batch size fits the budget; try a larger budget")
     best = max(options, key=lambda option: option.samples_per_second)
     return MaximizeResult(
         spec.name,

@@ -18,9 +18,10 @@ from typing import Any
 
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names, layout_applied
+from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.search import find_max_batch_size
-from memplan.estimator.simulate import Simulation, liveness, simulate
-from memplan.estimator.trace import FakeSetup, build_fake_setup, trace_step
+from memplan.estimator.simulate import Liveness, Simulation, liveness, simulate
+from memplan.estimator.trace import FakeSetup, TracedStep, build_fake_setup, trace_step
 from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
@@ -99,18 +100,25 @@ class _Tracer:
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup, report: Progress) -> None:
         self.spec, self.settings, self.setup, self.report = spec, settings, setup, report
         self.simulations: dict[CheckpointLayout, Simulation] = {}
+        self.step_seconds: dict[CheckpointLayout, float | None] = {}  # roofline time of each layout's step
         self.traces = 0
 
-    def simulate(self, layout: CheckpointLayout, batch_size: int) -> Simulation:
+    def trace(self, layout: CheckpointLayout, batch_size: int) -> TracedStep:
         self.traces += 1
         with layout_applied(self.setup.state.model, layout):
             settings = self.settings.replace(batch_size=batch_size, checkpoint=layout)
-            return simulate(trace_step(self.spec, settings, self.setup))
+            return trace_step(self.spec, settings, self.setup)
+
+    def record(self, layout: CheckpointLayout, traced: TracedStep, lifetimes: Liveness | None = None) -> Simulation:
+        """Simulate and time a trace at the planned batch size."""
+        self.simulations[layout] = simulate(traced, lifetimes)
+        self.step_seconds[layout] = step_seconds(traced)
+        return self.simulations[layout]
 
     def simulation(self, layout: CheckpointLayout) -> Simulation:
         if layout not in self.simulations:
             self.report(f"tracing with {layout.describe()}")
-            self.simulations[layout] = self.simulate(layout, self.settings.batch_size)
+            return self.record(layout, self.trace(layout, self.settings.batch_size))
         return self.simulations[layout]
 
     def peak(self, layout: CheckpointLayout) -> int:
@@ -118,7 +126,8 @@ class _Tracer:
 
     def recompute_seconds(self, layout: CheckpointLayout) -> float | None:
         """Roofline time the layout adds over no checkpointing (cuda targets only)."""
-        planned, plain = self.simulation(layout).roofline_seconds, self.simulation(CheckpointLayout()).roofline_seconds
+        self.simulation(layout)
+        planned, plain = self.step_seconds[layout], self.step_seconds[CheckpointLayout()]
         return planned - plain if planned is not None and plain is not None else None
 
     def fit_bytes(self, layout: CheckpointLayout) -> int:
@@ -150,14 +159,17 @@ def make_plan(
     candidates: str | None = None,
     solver: str = "auto",
     progress: Progress | None = None,
+    setup: FakeSetup | None = None,
 ) -> PlanResult:
+    """`setup`: a fake model already built for these settings without checkpointing (any batch size)."""
     started = time.perf_counter()
     report = progress or (lambda message: None)
     if solver not in ("auto", *SOLVERS):
         raise SettingsError(f"solver must be auto, {', '.join(SOLVERS)}; got {solver!r}")
     settings = spec.settings_for(settings).replace(checkpoint="none")
-    report("building the model under fake tensors")
-    setup = build_fake_setup(spec, settings)
+    if setup is None:
+        report("building the model under fake tensors")
+        setup = build_fake_setup(spec, settings)
     model = setup.state.model
     names = select_candidates([name for name, _ in model.named_modules()], block_names(model), candidates)
     if not names:
@@ -167,11 +179,10 @@ def make_plan(
         )
     tracer = _Tracer(spec, settings, setup, report)
     report("tracing without checkpointing")
-    traced = trace_step(spec, settings, setup)
-    tracer.traces += 1
-    base_simulation = simulate(traced)
-    tracer.simulations[CheckpointLayout()] = base_simulation
-    costs = chain_costs(traced, liveness(traced), base_simulation, names)
+    traced = tracer.trace(CheckpointLayout(), settings.batch_size)
+    lifetimes = liveness(traced)
+    base_simulation = tracer.record(CheckpointLayout(), traced, lifetimes)
+    costs = chain_costs(traced, lifetimes, base_simulation, names)
     chosen_solver = solver if solver != "auto" else ("dp" if len(costs) <= DP_MAX_CANDIDATES else "greedy")
     report(f"solving over {len(costs)} candidates ({chosen_solver})")
     found = _solve_verified(costs, SOLVERS[chosen_solver], tracer, budget_bytes)
@@ -219,7 +230,7 @@ def make_plan(
         traces=tracer.traces,
         seconds=time.perf_counter() - started,
         reserved_peak_bytes=tracer.simulation(layout).reserved_peak_bytes,
-        step_seconds=tracer.simulation(layout).roofline_seconds,
+        step_seconds=tracer.step_seconds[layout],
         recompute_seconds=tracer.recompute_seconds(layout),
     )
 
@@ -231,7 +242,7 @@ def _suggestions(tracer: _Tracer, layout: CheckpointLayout, budget_bytes: int) -
 
     def trace_at(batch_size: int) -> dict[str, int]:
         tracer.report(f"tracing batch size {batch_size} with {layout.describe()}")
-        return tracer.simulate(layout, batch_size).fit_phase_peaks
+        return simulate(tracer.trace(layout, batch_size)).fit_phase_peaks
 
     batch = settings.batch_size
     if batch > 1:

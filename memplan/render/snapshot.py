@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import OutputError
-from memplan.estimator.cuda.allocator import SMALL_REQUEST_BYTES, CachingAllocator
+from memplan.estimator.cuda.allocator import CachingAllocator
 from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, replay_steady_state
 
 # Where the simulated device memory starts; a CUDA-like address, so no block sits at address 0.
@@ -42,36 +42,33 @@ def predicted_snapshot(timeline: MemoryTimeline, metadata: dict[str, Any] | None
     """The steady-state iteration's events and the allocator's state after it, as memory_viz reads them."""
     allocator = CachingAllocator()
     events: list[dict[str, Any]] = []
-    frames_of: dict[int, list[dict[str, Any]]] = {}  # live handle -> frames
-    requested_of: dict[int, int] = {}  # live handle -> requested bytes (the block may be larger)
-    blocks_of: dict[int, tuple[int, int]] = {}  # live handle -> (address, requested bytes)
-    known_segments: set[int] = set()  # segment addresses before the recorded iteration, then as it goes
+    persistent: dict[int, TimelineAllocation] = {}  # handle -> what lives through the iteration
+    live: dict[int, tuple[int, TimelineAllocation]] = {}  # handle -> (address, allocation), recorded iteration
+    segments_seen = 0
 
     def on_last_iteration() -> None:
-        known_segments.update(address for address, *_ in allocator.segment_layout())
+        nonlocal segments_seen
+        segments_seen = allocator.segments
 
     def on_event(action: str, handle: int, allocation: TimelineAllocation) -> None:
-        requested_of[handle] = allocation.size_bytes
+        nonlocal segments_seen
         if action == "persistent":
-            frames_of[handle] = _frames(allocation)
-            return
-        if action == "alloc":
-            for address, size, _, _ in allocator.segment_layout():
-                if address not in known_segments:  # this request made the allocator cudaMalloc
-                    known_segments.add(address)
+            persistent[handle] = allocation
+        elif action == "alloc":
+            if allocator.segments > segments_seen:  # this request made the allocator cudaMalloc
+                for address, size, _, _ in allocator.segment_layout()[segments_seen:]:
                     events.append(_event("segment_alloc", address, size, []))
-            frames_of[handle] = _frames(allocation)
-            blocks_of[handle] = (allocator.block(handle)[0], allocation.size_bytes)
-            events.append(_event("alloc", *blocks_of[handle], frames_of[handle]))
+                segments_seen = allocator.segments
+            live[handle] = (allocator.block(handle)[0], allocation)
+            events.append(_event("alloc", live[handle][0], allocation.size_bytes, _frames(allocation)))
         else:
-            address, size = blocks_of.pop(handle)
-            frames = frames_of.pop(handle)
-            events.append(_event("free_requested", address, size, frames))
-            events.append(_event("free_completed", address, size, frames))
+            address, allocation = live.pop(handle)
+            for freed in ("free_requested", "free_completed"):
+                events.append(_event(freed, address, allocation.size_bytes, _frames(allocation)))
 
     replay_steady_state(timeline, allocator, on_event, on_last_iteration)
     return {
-        "segments": [_segment(*layout, frames_of, requested_of) for layout in allocator.segment_layout()],
+        "segments": [_segment(*layout, persistent) for layout in allocator.segment_layout()],
         "device_traces": [events],
         "allocator_settings": {},
         "memplan": {"kind": "predicted", **(metadata or {})},
@@ -87,16 +84,16 @@ def _segment(
     size: int,
     small: bool,
     blocks: list[tuple[int, int, int | None]],
-    frames_by_handle: dict[int, list[dict[str, Any]]],
-    requested_by_handle: dict[int, int],
+    persistent: dict[int, TimelineAllocation],
 ) -> dict[str, Any]:
+    """A segment after the iteration: its allocated blocks are the persistent allocations."""
     rendered = [
         {
             "address": BASE_ADDRESS + block_address,
             "size": block_size,
-            "requested_size": requested_by_handle[handle] if handle is not None else 0,
+            "requested_size": persistent[handle].size_bytes if handle is not None else 0,
             "state": "active_allocated" if handle is not None else "inactive",
-            "frames": frames_by_handle[handle] if handle is not None else [],
+            "frames": _frames(persistent[handle]) if handle is not None else [],
         }
         for block_address, block_size, handle in blocks
     ]
@@ -110,7 +107,7 @@ def _segment(
         "active_size": allocated,
         "requested_size": sum(block["requested_size"] for block in active),
         "stream": 0,
-        "segment_type": "small" if small and size <= 2 * SMALL_REQUEST_BYTES else "large",
+        "segment_type": "small" if small else "large",
         "segment_pool_id": (0, 0),
         "is_expandable": False,
         "frames": [],

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from memplan.errors import MeasurementError, UsageError
 from memplan.estimator.estimate import run_estimate
-from memplan.models.source import ModelSpec
+from memplan.models.source import ModelRef, ModelSpec
 from memplan.settings import TrainingSettings, format_bytes
 from memplan.validate.measure import NO_CUDA_MESSAGE
 from memplan.validate.result import ValidationResult
@@ -29,22 +29,16 @@ def check_can_measure(device: str, snapshot: str | None = None) -> None:
 
 
 def measure_in_subprocess(
-    model: str,
+    model: ModelRef,
     settings: TrainingSettings,
     *,
-    inputs: str | None = None,
-    loss: str | None = None,
-    task: str | None = None,
     warmup: int = DEFAULT_WARMUP_ITERATIONS,
     snapshot: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_SECONDS,
 ) -> dict:
     """Run memplan.validate.worker on one configuration; its measurement, or {"error": ...}."""
     request = {
-        "model": model,
-        "inputs": inputs,
-        "loss": loss,
-        "task": task,
+        "model": model.to_dict(),
         "settings": settings.to_dict(),
         "warmup": warmup,
         "snapshot": snapshot,
@@ -70,13 +64,9 @@ def measure_in_subprocess(
 
 
 def validate_config(
-    model: str,
     spec: ModelSpec,
     settings: TrainingSettings,
     *,
-    inputs: str | None = None,
-    loss: str | None = None,
-    task: str | None = None,
     warmup: int = DEFAULT_WARMUP_ITERATIONS,
     snapshot: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_SECONDS,
@@ -87,14 +77,7 @@ def validate_config(
     prediction = run_estimate(spec, settings, progress=progress, plan_fingerprint=plan_fingerprint)
     report(f"measuring a real {settings.device} run")
     measured = measure_in_subprocess(
-        model,
-        prediction.settings,
-        inputs=inputs,
-        loss=loss,
-        task=task,
-        warmup=warmup,
-        snapshot=snapshot,
-        timeout_s=timeout_s,
+        spec.ref, prediction.settings, warmup=warmup, snapshot=snapshot, timeout_s=timeout_s
     )
     error = measured.get("error")
     out_of_memory = bool(measured.get("out_of_memory"))
@@ -104,7 +87,7 @@ def validate_config(
             f"predicted {format_bytes(prediction.peak_bytes)} ({measured.get('message')})"
         )
     return ValidationResult(
-        model=model,
+        model=spec.name,
         settings=prediction.settings.to_dict(),
         device=settings.device,
         predicted_peak_bytes=prediction.peak_bytes,

@@ -23,9 +23,7 @@ def main() -> int:
 
         transformers_logging.set_verbosity_error()
         settings = TrainingSettings.from_dict(request["settings"])
-        spec = resolve_model(
-            request["model"], inputs=request.get("inputs"), loss=request.get("loss"), task=request.get("task")
-        )
+        spec = resolve_model(**request["model"])
         result = measure(spec, settings, warmup=request["warmup"], snapshot=request.get("snapshot"))
     except MemplanError as error:
         print(json.dumps({"error": str(error), "error_class": type(error).__name__}))

@@ -18,7 +18,8 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.flops import node_flops
-from memplan.gpus import Throughput
+from memplan.estimator.trace import TracedStep
+from memplan.gpus import DEFAULT_GPU, Throughput, gpu_named
 
 aten = torch.ops.aten
 
@@ -72,3 +73,10 @@ def node_seconds(node: fx.Node, throughput: Throughput) -> float:
 
 def graph_seconds(graph: fx.GraphModule, throughput: Throughput) -> float:
     return sum(node_seconds(node, throughput) for node in graph.graph.nodes)
+
+
+def step_seconds(traced: TracedStep) -> float | None:
+    """The traced step's roofline time on its target card; None on the cpu target."""
+    if traced.settings.device != "cuda":
+        return None
+    return graph_seconds(traced.graph, gpu_named(traced.settings.gpu or DEFAULT_GPU).throughput)
