@@ -164,7 +164,7 @@ def test_dropout_is_the_fused_kernel_with_a_bool_mask() -> None:
 def _graph_ops(model_dir: str, **settings: object) -> set[str]:
     spec = resolve_model(model_dir)
     traced = trace_step(spec, spec.settings_for(TrainingSettings(batch_size=2, seq_len=64, **settings)))
-    return {str(node.target) for node in traced.graph.graph.nodes if node.op == "call_function"}
+    return {str(node.target) for node in traced.graph.nodes if node.op == "call_function"}
 
 
 @pytest.mark.parametrize(

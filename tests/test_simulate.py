@@ -3,8 +3,8 @@
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
+from memplan.estimator.recorder import record_graph
 from memplan.estimator.simulate import round_for_device, simulate
 from memplan.estimator.trace import TracedStep
 from memplan.settings import TrainingSettings
@@ -15,9 +15,9 @@ FLOAT = 4
 def _traced(fn, *shapes, device="cpu", forward_end=None, backward_end=None, backward_node_ops=()) -> TracedStep:
     with FakeTensorMode() as mode:
         inputs = [torch.empty(shape) for shape in shapes]
-        graph = make_fx(fn, tracing_mode="real")(*inputs)
+        graph = record_graph(fn, *inputs)
     del mode
-    count = len(graph.graph.nodes)
+    count = len(graph.nodes)
     return TracedStep(
         graph=graph,
         settings=TrainingSettings(device=device),
@@ -111,4 +111,4 @@ def test_phase_of_the_peak_follows_the_boundaries():
     assert simulation.peak_node == 2
     assert simulation.phase == "forward"
     assert simulation.phase_peak_bytes["backward"] == 100 * FLOAT + 2 * FLOAT
-    assert isinstance(traced.graph, fx.GraphModule)
+    assert isinstance(traced.graph, fx.Graph)

@@ -75,7 +75,7 @@ class BatchTracer:
 
 def step_flops(traced: TracedStep) -> int:
     """FLOPs of the traced iteration (torch.utils.flop_counter's formulas; recomputation included)."""
-    return sum(node_flops(node) for node in traced.graph.graph.nodes)
+    return sum(node_flops(node) for node in traced.graph.nodes)
 
 
 def run_estimate(
@@ -121,7 +121,7 @@ def run_estimate(
         trainable_parameter_count=traced.trainable_parameter_count,
         checkpointed_blocks=tuple(traced.checkpointed_blocks),
         unsupported_ops=tuple(unsupported),
-        graph_nodes=len(traced.graph.graph.nodes),
+        graph_nodes=len(traced.graph.nodes),
         step_flops=step_flops(traced),
         traces=len(simulations),
         seconds=time.perf_counter() - started,

@@ -89,19 +89,15 @@ def _op_name(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_function" else node.op
 
 
-def _node_storages(
-    graph: fx.GraphModule, node: fx.Node, unsupported: dict[str, None]
-) -> list[tuple[StorageWeakRef, int]]:
-    if node.op == "get_attr":
-        value = getattr(graph, str(node.target))
-    elif "val" in node.meta:
+def _node_storages(node: fx.Node, unsupported: dict[str, None]) -> list[tuple[StorageWeakRef, int]]:
+    if "val" in node.meta:
         value = node.meta["val"]
     else:
         if node.op == "call_function" and _returns_tensor(node):
             unsupported[_op_name(node)] = None
         return []
     rule = OUTPUT_BYTES_RULES.get(node.target) if node.op == "call_function" else None
-    true_bytes = rule(*_fake_args(graph, node)) if rule is not None else None
+    true_bytes = rule(*_fake_args(node)) if rule is not None else None
     storages = []
     for position, tensor in enumerate(_tensors(value)):
         if tensor.layout != torch.strided:
@@ -113,13 +109,11 @@ def _node_storages(
     return storages
 
 
-def _fake_args(graph: fx.GraphModule, node: fx.Node) -> tuple[tuple, dict]:
+def _fake_args(node: fx.Node) -> tuple[tuple, dict]:
     """The node's arguments with every graph node replaced by its fake value."""
 
     def value_of(arg: object) -> object:
-        if not isinstance(arg, fx.Node):
-            return arg
-        return getattr(graph, str(arg.target)) if arg.op == "get_attr" else arg.meta.get("val")
+        return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
     args = fx.node.map_aggregate(node.args, value_of)
     kwargs = fx.node.map_aggregate(node.kwargs, value_of)
@@ -147,11 +141,10 @@ class Liveness:
 
 
 def liveness(traced: TracedStep) -> Liveness:
-    graph = traced.graph
-    nodes = list(graph.graph.nodes)
+    nodes = list(traced.graph.nodes)
     device = traced.settings.device
     unsupported: dict[str, None] = {}
-    storages = [_node_storages(graph, node, unsupported) for node in nodes]
+    storages = [_node_storages(node, unsupported) for node in nodes]
     index_of = {node: index for index, node in enumerate(nodes)}
 
     size: dict[StorageWeakRef, int] = {}
@@ -206,7 +199,7 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     if traced.settings.device != "cuda":
         return []
     size = round_size(cublas_workspace_bytes(gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability))
-    nodes = list(traced.graph.graph.nodes)
+    nodes = list(traced.graph.nodes)
     main_thread = nodes[: traced.forward_end] + nodes[traced.backward_end :]
     backward_thread = nodes[traced.forward_end : traced.backward_end]
     return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]

@@ -25,10 +25,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from memplan.errors import MemplanError, TraceError
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
@@ -36,6 +35,7 @@ from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.loop import STORAGE_DTYPES, TrainingState, micro_batch, optimizer_step, prepare
 from memplan.estimator.optimizers import optimizer_state_tensors
+from memplan.estimator.recorder import GraphRecorder
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -44,7 +44,7 @@ from memplan.settings import TrainingSettings
 class TracedStep:
     """The captured graph plus what memplan knows about its storages and phases."""
 
-    graph: fx.GraphModule
+    graph: fx.Graph  # every node's output in meta["val"] (memplan.estimator.recorder)
     settings: TrainingSettings
     forward_end: int  # index of the first node after the forward pass (and loss)
     backward_end: int  # index of the first node of the optimizer step
@@ -100,15 +100,12 @@ def _holds_python_locals(filename: str) -> bool:
 class _ModuleTracker:
     """Records which module is running as graph nodes are added, to name where the peak falls."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, node_count: Callable[[], int]) -> None:
         self.names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
         self.stack: list[str] = []
         self.transitions: list[tuple[int, str | None]] = [(0, None)]
         self.handles: list = []
-
-    def _node_count(self) -> int:
-        mode = get_proxy_mode()
-        return len(mode.tracer.graph.nodes) if mode is not None else 0
+        self._node_count = node_count
 
     def _pre(self, module: nn.Module, args: object) -> None:
         name = self.names.get(id(module))
@@ -303,6 +300,16 @@ def _target_kernels(settings: TrainingSettings) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _autocast_cache_off() -> Iterator[None]:
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 @dataclass
 class FakeSetup:
     """A model, optimizer and state built once under fake tensors, reusable across batch sizes."""
@@ -334,43 +341,31 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
             # Later micro-batches find every gradient allocated: they dominate the first one.
             for param in state.trainable:
                 param.grad = torch.zeros_like(param)
-    flat_inputs, batch_tree = tree_flatten(state.batch)
-    tensor_positions = [i for i, leaf in enumerate(flat_inputs) if isinstance(leaf, torch.Tensor)]
+    inputs = [leaf for leaf in tree_flatten(state.batch)[0] if isinstance(leaf, torch.Tensor)]
     boundaries: dict[str, int] = {}
-    captured_grads: list[torch.Tensor] = []
-
-    def node_count() -> int:
-        mode = get_proxy_mode()
-        return len(mode.tracer.graph.nodes) if mode is not None else 0
+    recorder = GraphRecorder(inputs)
 
     def marker(phase: str) -> None:
-        boundaries[phase] = node_count()
+        boundaries[phase] = recorder.node_count()
 
-    eager_lifetimes = _EagerLifetimes(node_count)
-
-    def step(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        leaves = list(flat_inputs)
-        for position, tensor in zip(tensor_positions, tensors, strict=True):
-            leaves[position] = tensor
-        state.batch = tree_unflatten(leaves, batch_tree)
-        with eager_lifetimes:
-            micro_batch(state, marker)
-        eager_lifetimes.finish()
-        with constant_item():
-            grads = optimizer_step(state)
-        captured_grads.extend(grads)
-        return grads  # graph outputs: gradients live until zero_grad ends the iteration
-
-    tracker = _ModuleTracker(state.model)
+    eager_lifetimes = _EagerLifetimes(recorder.node_count)
+    tracker = _ModuleTracker(state.model, recorder.node_count)
     try:
-        with fake_mode, tracker, real_run_paths(), _target_kernels(settings):
-            graph = make_fx(step, tracing_mode="real")(*[flat_inputs[i] for i in tensor_positions])
+        # make_fx, which memplan traced with before, turned autocast's weight-cast cache off; so
+        # does this trace, whose liveness sees no reference the cache would hold.
+        with fake_mode, tracker, real_run_paths(), _target_kernels(settings), _autocast_cache_off(), recorder:
+            with eager_lifetimes:
+                micro_batch(state, marker)
+            eager_lifetimes.finish()
+            with constant_item():
+                grads = optimizer_step(state)  # gradients live until zero_grad ends the iteration
     except MemplanError:
         raise
     except Exception as error:  # any failure inside the user's model becomes one clear message
         raise _trace_failure(error, tracker.current(), spec) from error
-    node_count = len(graph.graph.nodes)
-    categories, sizes = _categorize(state, captured_grads)
+    graph = recorder.finish(grads)
+    node_count = len(graph.nodes)
+    categories, sizes = _categorize(state, grads)
     return TracedStep(
         graph=graph,
         settings=settings,

@@ -71,8 +71,8 @@ def node_seconds(node: fx.Node, throughput: Throughput) -> float:
     return max(compute, _bytes_moved(node) / throughput.memory_bytes_per_s)
 
 
-def graph_seconds(graph: fx.GraphModule, throughput: Throughput) -> float:
-    return sum(node_seconds(node, throughput) for node in graph.graph.nodes)
+def graph_seconds(graph: fx.Graph, throughput: Throughput) -> float:
+    return sum(node_seconds(node, throughput) for node in graph.nodes)
 
 
 def step_seconds(traced: TracedStep) -> float | None:
