@@ -237,7 +237,8 @@ def _quiet_transformers() -> None:
     "--checkpoint",
     default="none",
     show_default=True,
-    help="none; all = every repeated block, like HF gradient checkpointing; or a plan file from `memplan plan`.",
+    help="none; all = every repeated block, like HF gradient checkpointing; selective = every repeated block, "
+    "keeping matmul/conv/attention outputs and recomputing the rest; or a plan file from `memplan plan`.",
 )
 @click.option("--budget", type=SizeType(), help="Memory budget (80GB, 24GiB, 512MiB, bytes): fits? largest batch?")
 @click.option(

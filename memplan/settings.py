@@ -13,7 +13,11 @@ from memplan.gpus import gpu_named
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "none")
 OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
-CHECKPOINT_MODES = ("none", "all")
+CHECKPOINT_MODES = ("none", "all", "selective")  # "selective": every block, the selective policy
+# How a checkpoint treats what its segment computes (memplan.estimator.checkpointing):
+# "full" recomputes all of it in the backward; "selective" keeps the outputs of matmuls,
+# convolutions and attention and recomputes the rest (torch's selective activation checkpointing).
+CHECKPOINT_POLICIES = ("full", "selective")
 DEVICES = ("cuda", "cpu")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -80,12 +84,23 @@ class CheckpointLayout:
 
     Each segment is a run of consecutive sibling modules (blocks of one `nn.ModuleList`) wrapped
     in one checkpoint, which keeps only the first block's inputs; a segment of one module is
-    ordinary per-module checkpointing.
+    ordinary per-module checkpointing. `policies` gives each segment's CHECKPOINT_POLICIES entry
+    (all "full" when left empty).
     """
 
     segments: tuple[tuple[str, ...], ...] = ()
+    policies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.policies:
+            object.__setattr__(self, "policies", ("full",) * len(self.segments))
+        if len(self.policies) != len(self.segments):
+            raise SettingsError(
+                f"a checkpoint layout needs one policy per segment: {len(self.segments)} segment(s), "
+                f"{len(self.policies)} policies"
+            )
+        for policy in self.policies:
+            _check_choice("checkpoint policy", policy, CHECKPOINT_POLICIES)
         names = list(self.modules)
         if any(not segment for segment in self.segments):
             raise SettingsError("a checkpoint segment must name at least one module")
@@ -98,14 +113,21 @@ class CheckpointLayout:
         return tuple(name for segment in self.segments for name in segment)
 
     def describe(self) -> str:
-        return f"{len(self.segments)} checkpoint(s) over {len(self.modules)} module(s)"
+        selective = self.policies.count("selective")
+        policy = f" ({selective} selective)" if selective else ""
+        if selective and selective == len(self.segments):
+            policy = " (selective)"
+        return f"{len(self.segments)} checkpoint(s) over {len(self.modules)} module(s){policy}"
 
     def to_dict(self) -> dict[str, list]:
-        return {"segments": [list(segment) for segment in self.segments]}
+        return {"segments": [list(segment) for segment in self.segments], "policies": list(self.policies)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CheckpointLayout:
-        return cls(segments=tuple(tuple(segment) for segment in data.get("segments", ())))
+        return cls(
+            segments=tuple(tuple(segment) for segment in data.get("segments", ())),
+            policies=tuple(data.get("policies", ())),
+        )
 
 
 @dataclass(frozen=True)

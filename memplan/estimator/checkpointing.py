@@ -5,7 +5,10 @@ Two forms, all non-reentrant `torch.utils.checkpoint`:
 - a segment of consecutive blocks of one `nn.ModuleList`: one checkpoint opens before the first
   block and closes after the last (the way `torch.distributed._composable.checkpoint` wraps one
   module with hooks), so only the first block's inputs are kept; recomputation replays the blocks,
-  feeding each the previous block's output where the parent's loop did;
+  feeding each the previous block's output where the parent's loop did.
+
+Either form takes a policy: "full" recomputes everything in the backward, "selective" keeps what
+memplan.estimator.selective names (torch's selective activation checkpointing).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.utils.checkpoint import (
 )
 
 from memplan.errors import SettingsError
+from memplan.estimator.selective import selective_context
 from memplan.settings import CheckpointLayout
 
 
@@ -52,10 +56,16 @@ def block_names(model: nn.Module) -> list[str]:
     ]
 
 
-def checkpoint_module(module: nn.Module) -> Callable[[], None]:
+def _context_fn(policy: str) -> Callable[[], Any]:
+    return selective_context() if policy == "selective" else noop_context_fn
+
+
+def checkpoint_module(module: nn.Module, policy: str = "full") -> Callable[[], None]:
     """Non-reentrant checkpointing of one module's forward (kwargs pass through); returns the undo."""
     forward = module.forward
-    module.forward = functools.partial(checkpoint, forward, use_reentrant=False)  # type: ignore[method-assign]
+    module.forward = functools.partial(  # type: ignore[method-assign]
+        checkpoint, forward, use_reentrant=False, context_fn=_context_fn(policy)
+    )
 
     def undo() -> None:
         del module.forward
@@ -73,6 +83,7 @@ class _Segment:
 
     name: str
     blocks: list[nn.Module]
+    policy: str = "full"
     # For each later block: its call as a pytree, with tensor leaves given as ("prev", i), the i-th
     # tensor of the previous block's output, or ("input", i), the i-th tensor of the first call.
     templates: list[tuple[list[Any], Any] | None] = field(default_factory=list)
@@ -101,7 +112,7 @@ class _Segment:
         if position == 0:
             self.first_inputs = _tensor_leaves((args, kwargs))
             self.generator = _checkpoint_without_reentrant_generator(
-                self._replay, True, noop_context_fn, "default", False, True, *args, **kwargs
+                self._replay, True, _context_fn(self.policy), "default", False, True, *args, **kwargs
             )
             next(self.generator)
             return
@@ -197,13 +208,13 @@ def _check_consecutive(model: nn.Module, segment: tuple[str, ...]) -> None:
 def apply_layout(model: nn.Module, layout: CheckpointLayout) -> Callable[[], None]:
     """Checkpoint `model` in place as `layout` says; returns the function that undoes it."""
     undos: list[Callable[[], None]] = []
-    for segment in layout.segments:
+    for segment, policy in zip(layout.segments, layout.policies, strict=True):
         modules = [_resolve(model, name) for name in segment]
         if len(segment) == 1:
-            undos.append(checkpoint_module(modules[0]))
+            undos.append(checkpoint_module(modules[0], policy))
         else:
             _check_consecutive(model, segment)
-            undos.append(_Segment(name=f"{segment[0]}…{segment[-1]}", blocks=modules).remove)
+            undos.append(_Segment(name=f"{segment[0]}…{segment[-1]}", blocks=modules, policy=policy).remove)
 
     def undo() -> None:
         for step in reversed(undos):
@@ -221,13 +232,17 @@ def layout_applied(model: nn.Module, layout: CheckpointLayout) -> Iterator[None]
         undo()
 
 
-def all_blocks_layout(model: nn.Module) -> CheckpointLayout:
-    return CheckpointLayout(segments=tuple((name,) for name in block_names(model)))
+def all_blocks_layout(model: nn.Module, policy: str = "full") -> CheckpointLayout:
+    names = block_names(model)
+    return CheckpointLayout(segments=tuple((name,) for name in names), policies=(policy,) * len(names))
 
 
 def apply_checkpointing(model: nn.Module, checkpointing: str | CheckpointLayout) -> list[str]:
-    """The settings' `checkpoint` value applied: "none", "all" (every repeated block) or a layout."""
-    layout = all_blocks_layout(model) if checkpointing == "all" else checkpointing
+    """The settings' `checkpoint` value applied: "none", "all" / "selective" (every repeated block) or a layout."""
+    if checkpointing in ("all", "selective"):
+        layout = all_blocks_layout(model, "full" if checkpointing == "all" else "selective")
+    else:
+        layout = checkpointing
     if not isinstance(layout, CheckpointLayout):
         return []
     apply_layout(model, layout)

@@ -11,12 +11,14 @@ import contextlib
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as checkpoint_module
 from torch import fx, nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -212,6 +214,13 @@ class _EagerLifetimes(TorchDispatchMode):
                 if isinstance(item, torch.Tensor):
                     self.local_lifetimes.append((storage_key(item), end))
 
+    def held_until_released(self, owner: object, tensor: torch.Tensor) -> None:
+        """`tensor` lives at least until `owner`, a Python object invisible to the graph, is freed."""
+        weakref.finalize(owner, self._released, storage_key(tensor))
+
+    def _released(self, key: StorageWeakRef) -> None:
+        self.local_lifetimes.append((key, self.node_count() - 1))
+
     def finish(self) -> None:
         end = self.node_count() - 1
         for frame in self._frames:
@@ -237,6 +246,29 @@ class _EagerLifetimes(TorchDispatchMode):
         if not self._formula_done:
             self.backward_node_ops[-1].extend(range(start, end + 1))
         return out
+
+
+@contextlib.contextmanager
+def _selective_cache_lifetimes(eager_lifetimes: _EagerLifetimes) -> Iterator[None]:
+    """Selective checkpointing keeps each saved output in a cache entry until its recomputation
+    takes it, or, when the recomputation stops early before that op, until the checkpoint's
+    frame is freed after the region's backward (torch/utils/checkpoint.py, _VersionWrapper in
+    _CachingTorchDispatchMode's storage). The cache is Python state the graph cannot see: a
+    Llama MLP's down_proj output stayed live into the backward of the real run, not the trace.
+    """
+    original = checkpoint_module._VersionWrapper
+
+    class ObservedEntry(original):  # type: ignore[misc, valid-type]
+        def __init__(self, val: object) -> None:
+            super().__init__(val)
+            if isinstance(val, torch.Tensor):
+                eager_lifetimes.held_until_released(self, val)
+
+    checkpoint_module._VersionWrapper = ObservedEntry
+    try:
+        yield
+    finally:
+        checkpoint_module._VersionWrapper = original
 
 
 def _warm_up_optimizer(state: TrainingState) -> None:
@@ -354,7 +386,7 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
         # make_fx, which memplan traced with before, turned autocast's weight-cast cache off; so
         # does this trace, whose liveness sees no reference the cache would hold.
         with fake_mode, tracker, real_run_paths(), _target_kernels(settings), _autocast_cache_off(), recorder:
-            with eager_lifetimes:
+            with eager_lifetimes, _selective_cache_lifetimes(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()
             with constant_item():
