@@ -157,17 +157,21 @@ def plan(
     task: str | None = None,
     candidates: str | None = None,
     solver: str = "auto",
+    selective: bool = False,
     progress: Progress | None = None,
     **setting_overrides: Any,
 ) -> PlanResult:
     """The checkpointing plan with the least recomputation whose simulated peak fits `budget`.
 
     `candidates` is a regex over qualified module names (default: every block of every repeated
-    `nn.ModuleList`); `solver` is "auto", "dp" (exact on the chain cost model) or "greedy". Write
+    `nn.ModuleList`); `solver` is "auto", "dp" (exact on the chain cost model) or "greedy";
+    `selective` also offers selective checkpointing of every candidate (one more trace). Write
     the result with `memplan.planner.plan_file.write_plan` and use it with `apply_plan`.
     """
     spec, settings, budget_bytes = _plan_inputs(model, settings, budget, inputs, loss, task, setting_overrides)
-    return make_plan(spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress)
+    return make_plan(
+        spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress, selective=selective
+    )
 
 
 def _plan_inputs(

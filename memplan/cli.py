@@ -342,6 +342,12 @@ def _write_pictures(result: Any, plot: str | None, snapshot: str | None) -> None
     show_default=True,
     help="dp = exact on the chain cost model; greedy = fast heuristic; auto = dp up to 128 candidates.",
 )
+@click.option(
+    "--selective",
+    is_flag=True,
+    help="Also offer selective checkpointing of every candidate (keep matmul/conv/attention outputs, "
+    "recompute the rest), traced like the baselines.",
+)
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the plan to this JSON file.")
 @click.option(
     "--maximize-batch",
@@ -354,6 +360,7 @@ def plan(
     budget: int | None,
     candidates: str | None,
     solver: str,
+    selective: bool,
     output: str | None,
     maximize_batch: bool,
     as_json: bool,
@@ -377,9 +384,11 @@ def plan(
             _call, model=model, settings=settings, as_json=as_json, budget=budget, candidates=candidates, solver=solver
         )
         if maximize_batch:
+            if selective:
+                raise UsageError("--selective plans one batch size; drop it or --maximize-batch")
             _plan_batch(call, output, as_json)
             return
-        result = call(make_plan)
+        result = call(make_plan, selective=selective)
         if output is not None:
             write_plan(result, output)
         if as_json:

@@ -99,3 +99,41 @@ def test_apply_plan_checkpoints_a_real_model_and_refuses_another(deep_models, ti
     other = prepare(resolve_model(str(tiny_model_dirs["gpt2"])), settings)  # 2 blocks, not 6
     with pytest.raises(PlanFileError, match="fingerprint"):
         apply_plan(other.model, path)
+
+
+def test_selective_option_is_traced_applied_and_measured(deep_models, tmp_path):
+    """With --selective, every block under the selective policy is one more traced option.
+
+    Its recompute is read off the traces (step FLOPs minus the plain step's), so it is checked
+    here against FlopCounterMode on the real planned step; the plan file carries the policies
+    through apply_plan to a real run whose peak must match the prediction.
+    """
+    spec = resolve_model(deep_models["gpt2"])
+    settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
+    result = make_plan(spec, settings, 1 << 40, selective=True)
+    option = next(option for option in result.baselines if option.name == "all blocks, selective")
+    assert set(option.layout.policies) == {"selective"} and len(option.layout.segments) == 6
+    peaks = {baseline.name: baseline.predicted_peak_bytes for baseline in result.baselines}
+    assert peaks["all blocks"] < option.predicted_peak_bytes < peaks["none"]
+
+    def real_step_flops(checkpoint):
+        torch.manual_seed(0)
+        state = prepare(spec, settings.replace(checkpoint=checkpoint))
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            micro_batch(state)
+        return counter.get_total_flops()
+
+    assert option.recompute_flops == real_step_flops(option.layout) - real_step_flops("none")
+    # A budget only the selective option and the full checkpoints meet: the plan is the option
+    # with the least recompute, and the policies survive the plan file.
+    budget = (option.predicted_peak_bytes + peaks["none"]) // 2
+    planned = make_plan(spec, settings, budget, selective=True)
+    fitting = [baseline for baseline in planned.baselines if baseline.fits]
+    assert planned.recompute_flops == min(baseline.recompute_flops for baseline in fitting)
+    write_plan(planned, tmp_path / "plan.json")
+    model = prepare(spec, settings).model
+    apply_plan(model, tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").layout == planned.layout
+    measured = measure_cpu(spec, planned.settings).peak_bytes
+    assert measured <= budget
+    assert abs(planned.predicted_peak_bytes - measured) / measured <= TOLERANCE

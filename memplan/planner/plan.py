@@ -19,6 +19,7 @@ from typing import Any
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names, layout_applied
 from memplan.estimator.cuda.roofline import step_seconds
+from memplan.estimator.estimate import step_flops
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Liveness, Simulation, liveness, simulate
 from memplan.estimator.trace import FakeSetup, TracedStep, build_fake_setup, trace_step
@@ -26,13 +27,14 @@ from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
 from memplan.planner.solvers import Solution, dp, greedy, solution_for
-from memplan.planner.solvers.baselines import BASELINES
+from memplan.planner.solvers.baselines import BASELINES, all_blocks
 from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes
 
 SOLVERS: dict[str, Callable[[ChainCosts, int], Solution | None]] = {"dp": dp.solve, "greedy": greedy.solve}
 # Above this many candidates "auto" uses the greedy heuristic (the DP's front grows with the chain).
 DP_MAX_CANDIDATES = 128
 VERIFY_ROUNDS = 4
+SELECTIVE_OPTION = "all blocks, selective"
 
 Progress = Callable[[str], None]
 
@@ -63,7 +65,7 @@ class PlanResult:
     fits: bool
     layout: CheckpointLayout  # the plan when it fits; else the layout that came closest
     predicted_peak_bytes: int  # simulated peak of the re-traced, planned step
-    model_peak_bytes: int  # what the solver's cost model said
+    model_peak_bytes: int  # what the solver's cost model said (it models full checkpoints only)
     recompute_flops: int
     step_flops: int  # forward + backward + optimizer without checkpointing
     solver: str
@@ -101,6 +103,7 @@ class _Tracer:
         self.spec, self.settings, self.setup, self.report = spec, settings, setup, report
         self.simulations: dict[CheckpointLayout, Simulation] = {}
         self.step_seconds: dict[CheckpointLayout, float | None] = {}  # roofline time of each layout's step
+        self.step_flops: dict[CheckpointLayout, int] = {}  # FLOPs of selective layouts' steps, off their traces
         self.traces = 0
 
     def trace(self, layout: CheckpointLayout, batch_size: int) -> TracedStep:
@@ -113,6 +116,8 @@ class _Tracer:
         """Simulate and time a trace at the planned batch size."""
         self.simulations[layout] = simulate(traced, lifetimes)
         self.step_seconds[layout] = step_seconds(traced)
+        if "selective" in layout.policies:
+            self.step_flops[layout] = step_flops(traced)
         return self.simulations[layout]
 
     def simulation(self, layout: CheckpointLayout) -> Simulation:
@@ -160,8 +165,13 @@ def make_plan(
     solver: str = "auto",
     progress: Progress | None = None,
     setup: FakeSetup | None = None,
+    selective: bool = False,
 ) -> PlanResult:
-    """`setup`: a fake model already built for these settings without checkpointing (any batch size)."""
+    """`setup`: a fake model already built for these settings without checkpointing (any batch size).
+
+    `selective`: also trace every candidate under selective checkpointing (SELECTIVE_OPTION), an
+    option beside the baselines; the solver itself places full checkpoints only.
+    """
     started = time.perf_counter()
     report = progress or (lambda message: None)
     if solver not in ("auto", *SOLVERS):
@@ -195,6 +205,14 @@ def make_plan(
         flops, seconds = costs.recompute_flops(segments), tracer.recompute_seconds(layout)
         reserved = tracer.simulation(layout).reserved_peak_bytes
         baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), flops, seconds, reserved))
+    if selective:
+        every = all_blocks(costs)
+        layout = dataclasses.replace(layout_of(costs, every), policies=("selective",) * len(every))
+        fits = tracer.fit_bytes(layout) <= budget_bytes
+        # The cost model knows full checkpoints only: the recompute is read off the two traces.
+        flops, seconds = tracer.step_flops[layout] - costs.step_flops, tracer.recompute_seconds(layout)
+        reserved = tracer.simulation(layout).reserved_peak_bytes
+        baselines.append(PlanOption(SELECTIVE_OPTION, layout, fits, tracer.peak(layout), flops, seconds, reserved))
 
     # The cost model may rank two layouts differently from their simulations (or, budgeting the
     # reserved peak on cuda, miss what fits): of everything traced that fits, keep the least

@@ -16,7 +16,8 @@ from memplan.planner.plan import PlanResult
 from memplan.settings import CheckpointLayout, TrainingSettings
 
 PLAN_FORMAT = "memplan-checkpoint-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2 added each segment's checkpoint policy; version 1 files (all "full") still load
+READABLE_VERSIONS = (1, 2)
 # Settings a plan's prediction depends on; the checkpoint itself is what the plan provides.
 _MATCHED_SETTINGS = tuple(field for field in TrainingSettings.__dataclass_fields__ if field != "checkpoint")
 
@@ -70,7 +71,7 @@ def load_plan(source: str | Path | Plan) -> Plan:
         ) from None
     if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
         raise PlanFileError(f"{source} is not a memplan checkpoint plan; make one with `memplan plan --output FILE`")
-    if document.get("version") != PLAN_VERSION:
+    if document.get("version") not in READABLE_VERSIONS:
         raise PlanFileError(
             f"{source} is plan format version {document.get('version')}; this memplan reads version {PLAN_VERSION}: "
             "re-run `memplan plan`"
