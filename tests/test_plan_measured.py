@@ -132,7 +132,7 @@ def test_selective_option_is_traced_applied_and_measured(deep_models, tmp_path):
     assert planned.recompute_flops == min(baseline.recompute_flops for baseline in fitting)
     write_plan(planned, tmp_path / "plan.json")
     model = prepare(spec, settings).model
-    apply_plan(model, tmp_path / "plan.json")
+    assert apply_plan(model, tmp_path / "plan.json") == list(planned.layout.modules)
     assert load_plan(tmp_path / "plan.json").layout == planned.layout
     measured = measure_cpu(spec, planned.settings).peak_bytes
     assert measured <= budget

@@ -20,9 +20,8 @@ reference would add a gradient-sized copy per parameter that the real run does n
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,14 +96,8 @@ def _snapshot(value: object) -> object:
     return snapshot_fake(value) if isinstance(value, torch.Tensor) else value
 
 
-@contextlib.contextmanager
-def recording(inputs: Sequence[torch.Tensor] = ()) -> Iterator[GraphRecorder]:
-    with GraphRecorder(inputs) as recorder:
-        yield recorder
-
-
 def record_graph(fn: Callable[..., object], *inputs: torch.Tensor) -> fx.Graph:
     """`fn(*inputs)` recorded; the tensors it returns are the graph's outputs."""
-    with recording(inputs) as recorder:
+    with GraphRecorder(inputs) as recorder:
         outputs = fn(*inputs)
     return recorder.finish(outputs)

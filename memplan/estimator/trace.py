@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -332,16 +333,6 @@ def _target_kernels(settings: TrainingSettings) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _autocast_cache_off() -> Iterator[None]:
-    enabled = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(enabled)
-
-
 @dataclass
 class FakeSetup:
     """A model, optimizer and state built once under fake tensors, reusable across batch sizes."""
@@ -385,7 +376,7 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
     try:
         # make_fx, which memplan traced with before, turned autocast's weight-cast cache off; so
         # does this trace, whose liveness sees no reference the cache would hold.
-        with fake_mode, tracker, real_run_paths(), _target_kernels(settings), _autocast_cache_off(), recorder:
+        with fake_mode, tracker, real_run_paths(), _target_kernels(settings), disable_autocast_cache(), recorder:
             with eager_lifetimes, _selective_cache_lifetimes(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()

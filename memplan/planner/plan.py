@@ -135,6 +135,23 @@ class _Tracer:
         planned, plain = self.step_seconds[layout], self.step_seconds[CheckpointLayout()]
         return planned - plain if planned is not None and plain is not None else None
 
+    def traced_step_flops(self, layout: CheckpointLayout) -> int:
+        """FLOPs of a selective layout's traced step (recorded when it is traced)."""
+        self.simulation(layout)
+        return self.step_flops[layout]
+
+    def option(self, name: str, layout: CheckpointLayout, recompute_flops: int, budget_bytes: int) -> PlanOption:
+        simulation = self.simulation(layout)
+        return PlanOption(
+            name,
+            layout,
+            simulation.fit_bytes <= budget_bytes,
+            simulation.peak_bytes,
+            recompute_flops,
+            self.recompute_seconds(layout),
+            simulation.reserved_peak_bytes,
+        )
+
     def fit_bytes(self, layout: CheckpointLayout) -> int:
         """What the budget must hold: reserved on cuda, the allocated peak on cpu (Simulation.fit_bytes)."""
         return self.simulation(layout).fit_bytes
@@ -200,19 +217,13 @@ def make_plan(
     baselines = []
     for name, strategy in BASELINES.items():
         segments = strategy(costs)
-        layout = layout_of(costs, segments)
-        fits = tracer.fit_bytes(layout) <= budget_bytes
-        flops, seconds = costs.recompute_flops(segments), tracer.recompute_seconds(layout)
-        reserved = tracer.simulation(layout).reserved_peak_bytes
-        baselines.append(PlanOption(name, layout, fits, tracer.peak(layout), flops, seconds, reserved))
+        baselines.append(tracer.option(name, layout_of(costs, segments), costs.recompute_flops(segments), budget_bytes))
     if selective:
         every = all_blocks(costs)
         layout = dataclasses.replace(layout_of(costs, every), policies=("selective",) * len(every))
-        fits = tracer.fit_bytes(layout) <= budget_bytes
         # The cost model knows full checkpoints only: the recompute is read off the two traces.
-        flops, seconds = tracer.step_flops[layout] - costs.step_flops, tracer.recompute_seconds(layout)
-        reserved = tracer.simulation(layout).reserved_peak_bytes
-        baselines.append(PlanOption(SELECTIVE_OPTION, layout, fits, tracer.peak(layout), flops, seconds, reserved))
+        flops = tracer.traced_step_flops(layout) - costs.step_flops
+        baselines.append(tracer.option(SELECTIVE_OPTION, layout, flops, budget_bytes))
 
     # The cost model may rank two layouts differently from their simulations (or, budgeting the
     # reserved peak on cuda, miss what fits): of everything traced that fits, keep the least
