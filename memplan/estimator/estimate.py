@@ -54,7 +54,8 @@ class BatchTracer:
     def simulate(self, batch_size: int) -> Simulation:
         if batch_size not in self.simulations:
             self.report(f"tracing batch size {batch_size}")
-            traced = trace_step(self.spec, self.settings.replace(batch_size=batch_size), self.setup)
+            replay = self.first.optimizer_recording if self.first else None  # batch size cannot change the step
+            traced = trace_step(self.spec, self.settings.replace(batch_size=batch_size), self.setup, replay)
             self.simulations[batch_size] = simulate(traced)
             self.first = self.first or traced
         return self.simulations[batch_size]

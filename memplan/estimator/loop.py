@@ -124,9 +124,19 @@ def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
     marker("backward")
 
 
+def current_grads(state: TrainingState) -> list[torch.Tensor]:
+    return [param.grad for param in state.trainable if param.grad is not None]
+
+
+def drop_grads(state: TrainingState) -> None:
+    """zero_grad(set_to_none=True) on every trainable parameter."""
+    for param in state.trainable:
+        param.grad = None
+
+
 def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
     """Unscale (amp-fp16), step, zero_grad(set_to_none=True); returns the gradients it dropped."""
-    grads = [param.grad for param in state.trainable if param.grad is not None]
+    grads = current_grads(state)
     if state.loss_scale is not None and grads:
         inv_scale = state.loss_scale.double().reciprocal().float()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -137,8 +147,7 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
     if state.optimizer is not None:
         state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
-    for param in state.trainable:
-        param.grad = None
+    drop_grads(state)
     return grads
 
 

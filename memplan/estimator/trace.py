@@ -36,9 +36,18 @@ from memplan.errors import MemplanError, TraceError
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
-from memplan.estimator.loop import STORAGE_DTYPES, TrainingState, micro_batch, optimizer_step, prepare
+from memplan.estimator.loop import (
+    STORAGE_DTYPES,
+    TrainingState,
+    current_grads,
+    drop_grads,
+    micro_batch,
+    optimizer_step,
+    prepare,
+)
 from memplan.estimator.optimizers import optimizer_state_tensors
-from memplan.estimator.recorder import GraphRecorder
+from memplan.estimator.recorder import GraphRecorder, fake_device
+from memplan.estimator.replay import OptimizerRecording
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -60,6 +69,7 @@ class TracedStep:
     python_lifetimes: list[tuple[StorageWeakRef, int]]  # (storage, last node before Python let go of it)
     backward_node_ops: list[list[int]]  # graph nodes run by each autograd Node's backward formula
     seconds: float
+    optimizer_recording: OptimizerRecording | None = None  # replayable into later traces (replay.py)
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
@@ -157,6 +167,13 @@ class _EagerLifetimes(TorchDispatchMode):
       of it. Recomputation inside a checkpoint runs with grad mode on, which tells its ops apart.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo unless
+        # this says no (torch/utils/_python_dispatch.py). Nothing is compiled inside a trace, and
+        # the wrapper cost microseconds on each of a step's tens of thousands of dispatches.
+        return False
+
     def __init__(self, node_count: Callable[[], int]) -> None:
         super().__init__()
         self.node_count = node_count
@@ -230,6 +247,8 @@ class _EagerLifetimes(TorchDispatchMode):
         self._depth.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func is torch.ops.prim.device.default and (device := fake_device(args[0])) is not None:
+            return device  # allocates nothing
         start = self.node_count()
         self._observe_frames(start - 1)
         autograd_node = torch._C._current_autograd_node()
@@ -349,10 +368,17 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     return FakeSetup(fake_mode=fake_mode, state=state)
 
 
-def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | None = None) -> TracedStep:
+def trace_step(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    setup: FakeSetup | None = None,
+    optimizer_replay: OptimizerRecording | None = None,
+) -> TracedStep:
     """Trace the last micro-batch (gradients already present when grad_accum > 1) and the optimizer step.
 
     `setup` (from `build_fake_setup` with the same settings but any batch size) skips rebuilding the model.
+    `optimizer_replay`: an earlier trace's `optimizer_recording` on the same setup, replayed instead of
+    tracing the optimizer step again when the new gradients match it (memplan.estimator.replay).
     """
     started = time.perf_counter()
     setup = setup or build_fake_setup(spec, settings)
@@ -380,8 +406,18 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
             with eager_lifetimes, _selective_cache_lifetimes(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()
-            with constant_item():
-                grads = optimizer_step(state)  # gradients live until zero_grad ends the iteration
+            grads = current_grads(state)
+            if optimizer_replay is not None and optimizer_replay.matches(grads):
+                recorder.replay(optimizer_replay, grads)
+                drop_grads(state)
+                recording: OptimizerRecording | None = optimizer_replay
+            else:
+                recorder.recording = OptimizerRecording(grads)
+                with constant_item():
+                    optimizer_step(state)  # gradients live until zero_grad ends the iteration
+                recording, recorder.recording = recorder.recording, None
+                if not recording.is_replayable(_persistent_tensors(state)):
+                    recording = None
     except MemplanError:
         raise
     except Exception as error:  # any failure inside the user's model becomes one clear message
@@ -403,4 +439,11 @@ def trace_step(spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup | N
         python_lifetimes=eager_lifetimes.local_lifetimes,
         backward_node_ops=eager_lifetimes.backward_node_ops,
         seconds=time.perf_counter() - started,
+        optimizer_recording=recording,
     )
+
+
+def _persistent_tensors(state: TrainingState) -> list[torch.Tensor]:
+    """What outlives one trace of a fake model: the tensors an optimizer step may read besides gradients."""
+    extra = [tensor for tensor in (state.loss_scale, state.found_inf) if tensor is not None]
+    return [*state.model.parameters(), *state.model.buffers(), *optimizer_state_tensors(state.optimizer), *extra]

@@ -20,12 +20,14 @@ from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names, layout_applied
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.estimate import step_flops
+from memplan.estimator.replay import OptimizerRecording
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Liveness, Simulation, liveness, simulate
 from memplan.estimator.trace import FakeSetup, TracedStep, build_fake_setup, trace_step
 from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
+from memplan.planner.forked import available_cores, map_forked
 from memplan.planner.solvers import Solution, dp, greedy, solution_for
 from memplan.planner.solvers.baselines import BASELINES, all_blocks
 from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes
@@ -96,35 +98,71 @@ def layout_of(costs: ChainCosts, segments: tuple[tuple[int, int], ...] | list[tu
     return CheckpointLayout(segments=tuple(tuple(costs.names[a : b + 1]) for a, b in segments))
 
 
+# A layout's simulated step: the simulation, its roofline seconds (cuda), its FLOPs (selective layouts).
+_Measured = tuple[Simulation, float | None, int | None]
+
+
+def _measure(traced: TracedStep, layout: CheckpointLayout, lifetimes: Liveness | None = None) -> _Measured:
+    flops = step_flops(traced) if "selective" in layout.policies else None
+    return simulate(traced, lifetimes), step_seconds(traced), flops
+
+
+def _trace_length(layout: CheckpointLayout) -> int:
+    """Checkpointed modules are traced twice (forward and recomputation): the longest traces go first."""
+    return sum(len(segment) for segment in layout.segments)
+
+
 class _Tracer:
     """Traces layouts on one fake model, each layout once."""
 
-    def __init__(self, spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup, report: Progress) -> None:
-        self.spec, self.settings, self.setup, self.report = spec, settings, setup, report
+    def __init__(
+        self, spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup, report: Progress, jobs: int
+    ) -> None:
+        self.spec, self.settings, self.setup, self.report, self.jobs = spec, settings, setup, report, jobs
         self.simulations: dict[CheckpointLayout, Simulation] = {}
         self.step_seconds: dict[CheckpointLayout, float | None] = {}  # roofline time of each layout's step
         self.step_flops: dict[CheckpointLayout, int] = {}  # FLOPs of selective layouts' steps, off their traces
         self.traces = 0
+        # Checkpointing and batch size leave the optimizer step alone: the first trace's is replayed.
+        self.optimizer_recording: OptimizerRecording | None = None
 
     def trace(self, layout: CheckpointLayout, batch_size: int) -> TracedStep:
         self.traces += 1
         with layout_applied(self.setup.state.model, layout):
             settings = self.settings.replace(batch_size=batch_size, checkpoint=layout)
-            return trace_step(self.spec, settings, self.setup)
+            traced = trace_step(self.spec, settings, self.setup, self.optimizer_recording)
+        self.optimizer_recording = self.optimizer_recording or traced.optimizer_recording
+        return traced
 
     def record(self, layout: CheckpointLayout, traced: TracedStep, lifetimes: Liveness | None = None) -> Simulation:
         """Simulate and time a trace at the planned batch size."""
-        self.simulations[layout] = simulate(traced, lifetimes)
-        self.step_seconds[layout] = step_seconds(traced)
-        if "selective" in layout.policies:
-            self.step_flops[layout] = step_flops(traced)
+        self._store(layout, _measure(traced, layout, lifetimes))
         return self.simulations[layout]
+
+    def _store(self, layout: CheckpointLayout, measured: _Measured) -> None:
+        self.simulations[layout], self.step_seconds[layout], flops = measured
+        if flops is not None:
+            self.step_flops[layout] = flops
+
+    def _trace_and_measure(self, layout: CheckpointLayout) -> _Measured:
+        return _measure(self.trace(layout, self.settings.batch_size), layout)
 
     def simulation(self, layout: CheckpointLayout) -> Simulation:
         if layout not in self.simulations:
             self.report(f"tracing with {layout.describe()}")
-            return self.record(layout, self.trace(layout, self.settings.batch_size))
+            self.record(layout, self.trace(layout, self.settings.batch_size))
         return self.simulations[layout]
+
+    def prefetch(self, layouts: list[CheckpointLayout]) -> None:
+        """Trace the layouts not traced yet, in forked workers when there are cores for them."""
+        missing = sorted(set(layouts) - set(self.simulations), key=_trace_length, reverse=True)
+        if len(missing) < 2 or self.jobs < 2:
+            return  # traced one by one, when asked for
+        workers = min(self.jobs, len(missing))
+        self.report(f"tracing {len(missing)} layouts in {workers} processes")
+        for layout, measured in zip(missing, map_forked(self._trace_and_measure, missing, workers), strict=True):
+            self._store(layout, measured)
+        self.traces += len(missing)
 
     def peak(self, layout: CheckpointLayout) -> int:
         return self.simulation(layout).peak_bytes
@@ -183,11 +221,15 @@ def make_plan(
     progress: Progress | None = None,
     setup: FakeSetup | None = None,
     selective: bool = False,
+    jobs: int | None = None,
 ) -> PlanResult:
     """`setup`: a fake model already built for these settings without checkpointing (any batch size).
 
     `selective`: also trace every candidate under selective checkpointing (SELECTIVE_OPTION), an
     option beside the baselines; the solver itself places full checkpoints only.
+
+    `jobs`: how many processes trace layouts at once (default: one per available core; 1 traces
+    everything in this process).
     """
     started = time.perf_counter()
     report = progress or (lambda message: None)
@@ -204,7 +246,7 @@ def make_plan(
             f"{spec.name} has no repeated blocks (an nn.ModuleList of same-class modules) to checkpoint; "
             "name candidate modules with --candidates REGEX"
         )
-    tracer = _Tracer(spec, settings, setup, report)
+    tracer = _Tracer(spec, settings, setup, report, available_cores() if jobs is None else jobs)
     report("tracing without checkpointing")
     traced = tracer.trace(CheckpointLayout(), settings.batch_size)
     lifetimes = liveness(traced)
@@ -212,15 +254,24 @@ def make_plan(
     costs = chain_costs(traced, lifetimes, base_simulation, names)
     chosen_solver = solver if solver != "auto" else ("dp" if len(costs) <= DP_MAX_CANDIDATES else "greedy")
     report(f"solving over {len(costs)} candidates ({chosen_solver})")
+    baseline_segments = {name: strategy(costs) for name, strategy in BASELINES.items()}
+    baseline_layouts = {name: layout_of(costs, segments) for name, segments in baseline_segments.items()}
+    if selective:
+        every = all_blocks(costs)
+        baseline_layouts[SELECTIVE_OPTION] = dataclasses.replace(
+            layout_of(costs, every), policies=("selective",) * len(every)
+        )
+    # The first answer, checked below, and every baseline are traced at once: they are independent.
+    first = SOLVERS[chosen_solver](costs, budget_bytes)
+    answer = [layout_of(costs, first.segments)] if first is not None else []
+    tracer.prefetch(answer + list(baseline_layouts.values()))
     found = _solve_verified(costs, SOLVERS[chosen_solver], tracer, budget_bytes)
 
     baselines = []
-    for name, strategy in BASELINES.items():
-        segments = strategy(costs)
-        baselines.append(tracer.option(name, layout_of(costs, segments), costs.recompute_flops(segments), budget_bytes))
+    for name, segments in baseline_segments.items():
+        baselines.append(tracer.option(name, baseline_layouts[name], costs.recompute_flops(segments), budget_bytes))
     if selective:
-        every = all_blocks(costs)
-        layout = dataclasses.replace(layout_of(costs, every), policies=("selective",) * len(every))
+        layout = baseline_layouts[SELECTIVE_OPTION]
         # The cost model knows full checkpoints only: the recompute is read off the two traces.
         flops = tracer.traced_step_flops(layout) - costs.step_flops
         baselines.append(tracer.option(SELECTIVE_OPTION, layout, flops, budget_bytes))

@@ -1,0 +1,67 @@
+"""Run independent jobs of the planner in forked copies of this process, one per free core.
+
+Planning traces several checkpointing layouts of one fake model (the solver's answer and every
+baseline), and no trace depends on another. A trace is single-threaded Python (fake tensors run no
+kernels), so on a 2-core machine two forked traces take about the time of one. Forking, not
+spawning, lets each worker start from the model already built under fake tensors in this process:
+nothing has to be pickled but the job's argument and its result.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+_job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def can_fork() -> bool:
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _start_worker() -> None:
+    # A forked child keeps no threads but the one that forked: a lock another thread held at the
+    # fork (the progress spinner writing to stderr) would stay held. Workers report nothing.
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the worker)
+    # Intra-op threads are not fork-safe (OpenMP), as torch's DataLoader workers also assume.
+    torch.set_num_threads(1)
+
+
+def _run(item: Any) -> Any:
+    assert _job is not None
+    return _job(item)
+
+
+def map_forked(job: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
+    """`[job(item) for item in items]`, in up to `jobs` forked workers; in this process when one is enough.
+
+    Items are handed out in order, one at a time: put the longest first. An exception a job
+    raises is raised here.
+    """
+    workers = min(jobs, len(items))
+    if workers <= 1 or not can_fork():
+        return [job(item) for item in items]
+    global _job
+    _job = job
+    # As gc.freeze's documentation advises for fork without exec: the workers' collections then
+    # skip (and do not copy) everything inherited. A 48-block trace in a worker: 4.75 -> 4.35 s.
+    gc.freeze()
+    try:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker) as pool:
+            return pool.map(_run, items, chunksize=1)
+    finally:
+        gc.unfreeze()
+        _job = None
