@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -64,7 +63,7 @@ class GraphRecorder(TorchDispatchMode):
         self.recording: OptimizerRecording | None = None  # when set, every op is appended to it
         for index, tensor in enumerate(inputs):
             node = self.graph.placeholder(f"input_{index}")
-            node.meta["val"] = snapshot_fake(tensor)
+            node.meta["val"] = alias(tensor)
             self._node_of[tensor] = node
 
     def node_count(self) -> int:
@@ -75,7 +74,7 @@ class GraphRecorder(TorchDispatchMode):
         if node is None:
             node = self.graph.create_node("get_attr", f"_constant_{self._constants}")
             self._constants += 1
-            node.meta["val"] = snapshot_fake(tensor)
+            node.meta["val"] = alias(tensor)
             self._node_of[tensor] = node
         return node
 
@@ -103,7 +102,7 @@ class GraphRecorder(TorchDispatchMode):
         """The op's node (and getitem nodes for a tuple result); `val`: meta["val"] known already."""
         node = self.graph.create_node("call_function", func, node_args, node_kwargs)
         if isinstance(out, torch.Tensor):
-            node.meta["val"] = snapshot_fake(out) if val is None else val
+            node.meta["val"] = alias(out) if val is None else val
             self._node_of[out] = node  # in-place ops: later readers read the mutated value here
         elif isinstance(out, tuple | list):
             node.meta["val"] = type(out)(_snapshot(item) for item in out) if val is None else val
@@ -151,8 +150,22 @@ def _swapped(value: Any, substitute: dict[int, torch.Tensor]) -> Any:
     return value
 
 
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor sharing `tensor`'s storage, shape and strides: what a node keeps of its output.
+
+    For a fake tensor, the meta tensor inside it, detached, as `fast_detach` makes it
+    (torch/_subclasses/fake_impls.py) but not wrapped in a new FakeTensor: wrapping took half of
+    recording an op. Nothing reads a node's value but its metadata and storage.
+    """
+    if not isinstance(tensor, FakeTensor):
+        return tensor.detach()
+    with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        return torch.ops.aten.detach.default(tensor)
+
+
 def _snapshot(value: object) -> object:
-    return snapshot_fake(value) if isinstance(value, torch.Tensor) else value
+    return alias(value) if isinstance(value, torch.Tensor) else value
 
 
 def record_graph(fn: Callable[..., object], *inputs: torch.Tensor) -> fx.Graph:
