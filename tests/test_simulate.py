@@ -1,9 +1,9 @@
 """The liveness simulator on hand-built graphs with hand-computed bytes."""
 
 import torch
-from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan.estimator.opgraph import OpGraph
 from memplan.estimator.recorder import record_graph
 from memplan.estimator.simulate import round_for_device, simulate
 from memplan.estimator.trace import TracedStep
@@ -111,4 +111,4 @@ def test_phase_of_the_peak_follows_the_boundaries():
     assert simulation.peak_node == 2
     assert simulation.phase == "forward"
     assert simulation.phase_peak_bytes["backward"] == 100 * FLOAT + 2 * FLOAT
-    assert isinstance(traced.graph, fx.Graph)
+    assert isinstance(traced.graph, OpGraph)

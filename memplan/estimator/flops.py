@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import fx
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from memplan.estimator.opgraph import OpNode, map_nodes
 
 aten = torch.ops.aten
 
@@ -18,7 +19,7 @@ def _sdpa_for_cpu_flops(query, key, value, *args, out_shape=None, **kwargs) -> i
 EXTRA_FORMULAS = {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_for_cpu_flops}
 
 
-def node_flops(node: fx.Node) -> int:
+def node_flops(node: OpNode) -> int:
     """FLOPs of one call_function node (0 for ops flop_counter counts as free: pointwise, views)."""
     if node.op != "call_function":
         return 0
@@ -33,8 +34,8 @@ def node_flops(node: fx.Node) -> int:
     return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
 
 
-def _values(node: fx.Node) -> tuple[tuple, dict]:
+def _values(node: OpNode) -> tuple[tuple, dict]:
     def value_of(arg: object) -> object:
-        return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+        return arg.meta.get("val") if isinstance(arg, OpNode) else arg
 
-    return tuple(fx.node.map_aggregate(node.args, value_of)), dict(fx.node.map_aggregate(node.kwargs, value_of))
+    return tuple(map_nodes(node.args, value_of)), dict(map_nodes(node.kwargs, value_of))

@@ -1,4 +1,4 @@
-"""Record every aten op of a run as one node of an `fx.Graph`, with the op's output in `meta["val"]`.
+"""Record every aten op of a run as one node of an `OpGraph`, with the op's output in `meta["val"]`.
 
 A light stand-in for `make_fx(tracing_mode="real")`, which memplan used before: it records the
 same post-autograd aten ops (one node per op, `operator.getitem` nodes picking the elements of a
@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
 _DEVICE_QUERY = torch.ops.prim.device.default
@@ -57,50 +57,56 @@ class GraphRecorder(TorchDispatchMode):
 
     def __init__(self, inputs: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
-        self.graph = fx.Graph()
+        self.graph = OpGraph()
         self._node_of = WeakTensorKeyDictionary()  # tensor -> the node whose output it is now
         self._constants = 0
         self.recording: OptimizerRecording | None = None  # when set, every op is appended to it
         for index, tensor in enumerate(inputs):
-            node = self.graph.placeholder(f"input_{index}")
+            node = self.graph.add(OpNode("placeholder", f"input_{index}"))
             node.meta["val"] = alias(tensor)
             self._node_of[tensor] = node
 
     def node_count(self) -> int:
         return len(self.graph.nodes)
 
-    def node_of(self, tensor: torch.Tensor) -> fx.Node:
+    def node_of(self, tensor: torch.Tensor) -> OpNode:
         node = self._node_of.get(tensor)
         if node is None:
-            node = self.graph.create_node("get_attr", f"_constant_{self._constants}")
+            node = self.graph.add(OpNode("get_attr", f"_constant_{self._constants}"))
             self._constants += 1
             node.meta["val"] = alias(tensor)
             self._node_of[tensor] = node
         return node
 
-    def _argument(self, value: Any) -> Any:
+    def _argument(self, value: Any, inputs: list[OpNode]) -> Any:
+        """`value` with each tensor replaced by its node, which is appended to `inputs`."""
         if isinstance(value, torch.Tensor):
-            return self.node_of(value)
+            node = self.node_of(value)
+            inputs.append(node)
+            return node
         if isinstance(value, tuple | list):
-            return type(value)(self._argument(item) for item in value)
+            return type(value)(self._argument(item, inputs) for item in value)
         if isinstance(value, dict):
-            return {key: self._argument(item) for key, item in value.items()}
+            return {key: self._argument(item, inputs) for key, item in value.items()}
         return value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if func is _DEVICE_QUERY:
             return fake_device(args[0]) or func(*args, **kwargs)  # a metadata query, as make_fx leaves it out
-        node_args, node_kwargs = self._argument(args), self._argument(kwargs)
+        inputs: list[OpNode] = []
+        node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
         out = func(*args, **kwargs)
-        val = self._add_node(func, node_args, node_kwargs, out)
+        val = self._add_node(func, node_args, node_kwargs, inputs, out)
         if self.recording is not None:
             self.recording.ops.append(RecordedOp(func, args, kwargs, out, val))
         return out
 
-    def _add_node(self, func: Any, node_args: Any, node_kwargs: Any, out: object, val: object = None) -> object:
+    def _add_node(
+        self, func: Any, node_args: Any, node_kwargs: Any, inputs: list[OpNode], out: object, val: object = None
+    ) -> object:
         """The op's node (and getitem nodes for a tuple result); `val`: meta["val"] known already."""
-        node = self.graph.create_node("call_function", func, node_args, node_kwargs)
+        node = self.graph.add(OpNode("call_function", func, node_args, node_kwargs, inputs))
         if isinstance(out, torch.Tensor):
             node.meta["val"] = alias(out) if val is None else val
             self._node_of[out] = node  # in-place ops: later readers read the mutated value here
@@ -108,7 +114,7 @@ class GraphRecorder(TorchDispatchMode):
             node.meta["val"] = type(out)(_snapshot(item) for item in out) if val is None else val
             for index, item in enumerate(out):
                 if isinstance(item, torch.Tensor):
-                    element = self.graph.create_node("call_function", operator.getitem, (node, index))
+                    element = self.graph.add(OpNode("call_function", operator.getitem, (node, index), None, [node]))
                     element.meta["val"] = node.meta["val"][index]
                     self._node_of[item] = element
         else:
@@ -124,18 +130,20 @@ class GraphRecorder(TorchDispatchMode):
         substitute = recording.substituted(grads)
         with _pop_mode_temporarily():  # as inside __torch_dispatch__: what node_of runs is not recorded
             for op in recording.ops:
-                node_args = self._argument(_swapped(op.args, substitute))
-                node_kwargs = self._argument(_swapped(op.kwargs, substitute))
+                inputs: list[OpNode] = []
+                node_args = self._argument(_swapped(op.args, substitute), inputs)
+                node_kwargs = self._argument(_swapped(op.kwargs, substitute), inputs)
                 if any(id(tensor) in substitute for tensor in tree_flatten(op.out)[0]):
                     # It wrote a gradient in place and returned it: the new gradient, with a new alias.
-                    self._add_node(op.func, node_args, node_kwargs, _swapped(op.out, substitute))
+                    self._add_node(op.func, node_args, node_kwargs, inputs, _swapped(op.out, substitute))
                 else:
-                    self._add_node(op.func, node_args, node_kwargs, op.out, op.val)
+                    self._add_node(op.func, node_args, node_kwargs, inputs, op.out, op.val)
 
-    def finish(self, outputs: object) -> fx.Graph:
+    def finish(self, outputs: object) -> OpGraph:
         """Close the graph with an output node reading the tensors in `outputs` (what outlives the run)."""
         tensors = [leaf for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
-        self.graph.output([self.node_of(tensor) for tensor in tensors])
+        read = [self.node_of(tensor) for tensor in tensors]
+        self.graph.add(OpNode("output", "output", (read,), None, read))
         return self.graph
 
 
@@ -168,7 +176,7 @@ def _snapshot(value: object) -> object:
     return alias(value) if isinstance(value, torch.Tensor) else value
 
 
-def record_graph(fn: Callable[..., object], *inputs: torch.Tensor) -> fx.Graph:
+def record_graph(fn: Callable[..., object], *inputs: torch.Tensor) -> OpGraph:
     """`fn(*inputs)` recorded; the tensors it returns are the graph's outputs."""
     with GraphRecorder(inputs) as recorder:
         outputs = fn(*inputs)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.cuda.allocator import CachingAllocator, round_size
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
+from memplan.estimator.opgraph import OpNode, map_nodes
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.timeline import (
     BREAKDOWN_KEYS,
@@ -80,16 +80,16 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
-def _returns_tensor(node: fx.Node) -> bool:
+def _returns_tensor(node: OpNode) -> bool:
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any("Tensor" in str(ret.type) for ret in schema.returns)
 
 
-def _op_name(node: fx.Node) -> str:
+def _op_name(node: OpNode) -> str:
     return str(node.target) if node.op == "call_function" else node.op
 
 
-def _node_storages(node: fx.Node, unsupported: dict[str, None]) -> list[tuple[StorageWeakRef, int]]:
+def _node_storages(node: OpNode, unsupported: dict[str, None]) -> list[tuple[StorageWeakRef, int]]:
     if "val" in node.meta:
         value = node.meta["val"]
     else:
@@ -109,14 +109,14 @@ def _node_storages(node: fx.Node, unsupported: dict[str, None]) -> list[tuple[St
     return storages
 
 
-def _fake_args(node: fx.Node) -> tuple[tuple, dict]:
+def _fake_args(node: OpNode) -> tuple[tuple, dict]:
     """The node's arguments with every graph node replaced by its fake value."""
 
     def value_of(arg: object) -> object:
-        return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+        return arg.meta.get("val") if isinstance(arg, OpNode) else arg
 
-    args = fx.node.map_aggregate(node.args, value_of)
-    kwargs = fx.node.map_aggregate(node.kwargs, value_of)
+    args = map_nodes(node.args, value_of)
+    kwargs = map_nodes(node.kwargs, value_of)
     return tuple(args), dict(kwargs)
 
 
@@ -132,7 +132,7 @@ def _phase_of(index: int, traced: TracedStep) -> str:
 class Liveness:
     """When each storage is allocated and freed, by node index (`len(nodes)` = the iteration's end)."""
 
-    nodes: list[fx.Node]
+    nodes: list[OpNode]
     storages: list[list[tuple[StorageWeakRef, int]]]  # each node's output storages and their bytes
     size: dict[StorageWeakRef, int]
     born: dict[StorageWeakRef, int]

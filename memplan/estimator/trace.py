@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
-from torch import fx, nn
+from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -45,6 +45,7 @@ from memplan.estimator.loop import (
     optimizer_step,
     prepare,
 )
+from memplan.estimator.opgraph import OpGraph
 from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.estimator.recorder import GraphRecorder, fake_device
 from memplan.estimator.replay import OptimizerRecording
@@ -56,7 +57,7 @@ from memplan.settings import TrainingSettings
 class TracedStep:
     """The captured graph plus what memplan knows about its storages and phases."""
 
-    graph: fx.Graph  # every node's output in meta["val"] (memplan.estimator.recorder)
+    graph: OpGraph  # every node's output in meta["val"] (memplan.estimator.recorder)
     settings: TrainingSettings
     forward_end: int  # index of the first node after the forward pass (and loss)
     backward_end: int  # index of the first node of the optimizer step

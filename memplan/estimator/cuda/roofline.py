@@ -14,10 +14,10 @@ Math modes follow torch's defaults: matmuls in fp32 use fp32 CUDA cores
 from __future__ import annotations
 
 import torch
-from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.flops import node_flops
+from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.trace import TracedStep
 from memplan.gpus import DEFAULT_GPU, Throughput, gpu_named
 
@@ -30,7 +30,7 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
-def _is_view(node: fx.Node) -> bool:
+def _is_view(node: OpNode) -> bool:
     """Ops whose outputs alias an input without writing it (views) move no memory."""
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns:
@@ -39,19 +39,19 @@ def _is_view(node: fx.Node) -> bool:
     return all(info is not None and not info.is_write for info in infos)
 
 
-def _input_values(node: fx.Node) -> list[torch.Tensor]:
+def _input_values(node: OpNode) -> list[torch.Tensor]:
     values = [arg.meta.get("val") for arg in node.all_input_nodes]
     return [tensor for value in values for tensor in _tensors(value)]
 
 
-def _bytes_moved(node: fx.Node) -> int:
+def _bytes_moved(node: OpNode) -> int:
     if _is_view(node):
         return 0
     tensors = _input_values(node) + _tensors(node.meta.get("val"))
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def _flops_per_second(node: fx.Node, throughput: Throughput) -> float:
+def _flops_per_second(node: OpNode, throughput: Throughput) -> float:
     inputs = _input_values(node)
     dtype = inputs[0].dtype if inputs else torch.float32
     if dtype == torch.float16:
@@ -63,7 +63,7 @@ def _flops_per_second(node: fx.Node, throughput: Throughput) -> float:
     return throughput.fp32_flops
 
 
-def node_seconds(node: fx.Node, throughput: Throughput) -> float:
+def node_seconds(node: OpNode, throughput: Throughput) -> float:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0  # placeholders, constants, and Python glue such as operator.getitem run no kernel
     flops = node_flops(node)
@@ -71,7 +71,7 @@ def node_seconds(node: fx.Node, throughput: Throughput) -> float:
     return max(compute, _bytes_moved(node) / throughput.memory_bytes_per_s)
 
 
-def graph_seconds(graph: fx.Graph, throughput: Throughput) -> float:
+def graph_seconds(graph: OpGraph, throughput: Throughput) -> float:
     return sum(node_seconds(node, throughput) for node in graph.nodes)
 
 
