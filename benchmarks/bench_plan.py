@@ -1,6 +1,7 @@
 """How long planning takes beyond the first trace, on a 48-block model (issue 4 target: under 10 s).
 
 Run: python benchmarks/bench_plan.py
+Timings on a shared 2-core VM vary by +-30% from run to run: run it three times and take the median.
 A GPT-2-shaped model with 48 blocks (width 256, 4 heads), batch 4, seq 256, fp32, AdamW,
 target cpu; the budget is half-way between checkpointing all blocks and none.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from memplan.estimator.trace import build_fake_setup, trace_step
 from memplan.models.source import resolve_model
+from memplan.planner.forked import available_cores
 from memplan.planner.plan import make_plan
 from memplan.settings import TrainingSettings, format_bytes
 
@@ -47,8 +49,11 @@ def main() -> None:
     steps: list[tuple[float, str]] = []
     result = make_plan(spec, settings, budget, progress=lambda m: steps.append((time.perf_counter() - started, m)))
     total = time.perf_counter() - started
+    own_first_trace = next(at for at, message in steps if message.startswith("solving"))
+    print(f"cores: {available_cores()} (the plan's layouts are traced in that many processes)")
     print(f"first trace (build + trace, no checkpointing): {first_trace:.1f} s")
     print(f"whole plan: {total:.1f} s in {result.traces} traces; beyond the first trace: {total - first_trace:.1f} s")
+    print(f"  after the plan's own first trace (solve, trace the layouts, choose): {total - own_first_trace:.1f} s")
     for at, message in steps:
         print(f"  {at:6.1f} s  {message}")
     print(

@@ -158,6 +158,7 @@ def plan(
     candidates: str | None = None,
     solver: str = "auto",
     selective: bool = False,
+    jobs: int | None = None,
     progress: Progress | None = None,
     **setting_overrides: Any,
 ) -> PlanResult:
@@ -165,12 +166,20 @@ def plan(
 
     `candidates` is a regex over qualified module names (default: every block of every repeated
     `nn.ModuleList`); `solver` is "auto", "dp" (exact on the chain cost model) or "greedy";
-    `selective` also offers selective checkpointing of every candidate (one more trace). Write
+    `selective` also offers selective checkpointing of every candidate (one more trace); `jobs`:
+    how many processes trace the layouts at once (default: one per available core). Write
     the result with `memplan.planner.plan_file.write_plan` and use it with `apply_plan`.
     """
     spec, settings, budget_bytes = _plan_inputs(model, settings, budget, inputs, loss, task, setting_overrides)
     return make_plan(
-        spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress, selective=selective
+        spec,
+        settings,
+        budget_bytes,
+        candidates=candidates,
+        solver=solver,
+        progress=progress,
+        selective=selective,
+        jobs=jobs,
     )
 
 
@@ -200,6 +209,7 @@ def plan_batch(
     task: str | None = None,
     candidates: str | None = None,
     solver: str = "auto",
+    jobs: int | None = None,
     progress: Progress | None = None,
     **setting_overrides: Any,
 ) -> MaximizeResult:
@@ -210,7 +220,9 @@ def plan_batch(
     written with `write_plan`). cuda targets only: the ranking needs the card's time estimate.
     """
     spec, settings, budget_bytes = _plan_inputs(model, settings, budget, inputs, loss, task, setting_overrides)
-    return maximize_batch(spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress)
+    return maximize_batch(
+        spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress, jobs=jobs
+    )
 
 
 def validate(

@@ -348,6 +348,12 @@ def _write_pictures(result: Any, plot: str | None, snapshot: str | None) -> None
     help="Also offer selective checkpointing of every candidate (keep matmul/conv/attention outputs, "
     "recompute the rest), traced like the baselines.",
 )
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes that trace the plan's layouts at once [default: one per available core].",
+)
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write the plan to this JSON file.")
 @click.option(
     "--maximize-batch",
@@ -361,6 +367,7 @@ def plan(
     candidates: str | None,
     solver: str,
     selective: bool,
+    jobs: int | None,
     output: str | None,
     maximize_batch: bool,
     as_json: bool,
@@ -381,7 +388,14 @@ def plan(
         _check_output_paths(output=output)
         _quiet_transformers()
         call = functools.partial(
-            _call, model=model, settings=settings, as_json=as_json, budget=budget, candidates=candidates, solver=solver
+            _call,
+            model=model,
+            settings=settings,
+            as_json=as_json,
+            budget=budget,
+            candidates=candidates,
+            solver=solver,
+            jobs=jobs,
         )
         if maximize_batch:
             if selective:

@@ -145,6 +145,18 @@ def _deep_gpt2(tmp_path):
     return str(folder)
 
 
+def test_plan_jobs_one_process_gives_the_same_plan(tmp_path):
+    common = ["plan", _deep_gpt2(tmp_path), "-b", "2", "--seq-len", "32", "--device", "cpu", "--budget", "9MiB"]
+    runner = CliRunner()
+    alone = runner.invoke(main, [*common, "--jobs", "1", "--json"])
+    default = runner.invoke(main, [*common, "--json"])
+    assert alone.exit_code == 0 and default.exit_code == 0, alone.output + default.output
+    assert json.loads(alone.output)["layout"] == json.loads(default.output)["layout"]
+    assert json.loads(alone.output)["baselines"] == json.loads(default.output)["baselines"]
+    zero = runner.invoke(main, [*common, "--jobs", "0"])
+    assert zero.exit_code == 2 and "--jobs" in zero.output
+
+
 def test_plan_json_and_plan_file_round_trip(tmp_path):
     model = _deep_gpt2(tmp_path)
     common = [model, "-b", "2", "--seq-len", "32", "--device", "cpu"]

@@ -82,6 +82,7 @@ def maximize_batch(
     candidates: str | None = None,
     solver: str = "auto",
     progress: Progress | None = None,
+    jobs: int | None = None,
 ) -> MaximizeResult:
     started = time.perf_counter()
     report = progress or (lambda message: None)
@@ -108,6 +109,7 @@ def maximize_batch(
             candidates=candidates,
             solver=solver,
             setup=setups["none"],  # one fake model for every plan
+            jobs=jobs,
         )
         if plan.fits:
             options.append(BatchOption(batch, plan))
