@@ -38,8 +38,9 @@ def main() -> None:
     settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=256, device="cpu"))
 
     started = time.perf_counter()
-    trace_step(spec, settings, build_fake_setup(spec, settings))
+    traced = trace_step(spec, settings, build_fake_setup(spec, settings))
     first_trace = time.perf_counter() - started
+    recorded = len(traced.optimizer_recording.ops) if traced.optimizer_recording else 0
 
     probe = make_plan(spec, settings, 1 << 40)
     peaks = {option.name: option.predicted_peak_bytes for option in probe.baselines}
@@ -52,6 +53,8 @@ def main() -> None:
     own_first_trace = next(at for at, message in steps if message.startswith("solving"))
     print(f"cores: {available_cores()} (the plan's layouts are traced in that many processes)")
     print(f"first trace (build + trace, no checkpointing): {first_trace:.1f} s")
+    nodes = len(traced.graph.nodes)
+    print(f"  {nodes:,} graph nodes; the optimizer step's {recorded:,} ops are replayed in later traces")
     print(f"whole plan: {total:.1f} s in {result.traces} traces; beyond the first trace: {total - first_trace:.1f} s")
     print(f"  after the plan's own first trace (solve, trace the layouts, choose): {total - own_first_trace:.1f} s")
     for at, message in steps:

@@ -29,7 +29,6 @@ def _fail_on_three(number: int) -> int:
 def test_results_come_back_in_order_from_other_processes():
     results = map_forked(_pid_and_square, list(range(6)), jobs=2)
     assert [square for _, square in results] == [n * n for n in range(6)]
-    assert {pid for pid, _ in results} - {os.getpid()}  # at least one ran in a worker
     assert os.getpid() not in {pid for pid, _ in results}
 
 

@@ -82,6 +82,10 @@ def test_replayed_step_equals_traced_step(case_id, changes, tiny_model_dirs):
     assert _fingerprint(replayed) == _fingerprint(traced)
 
 
+def _same_layout(a, b):
+    return (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+
+
 def test_replay_refused_when_gradients_differ(tiny_model_dirs):
     spec, settings = _spec_and_settings("gpt2-adamw", tiny_model_dirs)
     setup = build_fake_setup(spec, settings)
@@ -90,8 +94,15 @@ def test_replay_refused_when_gradients_differ(tiny_model_dirs):
     grads = [torch.empty_like(grad) for grad in recording.grads]
     assert recording.matches(grads)
     assert not recording.matches(grads[:-1])
-    assert not recording.matches([grads[0].t() if grads[0].dim() == 2 else grads[0].flip(0), *grads[1:]])
-    assert not recording.matches([grads[0], grads[0], *grads[2:]])  # two gradients sharing one storage
+    assert not recording.matches([grads[0].reshape(-1), *grads[1:]])  # another shape
+    assert not recording.matches([grads[0].t(), *grads[1:]])  # other strides
+    # Two gradients of the same layout (GPT-2's ln_1 and ln_2 weights, say) sharing one storage.
+    first_index, second_index = next(
+        (i, j) for i in range(len(grads)) for j in range(i + 1, len(grads)) if _same_layout(grads[i], grads[j])
+    )
+    shared = list(grads)
+    shared[second_index] = shared[first_index]
+    assert not recording.matches(shared)
     # A recording that read a tensor which does not outlive its trace cannot be replayed.
     with setup.fake_mode:
         temporary = torch.empty(3)

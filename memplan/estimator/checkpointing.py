@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (
 )
 
 from memplan.errors import SettingsError
+from memplan.estimator.leaves import tensors_in
 from memplan.estimator.selective import selective_context
 from memplan.settings import CheckpointLayout
 
@@ -110,7 +111,7 @@ class _Segment:
         if self.replaying:
             return
         if position == 0:
-            self.first_inputs = _tensor_leaves((args, kwargs))
+            self.first_inputs = tensors_in((args, kwargs))
             self.generator = _checkpoint_without_reentrant_generator(
                 self._replay, True, _context_fn(self.policy), "default", False, True, *args, **kwargs
             )
@@ -121,7 +122,7 @@ class _Segment:
     def _post(self, position: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self.replaying:
             return
-        self.previous_output = _tensor_leaves(output)
+        self.previous_output = tensors_in(output)
         if position == len(self.blocks) - 1 or self.generator is None:
             generator, self.generator = self.generator, None
             self.first_inputs, self.previous_output = [], []
@@ -150,12 +151,12 @@ class _Segment:
         """Recompute the segment from the first block's inputs (called by checkpoint's unpack hook)."""
         self.replaying = True
         try:
-            first_inputs = _tensor_leaves((args, kwargs))
+            first_inputs = tensors_in((args, kwargs))
             output = self.blocks[0](*args, **kwargs)
             for block, recorded in zip(self.blocks[1:], self.templates[1:], strict=True):
                 assert recorded is not None, "a segment is replayed only after its forward ran"
                 template, spec = recorded
-                previous = _tensor_leaves(output)
+                previous = tensors_in(output)
                 leaves = [
                     (previous if item[0] == "prev" else first_inputs)[item[1]] if _is_source(item) else item
                     for item in template
@@ -179,10 +180,6 @@ def _find(tensor: torch.Tensor, candidates: list[torch.Tensor], kind: str) -> _S
         if candidate is tensor:
             return _Source((kind, index))
     return None
-
-
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def _resolve(model: nn.Module, name: str) -> nn.Module:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from memplan.estimator.opgraph import OpNode, map_nodes
+from memplan.estimator.leaves import map_leaves
+from memplan.estimator.opgraph import OpNode
 
 aten = torch.ops.aten
 
@@ -38,4 +39,4 @@ def _values(node: OpNode) -> tuple[tuple, dict]:
     def value_of(arg: object) -> object:
         return arg.meta.get("val") if isinstance(arg, OpNode) else arg
 
-    return tuple(map_nodes(node.args, value_of)), dict(map_nodes(node.kwargs, value_of))
+    return tuple(map_leaves(node.args, OpNode, value_of)), dict(map_leaves(node.kwargs, OpNode, value_of))

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memplan.estimator.checkpointing import apply_checkpointing
-from memplan.estimator.optimizers import build_optimizer
+from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.models.source import Batch, ModelSpec, call_model
 from memplan.settings import TrainingSettings
 
@@ -122,6 +122,16 @@ def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
         loss = loss * state.loss_scale
     loss.backward()
     marker("backward")
+
+
+def model_tensors(state: TrainingState) -> list[torch.Tensor]:
+    return [*state.model.parameters(), *state.model.buffers()]
+
+
+def optimizer_tensors(state: TrainingState) -> list[torch.Tensor]:
+    """The optimizer's state, and GradScaler's scale and found-inf flag (amp-fp16)."""
+    scaler = [tensor for tensor in (state.loss_scale, state.found_inf) if tensor is not None]
+    return optimizer_state_tensors(state.optimizer) + scaler
 
 
 def current_grads(state: TrainingState) -> list[torch.Tensor]:

@@ -2,8 +2,9 @@
 
 It keeps what memplan reads of a `torch.fx.Node` (op, target, args, kwargs, meta,
 all_input_nodes) and nothing else. fx's own graph names every node, indexes it for queries and
-scans its arguments for symbolic values; on a 48-block GPT-2 step that bookkeeping was 0.8 s of a
-4 s trace (benchmarks/bench_plan.py), for a graph memplan never compiles or prints as code.
+scans its arguments for symbolic values; timed once on the 48-block GPT-2 step of
+benchmarks/bench_plan.py, that bookkeeping was about a fifth of a trace, for a graph memplan
+never compiles or prints as code.
 """
 
 from __future__ import annotations
@@ -35,14 +36,3 @@ class OpGraph:
     def add(self, node: OpNode) -> OpNode:
         self.nodes.append(node)
         return node
-
-
-def map_nodes(value: Any, fn: Any) -> Any:
-    """`value` (args or kwargs) with every OpNode in it replaced by `fn(node)`."""
-    if isinstance(value, OpNode):
-        return fn(value)
-    if isinstance(value, tuple | list):
-        return type(value)(map_nodes(item, fn) for item in value)
-    if isinstance(value, dict):
-        return {key: map_nodes(item, fn) for key, item in value.items()}
-    return value

@@ -27,24 +27,25 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
-def fake_device(tensor: object) -> torch.device | None:
-    """A fake tensor's answer to `prim.device`, as FakeTensorMode gives it, without passing the modes below.
+def fake_device_query(func: object, args: Sequence[object]) -> torch.device | None:
+    """For `prim.device` on a fake tensor, its answer as FakeTensorMode gives it; else None.
 
-    C++ code asks every tensor it touches for its device (the autograd engine, scaled_dot_product_attention):
-    on a 48-block GPT-2 step these queries are half of all dispatches, and each one passed every mode.
+    C++ code asks every tensor it touches for its device (the autograd engine,
+    scaled_dot_product_attention). A mode that answers at once spares the modes below it: on a
+    48-block GPT-2 step, counted once, these queries were half of all dispatches.
     """
-    if not isinstance(tensor, FakeTensor):
+    if func is not _DEVICE_QUERY or not isinstance(args[0], FakeTensor):
         return None
-    return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
+    return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
 
 
 class GraphRecorder(TorchDispatchMode):
@@ -80,20 +81,17 @@ class GraphRecorder(TorchDispatchMode):
 
     def _argument(self, value: Any, inputs: list[OpNode]) -> Any:
         """`value` with each tensor replaced by its node, which is appended to `inputs`."""
-        if isinstance(value, torch.Tensor):
-            node = self.node_of(value)
-            inputs.append(node)
-            return node
-        if isinstance(value, tuple | list):
-            return type(value)(self._argument(item, inputs) for item in value)
-        if isinstance(value, dict):
-            return {key: self._argument(item, inputs) for key, item in value.items()}
-        return value
+
+        def read(tensor: torch.Tensor) -> OpNode:
+            inputs.append(self.node_of(tensor))
+            return inputs[-1]
+
+        return map_leaves(value, torch.Tensor, read)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func is _DEVICE_QUERY:
-            return fake_device(args[0]) or func(*args, **kwargs)  # a metadata query, as make_fx leaves it out
+        if func is _DEVICE_QUERY:  # a metadata query, as make_fx leaves it out
+            return fake_device_query(func, args) or func(*args, **kwargs)
         inputs: list[OpNode] = []
         node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
         out = func(*args, **kwargs)
@@ -128,41 +126,33 @@ class GraphRecorder(TorchDispatchMode):
         reads is a new gradient, one that outlives traces, or an output of an earlier replayed op.
         """
         substitute = recording.substituted(grads)
+
+        def swap(tensor: torch.Tensor) -> torch.Tensor:
+            return substitute.get(id(tensor), tensor)
+
         with _pop_mode_temporarily():  # as inside __torch_dispatch__: what node_of runs is not recorded
             for op in recording.ops:
                 inputs: list[OpNode] = []
-                node_args = self._argument(_swapped(op.args, substitute), inputs)
-                node_kwargs = self._argument(_swapped(op.kwargs, substitute), inputs)
-                if any(id(tensor) in substitute for tensor in tree_flatten(op.out)[0]):
+                node_args = self._argument(map_leaves(op.args, torch.Tensor, swap), inputs)
+                node_kwargs = self._argument(map_leaves(op.kwargs, torch.Tensor, swap), inputs)
+                if any(id(tensor) in substitute for tensor in tensors_in(op.out)):
                     # It wrote a gradient in place and returned it: the new gradient, with a new alias.
-                    self._add_node(op.func, node_args, node_kwargs, inputs, _swapped(op.out, substitute))
+                    self._add_node(op.func, node_args, node_kwargs, inputs, map_leaves(op.out, torch.Tensor, swap))
                 else:
                     self._add_node(op.func, node_args, node_kwargs, inputs, op.out, op.val)
 
     def finish(self, outputs: object) -> OpGraph:
         """Close the graph with an output node reading the tensors in `outputs` (what outlives the run)."""
-        tensors = [leaf for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
-        read = [self.node_of(tensor) for tensor in tensors]
+        read = [self.node_of(tensor) for tensor in tensors_in(outputs)]
         self.graph.add(OpNode("output", "output", (read,), None, read))
         return self.graph
-
-
-def _swapped(value: Any, substitute: dict[int, torch.Tensor]) -> Any:
-    """`value` with every tensor whose id is in `substitute` replaced."""
-    if isinstance(value, torch.Tensor):
-        return substitute.get(id(value), value)
-    if isinstance(value, tuple | list):
-        return type(value)(_swapped(item, substitute) for item in value)
-    if isinstance(value, dict):
-        return {key: _swapped(item, substitute) for key, item in value.items()}
-    return value
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:
     """A new tensor sharing `tensor`'s storage, shape and strides: what a node keeps of its output.
 
     For a fake tensor, the meta tensor inside it, detached, as `fast_detach` makes it
-    (torch/_subclasses/fake_impls.py) but not wrapped in a new FakeTensor: wrapping took half of
+    (torch/_subclasses/fake_impls.py) but not wrapped in a new FakeTensor: wrapping took (timed once) about half of
     recording an op. Nothing reads a node's value but its metadata and storage.
     """
     if not isinstance(tensor, FakeTensor):

@@ -3,8 +3,8 @@
 Planning traces one model under many checkpointing layouts, and the batch-size search traces it at
 many batch sizes. The optimizer step is the same in all of them: it reads the parameters, their
 optimizer state and the gradients, and checkpointing and batch size change none of their shapes.
-On a 48-block GPT-2 with AdamW on cpu (one op per parameter and update term) it is 7,000 of a
-step's 16,000 ops, and re-running each through fake tensors is a third of a trace.
+With AdamW on a cpu target (one op per parameter and update term) it is a large share of a step:
+benchmarks/bench_plan.py prints how many ops of its 48-block GPT-2 step are replayed.
 
 A recording keeps every op of the step with the tensors it read and wrote. A replay adds the same
 nodes to a new trace, with each gradient of the recording replaced by the new trace's gradient of
@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten
+
+from memplan.estimator.leaves import tensors_in
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,6 @@ def _layout(tensor: torch.Tensor) -> tuple:
     )
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
-
-
 @dataclass
 class OptimizerRecording:
     """Ops of one optimizer step, in order; `grads` are the gradients that step consumed."""
@@ -61,12 +58,12 @@ class OptimizerRecording:
         grad_storages = {StorageWeakRef(grad.untyped_storage()) for grad in self.grads}
         known = {id(tensor) for tensor in (*self.grads, *persistent)}
         for op in self.ops:
-            inputs = _tensors((op.args, op.kwargs))
+            inputs = tensors_in((op.args, op.kwargs))
             for tensor in inputs:
                 if id(tensor) not in known and isinstance(tensor, torch._subclasses.FakeTensor):
                     return False  # a temporary of the traced forward or backward
             input_ids = {id(tensor) for tensor in inputs}
-            for tensor in _tensors(op.out):
+            for tensor in tensors_in(op.out):
                 if id(tensor) not in input_ids and StorageWeakRef(tensor.untyped_storage()) in grad_storages:
                     return False
                 known.add(id(tensor))

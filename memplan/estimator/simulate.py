@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.cuda.allocator import CachingAllocator, round_size
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
-from memplan.estimator.opgraph import OpNode, map_nodes
+from memplan.estimator.leaves import map_leaves, tensors_in
+from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.timeline import (
     BREAKDOWN_KEYS,
@@ -76,10 +76,6 @@ class Simulation:
         return dict(self.phase_peak_bytes)
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
-
-
 def _returns_tensor(node: OpNode) -> bool:
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any("Tensor" in str(ret.type) for ret in schema.returns)
@@ -99,7 +95,7 @@ def _node_storages(node: OpNode, unsupported: dict[str, None]) -> list[tuple[Sto
     rule = OUTPUT_BYTES_RULES.get(node.target) if node.op == "call_function" else None
     true_bytes = rule(*_fake_args(node)) if rule is not None else None
     storages = []
-    for position, tensor in enumerate(_tensors(value)):
+    for position, tensor in enumerate(tensors_in(value)):
         if tensor.layout != torch.strided:
             unsupported[f"{_op_name(node)} ({tensor.layout})"] = None
             continue
@@ -115,8 +111,8 @@ def _fake_args(node: OpNode) -> tuple[tuple, dict]:
     def value_of(arg: object) -> object:
         return arg.meta.get("val") if isinstance(arg, OpNode) else arg
 
-    args = map_nodes(node.args, value_of)
-    kwargs = map_nodes(node.kwargs, value_of)
+    args = map_leaves(node.args, OpNode, value_of)
+    kwargs = map_leaves(node.kwargs, OpNode, value_of)
     return tuple(args), dict(kwargs)
 
 

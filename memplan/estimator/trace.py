@@ -30,24 +30,25 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from memplan.errors import MemplanError, TraceError
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
+from memplan.estimator.leaves import tensors_in
 from memplan.estimator.loop import (
     STORAGE_DTYPES,
     TrainingState,
     current_grads,
     drop_grads,
     micro_batch,
+    model_tensors,
     optimizer_step,
+    optimizer_tensors,
     prepare,
 )
 from memplan.estimator.opgraph import OpGraph
-from memplan.estimator.optimizers import optimizer_state_tensors
-from memplan.estimator.recorder import GraphRecorder, fake_device
+from memplan.estimator.recorder import GraphRecorder, fake_device_query
 from memplan.estimator.replay import OptimizerRecording
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
@@ -248,7 +249,7 @@ class _EagerLifetimes(TorchDispatchMode):
         self._depth.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if func is torch.ops.prim.device.default and (device := fake_device(args[0])) is not None:
+        if (device := fake_device_query(func, args)) is not None:
             return device  # allocates nothing
         start = self.node_count()
         self._observe_frames(start - 1)
@@ -309,11 +310,10 @@ def _categorize(
     categories: dict[StorageWeakRef, str] = {}
     sizes: dict[StorageWeakRef, int] = {}
     groups = {
-        "inputs": [leaf for leaf in tree_flatten(state.batch)[0] if isinstance(leaf, torch.Tensor)],
-        "optimizer_state": optimizer_state_tensors(state.optimizer)
-        + [t for t in (state.loss_scale, state.found_inf) if t is not None],
+        "inputs": tensors_in(state.batch),
+        "optimizer_state": optimizer_tensors(state),
         "gradients": grads,
-        "parameters": list(state.model.parameters()) + list(state.model.buffers()),
+        "parameters": model_tensors(state),
     }
     for category, tensors in groups.items():
         for tensor in tensors:
@@ -391,7 +391,7 @@ def trace_step(
             # Later micro-batches find every gradient allocated: they dominate the first one.
             for param in state.trainable:
                 param.grad = torch.zeros_like(param)
-    inputs = [leaf for leaf in tree_flatten(state.batch)[0] if isinstance(leaf, torch.Tensor)]
+    inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
     recorder = GraphRecorder(inputs)
 
@@ -417,7 +417,8 @@ def trace_step(
                 with constant_item():
                     optimizer_step(state)  # gradients live until zero_grad ends the iteration
                 recording, recorder.recording = recorder.recording, None
-                if not recording.is_replayable(_persistent_tensors(state)):
+                # What outlives one trace of the fake model, besides the gradients.
+                if not recording.is_replayable(model_tensors(state) + optimizer_tensors(state)):
                     recording = None
     except MemplanError:
         raise
@@ -442,9 +443,3 @@ def trace_step(
         seconds=time.perf_counter() - started,
         optimizer_recording=recording,
     )
-
-
-def _persistent_tensors(state: TrainingState) -> list[torch.Tensor]:
-    """What outlives one trace of a fake model: the tensors an optimizer step may read besides gradients."""
-    extra = [tensor for tensor in (state.loss_scale, state.found_inf) if tensor is not None]
-    return [*state.model.parameters(), *state.model.buffers(), *optimizer_state_tensors(state.optimizer), *extra]

@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memplan.estimator.loop import TrainingState, iteration, prepare
-from memplan.estimator.optimizers import optimizer_state_tensors
+from memplan.estimator.leaves import tensors_in
+from memplan.estimator.loop import TrainingState, iteration, model_tensors, optimizer_tensors, prepare
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -76,11 +76,7 @@ class LiveStorageCounter(TorchDispatchMode):
 
 
 def _static_tensors(state: TrainingState) -> list[torch.Tensor]:
-    tensors = list(state.model.parameters()) + list(state.model.buffers())
-    tensors += optimizer_state_tensors(state.optimizer)
-    tensors += [leaf for leaf in tree_flatten(state.batch)[0] if isinstance(leaf, torch.Tensor)]
-    tensors += [t for t in (state.loss_scale, state.found_inf) if t is not None]
-    return tensors
+    return model_tensors(state) + optimizer_tensors(state) + tensors_in(state.batch)
 
 
 def measure_cpu(

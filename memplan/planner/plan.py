@@ -27,7 +27,7 @@ from memplan.estimator.trace import FakeSetup, TracedStep, build_fake_setup, tra
 from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
-from memplan.planner.forked import available_cores, map_forked
+from memplan.planner.forked import available_cores, can_fork, map_forked
 from memplan.planner.solvers import Solution, dp, greedy, solution_for
 from memplan.planner.solvers.baselines import BASELINES, all_blocks
 from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes
@@ -156,9 +156,9 @@ class _Tracer:
     def prefetch(self, layouts: list[CheckpointLayout]) -> None:
         """Trace the layouts not traced yet, in forked workers when there are cores for them."""
         missing = sorted(set(layouts) - set(self.simulations), key=_trace_length, reverse=True)
-        if len(missing) < 2 or self.jobs < 2:
-            return  # traced one by one, when asked for
-        workers = min(self.jobs, len(missing))
+        workers = min(self.jobs, len(missing)) if can_fork() else 1
+        if workers < 2:
+            return  # each is traced in this process when first asked for, and reported then
         self.report(f"tracing {len(missing)} layouts in {workers} processes")
         for layout, measured in zip(missing, map_forked(self._trace_and_measure, missing, workers), strict=True):
             self._store(layout, measured)

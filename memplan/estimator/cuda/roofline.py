@@ -14,9 +14,9 @@ Math modes follow torch's defaults: matmuls in fp32 use fp32 CUDA cores
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.flops import node_flops
+from memplan.estimator.leaves import tensors_in
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.trace import TracedStep
 from memplan.gpus import DEFAULT_GPU, Throughput, gpu_named
@@ -24,10 +24,6 @@ from memplan.gpus import DEFAULT_GPU, Throughput, gpu_named
 aten = torch.ops.aten
 
 CONVOLUTIONS = {aten.convolution.default, aten.convolution_backward.default}
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def _is_view(node: OpNode) -> bool:
@@ -41,13 +37,13 @@ def _is_view(node: OpNode) -> bool:
 
 def _input_values(node: OpNode) -> list[torch.Tensor]:
     values = [arg.meta.get("val") for arg in node.all_input_nodes]
-    return [tensor for value in values for tensor in _tensors(value)]
+    return [tensor for value in values for tensor in tensors_in(value)]
 
 
 def _bytes_moved(node: OpNode) -> int:
     if _is_view(node):
         return 0
-    tensors = _input_values(node) + _tensors(node.meta.get("val"))
+    tensors = _input_values(node) + tensors_in(node.meta.get("val"))
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
