@@ -6,6 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from memplan.compat import require_supported_torch
+
+require_supported_torch()  # before the imports below, which need a torch memplan knows
+
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult

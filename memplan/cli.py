@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import traceback
 from collections.abc import Callable
@@ -10,8 +11,10 @@ from typing import Any
 
 import click
 
+from memplan.compat import require_supported_torch
 from memplan.errors import MemplanError, SizeParseError, UsageError
 from memplan.settings import ATTENTION_IMPLEMENTATIONS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
+from memplan.version import __version__
 
 
 class SizeType(click.ParamType):
@@ -60,9 +63,22 @@ def _set_quiet(context: click.Context, parameter: click.Parameter, value: bool) 
         context.find_root().meta["memplan.quiet"] = True
 
 
+def _show_debug_messages() -> None:
+    """memplan's own debug log (why planning ran in one process, ...) on stderr, once per process."""
+    logger = logging.getLogger("memplan")
+    logger.setLevel(logging.DEBUG)
+    if not any(getattr(handler, "memplan_debug", False) for handler in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.memplan_debug = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
 def _run(debug: bool, action: Callable[[], None]) -> None:
     """Turn MemplanError into one line on stderr and its exit code; tracebacks only with --debug."""
+    if debug:
+        _show_debug_messages()
     try:
+        require_supported_torch()
         try:
             action()
         finally:
@@ -83,7 +99,7 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="memplan")
+@click.version_option(version=__version__, prog_name="memplan")
 def main() -> None:
     """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
 

@@ -61,3 +61,7 @@ class OutputError(UsageError):
 
 class HfArgsError(UsageError):
     """A TrainingArguments file is unreadable or asks for something memplan cannot model."""
+
+
+class UnsupportedTorchError(MemplanError):
+    """The installed torch is outside the releases memplan is tested on (memplan.compat)."""

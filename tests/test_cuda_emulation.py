@@ -9,8 +9,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.estimator.cuda.autocast import cuda_autocast_policy, cuda_policies
+from memplan.compat import torch_release
+from memplan.estimator.cuda import autocast as autocast_module
+from memplan.estimator.cuda.autocast import cuda_autocast_policy, cuda_policies, unknown_cuda_autocast_ops
 from memplan.estimator.cuda.kernels import cuda_kernels, select_sdpa_backend
+from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
@@ -23,6 +26,29 @@ def test_policy_tables_cover_exactly_the_ops_cuda_autocast_registers() -> None:
         name.removeprefix("aten::") for name in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
     }
     assert set(cuda_policies()) == registered
+    assert unknown_cuda_autocast_ops() == set()
+
+
+def test_rms_norm_follows_the_installed_release() -> None:
+    # torch 2.11's CUDA autocast has no rms_norm kernel (it runs in its input's dtype); 2.13 and
+    # later run it in float32. The policy must be the installed release's, not the newest table's.
+    registered = "aten::rms_norm" in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
+    assert ("rms_norm" in cuda_policies()) == registered
+    assert registered == (torch_release(torch.__version__) >= (2, 13))
+
+
+def test_an_autocast_op_memplan_does_not_know_is_reported(tiny_model_dirs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # As if a newer torch registered log_softmax for CUDA autocast and no table knew its policy.
+    known = autocast_module.known_policies()
+    monkeypatch.setattr(
+        autocast_module, "known_policies", lambda: {k: v for k, v in known.items() if k != "log_softmax.int"}
+    )
+    spec = resolve_model(tiny_model_dirs["gpt2"])
+    settings = spec.settings_for(TrainingSettings(batch_size=2, seq_len=64, precision="amp-bf16", device="cuda"))
+    unsupported = simulate(trace_step(spec, settings)).unsupported_ops
+    assert [op for op in unsupported if "log_softmax" in op] == [
+        "aten::log_softmax.int (CUDA autocast policy unknown; run in its inputs' dtypes)"
+    ]
 
 
 def _probes(device: str) -> dict[str, Callable[[], torch.Tensor]]:

@@ -182,6 +182,7 @@ def liveness(traced: TracedStep) -> Liveness:
     for source in nodes[-1].all_input_nodes if nodes and nodes[-1].op == "output" else []:
         for key, _ in storages[index_of[source]]:
             last_use[key] = end
+    unsupported.update(dict.fromkeys(traced.unknown_target_ops))
     return Liveness(nodes, storages, size, born, last_use, tuple(unsupported))
 
 

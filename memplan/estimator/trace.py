@@ -72,6 +72,7 @@ class TracedStep:
     backward_node_ops: list[list[int]]  # graph nodes run by each autograd Node's backward formula
     seconds: float
     optimizer_recording: OptimizerRecording | None = None  # replayable into later traces (replay.py)
+    unknown_target_ops: tuple[str, ...] = ()  # ran with a target behaviour memplan does not know
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
@@ -192,13 +193,17 @@ class _EagerLifetimes(TorchDispatchMode):
         self._formula_done = True
 
     def _hook_graph(self, root: Any) -> None:
-        seen: set[int] = set()
+        # Keyed by id(), so every visited Node's Python wrapper is kept alive in `seen` until the
+        # walk ends: a C++ Node's wrapper is made anew for each `next_functions` read and freed with
+        # it, and on torch 2.10-2.12 a freed wrapper's id was soon another Node's, whose hook was
+        # then skipped (checkpointed predictions 2-3.5% high).
+        seen: dict[int, Any] = {}
         stack = [root]
         while stack:
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             if node is not root:
                 node.register_hook(self._formula_returned)
             stack.extend(next_node for next_node, _ in node.next_functions)
@@ -344,13 +349,16 @@ def _trace_failure(error: Exception, module: str | None, spec: ModelSpec) -> Tra
 
 
 @contextlib.contextmanager
-def _target_kernels(settings: TrainingSettings) -> Iterator[None]:
-    """On a cuda target, CUDA's autocast lists, attention backends and dropout kernel."""
+def _target_kernels(settings: TrainingSettings) -> Iterator[set[str]]:
+    """On a cuda target, CUDA's autocast lists, attention backends and dropout kernel.
+
+    Yields the set of ops that ran whose CUDA behaviour memplan does not know (reported, not guessed).
+    """
     if settings.device != "cuda":
-        yield
+        yield set()
         return
-    with cuda_autocast_policy(), cuda_kernels(settings.gpu):
-        yield
+    with cuda_autocast_policy() as unknown_autocast_ops, cuda_kernels(settings.gpu):
+        yield unknown_autocast_ops
 
 
 @dataclass
@@ -403,7 +411,8 @@ def trace_step(
     try:
         # make_fx, which memplan traced with before, turned autocast's weight-cast cache off; so
         # does this trace, whose liveness sees no reference the cache would hold.
-        with fake_mode, tracker, real_run_paths(), _target_kernels(settings), disable_autocast_cache(), recorder:
+        target_kernels = _target_kernels(settings)
+        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, disable_autocast_cache(), recorder:
             with eager_lifetimes, _selective_cache_lifetimes(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()
@@ -442,4 +451,5 @@ def trace_step(
         backward_node_ops=eager_lifetimes.backward_node_ops,
         seconds=time.perf_counter() - started,
         optimizer_recording=recording,
+        unknown_target_ops=tuple(sorted(unknown_ops)),
     )

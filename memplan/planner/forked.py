@@ -10,6 +10,7 @@ nothing has to be pickled but the job's argument and its result.
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import sys
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 
 _job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
+_log = logging.getLogger(__name__)
+_fork_breaks_autograd = False
 
 
 def available_cores() -> int:
@@ -29,7 +32,42 @@ def available_cores() -> int:
 
 
 def can_fork() -> bool:
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Whether forked workers can trace: the platform forks, and autograd runs in a forked child.
+
+    Where torch sees a GPU, the first backward starts autograd's device threads and arms a fork
+    handler that makes every later backward in a forked child fail ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing": torch/csrc/autograd/engine.cpp,
+    Engine::start_device_threads calls track_bad_autograd_forks once it finds a non-CPU device).
+    A CUDA build on a machine without a GPU forks fine (checked on 2.11 and 2.14.1 here). Whether
+    the handler is armed depends on the build, the devices and what already ran in this process,
+    so a child is asked: it runs a one-element backward and exits with its status. A false answer
+    is logged (`--debug` shows it) and the work runs in this process instead.
+    """
+    if "fork" not in multiprocessing.get_all_start_methods():
+        _log.debug("planning in one process: this platform cannot fork")
+        return False
+    global _fork_breaks_autograd
+    if _fork_breaks_autograd or not _autograd_works_after_fork():
+        _fork_breaks_autograd = True  # nothing mends it later in this process
+        _log.debug(
+            "planning in one process: autograd fails in a forked child of this process "
+            "(a CUDA build of torch that sees a GPU, after a backward ran here)"
+        )
+        return False
+    return True
+
+
+def _autograd_works_after_fork() -> bool:
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the probe, then leave without running Python's exit code
+        status = 1
+        try:
+            torch.ones(1, requires_grad=True).sum().backward()
+            status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def _start_worker() -> None:

@@ -9,9 +9,14 @@ it; leaving the context removes them and CPU autocast is itself again.
 The op lists are CUDA's, from ATen/autocast_mode.h (torch 2.13): AT_FORALL_LOWER_PRECISION_FP,
 AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE and
 AT_FORALL_PROMOTE, plus the CUDA-only registrations in ATen/autocast_mode.cpp (cudnn convolutions,
-and binary_cross_entropy, which CUDA autocast refuses). tests/test_cuda_autocast.py checks these
-tables against the ops the installed torch registers for AutocastCUDA, and each policy against
-CUDA autocast itself run on fake CUDA tensors.
+and binary_cross_entropy, which CUDA autocast refuses), and the ops other supported releases
+register besides (2.11-2.14; each noted where it is listed). The tables are the union over those
+releases; what applies is what the *installed* torch registers for AutocastCUDA
+(`cuda_policies()`): rms_norm runs in float32 from 2.13 on and in its input's dtype on 2.11. An op
+the installed torch registers that no table knows (a newer release) is run as it comes and
+reported among the estimate's unsupported ops, never guessed. tests/test_cuda_emulation.py checks
+the tables against the installed torch's registrations, and each policy against CUDA autocast
+itself run on fake CUDA tensors.
 """
 
 from __future__ import annotations
@@ -40,18 +45,32 @@ FP32 = frozenset(
     binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d
     _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d
     _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa
-    upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa""".split()
+    upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
+    linalg_matrix_sqrth""".split()
+    # linalg_matrix_sqrth: registered from 2.14 on; CUDA autocast on fake CUDA tensors (2.14.1)
+    # returns float32 for a bfloat16 input.
 )
 FP32_SET_OPT_DTYPE = frozenset(
     """prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm linalg_matrix_norm
-    linalg_matrix_norm.str_ord sum sum.dim_IntList""".split()
+    linalg_matrix_norm.str_ord sum sum.dim_IntList
+    prod.dim_Dimname softmax.Dimname log_softmax.Dimname cumprod.dimname cumsum.dimname
+    sum.dim_DimnameList""".split()
+    # The named-dimension overloads: registered by torch 2.11's CUDA build, not by 2.13's or 2.14's.
 )
-# Ops without a dtype argument that CUDA redispatches to the overload that has one, with float32.
-FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+# Ops without a dtype argument that CUDA redispatches to the overload that has one, with float32
+# (norm.names_ScalarOpt_dim: torch 2.11's CUDA build).
+FP32_APPEND_DTYPE = {
+    "norm.Scalar": "ScalarOpt_dtype",
+    "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
+    "norm.names_ScalarOpt_dim": "names_ScalarOpt_dim_dtype",
+}
 PROMOTE = frozenset(
     "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split()
 )
 BANNED = frozenset({"binary_cross_entropy"})
+# Registered by CUDA builds only (ATen/cudnn/AutocastRNN.cpp casts weights and inputs to the
+# autocast dtype before cuDNN's RNN); memplan's CPU tensors never dispatch to it.
+CUDA_BUILD_LOWER_PRECISION = frozenset({"_cudnn_rnn"})
 # ATen/autocast_mode.cpp, the message CUDA autocast raises for binary_cross_entropy.
 BANNED_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -62,11 +81,11 @@ BANNED_MESSAGE = (
 )
 
 
-def cuda_policies() -> dict[str, str]:
-    """Every op CUDA autocast has a kernel for, by `name.overload`, and the policy it applies."""
+def known_policies() -> dict[str, str]:
+    """Every op some supported torch release's CUDA autocast has a kernel for, and its policy."""
     policies: dict[str, str] = {}
     for names, policy in (
-        (LOWER_PRECISION, "lower_precision_fp"),
+        (LOWER_PRECISION | CUDA_BUILD_LOWER_PRECISION, "lower_precision_fp"),
         (FP32, "fp32"),
         (FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
         (FP32_APPEND_DTYPE, "fp32_append_dtype"),
@@ -75,6 +94,22 @@ def cuda_policies() -> dict[str, str]:
     ):
         policies.update(dict.fromkeys(names, policy))
     return policies
+
+
+def cuda_autocast_ops() -> set[str]:
+    """The ops the installed torch registers a CUDA autocast kernel for, by `name.overload`."""
+    return _registered("AutocastCUDA")
+
+
+def cuda_policies() -> dict[str, str]:
+    """The installed torch's CUDA autocast: each op it has a kernel for that memplan knows, and its policy."""
+    registered = cuda_autocast_ops()
+    return {name: policy for name, policy in known_policies().items() if name in registered}
+
+
+def unknown_cuda_autocast_ops() -> set[str]:
+    """Ops the installed torch's CUDA autocast has a kernel for and no table of memplan's knows."""
+    return cuda_autocast_ops() - set(known_policies())
 
 
 # CPU autocast's own lower_precision_fp list (ATen/autocast_mode.cpp, TORCH_LIBRARY_IMPL(aten,
@@ -106,6 +141,16 @@ def _cast_all(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dic
 def _below_autocast(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
         return op(*args, **kwargs)
+
+
+def _unknown_kernel(name: str, seen: set[str]):  # type: ignore[no-untyped-def]
+    op = _overload(name)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        seen.add(f"aten::{name} (CUDA autocast policy unknown; run in its inputs' dtypes)")
+        return _below_autocast(op, args, kwargs)
+
+    return kernel
 
 
 def _kernel(name: str, policy: str):  # type: ignore[no-untyped-def]
@@ -149,25 +194,36 @@ def _registered(key: str) -> set[str]:
 
 
 @contextlib.contextmanager
-def cuda_autocast_policy() -> Iterator[None]:
-    """While active, torch.autocast("cpu", ...) applies CUDA's op lists instead of CPU's."""
+def cuda_autocast_policy() -> Iterator[set[str]]:
+    """While active, torch.autocast("cpu", ...) applies CUDA's op lists instead of CPU's.
+
+    Yields the set it fills with the ops that ran under autocast whose CUDA policy memplan does
+    not know (`unknown_cuda_autocast_ops`), described for the estimate's unsupported ops.
+    """
     library = torch.library.Library("aten", "IMPL")
     policies = cuda_policies()
-    for name in sorted(set(policies) | _registered("AutocastCPU")):
+    unknown = unknown_cuda_autocast_ops()
+    seen: set[str] = set()
+    for name in sorted(set(policies) | unknown | _registered("AutocastCPU")):
         policy = policies.get(name)
         if policy == "lower_precision_fp" and name in CPU_LOWER_PRECISION:
             continue  # CPU's kernel already does this, with the parameter cast cache CUDA also has
         try:
             _overload(name)
         except AttributeError:
-            continue  # an op of a newer or older torch than the tables
-        # No CUDA kernel: the op falls through to run on its inputs as they are, and the ops it
-        # decomposes into meet autocast again, as on CUDA (cross_entropy -> log_softmax, nll_loss).
-        kernel = _kernel(name, policy) if policy else torch.library.fallthrough_kernel
+            continue  # registered under a name this torch's Python bindings do not expose
+        if name in unknown:
+            kernel = _unknown_kernel(name, seen)
+        elif policy:
+            kernel = _kernel(name, policy)
+        else:
+            # No CUDA kernel: the op falls through to run on its inputs as they are, and the ops it
+            # decomposes into meet autocast again, as on CUDA (cross_entropy -> log_softmax, nll_loss).
+            kernel = torch.library.fallthrough_kernel
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended
             library.impl(name, kernel, "AutocastCPU")
     try:
-        yield
+        yield seen
     finally:
         library._destroy()
