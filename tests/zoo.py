@@ -205,3 +205,51 @@ def write_tiny_config(name: str, folder: Path) -> str:
     target.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps(TINY_HF_CONFIGS[name]))
     return str(target)
+
+
+# Sizes a preset's config is shrunk to, by the key each architecture uses for them.
+_TINY_SIZES = {
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "dim": 64,
+    "intermediate_size": 128,
+    "hidden_dim": 128,
+    "d_ff": 128,
+    "d_kv": 16,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "n_layers": 2,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "embedding_size": 8,
+    "hidden_sizes": [8, 16, 16, 32],
+    "depths": [1, 1, 1, 1],
+    "image_size": 32,
+    "patch_size": 8,
+    "num_labels": 10,
+    "sliding_window": 16,
+}
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+
+
+def tiny_preset_config(preset: Any) -> dict[str, Any]:
+    """A preset's config a few dozen units wide, with its kind of attention kept.
+
+    Four query heads; grouped-query presets keep fewer key/value heads (2 where they have at
+    most 4 queries per key/value head, else 1: multi-query-like ratios stay extreme).
+    """
+    config = {"model_type": preset.model_type, **preset.config}
+    for key, value in _TINY_SIZES.items():
+        if key in config:
+            config[key] = value
+    for key in _HEAD_KEYS:
+        if key in config:
+            queries_per_kv = config[key] // config.get("num_key_value_heads", config[key])
+            config[key] = 4
+    if "num_key_value_heads" in config:
+        config["num_key_value_heads"] = 4 if queries_per_kv == 1 else 2 if queries_per_kv <= 4 else 1
+    return config

@@ -57,12 +57,15 @@ def select_sdpa_backend(
     """ "flash", "efficient" or "math": the backend CUDA's scaled_dot_product_attention runs."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "math"
-    heads_ok = query.shape[1] == key.shape[1] == value.shape[1] or (
-        enable_gqa and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0
-    )
+    # sdp_utils.cpp check_grouped_query_attention: fewer key/value heads than query heads pass only
+    # with enable_gqa, and only for backends that support it. Flash does; memory-efficient does
+    # not on torch 2.11-2.14 (pytorch#139586: "only enabled on the flash attention backend"), so
+    # grouped-query attention that flash rejects (fp32, a mask, sm75) runs the math backend, which
+    # expands key and value to the query's heads (repeat_interleave in attention.cpp).
+    equal_heads = query.shape[1] == key.shape[1] == value.shape[1]
+    grouped_heads = enable_gqa and key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0
     common = (
-        heads_ok
-        and query.shape[0] == key.shape[0] == value.shape[0]
+        query.shape[0] == key.shape[0] == value.shape[0]
         and min(query.shape[2], key.shape[2]) > 0
         and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (query, key, value))
     )
@@ -70,6 +73,7 @@ def select_sdpa_backend(
     head_dims = (query.shape[-1], key.shape[-1], value.shape[-1])
     if (
         common
+        and (equal_heads or grouped_heads)
         and attn_mask is None
         and dtype in (torch.float16, torch.bfloat16)
         and (8, 0) <= compute_capability
@@ -84,6 +88,7 @@ def select_sdpa_backend(
     efficient_dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if compute_capability >= (8, 0) else ())
     if (
         common
+        and equal_heads
         and dtype in efficient_dtypes
         and (5, 0) <= compute_capability
         and head_dims[0] == head_dims[1]
