@@ -126,11 +126,14 @@ ZOO_CASES = [
     ZooCase("gpt2-selective", "gpt2", _cpu(batch_size=2, seq_len=64, checkpoint="selective")),
     ZooCase("llama-selective", "llama", _cpu(batch_size=2, seq_len=64, checkpoint="selective")),
     ZooCase(
-        "llama-selective-amp",
-        "llama",
-        _cpu(batch_size=2, seq_len=64, precision="amp-bf16", checkpoint="selective"),
-        known_miss="under-predicts by 1.7%: the peak falls at the end of the forward, where the real run's autocast "
-        "cache still holds the bf16 copies of the weights; memplan traces with that cache off",
+        "llama-selective-amp", "llama", _cpu(batch_size=2, seq_len=64, precision="amp-bf16", checkpoint="selective")
+    ),
+    ZooCase(
+        "linear-stack-amp-checkpoint",
+        "tests.zoo_models:linear_stack",
+        _cpu(batch_size=4, precision="amp-bf16", optimizer="sgd", checkpoint="all"),
+        inputs="tests.zoo_models:features_inputs",
+        loss="tests.zoo_models:mean_square_loss",
     ),
     ZooCase(
         "bert-selective-segment",

@@ -59,6 +59,21 @@ class ReusedBlock(nn.Module):
         return self.out(x)  # not a scalar: the zoo passes --loss
 
 
+class LinearStack(nn.Module):
+    """Plain Linear blocks in a ModuleList (what `--checkpoint all` wraps), wide enough that each
+    block's weight copy under autocast is a visible share of the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.ReLU()) for _ in range(6))
+        self.out = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
 class FrozenEncoder(nn.Module):
     """A frozen encoder feeding a trainable head: no gradients or optimizer state for the encoder."""
 
@@ -149,6 +164,10 @@ def features_inputs(batch_size: int) -> torch.Tensor:
 
 def mean_square_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return output.pow(2).mean()
+
+
+def linear_stack() -> nn.Module:
+    return LinearStack()
 
 
 def frozen_encoder() -> nn.Module:

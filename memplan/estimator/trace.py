@@ -27,7 +27,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -156,6 +155,41 @@ class _ModuleTracker:
         return result
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _autocast_caches(source: object, cast: object) -> bool:
+    """Whether autocast keeps this cast in its cache (autocast_mode.cpp, cached_cast).
+
+    Autocast caches the lower-precision copy of a float32 leaf that requires grad (a parameter)
+    until the outermost autocast region exits (torch.autocast.__exit__ -> clear_autocast_cache),
+    so each weight is cast once per forward and its copy lives through the whole forward even
+    where nothing saves it (inside checkpointed blocks). Recomputation re-enters autocast and
+    caches again until it leaves. The cache itself is C++ state the graph cannot see: the copy's
+    finalizer tells when it let go.
+    """
+    return (
+        isinstance(source, torch.Tensor)
+        and isinstance(cast, torch.Tensor)
+        and source.dtype == torch.float32
+        and cast.dtype == torch.get_autocast_dtype("cpu")
+        and source.requires_grad
+        and source.is_leaf
+        and not source._is_view()
+        and torch.is_autocast_cache_enabled()
+        and _inside_autocast()
+    )
+
+
+def _inside_autocast() -> bool:
+    # Inside an autocast kernel the AutocastCPU key is excluded, so is_autocast_enabled() reads
+    # False there; the nesting count torch.autocast keeps (autocast_mode.py) says whether a region
+    # is open. It has no getter: read it by a step up and back.
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return nesting > 0
+
+
 class _EagerLifetimes(TorchDispatchMode):
     """What keeps tensors alive in eager execution past their last use by an op in the graph.
 
@@ -261,6 +295,8 @@ class _EagerLifetimes(TorchDispatchMode):
         autograd_node = torch._C._current_autograd_node()
         out = func(*args, **(kwargs or {}))
         end = self.node_count() - 1
+        if func is _TO_COPY and _autocast_caches(args[0], out):
+            self.held_until_released(out, out)
         if autograd_node is None or torch.is_grad_enabled():
             return out
         if not self._hooked:
@@ -409,10 +445,10 @@ def trace_step(
     eager_lifetimes = _EagerLifetimes(recorder.node_count)
     tracker = _ModuleTracker(state.model, recorder.node_count)
     try:
-        # make_fx, which memplan traced with before, turned autocast's weight-cast cache off; so
-        # does this trace, whose liveness sees no reference the cache would hold.
+        # Autocast's weight-cast cache stays on, as in the real run: _EagerLifetimes records how
+        # long it holds each copy (make_fx, which memplan traced with before, turned it off).
         target_kernels = _target_kernels(settings)
-        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, disable_autocast_cache(), recorder:
+        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder:
             with eager_lifetimes, _selective_cache_lifetimes(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()

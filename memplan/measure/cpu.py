@@ -8,7 +8,6 @@ for the whole iteration.
 
 from __future__ import annotations
 
-import gc
 import weakref
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.loop import TrainingState, iteration, model_tensors, optimizer_tensors, prepare
+from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -87,10 +87,9 @@ def measure_cpu(
     state = prepare(spec, settings)
     for _ in range(warmup_iterations):
         iteration(state)
-    gc.collect()
     counter = LiveStorageCounter()
     for tensor in _static_tensors(state):
         counter.add_static(tensor)
-    with counter:
+    with collector_held(), counter:
         iteration(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)

@@ -8,7 +8,6 @@ includes the CUDA context). CPU: the live-storage counter of memplan.measure.cpu
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import torch
 
 from memplan.errors import MeasurementError
 from memplan.estimator.loop import iteration, prepare
+from memplan.measure.collector import collector_held
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
@@ -64,12 +64,12 @@ def _measure_cuda(
         for _ in range(warmup):
             iteration(state)
         torch.cuda.synchronize()
-        gc.collect()
-        torch.cuda.reset_peak_memory_stats()
-        if snapshot is not None:
-            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
-        iteration(state)
-        torch.cuda.synchronize()
+        with collector_held():
+            torch.cuda.reset_peak_memory_stats()
+            if snapshot is not None:
+                torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
+            iteration(state)
+            torch.cuda.synchronize()
         if snapshot is not None:
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
