@@ -13,7 +13,15 @@ import click
 
 from memplan.compat import require_supported_torch
 from memplan.errors import MemplanError, SizeParseError, UsageError
-from memplan.settings import ATTENTION_IMPLEMENTATIONS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, parse_size
+from memplan.settings import (
+    ATTENTION_IMPLEMENTATIONS,
+    DEVICES,
+    LOOPS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PRECISIONS,
+    parse_size,
+)
 from memplan.version import __version__
 
 
@@ -147,6 +155,14 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             default="sdpa",
             show_default=True,
             help="transformers' attn_implementation (sdpa where the architecture supports it).",
+        ),
+        click.option(
+            "--loop",
+            type=click.Choice(LOOPS),
+            default="canonical",
+            show_default=True,
+            help="The training loop: where zero_grad runs and what stays alive (docs/concepts.md); "
+            "--hf-args picks hf-trainer.",
         ),
         click.option(
             "--task",

@@ -133,10 +133,11 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
             "optim adafactor is transformers' Adafactor; memplan traces torch.optim.Adafactor, whose factored "
             "state has the same shapes"
         )
-    if data.get("max_grad_norm", 1.0):
-        notes.append(
-            "gradient clipping (max_grad_norm) is not traced; its temporaries are one scalar per parameter tensor"
-        )
+    # Trainer's own loop: clipping to max_grad_norm before the step, model.zero_grad() after it.
+    settings["loop"] = "hf-trainer"
+    max_grad_norm = data.get("max_grad_norm", 1.0)
+    if not max_grad_norm:
+        notes.append("max_grad_norm 0 turns Trainer's clipping off; memplan traces it anyway (a few scalars in excess)")
     if _flag(data, "torch_compile"):
         notes.append("torch_compile is not modelled: memplan predicts the eager step, compiled steps usually use less")
     return HfTrainingArgs(str(path), settings, tuple(notes))

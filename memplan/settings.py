@@ -13,6 +13,8 @@ from memplan.gpus import gpu_named
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "none")
 OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
+# Training loops people write, each a different steady state (memplan.estimator.loop, docs/concepts.md).
+LOOPS = ("canonical", "zero-grad-before-backward", "set-to-none-false", "hf-trainer", "keep-output")
 CHECKPOINT_MODES = ("none", "all", "selective")  # "selective": every block, the selective policy
 # How a checkpoint treats what its segment computes (memplan.estimator.checkpointing):
 # "full" recomputes all of it in the backward; "selective" keeps the outputs of matmuls,
@@ -150,6 +152,7 @@ class TrainingSettings:
     device: str = "cuda"
     gpu: str | None = None  # cuda: the card whose kernels are emulated (memplan.gpus); None = H100
     attn_impl: str = "sdpa"  # transformers' attn_implementation
+    loop: str = "canonical"  # one of LOOPS: where zero_grad runs, what stays alive (memplan.estimator.loop)
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -164,6 +167,7 @@ class TrainingSettings:
             _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention implementation", self.attn_impl, ATTENTION_IMPLEMENTATIONS)
+        _check_choice("loop", self.loop, LOOPS)
         if self.gpu is not None:
             object.__setattr__(self, "gpu", gpu_named(self.gpu).name)  # canonical name
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):

@@ -24,7 +24,7 @@ TRAINING_ARGS = {  # as TrainingArguments.to_json_string() writes them (a subset
 }
 EQUIVALENT_FLAGS = [
     "-b", "4", "--grad-accum", "8", "--checkpoint", "all", "--precision", "amp-bf16",
-    "--optimizer", "adamw", "--optimizer-impl", "fused",
+    "--optimizer", "adamw", "--optimizer-impl", "fused", "--loop", "hf-trainer",
 ]  # fmt: skip
 
 
@@ -52,9 +52,9 @@ def test_json_and_yaml_give_the_same_settings(tmp_path):
             "precision": "amp-bf16",
             "optimizer": "adamw",
             "optimizer_impl": "fused",
+            "loop": "hf-trainer",
         }
     )
-    assert any("max_grad_norm" in note for note in from_json.notes)
 
 
 @pytest.mark.parametrize(

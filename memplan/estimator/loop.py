@@ -1,4 +1,6 @@
-"""The canonical training loop, run identically under fake tensors (to trace) and real ones (to measure).
+"""The training loop, run identically under fake tensors (to trace) and real ones (to measure).
+
+The canonical loop (`--loop canonical`):
 
 for micro_batch in range(grad_accum):
     with autocast(...):                      # amp-* precisions only
@@ -6,6 +8,18 @@ for micro_batch in range(grad_accum):
     (loss / grad_accum).backward()           # scaled by the loss scale for amp-fp16
 optimizer.step()                             # after unscaling the gradients for amp-fp16
 optimizer.zero_grad(set_to_none=True)
+
+The variants people write (settings.LOOPS), each differing only where noted:
+- zero-grad-before-backward: `optimizer.zero_grad()` (set_to_none=True) after the forward and
+  before `backward()`, none after the step, as in PyTorch's own tutorials: the previous step's
+  gradients live through the next forward.
+- set-to-none-false: `optimizer.zero_grad(set_to_none=False)` after the step (torch < 2.0's default,
+  HF Trainer before it, many scripts): gradients are zeroed in place and never freed.
+- hf-trainer: transformers' Trainer (5.x, `_inner_training_loop`): the gradients clipped to norm 1.0
+  (`max_grad_norm`'s default) with torch.nn.utils.clip_grad_norm_ before the step, then
+  `model.zero_grad()` (set_to_none=True).
+- keep-output: `out = model(...)`, `loss_of(out).backward()`: the model output (logits) stays
+  alive through the backward.
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ class TrainingState:
     loss_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     autocast_device: str = "cpu"  # where the tensors are: fake CPU when tracing, cuda in a real CUDA run
+    micro_batches_done: int = 0  # zero-grad-before-backward zeroes only on the first of each step's
 
 
 def cast_floating_point(model: nn.Module, dtype: torch.dtype) -> None:
@@ -111,11 +126,26 @@ def autocast_context(settings: TrainingSettings, device_type: str = "cpu"):
     return torch.autocast(device_type=device_type, dtype=AUTOCAST_DTYPES[settings.precision])
 
 
+# transformers' TrainingArguments.max_grad_norm default, clipped by Trainer before each step.
+HF_TRAINER_MAX_GRAD_NORM = 1.0
+
+
+def gradients_outlive_the_step(settings: TrainingSettings) -> bool:
+    """Whether a steady-state iteration starts with the previous step's gradients allocated."""
+    return settings.grad_accum > 1 or settings.loop in ("zero-grad-before-backward", "set-to-none-false")
+
+
 def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
     settings = state.settings
     with autocast_context(settings, state.autocast_device):
-        loss = state.loss_of(call_model(state.model, state.batch), state.batch)
+        output = call_model(state.model, state.batch)
+        loss = state.loss_of(output, state.batch)
+    if settings.loop != "keep-output":
+        del output
     marker("forward")
+    if settings.loop == "zero-grad-before-backward" and current_grads(state) and not _accumulating(state):
+        drop_grads(state)
+        marker("zero_grad")
     if settings.grad_accum > 1:
         loss = loss / settings.grad_accum
     if state.loss_scale is not None:
@@ -154,15 +184,29 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
             by_dtype.setdefault(grad.dtype, []).append(grad)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, state.found_inf, inv_scale)
+    loop = state.settings.loop
+    if loop == "hf-trainer" and grads:
+        torch.nn.utils.clip_grad_norm_(state.trainable, HF_TRAINER_MAX_GRAD_NORM)
     if state.optimizer is not None:
         state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
-    drop_grads(state)
+        if loop == "canonical" or loop == "hf-trainer" or loop == "keep-output":
+            state.optimizer.zero_grad(set_to_none=True)
+    if loop == "set-to-none-false":
+        for grad in grads:
+            grad.zero_()  # what zero_grad(set_to_none=False) does to each, also without an optimizer
+    elif loop != "zero-grad-before-backward":
+        drop_grads(state)
     return grads
 
 
+def _accumulating(state: TrainingState) -> bool:
+    """Inside an accumulation: a micro-batch after the first of its step has run its backward."""
+    return state.micro_batches_done % state.settings.grad_accum != 0
+
+
 def iteration(state: TrainingState, marker: Marker = _no_marker) -> None:
-    """One whole iteration of the canonical loop (used by real runs)."""
+    """One whole iteration of the training loop (used by real runs)."""
     for _ in range(state.settings.grad_accum):
         micro_batch(state, marker)
+        state.micro_batches_done += 1
     optimizer_step(state)

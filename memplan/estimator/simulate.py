@@ -165,6 +165,9 @@ def liveness(traced: TracedStep) -> Liveness:
             for source in nodes[index].all_input_nodes:
                 for key, _ in storages[index_of[source]]:
                     last_use[key] = max(last_use[key], last)
+    for key, nbytes, end in traced.released_early:
+        size[key] = round_for_device(nbytes, device)
+        born[key], last_use[key] = 0, end
     # Live before the iteration: the batch, constants, and categorized storages the graph never reads.
     static = {
         key for index, node in enumerate(nodes) if node.op in ("placeholder", "get_attr") for key, _ in storages[index]

@@ -40,6 +40,7 @@ from memplan.estimator.loop import (
     TrainingState,
     current_grads,
     drop_grads,
+    gradients_outlive_the_step,
     micro_batch,
     model_tensors,
     optimizer_step,
@@ -72,6 +73,10 @@ class TracedStep:
     seconds: float
     optimizer_recording: OptimizerRecording | None = None  # replayable into later traces (replay.py)
     unknown_target_ops: tuple[str, ...] = ()  # ran with a target behaviour memplan does not know
+    # Storages alive when the iteration starts that Python frees during it, never read by the graph:
+    # (storage, bytes, last node before it was freed). The previous step's gradients under
+    # --loop zero-grad-before-backward.
+    released_early: tuple[tuple[StorageWeakRef, int, int], ...] = ()
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
@@ -268,7 +273,11 @@ class _EagerLifetimes(TorchDispatchMode):
 
     def _record_locals(self, frame: FrameType, end: int) -> None:
         for value in frame.f_locals.values():
-            items = value if isinstance(value, tuple | list) else (value,)
+            # One level of containers: a model's output dict (ModelOutput is one) held in a local
+            # keeps its logits alive (`out = model(...)`, then `out.loss.backward()`).
+            items = (
+                value if isinstance(value, tuple | list) else value.values() if isinstance(value, dict) else (value,)
+            )
             for item in items:
                 if isinstance(item, torch.Tensor):
                     self.local_lifetimes.append((storage_key(item), end))
@@ -431,10 +440,13 @@ def trace_step(
     state.settings = settings
     with fake_mode:
         state.batch = spec.make_batch(settings, STORAGE_DTYPES[settings.precision])
-        if settings.grad_accum > 1:
-            # Later micro-batches find every gradient allocated: they dominate the first one.
+        state.micro_batches_done = settings.grad_accum - 1  # the step's last micro-batch is traced
+        if gradients_outlive_the_step(settings):
+            # Later micro-batches find every gradient allocated (they dominate the first one), and
+            # so do loops that free them late or never (memplan.estimator.loop).
             for param in state.trainable:
                 param.grad = torch.zeros_like(param)
+    previous_grads = [(storage_key(grad), grad.untyped_storage().nbytes()) for grad in current_grads(state)]
     inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
     recorder = GraphRecorder(inputs)
@@ -472,6 +484,11 @@ def trace_step(
     graph = recorder.finish(grads)
     node_count = len(graph.nodes)
     categories, sizes = _categorize(state, grads)
+    released_early = []
+    if "zero_grad" in boundaries:  # the previous gradients were dropped after the forward
+        for key, nbytes in previous_grads:
+            categories[key] = "gradients"
+            released_early.append((key, nbytes, boundaries["zero_grad"] - 1))
     return TracedStep(
         graph=graph,
         settings=settings,
@@ -488,4 +505,5 @@ def trace_step(
         seconds=time.perf_counter() - started,
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(unknown_ops)),
+        released_early=tuple(released_early),
     )

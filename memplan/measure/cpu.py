@@ -16,7 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memplan.estimator.leaves import tensors_in
-from memplan.estimator.loop import TrainingState, iteration, model_tensors, optimizer_tensors, prepare
+from memplan.estimator.loop import (
+    TrainingState,
+    current_grads,
+    iteration,
+    model_tensors,
+    optimizer_tensors,
+    prepare,
+)
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
@@ -44,6 +51,12 @@ class LiveStorageCounter(TorchDispatchMode):
         if key not in self._live:
             self._live[key] = storage.nbytes()
             self.static_bytes += storage.nbytes()
+
+    def add_live(self, tensor: torch.Tensor) -> None:
+        """A tensor alive when the iteration starts that Python may free during it (the previous
+        step's gradients under loops that zero them late): counted until its storage is freed."""
+        self._add_dynamic(tensor)
+        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
 
     def _add_dynamic(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -90,6 +103,8 @@ def measure_cpu(
     counter = LiveStorageCounter()
     for tensor in _static_tensors(state):
         counter.add_static(tensor)
+    for grad in current_grads(state):
+        counter.add_live(grad)
     with collector_held(), counter:
         iteration(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)
