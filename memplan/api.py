@@ -53,7 +53,7 @@ def _budget(budget: str | int | None, settings: TrainingSettings) -> int | None:
     """An explicit budget, else the usable memory of the named GPU, else none."""
     if budget is not None:
         return parse_size(budget)
-    return gpu_named(settings.gpu).usable_bytes if settings.gpu is not None else None
+    return gpu_named(settings.gpu).total_bytes - settings.context_bytes if settings.gpu is not None else None
 
 
 def _checked_against_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | None) -> TrainingSettings:

@@ -157,6 +157,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="transformers' attn_implementation (sdpa where the architecture supports it).",
         ),
         click.option(
+            "--cuda-context",
+            type=SizeType(),
+            help="The CUDA context nvidia-smi shows beyond what torch reserves (e.g. 600MiB), counted in the "
+            "device total and taken off --gpu's memory [default: 512 MiB, memplan's estimate].",
+        ),
+        click.option(
             "--loop",
             type=click.Choice(LOOPS),
             default="canonical",

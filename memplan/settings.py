@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.errors import SettingsError, SizeParseError
-from memplan.gpus import gpu_named
+from memplan.gpus import CONTEXT_BYTES, gpu_named
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "none")
@@ -153,6 +153,7 @@ class TrainingSettings:
     gpu: str | None = None  # cuda: the card whose kernels are emulated (memplan.gpus); None = H100
     attn_impl: str = "sdpa"  # transformers' attn_implementation
     loop: str = "canonical"  # one of LOOPS: where zero_grad runs, what stays alive (memplan.estimator.loop)
+    cuda_context: int | None = None  # bytes nvidia-smi shows beyond reserved; None = memplan.gpus.CONTEXT_BYTES
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -168,6 +169,11 @@ class TrainingSettings:
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention implementation", self.attn_impl, ATTENTION_IMPLEMENTATIONS)
         _check_choice("loop", self.loop, LOOPS)
+        if self.cuda_context is not None:
+            if self.device != "cuda":
+                raise SettingsError("--cuda-context is the CUDA context of a GPU; it has no meaning with --device cpu")
+            if self.cuda_context < 0:
+                raise SettingsError(f"CUDA context must be 0 or more bytes, got {self.cuda_context}")
         if self.gpu is not None:
             object.__setattr__(self, "gpu", gpu_named(self.gpu).name)  # canonical name
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):
@@ -175,6 +181,11 @@ class TrainingSettings:
                 f"torch has no fused implementation of {self.optimizer}; "
                 "use --optimizer-impl default, foreach or for-loop"
             )
+
+    @property
+    def context_bytes(self) -> int:
+        """The CUDA context counted in device-level figures and taken off a GPU's memory for budgets."""
+        return CONTEXT_BYTES if self.cuda_context is None else self.cuda_context
 
     @property
     def is_amp(self) -> bool:

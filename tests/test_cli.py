@@ -5,7 +5,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from memplan.api import _budget as api_budget
 from memplan.cli import main
+from memplan.settings import TrainingSettings
 
 
 def run(*args):
@@ -204,3 +206,18 @@ def test_cuda_budgets_hold_the_reserved_peak():
     assert estimate("tiny-gpt2", **{**settings, "batch_size": largest}).reserved_peak_bytes <= between
     assert estimate("tiny-gpt2", **{**settings, "batch_size": largest + 1}).reserved_peak_bytes > between
     assert estimate("tiny-gpt2", budget=unbounded.reserved_peak_bytes, **settings).fits is True
+
+
+def test_cuda_context_is_the_users_when_given(tiny_model_dirs):
+    model = tiny_model_dirs["gpt2"]
+    common = ("estimate", model, "-b", "2", "--seq-len", "32", "--json")
+    given = json.loads(run(*common, "--cuda-context", "700MiB").stdout)
+    assert given["device_peak_bytes"] - given["reserved_peak_bytes"] == 700 * 2**20
+    # A GPU's budget is its memory less the context: the A10G's 23,028 MiB less 700 MiB.
+    settings = TrainingSettings(gpu="A10G", cuda_context=700 * 2**20)
+    assert api_budget(None, settings) == 23028 * 2**20 - 700 * 2**20
+    default = json.loads(run(*common).stdout)
+    assert default["device_peak_bytes"] - default["reserved_peak_bytes"] == 512 * 2**20
+    assert any("--cuda-context" in note for note in default["notes"])
+    refused = run("estimate", model, "--device", "cpu", "--cuda-context", "1GiB")
+    assert refused.exit_code == 2 and "no meaning with --device cpu" in refused.output

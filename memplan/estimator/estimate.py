@@ -11,10 +11,10 @@ from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
-from memplan.gpus import CONTEXT_BYTES, DEFAULT_GPU
+from memplan.gpus import DEFAULT_GPU
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
-from memplan.settings import TrainingSettings
+from memplan.settings import TrainingSettings, format_bytes
 
 Progress = Callable[[str], None]
 
@@ -25,8 +25,13 @@ def _notes(settings: TrainingSettings) -> list[str]:
         notes.append(
             f"cuda target ({settings.gpu or DEFAULT_GPU}): CUDA's autocast lists, SDPA backend, fused dropout, "
             "cuBLAS workspaces and the caching allocator are emulated; cuDNN convolution workspaces are not "
-            "counted, and the CUDA context in device_peak_bytes is an estimate (memplan.gpus.CONTEXT_BYTES)"
+            "counted"
         )
+        if settings.cuda_context is None:
+            notes.append(
+                f"device_peak_bytes counts a CUDA context of {format_bytes(settings.context_bytes)}, memplan's "
+                "estimate; it depends on the CUDA version, lazy loading and GPU: give yours with --cuda-context"
+            )
     if settings.optimizer == "adam8bit":
         notes.append("adam8bit: bitsandbytes' state layout (uint8 moments + blockwise absmax), in-place update")
     return notes
@@ -115,7 +120,9 @@ def run_estimate(
         phase_peak_bytes=dict(main.phase_peak_bytes),
         reserved_peak_bytes=main.reserved_peak_bytes,
         roofline_step_seconds=step_seconds(traced),
-        device_peak_bytes=main.reserved_peak_bytes + CONTEXT_BYTES if main.reserved_peak_bytes is not None else None,
+        device_peak_bytes=main.reserved_peak_bytes + settings.context_bytes
+        if main.reserved_peak_bytes is not None
+        else None,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,
         parameter_count=traced.parameter_count,

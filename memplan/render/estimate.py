@@ -69,7 +69,10 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     if result.reserved_peak_bytes is not None:
         table.add_row("reserved by the caching allocator", format_bytes(result.reserved_peak_bytes), "")
     if result.device_peak_bytes is not None:
-        table.add_row("device total with CUDA context (nvidia-smi)", format_bytes(result.device_peak_bytes), "")
+        context = format_bytes(result.settings.context_bytes)
+        table.add_row(
+            f"device total with {context} CUDA context (nvidia-smi)", format_bytes(result.device_peak_bytes), ""
+        )
     console.print(table)
     where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")
     console.print(f"peak in the {result.phase} pass at {where}")
