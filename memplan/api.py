@@ -283,4 +283,4 @@ def validate_suite(
     def measure(config: SuiteConfig) -> ValidationResult:
         return validate(config.model, warmup=warmup, timeout_s=timeout_s, device=device, **config.settings)
 
-    return run_suite(name, configs, Path(results), measure, resume=resume)
+    return run_suite(name, configs, Path(results), measure, device=device, resume=resume)

@@ -91,3 +91,31 @@ def test_cuda_prediction_matches_max_memory_allocated() -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert abs(data["relative_error"]) <= 0.03
+
+
+def test_a_configuration_that_fails_is_recorded_and_the_suite_goes_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from memplan.errors import TraceError
+    from memplan.validate.suite import SuiteConfig, run_suite
+
+    configs = (SuiteConfig("first", "a"), SuiteConfig("broken", "b"), SuiteConfig("last", "c"))
+    measured = []
+
+    def measure(config: SuiteConfig):  # type: ignore[no-untyped-def]
+        if config.id == "broken":
+            raise TraceError("cannot trace b: op aten.nonzero depends on tensor values")
+        measured.append(config.id)
+        return failed_like_success(config)
+
+    def failed_like_success(config: SuiteConfig):  # type: ignore[no-untyped-def]
+        from memplan.validate.result import ValidationResult
+
+        return ValidationResult(config.model, {}, "cpu", 10, 10, None, None, None, None, "cpu", "x")
+
+    results = {
+        config.id: result for config, result in run_suite("t", configs, tmp_path / "r.json", measure, device="cpu")
+    }
+    assert measured == ["first", "last"]
+    broken = results["broken"]
+    assert not broken.measured and broken.error.startswith("TraceError: cannot trace b")
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [entry["id"] for entry in saved["configs"]] == ["first", "broken", "last"]

@@ -19,7 +19,7 @@ class ValidationResult:
     model: str
     settings: dict[str, Any]
     device: str  # the target measured: cuda or cpu
-    predicted_peak_bytes: int
+    predicted_peak_bytes: int | None  # None when the prediction itself failed (see error)
     measured_peak_bytes: int | None  # None when the run failed before measuring
     predicted_reserved_bytes: int | None
     measured_reserved_bytes: int | None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import UsageError
+from memplan.errors import MemplanError, UsageError
 from memplan.validate.result import ValidationResult
 
 
@@ -110,9 +110,15 @@ def run_suite(
     results_path: Path,
     measure: Callable[[SuiteConfig], ValidationResult],
     *,
+    device: str,
     resume: bool = False,
 ) -> Iterator[tuple[SuiteConfig, ValidationResult | None]]:
-    """Measure each configuration, writing the results file after each; yields (config, result or None if resumed)."""
+    """Measure each configuration, writing the results file after each; yields (config, result or None if resumed).
+
+    A configuration whose prediction or measurement fails is recorded as a failed result, with
+    the reason, and the suite goes on (measurement failures, OOM and time-outs already come back
+    as results; this covers what raises).
+    """
     if results_path.exists() and not resume:
         raise UsageError(f"{results_path} exists: pass --resume to continue it, or another --results file")
     document = load_results(results_path) if resume and results_path.exists() else {"suite": name, "configs": []}
@@ -123,12 +129,34 @@ def run_suite(
         if config.id in done:
             yield config, None
             continue
-        result = measure(config)
+        try:
+            result = measure(config)
+        except UsageError:
+            raise  # the suite itself is wrong: nothing later would go better
+        except MemplanError as error:  # this configuration failed (a trace error): record it, go on
+            result = failed_result(config, device, error)
         document.setdefault("device_name", result.device_name)
         document.setdefault("torch_version", result.torch_version)
         document["configs"].append({"id": config.id, **result.to_dict()})
         _write_atomically(results_path, document)
         yield config, result
+
+
+def failed_result(config: SuiteConfig, device: str, error: Exception) -> ValidationResult:
+    return ValidationResult(
+        model=config.model,
+        settings={**config.settings, "device": device},
+        device=device,
+        predicted_peak_bytes=None,
+        measured_peak_bytes=None,
+        predicted_reserved_bytes=None,
+        measured_reserved_bytes=None,
+        predicted_device_bytes=None,
+        measured_device_bytes=None,
+        device_name="unknown",
+        torch_version="unknown",
+        error=f"{type(error).__name__}: {error}",
+    )
 
 
 def summary(results: list[ValidationResult]) -> dict[str, float | int | None]:
