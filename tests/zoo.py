@@ -239,8 +239,11 @@ _TINY_SIZES = {
 _HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 
 
-def tiny_preset_config(preset: Any) -> dict[str, Any]:
-    """A preset's config a few dozen units wide, with its kind of attention kept.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers")
+
+
+def tiny_preset_config(preset: Any, layers: int = 2) -> dict[str, Any]:
+    """A preset's config a few dozen units wide and `layers` blocks deep, its kind of attention kept.
 
     Four query heads; grouped-query presets keep fewer key/value heads (2 where they have at
     most 4 queries per key/value head, else 1: multi-query-like ratios stay extreme).
@@ -248,7 +251,7 @@ def tiny_preset_config(preset: Any) -> dict[str, Any]:
     config = {"model_type": preset.model_type, **preset.config}
     for key, value in _TINY_SIZES.items():
         if key in config:
-            config[key] = value
+            config[key] = layers if key in _LAYER_KEYS else value
     for key in _HEAD_KEYS:
         if key in config:
             queries_per_kv = config[key] // config.get("num_key_value_heads", config[key])
