@@ -77,3 +77,25 @@ def test_fragmentation_forces_a_new_segment_and_peaks_reset() -> None:
     assert allocator.max_allocated_bytes == 8 * MiB
     allocator.malloc(8 * MiB)  # no hole holds 8 MiB: a second 20 MiB segment
     assert (allocator.segments, allocator.max_reserved_bytes, allocator.max_allocated_bytes) == (2, 40 * MiB, 16 * MiB)
+
+
+def test_optimizer_state_is_first_allocated_inside_the_first_step() -> None:
+    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, replay_steady_state
+
+    # Forward and backward at nodes 0-1 hold a 30 MiB temporary; the optimizer step starts at
+    # node 2 with 20 MiB of state that then lives on. A real first step finds the 30 MiB segment
+    # free and carves the state out of it, so every later forward needs a segment of its own:
+    # 30 + 30 MiB. Allocating the state before everything (20 MiB, then 30 MiB) would say 50 MiB.
+    timeline = MemoryTimeline(
+        node_count=3,
+        forward_end=1,
+        backward_end=2,
+        allocations=(
+            TimelineAllocation(0, 3, 20 * MiB, "optimizer_state", "get_attr", None),
+            TimelineAllocation(0, 1, 30 * MiB, "activations", "aten.mm", None),
+        ),
+    )
+    allocator = CachingAllocator()
+    replay_steady_state(timeline, allocator)
+    assert allocator.max_reserved_bytes == 60 * MiB
+    assert allocator.segments == 2
