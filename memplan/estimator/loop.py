@@ -189,7 +189,7 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
         torch.nn.utils.clip_grad_norm_(state.trainable, HF_TRAINER_MAX_GRAD_NORM)
     if state.optimizer is not None:
         state.optimizer.step()
-        if loop == "canonical" or loop == "hf-trainer" or loop == "keep-output":
+        if loop in ("canonical", "hf-trainer", "keep-output"):  # the others zero before backward, or in place
             state.optimizer.zero_grad(set_to_none=True)
     if loop == "set-to-none-false":
         for grad in grads:
