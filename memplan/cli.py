@@ -13,6 +13,7 @@ import click
 
 from memplan.compat import require_supported_torch
 from memplan.errors import MemplanError, SizeParseError, UsageError
+from memplan.interrupts import reliable_interrupts
 from memplan.settings import (
     ATTENTION_IMPLEMENTATIONS,
     DEVICES,
@@ -88,7 +89,8 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
     try:
         require_supported_torch()
         try:
-            action()
+            with reliable_interrupts():
+                action()
         finally:
             _stop_progress()
     except MemplanError as error:
@@ -252,8 +254,8 @@ def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as
 
 
 def _progress(as_json: bool) -> Callable[[str], None] | None:
-    """A spinner on stderr naming the current step; off with --json, --quiet, or when stderr is no terminal."""
-    if as_json or _quiet() or not sys.stderr.isatty():
+    """A spinner on stderr naming the current step; off with --quiet or when stderr is no terminal."""
+    if _quiet() or not sys.stderr.isatty():  # --json keeps stdout clean; progress is on stderr
         return None
     from rich.console import Console
 

@@ -221,3 +221,30 @@ def test_cuda_context_is_the_users_when_given(tiny_model_dirs):
     assert any("--cuda-context" in note for note in default["notes"])
     refused = run("estimate", model, "--device", "cpu", "--cuda-context", "1GiB")
     assert refused.exit_code == 2 and "no meaning with --device cpu" in refused.output
+
+
+def test_ctrl_c_stops_a_long_search_promptly_with_exit_130():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "memplan", "estimate", "gpt2", "-b", "8", "--seq-len", "512", "--budget", "1TiB"]
+    process = subprocess.Popen(
+        command, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    time.sleep(8)  # past start-up, inside the traces
+    assert process.poll() is None, "finished before it could be interrupted"
+    sent = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    try:
+        _, stderr = process.communicate(timeout=10)
+    finally:
+        process.kill()
+    stopped_after = time.monotonic() - sent
+    assert process.returncode == 130
+    assert stderr.decode().strip().endswith("memplan: interrupted")
+    assert stopped_after < 3, f"took {stopped_after:.1f} s to stop"

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.result import Breakdown, EstimateResult
-from memplan.estimator.search import find_max_batch_size
+from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
 from memplan.gpus import DEFAULT_GPU
+from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings, format_bytes
@@ -58,7 +59,8 @@ class BatchTracer:
 
     def simulate(self, batch_size: int) -> Simulation:
         if batch_size not in self.simulations:
-            self.report(f"tracing batch size {batch_size}")
+            raise_if_interrupted()
+            self.report(f"tracing batch size {batch_size} (trace {len(self.simulations) + 1})")
             replay = self.first.optimizer_recording if self.first else None  # batch size cannot change the step
             traced = trace_step(self.spec, self.settings.replace(batch_size=batch_size), self.setup, replay)
             self.simulations[batch_size] = simulate(traced)
@@ -73,10 +75,8 @@ class BatchTracer:
         known = {batch: simulation.fit_phase_peaks for batch, simulation in self.simulations.items()}
         found = find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
         # The search may stop on a fitted line's word that found + 1 is over budget; the reserved
-        # peak moves in allocator-segment steps, so trace found + 1 to be sure (same answer from any start).
-        while found and self.simulate(found + 1).fit_bytes <= budget_bytes:
-            found += 1
-        return found
+        # peak moves in allocator-segment steps, so confirm by tracing above it (logarithmically).
+        return last_fitting_from(found, lambda batch: self.simulate(batch).fit_bytes <= budget_bytes)
 
 
 def step_flops(traced: TracedStep) -> int:
@@ -136,6 +136,7 @@ def run_estimate(
         budget_bytes=budget_bytes,
         fits=fits,
         max_batch_size=max_batch,
+        max_batch_size_is_limit=max_batch == MAX_BATCH_SIZE,
         notes=tuple(_notes(settings)),
         timeline=main.timeline,
     )

@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan import interrupts
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
@@ -89,6 +90,8 @@ class GraphRecorder(TorchDispatchMode):
         return map_leaves(value, torch.Tensor, read)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if interrupts.requested:  # a Ctrl-C swallowed by a finalizer (memplan.interrupts)
+            raise KeyboardInterrupt
         kwargs = kwargs or {}
         if func is _DEVICE_QUERY:  # a metadata query, as make_fx leaves it out
             return fake_device_query(func, args) or func(*args, **kwargs)

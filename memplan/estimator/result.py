@@ -52,6 +52,7 @@ class EstimateResult:
     budget_bytes: int | None = None
     fits: bool | None = None
     max_batch_size: int | None = None
+    max_batch_size_is_limit: bool = False  # even memplan.estimator.search.MAX_BATCH_SIZE fits: "at least"
     notes: tuple[str, ...] = ()
     # The predicted iteration allocation by allocation (for --plot and --snapshot); not in to_dict().
     timeline: MemoryTimeline | None = field(default=None, compare=False, repr=False)

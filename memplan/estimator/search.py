@@ -63,3 +63,34 @@ def find_max_batch_size(known: dict[int, PhasePeaks], trace_at: Callable[[int], 
         if peak(guess) <= budget_bytes and confirmed and predict(guess + 1) > budget_bytes:
             return guess
     return low
+
+
+def last_fitting_from(found: int, fits: Callable[[int], bool], limit: int = MAX_BATCH_SIZE) -> int:
+    """From `found`, a batch size that fits, the last one before the first that does not.
+
+    The reserved peak on a cuda target is a step function of the batch size (allocator segments),
+    flat for long stretches when a sample is small next to a segment, so a fitted line can stop
+    far below where the budget is really reached. Galloping up (found+1, +2, +4, ...) until a
+    size does not fit, then bisecting back, costs about 2·log2(distance) traces where stepping one
+    at a time cost the distance. The answer is the edge of the first over-budget step above
+    `found` (memory is not strictly monotonic in the batch size, so a larger size past that edge
+    could fit again; memplan does not promise the global largest).
+    """
+    if not found:
+        return found
+    low, step, high = found, 1, None
+    while high is None:
+        probe = min(low + step, limit)
+        if probe == low:
+            return low  # the limit fits: the caller reports "at least" it
+        if fits(probe):
+            low, step = probe, step * 2
+        else:
+            high = probe
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low

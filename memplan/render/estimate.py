@@ -91,7 +91,11 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
         measure = "the reserved peak" if result.reserved_peak_bytes is not None else "the peak"
         console.print(f"budget {format_bytes(result.budget_bytes)}: {verdict} ({measure} is compared)")
-        if result.max_batch_size:
+        if result.max_batch_size_is_limit:
+            console.print(
+                f"largest batch size that fits: at least {result.max_batch_size:,} (memplan searches no further)"
+            )
+        elif result.max_batch_size:
             console.print(f"largest batch size that fits: {result.max_batch_size}")
         else:
             console.print("[red]not even batch size 1 fits[/red]: try bf16, checkpointing or a smaller sequence")
