@@ -67,6 +67,11 @@ def _stdout_console():
     return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 
 
+def _set_force(context: click.Context, parameter: click.Parameter, value: bool) -> None:
+    if value:
+        context.find_root().meta["memplan.force"] = True
+
+
 def _set_quiet(context: click.Context, parameter: click.Parameter, value: bool) -> None:
     if value:
         context.find_root().meta["memplan.quiet"] = True
@@ -194,6 +199,13 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             callback=_set_quiet,
             help="No progress, notes or file messages on stderr (errors still print).",
         ),
+        click.option(
+            "--force",
+            is_flag=True,
+            expose_value=False,
+            callback=_set_force,
+            help="Replace output files (--plot, --snapshot, --output) that exist; inputs are never replaced.",
+        ),
         click.option("--debug", is_flag=True, help="Show tracebacks."),
     ]
     for option in reversed(options):
@@ -202,12 +214,16 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
 
 
 def _check_output_paths(**paths: str | None) -> None:
-    """Refuse an output file whose folder does not exist before the work, not after it."""
-    from pathlib import Path
+    """Before the work, not after it: refuse an output whose folder does not exist, that is one of
+    the command's own input files, or that exists when --force was not given (memplan.outputs)."""
+    from memplan.outputs import check_output
 
+    context = click.get_current_context()
+    force = bool(context.find_root().meta.get("memplan.force"))
+    inputs = [context.params.get(name) for name in ("hf_args", "checkpoint")]
     for option, path in paths.items():
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise UsageError(f"--{option} {path}: the folder {Path(path).parent} does not exist; create it first")
+        if path is not None:
+            check_output(option, path, inputs=[given for given in inputs if isinstance(given, str)], force=force)
     if paths.get("plot") is not None:
         from memplan.render.plot import check_plot_path
 
@@ -629,6 +645,7 @@ def validate(
         from memplan.api import validate as run_validate
         from memplan.render.validate import render_validation, validation_to_json
 
+        _check_output_paths(snapshot=snapshot)
         result = _call(run_validate, model, settings, as_json, warmup=warmup, snapshot=snapshot, timeout_s=timeout)
         if as_json:
             click.echo(validation_to_json(result))
@@ -651,6 +668,8 @@ def _validate_suite(
     from memplan.validate.suite import load_results, result_rows, summary
 
     path = Path(results or f"validation-{suite}.json")
+    if not path.resolve().parent.is_dir():  # before the first measurement, not after it
+        raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")
     for config, result in validate_suite(suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout):
         if result is not None and not as_json:
             _stderr_console().print(" · ".join(suite_row(config.id, result)[:4]))

@@ -12,6 +12,7 @@ from torch import nn
 from memplan.errors import PlanFileError
 from memplan.estimator.checkpointing import apply_layout
 from memplan.models.fingerprint import check_fingerprint
+from memplan.outputs import write_atomically
 from memplan.planner.plan import PlanResult
 from memplan.settings import CheckpointLayout, TrainingSettings
 
@@ -52,10 +53,8 @@ def plan_document(result: PlanResult) -> dict[str, Any]:
 
 
 def write_plan(result: PlanResult, path: str | Path) -> None:
-    try:
-        Path(path).write_text(json.dumps(plan_document(result), indent=2) + "\n")
-    except OSError as error:
-        raise PlanFileError(f"cannot write the plan to {path}: {error.strerror}") from None
+    text = (json.dumps(plan_document(result), indent=2) + "\n").encode()
+    write_atomically(path, lambda file: file.write(text), "plan")
 
 
 def load_plan(source: str | Path | Plan) -> Plan:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from memplan.errors import OutputError
 from memplan.estimator.timeline import BREAKDOWN_KEYS, MemoryTimeline
+from memplan.outputs import write_atomically
 from memplan.settings import format_bytes
 
 # The plot draws at most this many points per category; each bin keeps the node where the total is
@@ -64,10 +65,11 @@ def check_plot_path(path: str | Path) -> None:
 
 def _save(figure: object, path: str | Path) -> None:
     check_plot_path(path)
+    suffix = Path(path).suffix.lower().lstrip(".")
     try:
-        figure.savefig(path, dpi=120)  # type: ignore[attr-defined]
-    except (OSError, ValueError) as error:
-        raise OutputError(f"cannot write the plot to {path}: {getattr(error, 'strerror', None) or error}") from error
+        write_atomically(path, lambda file: figure.savefig(file, dpi=120, format=suffix), "plot")  # type: ignore[attr-defined]
+    except ValueError as error:
+        raise OutputError(f"cannot write the plot to {path}: {error}") from error
 
 
 def plot_timeline(

@@ -20,9 +20,9 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import OutputError
 from memplan.estimator.cuda.allocator import CachingAllocator
 from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, replay_steady_state
+from memplan.outputs import write_atomically
 
 # Where the simulated device memory starts; a CUDA-like address, so no block sits at address 0.
 BASE_ADDRESS = 0x7F0000000000
@@ -116,8 +116,4 @@ def _segment(
 
 
 def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> None:
-    try:
-        with open(path, "wb") as file:
-            pickle.dump(snapshot, file)
-    except OSError as error:
-        raise OutputError(f"cannot write the snapshot to {path}: {error.strerror or error}") from error
+    write_atomically(path, lambda file: pickle.dump(snapshot, file), "snapshot")

@@ -8,7 +8,6 @@ skips the configurations already in it.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import MemplanError, UsageError
+from memplan.outputs import write_atomically
 from memplan.validate.result import ValidationResult
 
 
@@ -99,9 +99,8 @@ def result_rows(document: dict[str, Any]) -> list[tuple[str, ValidationResult]]:
 
 
 def _write_atomically(path: Path, document: dict[str, Any]) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(document, indent=2) + "\n")
-    os.replace(temporary, path)
+    text = (json.dumps(document, indent=2) + "\n").encode()
+    write_atomically(path, lambda file: file.write(text), "results")
 
 
 def run_suite(

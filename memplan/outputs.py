@@ -1,0 +1,49 @@
+"""Files memplan writes: never half-written, never over an input, never over a file unasked.
+
+`write_atomically` writes beside the target and renames over it (os.replace is atomic on one file
+system), so a crash or Ctrl-C leaves either the old file or the whole new one. `check_output`
+runs before any work: the folder must exist, the file must not be one of the command's inputs
+(a --hf-args or plan file given as its own output), and an existing file is refused unless the
+user said --force.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO
+
+from memplan.errors import OutputError, UsageError
+
+
+def check_output(option: str, path: str | Path, *, inputs: Iterable[str | Path] = (), force: bool = False) -> None:
+    target = Path(path)
+    if not target.resolve().parent.is_dir():
+        raise UsageError(f"--{option} {path}: the folder {target.parent} does not exist; create it first")
+    for given in inputs:
+        if Path(given).exists() and target.exists() and os.path.samefile(given, target):
+            raise UsageError(f"--{option} {path} is also an input of this command; name another file")
+    if target.exists() and not force:
+        raise UsageError(f"--{option} {path} exists; pass --force to replace it, or name another file")
+
+
+def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None], what: str) -> None:
+    """`write(file)` into a temporary file beside `path`, then rename it over `path`."""
+    target = Path(path)
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.resolve().parent)
+    except OSError as error:
+        raise OutputError(f"cannot write the {what} to {path}: {error.strerror or error}") from error
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            write(file)
+        os.replace(temporary, target)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise OutputError(f"cannot write the {what} to {path}: {error.strerror or error}") from error
+        raise
