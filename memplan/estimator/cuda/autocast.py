@@ -12,7 +12,7 @@ AT_FORALL_PROMOTE, plus the CUDA-only registrations in ATen/autocast_mode.cpp (c
 and binary_cross_entropy, which CUDA autocast refuses), and the ops other supported releases
 register besides (2.11-2.14; each noted where it is listed). The tables are the union over those
 releases; what applies is what the *installed* torch registers for AutocastCUDA
-(`cuda_policies()`): rms_norm runs in float32 from 2.13 on and in its input's dtype on 2.11. An op
+(`cuda_policies()`): rms_norm runs in float32 from 2.12 on and in its input's dtype on 2.11. An op
 the installed torch registers that no table knows (a newer release) is run as it comes and
 reported among the estimate's unsupported ops, never guessed. tests/test_cuda_emulation.py checks
 the tables against the installed torch's registrations, and each policy against CUDA autocast
