@@ -99,3 +99,46 @@ def test_optimizer_state_is_first_allocated_inside_the_first_step() -> None:
     replay_steady_state(timeline, allocator)
     assert allocator.max_reserved_bytes == 60 * MiB
     assert allocator.segments == 2
+
+
+# The boundaries of CUDACachingAllocator.cpp's rules, each just below, at and just above, with the
+# numbers its constants give: kMinBlockSize 512, kSmallSize 1 MiB, kSmallBuffer 2 MiB,
+# kLargeBuffer 20 MiB, kMinLargeAlloc 10 MiB, kRoundLarge 2 MiB.
+
+
+def test_rounding_boundary_at_512_bytes() -> None:
+    assert [round_size(n) for n in (0, 1024, 1025)] == [512, 1024, 1536]
+
+
+def test_small_pool_boundary_at_1_mib() -> None:
+    below, at, above = CachingAllocator(), CachingAllocator(), CachingAllocator()
+    below.malloc(1 * MiB - 512)
+    at.malloc(1 * MiB)
+    above.malloc(1 * MiB + 1)  # rounds to 1 MiB + 512: the large pool
+    assert [a.reserved_bytes for a in (below, at, above)] == [2 * MiB, 2 * MiB, 20 * MiB]
+
+
+def test_own_segment_boundary_at_10_mib() -> None:
+    assert segment_size(10 * MiB - 512) == 20 * MiB  # below kMinLargeAlloc: a 20 MiB buffer
+    assert segment_size(10 * MiB) == 10 * MiB  # at it: its own segment, rounded to 2 MiB
+    assert segment_size(10 * MiB + 512) == 12 * MiB
+
+
+def test_small_pool_splits_down_to_a_512_byte_remainder() -> None:
+    allocator = CachingAllocator()
+    allocator.malloc(1 * MiB)  # a 2 MiB small segment, 1 MiB left
+    allocator.malloc(1 * MiB - 512)  # leaves exactly 512 bytes: still split off
+    assert allocator.allocated_bytes == 2 * MiB - 512
+    allocator.malloc(512)  # fits in the remainder, no new segment
+    assert allocator.segments == 1
+
+
+def test_large_pool_splits_only_above_a_1_mib_remainder() -> None:
+    exactly = CachingAllocator()
+    exactly.free(exactly.malloc(12 * MiB))  # one free 12 MiB segment
+    exactly.malloc(11 * MiB)  # would leave exactly 1 MiB: not more than kSmallSize, no split
+    assert exactly.allocated_bytes == 12 * MiB
+    more = CachingAllocator()
+    more.free(more.malloc(12 * MiB))
+    more.malloc(11 * MiB - 512)  # leaves 1 MiB + 512: split, the request gets what it asked
+    assert more.allocated_bytes == 11 * MiB - 512
