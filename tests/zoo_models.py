@@ -192,3 +192,35 @@ def data_dependent() -> nn.Module:
 
 def inputs_without_batch_size() -> torch.Tensor:
     return torch.randn(2, FEATURES)
+
+
+def _small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.ReLU(), nn.Linear(FEATURES, 4))
+
+
+def half_factory() -> nn.Module:
+    return _small_mlp().half()  # factories convert their own models; memplan must take them as given
+
+
+def bfloat16_factory() -> nn.Module:
+    return _small_mlp().to(torch.bfloat16)
+
+
+def cuda_factory() -> nn.Module:
+    return _small_mlp().cuda()
+
+
+def flat_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, FEATURES)
+
+
+def float_mean_square_loss(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return output.float().pow(2).mean()
+
+
+def half_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, FEATURES).half()
+
+
+def bfloat16_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, FEATURES).to(torch.bfloat16)

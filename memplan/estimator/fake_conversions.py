@@ -1,0 +1,75 @@
+"""Module conversions in a user's model factory (`.to(torch.bfloat16)`, `.half()`, `.cuda()`),
+made to work while memplan builds the model under fake tensors.
+
+- `nn.Module._apply` swaps each fake parameter for its converted copy with `torch.utils.swap_tensors`
+  (torch/nn/modules/module.py: it always swaps FakeTensor parameters), which fails on them
+  ("_apply(): Couldn't swap Linear.weight"). Here a converted parameter replaces the old one in
+  `_parameters` instead, once per parameter so tied weights stay tied, as memplan's own
+  `cast_floating_point` does: the same memory as an in-place conversion.
+- Device moves become no-ops: memplan traces on fake CPU tensors whatever the target (design.md
+  §3), models a cuda target by its kernels and allocator, and fake CUDA tensors would abort the
+  process in autograd. `.cuda()`, `.to("cuda")` and `.to(device=...)` keep the device and apply
+  only the dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _apply_replacing(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+    converted: dict[int, nn.Parameter] = {}
+
+    def visit(current: nn.Module) -> None:
+        for key, param in list(current._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in converted:
+                with torch.no_grad():
+                    applied = fn(param)
+                converted[id(param)] = (
+                    param if applied is param else nn.Parameter(applied, requires_grad=param.requires_grad)
+                )
+            current._parameters[key] = converted[id(param)]
+        for key, buffer in list(current._buffers.items()):
+            if buffer is not None:
+                current._buffers[key] = fn(buffer)
+        if recurse:
+            for child in current.children():
+                visit(child)
+
+    visit(module)
+    return module
+
+
+def _stay_on_this_device(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and (device is None or device == self.device):
+            return self if memory_format is None else original(self, memory_format=memory_format)
+        options = {"dtype": dtype} if dtype is not None else {}
+        if memory_format is not None:
+            options["memory_format"] = memory_format
+        return original(self, **options) if options else self
+
+    return to
+
+
+@contextlib.contextmanager
+def fake_friendly_conversions() -> Iterator[None]:
+    """While a model factory runs under memplan's fake tensors (not for real runs)."""
+    original_apply, original_to, original_cuda = nn.Module._apply, torch.Tensor.to, torch.Tensor.cuda
+    nn.Module._apply = _apply_replacing  # type: ignore[method-assign]
+    torch.Tensor.to = _stay_on_this_device(original_to)  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = original_apply  # type: ignore[method-assign]
+        torch.Tensor.to = original_to  # type: ignore[method-assign]
+        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
