@@ -232,11 +232,23 @@ def test_ctrl_c_stops_a_long_search_promptly_with_exit_130():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "memplan", "estimate", "gpt2", "-b", "8", "--seq-len", "512", "--budget", "1TiB"]
+    # gpt2-large: a search of several 36-block traces, ~20 s on a fast 2-core machine. The signal goes
+    # once the process has spent 4 s of CPU (start-up is ~2.7 s), so a faster or slower machine moves
+    # both ends alike instead of a wall-clock sleep racing the search.
+    command = [sys.executable, "-m", "memplan", "estimate", "gpt2-large", "-b", "8", "--seq-len", "1024"]
     process = subprocess.Popen(
-        command, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*command, "--budget", "1TiB"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    time.sleep(8)  # past start-up, inside the traces
+    ticks = os.sysconf("SC_CLK_TCK")
+    while process.poll() is None:
+        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if (int(fields[11]) + int(fields[12])) / ticks >= 4.0:  # utime + stime
+            break
+        time.sleep(0.1)
     assert process.poll() is None, "finished before it could be interrupted"
     sent = time.monotonic()
     process.send_signal(signal.SIGINT)
