@@ -154,9 +154,6 @@ ZOO_CASES = [
         "t5-selective-long",
         "t5",
         _cpu(batch_size=2, seq_len=512, target_len=512, optimizer="sgd", checkpoint="selective"),
-        known_miss="under-predicts by 4.4-4.6% (not explained; the measured peak varies between runs): "
-        "from a backward mul in the last decoder block on, "
-        "the real run holds one more attention-sized tensor than the trace",
     ),
     ZooCase("bert-sgd-momentum-accum", "bert", _cpu(batch_size=2, seq_len=64, optimizer="sgd-momentum", grad_accum=2)),
     ZooCase(
