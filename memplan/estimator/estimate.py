@@ -25,8 +25,8 @@ def _notes(settings: TrainingSettings) -> list[str]:
     if settings.device == "cuda":
         notes.append(
             f"cuda target ({settings.gpu or DEFAULT_GPU}): CUDA's autocast lists, SDPA backend, fused dropout, "
-            "cuBLAS workspaces and the caching allocator are emulated; cuDNN convolution workspaces are not "
-            "counted"
+            "cuBLAS workspaces and the caching allocator are emulated; cuDNN convolution workspaces are a band "
+            "(memplan cannot know the algorithm cuDNN picks), and its top is what is reported"
         )
         if settings.cuda_context is None:
             notes.append(
@@ -119,6 +119,8 @@ def run_estimate(
         peak_module=main.peak_module,
         phase_peak_bytes=dict(main.phase_peak_bytes),
         reserved_peak_bytes=main.reserved_peak_bytes,
+        conv_workspace_free_peak_bytes=main.conv_workspace_free_peak_bytes,
+        conv_workspace_free_reserved_peak_bytes=main.conv_workspace_free_reserved_peak_bytes,
         roofline_step_seconds=step_seconds(traced),
         device_peak_bytes=main.reserved_peak_bytes + settings.context_bytes
         if main.reserved_peak_bytes is not None

@@ -20,7 +20,7 @@ class Breakdown:
     activations: int  # made in the forward pass and saved for the backward pass
     temporaries: int  # everything else: forward/backward/optimizer intermediates
     inputs: int  # the current micro-batch
-    workspaces: int = 0  # cuda: cuBLAS workspaces, allocated through the caching allocator
+    workspaces: int = 0  # cuda: cuBLAS workspaces, and a cuDNN convolution's workspace when the peak is at one
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -48,6 +48,10 @@ class EstimateResult:
     seconds: float
     reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved, from the allocator simulator
     device_peak_bytes: int | None = None  # cuda: reserved + the CUDA context, what nvidia-smi shows
+    # cuda, models with convolutions: the same peaks if cuDNN picks plans that need no workspace, the
+    # low end of the band whose top is peak_bytes / reserved_peak_bytes (memplan.estimator.cuda.cudnn)
+    conv_workspace_free_peak_bytes: int | None = None
+    conv_workspace_free_reserved_peak_bytes: int | None = None
     roofline_step_seconds: float | None = None  # cuda: the iteration's roofline time on the card (lower bound)
     budget_bytes: int | None = None
     fits: bool | None = None

@@ -14,6 +14,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.estimator.cuda.allocator import CachingAllocator, round_size
+from memplan.estimator.cuda.cudnn import conv_calls, workspace_band_bytes
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
@@ -62,6 +63,10 @@ class Simulation:
     timeline_bytes: tuple[int, ...]
     timeline: MemoryTimeline
     reserved_peak_bytes: int | None = None  # cuda: what the caching allocator holds (max_memory_reserved)
+    # cuda: the band's low end, every cuDNN convolution workspace 0 bytes (peak_bytes and
+    # reserved_peak_bytes are the high end; memplan.estimator.cuda.cudnn)
+    conv_workspace_free_peak_bytes: int | None = None
+    conv_workspace_free_reserved_peak_bytes: int | None = None
 
     @property
     def fit_bytes(self) -> int:
@@ -205,38 +210,75 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]
 
 
-def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulation:
-    """`lifetimes`: the trace's liveness when the caller already has it."""
-    lifetimes = lifetimes or liveness(traced)
+def conv_workspaces(traced: TracedStep, nodes: list[OpNode]) -> dict[int, int]:
+    """The top of each convolution node's cuDNN workspace band, by node index (cuda only).
+
+    A backward node runs backward-data, then backward-weight, each freeing its workspace before
+    the next starts, so the node's transient is the larger of the two.
+    """
+    if traced.settings.device != "cuda":
+        return {}
+    capability = gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability
+    workspaces = {}
+    for index, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        args, _ = _fake_args(node)
+        calls = conv_calls(node.target, args, node.meta.get("val"))
+        high = max((workspace_band_bytes(call, capability)[1] for call in calls), default=0)
+        if high:
+            workspaces[index] = round_size(high)
+    return workspaces
+
+
+def _live_bytes(
+    traced: TracedStep, lifetimes: Liveness, persistent_bytes: int, transient: dict[int, int]
+) -> tuple[list[int], int, int, dict[str, int]]:
+    """Live bytes at every node, the peak and its node, and each phase's peak."""
     nodes, size, born, last_use = lifetimes.nodes, lifetimes.size, lifetimes.born, lifetimes.last_use
     allocations: list[list[StorageWeakRef]] = [[] for _ in nodes]
     frees: list[list[StorageWeakRef]] = [[] for _ in range(len(nodes) + 1)]
     for key in size:
         allocations[born[key]].append(key)
         frees[last_use[key]].append(key)
-
-    workspaces = cublas_workspaces(traced)
-    timeline = memory_timeline(traced, lifetimes, workspaces)
-    reserved = None
-    if traced.settings.device == "cuda":
-        allocator = CachingAllocator()
-        replay_steady_state(timeline, allocator)
-        reserved = allocator.max_reserved_bytes
-    live = sum(workspaces)
+    live = persistent_bytes
     live_bytes = []
     peak_bytes, peak_node = -1, 0
     phase_peaks = dict.fromkeys(PHASES, 0)
     for index in range(len(nodes)):
         live += sum(size[key] for key in allocations[index])
-        live_bytes.append(live)
-        if live > peak_bytes:
-            peak_bytes, peak_node = live, index
+        at_node = live + transient.get(index, 0)
+        live_bytes.append(at_node)
+        if at_node > peak_bytes:
+            peak_bytes, peak_node = at_node, index
         phase = _phase_of(index, traced)
-        phase_peaks[phase] = max(phase_peaks[phase], live)
+        phase_peaks[phase] = max(phase_peaks[phase], at_node)
         live -= sum(size[key] for key in frees[index])
+    return live_bytes, peak_bytes, peak_node, phase_peaks
+
+
+def _reserved_peak(timeline: MemoryTimeline) -> int:
+    allocator = CachingAllocator()
+    replay_steady_state(timeline, allocator)
+    return allocator.max_reserved_bytes
+
+
+def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulation:
+    """`lifetimes`: the trace's liveness when the caller already has it."""
+    lifetimes = lifetimes or liveness(traced)
+    nodes, size, born, last_use = lifetimes.nodes, lifetimes.size, lifetimes.born, lifetimes.last_use
+    workspaces = cublas_workspaces(traced)
+    conv = conv_workspaces(traced, nodes)
+    timeline = memory_timeline(traced, lifetimes, workspaces, conv)
+    reserved = _reserved_peak(timeline) if traced.settings.device == "cuda" else None
+    low_peak = low_reserved = None  # only where there are convolutions on cuda
+    if conv:
+        low_peak = _live_bytes(traced, lifetimes, sum(workspaces), {})[1]
+        low_reserved = _reserved_peak(memory_timeline(traced, lifetimes, workspaces, {}))
+    live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), conv)
 
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
-    breakdown["workspaces"] = sum(workspaces)
+    breakdown["workspaces"] = sum(workspaces) + conv.get(peak_node, 0)
     for key in size:
         if born[key] <= peak_node <= last_use[key]:
             breakdown[_category(key, born[key], last_use[key], traced)] += size[key]
@@ -252,11 +294,18 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         timeline_bytes=tuple(live_bytes),
         timeline=timeline,
         reserved_peak_bytes=reserved,
+        conv_workspace_free_peak_bytes=low_peak,
+        conv_workspace_free_reserved_peak_bytes=low_reserved,
     )
 
 
-def memory_timeline(traced: TracedStep, lifetimes: Liveness, workspaces: list[int]) -> MemoryTimeline:
-    """Every storage of the step with its lifetime and category, workspaces first, then in request order."""
+def memory_timeline(
+    traced: TracedStep, lifetimes: Liveness, workspaces: list[int], conv_workspaces: dict[int, int] | None = None
+) -> MemoryTimeline:
+    """Every storage of the step with its lifetime and category, workspaces first, then in request order.
+
+    A convolution's cuDNN workspace is requested after the node's outputs and freed when it ends.
+    """
     end = len(lifetimes.nodes)
     allocations = [TimelineAllocation(0, end, size, "workspaces", "cublas workspace", None) for size in workspaces]
     for key, size in lifetimes.size.items():
@@ -271,6 +320,10 @@ def memory_timeline(traced: TracedStep, lifetimes: Liveness, workspaces: list[in
                 module=traced.node_modules[born],
             )
         )
+    for index, size in (conv_workspaces or {}).items():  # after the storages: the sort below is stable
+        node = lifetimes.nodes[index]
+        transient = TimelineAllocation(index, index, size, "workspaces", f"cudnn workspace ({_op_name(node)})", None)
+        allocations.append(transient)
     allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
     return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))
 

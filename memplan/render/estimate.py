@@ -19,7 +19,7 @@ _CATEGORY_LABELS = {
     "activations": "activations saved for backward",
     "temporaries": "temporaries",
     "inputs": "inputs (micro-batch)",
-    "workspaces": "cuBLAS workspaces",
+    "workspaces": "cuBLAS / cuDNN workspaces",
 }
 
 
@@ -74,6 +74,12 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             f"device total with {context} CUDA context (nvidia-smi)", format_bytes(result.device_peak_bytes), ""
         )
     console.print(table)
+    if result.conv_workspace_free_reserved_peak_bytes is not None:
+        low, high = result.conv_workspace_free_reserved_peak_bytes, result.reserved_peak_bytes
+        console.print(
+            f"cuDNN convolution workspaces: reserved {format_bytes(low)} to {format_bytes(high)} depending on the "
+            "algorithms cuDNN picks; the top is used for fits and the largest batch"
+        )
     where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")
     console.print(f"peak in the {result.phase} pass at {where}")
     phases = ", ".join(f"{phase} {format_bytes(value)}" for phase, value in result.phase_peak_bytes.items())

@@ -20,7 +20,7 @@ CATEGORY_LABELS = {
     "activations": "activations (saved for backward)",
     "temporaries": "temporaries",
     "inputs": "inputs",
-    "workspaces": "cuBLAS workspaces",
+    "workspaces": "cuBLAS / cuDNN workspaces",
 }
 CATEGORY_COLOURS = {  # matplotlib's tab10, one colour per category
     "parameters": "#1f77b4",

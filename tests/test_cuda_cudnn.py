@@ -1,0 +1,111 @@
+"""cuDNN convolution workspaces on the cuda target: the band's rule, and where the simulation puts it.
+
+The truths are byte counts computed here by hand from the convolution's shapes (numel × element
+size of each operand), not by memplan's code.
+"""
+
+import torch
+from torch import nn
+
+from memplan.estimator.cuda.cudnn import ConvOperands, conv_calls, workspace_band_bytes
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.models.source import ModelRef, ModelSpec
+from memplan.settings import TrainingSettings
+
+A100, H100, V100, T4 = (8, 0), (9, 0), (7, 0), (7, 5)
+aten = torch.ops.aten
+
+
+def _call(dtype: torch.dtype, channels_last: bool = False) -> ConvOperands:
+    return ConvOperands((1000, 200), 3000, dtype, channels_last)
+
+
+def test_band_tops_are_the_operands_where_a_tensor_core_path_transforms_them() -> None:
+    # fp32 NCHW on Ampere and Hopper: TF32 tensor cores, operands transformed: 1000 + 200 + 3000.
+    assert workspace_band_bytes(_call(torch.float32), A100) == (0, 4200)
+    assert workspace_band_bytes(_call(torch.float32), H100) == (0, 4200)
+    assert workspace_band_bytes(_call(torch.float32, channels_last=True), A100) == (0, 4200)  # tf32 rounding
+    # 16-bit NCHW: transformed to NHWC; fp16 from Volta, bf16 from Ampere.
+    assert workspace_band_bytes(_call(torch.float16), V100) == (0, 4200)
+    assert workspace_band_bytes(_call(torch.bfloat16), A100) == (0, 4200)
+    # 16-bit channels-last runs natively: nothing to transform.
+    assert workspace_band_bytes(_call(torch.bfloat16, channels_last=True), H100) == (0, 0)
+    assert workspace_band_bytes(_call(torch.float16, channels_last=True), T4) == (0, 0)
+    # No tensor-core path: fp32 before Ampere, bf16 before Ampere, fp64 anywhere.
+    assert workspace_band_bytes(_call(torch.float32), V100) == (0, 0)
+    assert workspace_band_bytes(_call(torch.float32), T4) == (0, 0)
+    assert workspace_band_bytes(_call(torch.bfloat16), T4) == (0, 0)
+    assert workspace_band_bytes(_call(torch.float64), H100) == (0, 0)
+
+
+def test_a_backward_convolution_is_backward_data_then_backward_weight() -> None:
+    x = torch.empty(2, 3, 8, 8)  # 384 floats
+    weight = torch.empty(5, 3, 3, 3)  # 135
+    grad_output = torch.empty(2, 5, 6, 6)  # 360
+    forward = conv_calls(aten.convolution.default, (x, weight, None), grad_output)
+    assert [(call.read_bytes, call.written_bytes) for call in forward] == [((384 * 4, 135 * 4), 360 * 4)]
+    args = (grad_output, x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    both = conv_calls(aten.convolution_backward.default, (*args, [True, True, False]), None)
+    assert [(call.read_bytes, call.written_bytes) for call in both] == [
+        ((360 * 4, 135 * 4), 384 * 4),  # backward-data: grad_output, weight -> grad_input
+        ((384 * 4, 360 * 4), 135 * 4),  # backward-weight: input, grad_output -> grad_weight
+    ]
+    weight_only = conv_calls(aten.convolution_backward.default, (*args, [False, True, True]), None)
+    assert [call.written_bytes for call in weight_only] == [135 * 4]  # the first layer: no grad_input
+    assert conv_calls(aten.mm.default, (x, weight), None) == []
+
+
+class _TwoConvs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv2d(3, 16, 3, bias=False)
+        self.second = nn.Conv2d(16, 8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x))).sum()
+
+
+def _spec() -> ModelSpec:
+    return ModelSpec(
+        ModelRef("two-convs"),
+        lambda settings: _TwoConvs(),
+        lambda settings, dtype: torch.randn(settings.batch_size, 3, 32, 32),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+
+
+def test_each_convolution_requests_its_workspace_after_its_output_and_frees_it_at_once() -> None:
+    settings = TrainingSettings(batch_size=4, optimizer="sgd", gpu="A100-40GB")
+    simulation = simulate(trace_step(_spec(), settings))
+    timeline = simulation.timeline
+    x, w1, y1 = 4 * 3 * 32 * 32 * 4, 16 * 3 * 9 * 4, 4 * 16 * 30 * 30 * 4
+    w2, y2 = 8 * 16 * 9 * 4, 4 * 8 * 28 * 28 * 4
+    workspaces = [a for a in timeline.allocations if a.op.startswith("cudnn workspace")]
+    expected = [
+        x + w1 + y1,  # first forward
+        y1 + w2 + y2,  # second forward
+        max(y2 + w2 + y1, y1 + y2 + w2),  # second backward: data, then weight
+        x + y1 + w1,  # first backward: weight only (the input needs no gradient)
+    ]
+    assert [a.size_bytes for a in workspaces] == [-(-size // 512) * 512 for size in expected]
+    assert all(a.allocated_at == a.freed_at for a in workspaces)
+    for workspace in workspaces:  # requested after the storages the same op made
+        same_node = [a for a in timeline.allocations if a.allocated_at == workspace.allocated_at]
+        assert same_node[-1] is workspace
+    # The band's low end is the same step without them; the top holds them on top of what is live.
+    assert simulation.conv_workspace_free_peak_bytes < simulation.peak_bytes
+    largest = max(a.size_bytes for a in workspaces)
+    assert simulation.peak_bytes - simulation.conv_workspace_free_peak_bytes <= largest
+    assert simulation.conv_workspace_free_reserved_peak_bytes <= simulation.reserved_peak_bytes
+
+
+def test_no_cudnn_workspaces_on_the_cpu_or_where_no_tensor_core_path_applies() -> None:
+    for settings in (
+        TrainingSettings(batch_size=4, optimizer="sgd", device="cpu"),
+        TrainingSettings(batch_size=4, optimizer="sgd", gpu="V100-16GB"),
+    ):
+        simulation = simulate(trace_step(_spec(), settings))
+        assert not [a for a in simulation.timeline.allocations if a.op.startswith("cudnn workspace")]
+        assert simulation.conv_workspace_free_reserved_peak_bytes is None
