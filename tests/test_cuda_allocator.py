@@ -142,3 +142,68 @@ def test_large_pool_splits_only_above_a_1_mib_remainder() -> None:
     more.free(more.malloc(12 * MiB))
     more.malloc(11 * MiB - 512)  # leaves 1 MiB + 512: split, the request gets what it asked
     assert more.allocated_bytes == 11 * MiB - 512
+
+
+def test_freed_blocks_merge_with_both_neighbours_and_the_merged_block_is_reused_whole() -> None:
+    """CUDACachingAllocator.cpp free_block/try_merge_blocks: a freed block absorbs a free previous
+    and a free next block of its segment; best fit then finds the merged block at address 0."""
+    allocator = CachingAllocator()
+    a, b, c = (allocator.malloc(4 * MiB) for _ in range(3))  # one 20 MiB segment: a b c, 8 MiB free
+    d = allocator.malloc(2 * MiB)  # 2 MiB after c, 6 MiB free
+    allocator.free(a)
+    allocator.free(c)  # c has an allocated block on each side: no merge
+    assert allocator.segment_layout() == [
+        (
+            0,
+            20 * MiB,
+            False,
+            [
+                (0, 4 * MiB, None),
+                (4 * MiB, 4 * MiB, b),
+                (8 * MiB, 4 * MiB, None),
+                (12 * MiB, 2 * MiB, d),
+                (14 * MiB, 6 * MiB, None),
+            ],
+        )
+    ]
+    allocator.free(b)  # merges with a before it and c after it
+    assert allocator.segment_layout()[0][3] == [(0, 12 * MiB, None), (12 * MiB, 2 * MiB, d), (14 * MiB, 6 * MiB, None)]
+    allocator.free(d)  # merges with both: the segment is one free block again
+    assert allocator.segment_layout() == [(0, 20 * MiB, False, [(0, 20 * MiB, None)])]
+    assert allocator.allocated_bytes == 0
+    whole = allocator.malloc(20 * MiB)  # exactly the merged block, at address 0: no new segment
+    assert (allocator.segments, allocator.reserved_bytes, allocator.block(whole)) == (1, 20 * MiB, (0, 20 * MiB))
+    second = allocator.malloc(12 * MiB)  # a second segment starts where the first ends
+    assert allocator.block(second) == (20 * MiB, 12 * MiB)
+    third = allocator.malloc(14 * MiB)  # and a third where the second ends: segments never overlap
+    assert allocator.block(third) == (32 * MiB, 14 * MiB)
+    assert [segment[:2] for segment in allocator.segment_layout()] == [
+        (0, 20 * MiB),
+        (20 * MiB, 12 * MiB),
+        (32 * MiB, 14 * MiB),
+    ]
+    assert allocator.max_allocated_bytes == 46 * MiB
+
+
+def test_neighbour_links_survive_splits_and_merges() -> None:
+    """After a split or a merge, the next block's `prev` must point at the block now before it, or a
+    later free cannot merge backwards (the segment would stay in pieces)."""
+    allocator = CachingAllocator()
+    assert (allocator.max_allocated_bytes, allocator.max_reserved_bytes) == (0, 0)
+    p, q, r = (allocator.malloc(4 * MiB) for _ in range(3))  # p q r, then 8 MiB free
+    allocator.free(p)
+    allocator.free(q)  # q merges into p; r, still allocated, now follows the merged block
+    allocator.free(r)  # r merges backwards into p+q and forwards into the free tail
+    assert allocator.segment_layout() == [(0, 20 * MiB, False, [(0, 20 * MiB, None)])]
+
+    x, y, z = (allocator.malloc(4 * MiB) for _ in range(3))
+    allocator.free(x)
+    head = allocator.malloc(2 * MiB)  # splits x's 4 MiB: head, then 2 MiB free before y
+    assert allocator.block(head) == (0, 2 * MiB)
+    allocator.free(y)  # y merges backwards into that 2 MiB remainder
+    assert allocator.segment_layout()[0][3] == [
+        (0, 2 * MiB, head),
+        (2 * MiB, 6 * MiB, None),
+        (8 * MiB, 4 * MiB, z),
+        (12 * MiB, 8 * MiB, None),
+    ]

@@ -56,6 +56,26 @@ def test_a_backward_convolution_is_backward_data_then_backward_weight() -> None:
     assert conv_calls(aten.mm.default, (x, weight), None) == []
 
 
+def test_calls_carry_the_dtype_and_channels_last_when_input_or_weight_is() -> None:
+    nchw = torch.empty(2, 3, 8, 8, dtype=torch.bfloat16)
+    nhwc = nchw.contiguous(memory_format=torch.channels_last)
+    weight = torch.empty(5, 3, 3, 3, dtype=torch.bfloat16)
+    weight_nhwc = weight.contiguous(memory_format=torch.channels_last)
+    out = torch.empty(2, 5, 6, 6, dtype=torch.bfloat16)
+    forward = aten.convolution.default
+    assert [c.channels_last for c in conv_calls(forward, (nchw, weight, None), out)] == [False]
+    assert [c.channels_last for c in conv_calls(forward, (nhwc, weight, None), out)] == [True]
+    assert [c.channels_last for c in conv_calls(forward, (nchw, weight_nhwc, None), out)] == [True]
+    # One channel: contiguous both ways, which PyTorch calls contiguous.
+    single = torch.empty(2, 1, 8, 8)
+    assert [c.channels_last for c in conv_calls(forward, (single, torch.empty(5, 1, 3, 3), None), out)] == [False]
+    rest = (None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
+    for x, w, expected in ((nchw, weight, False), (nhwc, weight, True), (nchw, weight_nhwc, True)):
+        calls = conv_calls(aten.convolution_backward.default, (out, x, w, *rest), None)
+        assert [(c.dtype, c.channels_last) for c in calls] == [(torch.bfloat16, expected)] * 2
+    assert [c.dtype for c in conv_calls(forward, (nchw, weight, None), out)] == [torch.bfloat16]
+
+
 class _TwoConvs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

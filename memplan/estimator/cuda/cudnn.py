@@ -78,6 +78,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _channels_last(tensor: torch.Tensor) -> bool:
+    """cudnn_conv_suggest_memory_format (ConvUtils.h): channels-last when input or weight is (a tensor
+    contiguous both ways counts as contiguous)."""
     return tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last) and not tensor.is_contiguous()
 
 
@@ -85,7 +87,8 @@ def conv_calls(target: object, args: tuple, output: object) -> list[ConvOperands
     """The cuDNN calls one traced convolution op makes: one forward, or backward-data then backward-weight."""
     if target in CONV_FORWARD_OPS:
         x, weight = args[0], args[1]
-        return [ConvOperands((_nbytes(x), _nbytes(weight)), _nbytes(output), x.dtype, _channels_last(x))]
+        layout = _channels_last(x) or _channels_last(weight)
+        return [ConvOperands((_nbytes(x), _nbytes(weight)), _nbytes(output), x.dtype, layout)]
     if target in CONV_BACKWARD_OPS:
         grad_output, x, weight = args[0], args[1], args[2]
         output_mask = args[10]
