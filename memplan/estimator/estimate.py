@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
+from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
@@ -44,7 +45,12 @@ def second_batch_size(batch_size: int) -> int:
 
 
 class BatchTracer:
-    """Traces and simulates one configuration at any batch size, building the fake model once."""
+    """Traces and simulates one configuration at any batch size, building the fake model once.
+
+    Once three traced batch sizes agree that every request's size is affine in the batch (two
+    draw the lines, the third must land on them exactly), the search answers other batch sizes
+    from those lines and the allocator simulator instead of a trace (memplan.estimator.interpolate).
+    """
 
     def __init__(self, spec: ModelSpec, settings: TrainingSettings, progress: Progress | None = None) -> None:
         self.spec, self.settings = spec, settings
@@ -53,9 +59,22 @@ class BatchTracer:
         self.setup = build_fake_setup(spec, settings)
         self.simulations: dict[int, Simulation] = {}
         self.first: TracedStep | None = None
+        self.lines: BatchLines | None = None  # set once a third trace confirmed them
+        self.interpolated: dict[int, dict[str, int]] = {}  # batch size -> fit_phase_peaks, from the lines
 
     def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
-        return self.simulate(batch_size).fit_phase_peaks
+        if batch_size in self.simulations or self.lines is None:
+            return self.simulate(batch_size).fit_phase_peaks
+        if batch_size not in self.interpolated:
+            raise_if_interrupted()
+            timeline = self.lines.timeline_at(batch_size)
+            if timeline is None:
+                return self.simulate(batch_size).fit_phase_peaks
+            self.interpolated[batch_size] = phase_fit_bytes(timeline, self.settings.device == "cuda")
+        return self.interpolated[batch_size]
+
+    def fit_bytes(self, batch_size: int) -> int:
+        return max(self.fit_phase_peaks(batch_size).values())
 
     def simulate(self, batch_size: int) -> Simulation:
         if batch_size not in self.simulations:
@@ -65,7 +84,21 @@ class BatchTracer:
             traced = trace_step(self.spec, self.settings.replace(batch_size=batch_size), self.setup, replay)
             self.simulations[batch_size] = simulate(traced)
             self.first = self.first or traced
+            self._confirm_lines(batch_size)
         return self.simulations[batch_size]
+
+    def _confirm_lines(self, batch_size: int) -> None:
+        """With a third traced batch size: keep the lines through the other two if it lies on them."""
+        if self.lines is not None or len(self.simulations) < 3:
+            return
+        cuda = self.settings.device == "cuda"
+        fitted = [batch for batch in self.simulations if batch != batch_size and batch > 1][:2]
+        if len(fitted) < 2:
+            return
+        lines = BatchLines.fit(*((batch, self.simulations[batch].timeline) for batch in fitted), cuda=cuda)
+        predicted = lines.timeline_at(batch_size) if lines is not None else None
+        if predicted is not None and same_requests(predicted, self.simulations[batch_size].timeline):
+            self.lines = lines
 
     def max_batch_size(self, budget_bytes: int) -> int:
         """The largest batch size whose fit_bytes (reserved on cuda) is within the budget."""
@@ -75,8 +108,9 @@ class BatchTracer:
         known = {batch: simulation.fit_phase_peaks for batch, simulation in self.simulations.items()}
         found = find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
         # The search may stop on a fitted line's word that found + 1 is over budget; the reserved
-        # peak moves in allocator-segment steps, so confirm by tracing above it (logarithmically).
-        return last_fitting_from(found, lambda batch: self.simulate(batch).fit_bytes <= budget_bytes)
+        # peak moves in allocator-segment steps, so confirm above it (logarithmically), from the
+        # confirmed lines where there are some, else by tracing.
+        return last_fitting_from(found, lambda batch: self.fit_bytes(batch) <= budget_bytes)
 
 
 def step_flops(traced: TracedStep) -> int:
@@ -134,6 +168,7 @@ def run_estimate(
         graph_nodes=len(traced.graph.nodes),
         step_flops=step_flops(traced),
         traces=len(simulations),
+        interpolated_batch_sizes=len(tracer.interpolated),
         seconds=time.perf_counter() - started,
         budget_bytes=budget_bytes,
         fits=fits,

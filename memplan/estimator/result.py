@@ -58,6 +58,8 @@ class EstimateResult:
     max_batch_size: int | None = None
     max_batch_size_is_limit: bool = False  # even memplan.estimator.search.MAX_BATCH_SIZE fits: "at least"
     notes: tuple[str, ...] = ()
+    # batch sizes the largest-batch search answered from confirmed lines through traces, not traced
+    interpolated_batch_sizes: int = 0
     # The predicted iteration allocation by allocation (for --plot and --snapshot); not in to_dict().
     timeline: MemoryTimeline | None = field(default=None, compare=False, repr=False)
 

@@ -135,10 +135,11 @@ class Liveness:
 
     nodes: list[OpNode]
     storages: list[list[tuple[StorageWeakRef, int]]]  # each node's output storages and their bytes
-    size: dict[StorageWeakRef, int]
+    size: dict[StorageWeakRef, int]  # what memory_allocated counts (rounded to 512 B on cuda)
     born: dict[StorageWeakRef, int]
     last_use: dict[StorageWeakRef, int]
     unsupported_ops: tuple[str, ...]
+    requested: dict[StorageWeakRef, int]  # the bytes asked for, before the allocator's rounding
 
 
 def liveness(traced: TracedStep) -> Liveness:
@@ -148,12 +149,12 @@ def liveness(traced: TracedStep) -> Liveness:
     storages = [_node_storages(node, unsupported) for node in nodes]
     index_of = {node: index for index, node in enumerate(nodes)}
 
-    size: dict[StorageWeakRef, int] = {}
+    requested: dict[StorageWeakRef, int] = {}
     born: dict[StorageWeakRef, int] = {}
     last_use: dict[StorageWeakRef, int] = {}
     for index, node in enumerate(nodes):
         for key, nbytes in storages[index]:
-            size[key] = max(size.get(key, 0), round_for_device(nbytes, device))
+            requested[key] = max(requested.get(key, 0), nbytes)
             born.setdefault(key, index)
             last_use[key] = index
         for source in node.all_input_nodes:
@@ -171,15 +172,15 @@ def liveness(traced: TracedStep) -> Liveness:
                 for key, _ in storages[index_of[source]]:
                     last_use[key] = max(last_use[key], last)
     for key, nbytes, end in traced.released_early:
-        size[key] = round_for_device(nbytes, device)
+        requested[key] = nbytes
         born[key], last_use[key] = 0, end
     # Live before the iteration: the batch, constants, and categorized storages the graph never reads.
     static = {
         key for index, node in enumerate(nodes) if node.op in ("placeholder", "get_attr") for key, _ in storages[index]
     }
     for key, nbytes in traced.storage_bytes.items():
-        if key not in size:
-            size[key] = round_for_device(nbytes, device)
+        if key not in requested:
+            requested[key] = nbytes
             static.add(key)
     for key in static:
         born[key] = 0
@@ -191,7 +192,8 @@ def liveness(traced: TracedStep) -> Liveness:
         for key, _ in storages[index_of[source]]:
             last_use[key] = end
     unsupported.update(dict.fromkeys(traced.unknown_target_ops))
-    return Liveness(nodes, storages, size, born, last_use, tuple(unsupported))
+    size = {key: round_for_device(nbytes, device) for key, nbytes in requested.items()}
+    return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested)
 
 
 def cublas_workspaces(traced: TracedStep) -> list[int]:
@@ -211,7 +213,7 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
 
 
 def conv_workspaces(traced: TracedStep, nodes: list[OpNode]) -> dict[int, int]:
-    """The top of each convolution node's cuDNN workspace band, by node index (cuda only).
+    """The top of each convolution node's cuDNN workspace band in bytes requested, by node index (cuda only).
 
     A backward node runs backward-data, then backward-weight, each freeing its workspace before
     the next starts, so the node's transient is the larger of the two.
@@ -227,7 +229,7 @@ def conv_workspaces(traced: TracedStep, nodes: list[OpNode]) -> dict[int, int]:
         calls = conv_calls(node.target, args, node.meta.get("val"))
         high = max((workspace_band_bytes(call, capability)[1] for call in calls), default=0)
         if high:
-            workspaces[index] = round_size(high)
+            workspaces[index] = high
     return workspaces
 
 
@@ -275,10 +277,11 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     if conv:
         low_peak = _live_bytes(traced, lifetimes, sum(workspaces), {})[1]
         low_reserved = _reserved_peak(memory_timeline(traced, lifetimes, workspaces, {}))
-    live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), conv)
+    rounded_conv = {index: round_size(nbytes) for index, nbytes in conv.items()}
+    live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), rounded_conv)
 
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
-    breakdown["workspaces"] = sum(workspaces) + conv.get(peak_node, 0)
+    breakdown["workspaces"] = sum(workspaces) + rounded_conv.get(peak_node, 0)
     for key in size:
         if born[key] <= peak_node <= last_use[key]:
             breakdown[_category(key, born[key], last_use[key], traced)] += size[key]
@@ -318,12 +321,12 @@ def memory_timeline(
                 category=_category(key, born, last_use, traced),
                 op=_op_name(lifetimes.nodes[born]),
                 module=traced.node_modules[born],
+                requested_bytes=lifetimes.requested[key],
             )
         )
-    for index, size in (conv_workspaces or {}).items():  # after the storages: the sort below is stable
-        node = lifetimes.nodes[index]
-        transient = TimelineAllocation(index, index, size, "workspaces", f"cudnn workspace ({_op_name(node)})", None)
-        allocations.append(transient)
+    for index, nbytes in (conv_workspaces or {}).items():  # after the storages: the sort below is stable
+        op = f"cudnn workspace ({_op_name(lifetimes.nodes[index])})"
+        allocations.append(TimelineAllocation(index, index, round_size(nbytes), "workspaces", op, None, nbytes))
     allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
     return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))
 

@@ -29,6 +29,7 @@ class TimelineAllocation:
     category: str  # one of BREAKDOWN_KEYS
     op: str  # the aten op (or placeholder / get_attr) that produced it
     module: str | None  # the module running when it was produced, if any
+    requested_bytes: int | None = None  # before the allocator's rounding, where it differs from size_bytes
 
     def persists(self, node_count: int) -> bool:
         """Alive before the iteration starts and after it ends: parameters, state, the batch, workspaces."""

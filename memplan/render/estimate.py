@@ -109,4 +109,11 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         console.print(f"[yellow]unsupported ops (not counted):[/yellow] {', '.join(result.unsupported_ops)}")
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
-    console.print(f"[dim]{result.traces} traces, {result.graph_nodes:,} graph nodes, {result.seconds:.1f} s[/dim]")
+    lines = (
+        f" (+{result.interpolated_batch_sizes} batch sizes from lines through them)"
+        if result.interpolated_batch_sizes
+        else ""
+    )
+    console.print(
+        f"[dim]{result.traces} traces{lines}, {result.graph_nodes:,} graph nodes, {result.seconds:.1f} s[/dim]"
+    )

@@ -1,0 +1,98 @@
+"""Another batch size's memory timeline from two traced ones, where every size is affine in the batch.
+
+A training step traced at two batch sizes usually makes the same requests in the same order; only
+their sizes differ, and each size is `fixed + per_sample × batch` (activations, inputs and their
+gradients scale with the batch, parameters and optimizer state do not). Where that holds for every
+request, the step at any other batch size is the same requests at sizes on those lines: replaying
+them through the caching-allocator simulator gives its reserved peak without a new trace. That is
+what makes the largest-batch search cheap on the cuda target, whose reserved peak is a step
+function of the batch size (allocator segments) that a search must probe point by point.
+
+Nothing here is assumed: `fit` answers only when the two timelines have the same shape and every
+size lands on an integer byte count, and the search uses it only after a third trace agreed with
+it exactly (memplan.estimator.estimate.BatchTracer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memplan.estimator.cuda.allocator import CachingAllocator, round_size
+from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, replay_steady_state
+
+
+def _requested(allocation: TimelineAllocation) -> int:
+    return allocation.size_bytes if allocation.requested_bytes is None else allocation.requested_bytes
+
+
+def _same_shape(first: MemoryTimeline, second: MemoryTimeline) -> bool:
+    if (first.node_count, first.forward_end, first.backward_end) != (
+        second.node_count,
+        second.forward_end,
+        second.backward_end,
+    ) or len(first.allocations) != len(second.allocations):
+        return False
+    return all(
+        (a.allocated_at, a.freed_at, a.category, a.op) == (b.allocated_at, b.freed_at, b.category, b.op)
+        for a, b in zip(first.allocations, second.allocations, strict=True)
+    )
+
+
+@dataclass(frozen=True)
+class BatchLines:
+    """Two traced timelines of one step; `timeline_at(batch)` puts every request on its line."""
+
+    first_batch: int
+    first: MemoryTimeline
+    second_batch: int
+    second: MemoryTimeline
+    cuda: bool  # sizes are rounded to the allocator's 512-byte blocks
+
+    @classmethod
+    def fit(
+        cls, first: tuple[int, MemoryTimeline], second: tuple[int, MemoryTimeline], cuda: bool
+    ) -> BatchLines | None:
+        """None where the two timelines differ in anything but sizes (no lines to draw)."""
+        (first_batch, first_timeline), (second_batch, second_timeline) = sorted([first, second], key=lambda p: p[0])
+        if first_batch == second_batch or not _same_shape(first_timeline, second_timeline):
+            return None
+        return cls(first_batch, first_timeline, second_batch, second_timeline, cuda)
+
+    def timeline_at(self, batch: int) -> MemoryTimeline | None:
+        """None where some request would not be a whole, non-negative number of bytes."""
+        span = self.second_batch - self.first_batch
+        allocations = []
+        for a, b in zip(self.first.allocations, self.second.allocations, strict=True):
+            low, high = _requested(a), _requested(b)
+            scaled, remainder = divmod(low * span + (high - low) * (batch - self.first_batch), span)
+            if remainder or scaled < 0:
+                return None
+            size = round_size(scaled) if self.cuda and scaled else scaled
+            allocations.append(replace(a, size_bytes=size, requested_bytes=scaled))
+        return replace(self.first, allocations=tuple(allocations))
+
+
+def same_requests(first: MemoryTimeline, second: MemoryTimeline) -> bool:
+    """The same requests, in the same order, of the same sizes, made and freed at the same nodes."""
+    return _same_shape(first, second) and all(
+        a.size_bytes == b.size_bytes for a, b in zip(first.allocations, second.allocations, strict=True)
+    )
+
+
+def fit_bytes(timeline: MemoryTimeline, cuda: bool) -> int:
+    """What a budget must hold, as Simulation.fit_bytes: the reserved peak on cuda, else the peak."""
+    if cuda:
+        allocator = CachingAllocator()
+        replay_steady_state(timeline, allocator)
+        return allocator.max_reserved_bytes
+    return max(timeline.total_bytes())
+
+
+def phase_fit_bytes(timeline: MemoryTimeline, cuda: bool) -> dict[str, int]:
+    """As Simulation.fit_phase_peaks: one "reserved" figure on cuda, else each phase's peak."""
+    if cuda:
+        return {"reserved": fit_bytes(timeline, cuda)}
+    totals = timeline.total_bytes()
+    starts = timeline.phase_starts()
+    ends = [starts["backward"], starts["optimizer"], timeline.node_count]
+    return {phase: max(totals[start:end], default=0) for (phase, start), end in zip(starts.items(), ends, strict=True)}

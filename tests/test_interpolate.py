@@ -1,0 +1,98 @@
+"""Batch sizes answered from two traces' lines: checked against traces of those batch sizes.
+
+The truth for every interpolated figure is a full trace and simulation of the same batch size,
+which shares none of the interpolation's arithmetic.
+"""
+
+import pytest
+import torch
+
+from memplan.estimator.estimate import BatchTracer
+from memplan.estimator.interpolate import BatchLines, fit_bytes, phase_fit_bytes, same_requests
+from memplan.models.source import ModelRef, ModelSpec, resolve_model
+from memplan.settings import TrainingSettings
+
+CASES = {
+    "gpt2 cuda": ("gpt2", dict(seq_len=64, gpu="A10G")),
+    "gpt2 cpu": ("gpt2", dict(seq_len=64, device="cpu")),
+    "resnet cuda, cuDNN band": ("resnet", dict(image_size=32, gpu="A100-40GB")),
+    "gpt2 checkpointed amp": ("gpt2", dict(seq_len=64, checkpoint="all", precision="amp-bf16")),
+}
+
+
+def _tracer(tiny_model_dirs, case: str, batch_size: int = 4) -> BatchTracer:
+    name, settings = CASES[case]
+    spec = resolve_model(tiny_model_dirs[name] if name in tiny_model_dirs else name)
+    return BatchTracer(spec, spec.settings_for(TrainingSettings(batch_size=batch_size, **settings)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lines_through_two_traces_give_a_third_batch_size_exactly(case, tiny_model_dirs):
+    tracer = _tracer(tiny_model_dirs, case)
+    cuda = tracer.settings.device == "cuda"
+    lines = BatchLines.fit((2, tracer.simulate(2).timeline), (4, tracer.simulate(4).timeline), cuda=cuda)
+    assert lines is not None
+    for batch in (3, 7, 13):  # between the two, and beyond them
+        traced = tracer.simulate(batch)
+        predicted = lines.timeline_at(batch)
+        assert predicted is not None and same_requests(predicted, traced.timeline)
+        assert phase_fit_bytes(predicted, cuda) == traced.fit_phase_peaks
+        assert fit_bytes(predicted, cuda) == traced.fit_bytes
+
+
+def test_the_timeline_gives_the_simulations_own_figures(tiny_model_dirs):
+    for case in CASES:
+        simulation = _tracer(tiny_model_dirs, case).simulate(4)
+        cuda = simulation.reserved_peak_bytes is not None
+        assert max(simulation.timeline.total_bytes()) == simulation.peak_bytes
+        assert phase_fit_bytes(simulation.timeline, cuda) == simulation.fit_phase_peaks
+
+
+def test_lines_refuse_timelines_of_different_shape(tiny_model_dirs):
+    plain = _tracer(tiny_model_dirs, "gpt2 cuda").simulate(2).timeline
+    checkpointed = _tracer(tiny_model_dirs, "gpt2 checkpointed amp").simulate(4).timeline
+    assert BatchLines.fit((2, plain), (4, checkpointed), cuda=True) is None
+    assert BatchLines.fit((2, plain), (2, plain), cuda=True) is None
+
+
+def test_the_search_answers_from_confirmed_lines_and_its_answer_holds(tiny_model_dirs):
+    tracer = _tracer(tiny_model_dirs, "gpt2 cuda", batch_size=8)
+    budget = 4 * tracer.simulate(8).fit_bytes
+    found = tracer.max_batch_size(budget)
+    assert tracer.lines is not None and tracer.interpolated  # the lines answered part of the search
+    assert len(tracer.simulations) == 3  # the estimate's two traces and the one that confirmed the lines
+    check = _tracer(tiny_model_dirs, "gpt2 cuda", batch_size=8)  # fresh traces, no lines
+    assert check.simulate(found).fit_bytes <= budget < check.simulate(found + 1).fit_bytes
+
+
+class _WiderForLargeBatches(torch.nn.Module):
+    """Its step is not the same requests at every batch size: above 6 samples it adds a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(64, 256)
+        self.extra = torch.nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if x.shape[0] > 6:
+            hidden = self.extra(hidden).relu()
+        return hidden.square().mean()
+
+
+def test_lines_a_third_trace_contradicts_are_not_used():
+    spec = ModelSpec(
+        ModelRef("wider-for-large-batches"),
+        lambda settings: _WiderForLargeBatches(),
+        lambda settings, dtype: torch.randn(settings.batch_size, 64),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+    tracer = BatchTracer(spec, TrainingSettings(batch_size=4, optimizer="sgd", gpu="A10G"))
+    for batch in (4, 2, 9):
+        tracer.simulate(batch)
+    assert tracer.lines is None  # 9 is not on the line through 2 and 4
+    budget = tracer.simulate(9).fit_bytes + 1
+    found = tracer.max_batch_size(budget)
+    assert not tracer.interpolated  # every size the search asked about was traced
+    assert tracer.simulate(found).fit_bytes <= budget < tracer.simulate(found + 1).fit_bytes
