@@ -613,8 +613,20 @@ def compare(
 @click.option(
     "--snapshot", type=click.Path(dir_okay=False), help="cuda: save the measured iteration's memory snapshot."
 )
-@click.option("--warmup", type=int, default=2, show_default=True, help="Iterations run before the measured one.")
-@click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds allowed per configuration.")
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Iterations run before the measured one (at least 1: the first creates the optimizer state).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1800,
+    show_default=True,
+    help="Seconds allowed per configuration.",
+)
 def validate(
     model: str | None,
     suite: str | None,
@@ -638,6 +650,8 @@ def validate(
 
         _quiet_transformers()
         if suite is not None:
+            if model is not None:
+                raise UsageError(f"--suite {suite} runs its own configurations: drop MODEL ({model}), or drop --suite")
             _validate_suite(suite, results, resume, settings["device"], warmup, timeout, as_json)
             return
         if model is None:

@@ -175,6 +175,11 @@ class TrainingSettings:
             if self.cuda_context < 0:
                 raise SettingsError(f"CUDA context must be 0 or more bytes, got {self.cuda_context}")
         if self.gpu is not None:
+            if self.device != "cuda":
+                raise SettingsError(
+                    "--gpu names the CUDA card whose kernels and memory are modelled; it has no meaning with "
+                    "--device cpu (give a memory limit with --budget)"
+                )
             object.__setattr__(self, "gpu", gpu_named(self.gpu).name)  # canonical name
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):
             raise SettingsError(

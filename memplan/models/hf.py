@@ -70,7 +70,7 @@ def _load_config(name: str) -> Any | None:
     if preset is not None:
         return AutoConfig.for_model(preset.model_type, **preset.config)
     if os.path.isdir(name) or (os.path.isfile(name) and name.endswith(".json")):
-        return AutoConfig.from_pretrained(name)
+        return _local_config(name)
     if name in CONFIG_MAPPING:
         return AutoConfig.for_model(name)
     if "/" in name and not os.path.exists(name):
@@ -79,6 +79,35 @@ def _load_config(name: str) -> Any | None:
         except (OSError, ValueError):
             return None
     return None
+
+
+def _local_config(path: str) -> Any:
+    """A config.json or a model directory's, or one line saying what is wrong with it."""
+    import json
+
+    from transformers import AutoConfig
+
+    from memplan.errors import UsageError
+
+    where = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(where):
+        raise UsageError(f"{path!r} is a directory with no config.json: point at a model directory or its config.json")
+    try:
+        with open(where, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"cannot read {where} as a JSON config: {error}") from error
+    if not isinstance(data, dict) or not data.get("model_type"):
+        raise UsageError(
+            f"{where} has no model_type: a transformers config.json names its architecture there "
+            '(for example "model_type": "llama")'
+        )
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        model_type = data["model_type"]
+        raise UsageError(f"transformers cannot load {where} (model_type {model_type!r}): {first_line}") from error
 
 
 def resolve_hf(name: str, task: str | None) -> HFSource | None:
@@ -121,5 +150,7 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
         from memplan.errors import UsageError
 
         raise UsageError(
-            f"transformers has no {source.task} head for model type {config.model_type} ({error}); pick another --task"
+            f"transformers cannot build a {source.task} model of type {config.model_type} from this config "
+            f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}): "
+            "fix the config, or pick another --task"
         ) from error

@@ -139,8 +139,17 @@ def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
 
 
 def _suggest(name: str) -> str:
+    """A preset made from this hub id (works offline), else close spellings of presets and model types."""
+    same_hub_id = [preset.name for preset in all_presets().values() if preset.hub_id.lower() == name.lower()]
+    if same_hub_id:
+        return (
+            f"it is not in the local hub cache; the preset {same_hub_id[0]} is its config, offline "
+            f"(`memplan estimate {same_hub_id[0]} ...`), or give the path of a downloaded config.json. "
+        )
     candidates = list(all_presets()) + model_types()
     close = difflib.get_close_matches(name.lower(), candidates, n=3, cutoff=0.6)
+    if "/" in name and not close:  # a hub id: try its last part against the preset names
+        close = difflib.get_close_matches(name.rsplit("/", 1)[1].lower(), list(all_presets()), n=3, cutoff=0.6)
     return f"did you mean {', '.join(close)}? " if close else ""
 
 
