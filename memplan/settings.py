@@ -15,7 +15,10 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "
 OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
 # Training loops people write, each a different steady state (memplan.estimator.loop, docs/concepts.md).
 LOOPS = ("canonical", "zero-grad-before-backward", "set-to-none-false", "hf-trainer", "keep-output")
-CHECKPOINT_MODES = ("none", "all", "selective")  # "selective": every block, the selective policy
+CHECKPOINT_MODES = ("none", "all", "selective")
+# The largest batch size (and accumulation count) memplan models: the batch search's own limit
+# (memplan.estimator.search.MAX_BATCH_SIZE); beyond it tensor sizes overflow inside torch.
+MAX_COUNT = 1 << 20  # "selective": every block, the selective policy
 # How a checkpoint treats what its segment computes (memplan.estimator.checkpointing):
 # "full" recomputes all of it in the backward; "selective" keeps the outputs of matmuls,
 # convolutions and attention and recomputes the rest (torch's selective activation checkpointing).
@@ -158,6 +161,9 @@ class TrainingSettings:
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
         _check_positive("gradient accumulation steps", self.grad_accum)
+        for name, value in (("batch size", self.batch_size), ("gradient accumulation steps", self.grad_accum)):
+            if value > MAX_COUNT:
+                raise SettingsError(f"{name} {value:,} is beyond what memplan models (at most {MAX_COUNT:,})")
         _check_positive("sequence length", self.seq_len)
         _check_positive("target length", self.target_len)
         _check_positive("image size", self.image_size)

@@ -40,6 +40,22 @@ CASES = [
     (["validate", "gpt2", "--warmup", "-1", "--device", "cpu"], ["--warmup"]),
     (["validate", "gpt2", "--timeout", "-5", "--device", "cpu"], ["--timeout"]),
     (["validate", "gpt2", "--timeout", "0", "--device", "cpu"], ["--timeout"]),
+    (["estimate", "gpt2", "-b", "100000000000000000000"], ["batch size", "at most 1,048,576"]),
+    (["estimate", "gpt2", "--grad-accum", "2000000"], ["gradient accumulation", "at most"]),
+    (["estimate", "gpt2", "--inputs", "tests.zoo_models:features_inputs"], ["--inputs", "drop --inputs"]),
+    (
+        [
+            "estimate",
+            "tests.zoo_models:reused_block",
+            "--inputs",
+            "tests.zoo_models:features_inputs",
+            "--loss",
+            "tests.zoo_models:mean_square_loss",
+            "--seq-len",
+            "5",
+        ],
+        ["--seq-len", "--inputs tests.zoo_models:features_inputs"],
+    ),
 ]
 
 

@@ -123,7 +123,24 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
             return value
         return default_loss(output, batch)
 
-    return ModelSpec(ModelRef(name, inputs, loss), build, make_batch, loss_of, settings_for=lambda s: s)
+    def settings_for(settings: TrainingSettings) -> TrainingSettings:
+        shaped = [
+            flag
+            for flag, value in (
+                ("--seq-len", settings.seq_len),
+                ("--target-len", settings.target_len),
+                ("--image-size", settings.image_size),
+            )
+            if value is not None
+        ]
+        if shaped:
+            raise UsageError(
+                f"{', '.join(shaped)} shape the batch memplan makes for transformers models; a custom model's "
+                f"batch is what --inputs {inputs} returns: size it there"
+            )
+        return settings
+
+    return ModelSpec(ModelRef(name, inputs, loss), build, make_batch, loss_of, settings_for=settings_for)
 
 
 def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
@@ -159,6 +176,11 @@ def resolve_model(
     """Presets, transformers model types, config paths, cached hub ids, or `pkg.mod:callable`."""
     if is_import_path(name):
         return _custom_spec(name, inputs, loss)
+    if inputs is not None:
+        raise UsageError(
+            f"--inputs gives a custom model (package.module:callable) its batch; for {name!r} memplan makes "
+            "the batch from the model's task: drop --inputs and size it with --batch-size / --seq-len / --image-size"
+        )
     return _hf_spec(name, loss, task)
 
 
