@@ -89,3 +89,19 @@ def test_compare_refuses_no_gpus(gpus):
 def test_compare_from_checkpoint_all_without_blocks_keeps_the_given_row():
     result = compare("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs", checkpoint="all", device="cpu")
     assert result.rows[0].name == "as given" and not result.rows[0].estimate.checkpointed_blocks
+
+
+def test_over_budget_is_said_in_text_and_the_sweep_header_names_no_single_precision():
+    """Piped output has no colour: an over-budget cell carries ✗; fitting cells do not."""
+    args = ["tiny-gpt2", "--seq-len", "32", "--device", "cpu", "--budget", "60MiB"]
+    swept = CliRunner().invoke(main, ["sweep", *args, "--batch-sizes", "1,256", "--precisions", "fp32,amp-bf16"])
+    assert swept.exit_code == 0, swept.output
+    header = swept.output.splitlines()[0]
+    assert "fp32" not in header and "amp-bf16" not in header  # the columns name them
+    rows = {line.split("│")[1].strip(): line for line in swept.output.splitlines() if line.count("│") >= 3}
+    assert "✗" not in rows["1"] and rows["256"].count("✗") == 2
+    compared = CliRunner().invoke(main, ["compare", *args, "-b", "256"])
+    assert compared.exit_code == 0, compared.output
+    as_given = next(line for line in compared.output.splitlines() if "as given" in line)
+    accumulated = next(line for line in compared.output.splitlines() if "grad accumulation ×4" in line)
+    assert "✗" in as_given and "✗" not in accumulated

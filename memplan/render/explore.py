@@ -11,11 +11,13 @@ from memplan.render.estimate import describe_settings
 from memplan.render.units import format_flops
 from memplan.settings import format_bytes
 
+OVER = " ✗"  # a budget's verdict in text as well as colour: logs and pipes have no colour
+
 
 def _peak_cell(peak_bytes: int, fits: bool | None) -> str:
     if fits is None:
         return format_bytes(peak_bytes)
-    return f"[green]{format_bytes(peak_bytes)}[/green]" if fits else f"[red]{format_bytes(peak_bytes)}[/red]"
+    return f"[green]{format_bytes(peak_bytes)}[/green]" if fits else f"[red]{format_bytes(peak_bytes)}{OVER}[/red]"
 
 
 def _sweep_cell(point: SweepPoint) -> str:
@@ -24,12 +26,15 @@ def _sweep_cell(point: SweepPoint) -> str:
         text += f" ({format_bytes(point.reserved_peak_bytes)})"
     if point.fits is None:
         return text
-    return f"[green]{text}[/green]" if point.fits else f"[red]{text}[/red]"
+    return f"[green]{text}[/green]" if point.fits else f"[red]{text}{OVER}[/red]"
 
 
 def render_sweep(result: SweepResult, console: Console) -> None:
     base = result.settings.replace(checkpoint="none")
-    console.print(f"[bold]{result.model}[/bold]: {describe_settings(base, with_batch=False)}")
+    described = describe_settings(base, with_batch=False)
+    if len({series.precision for series in result.series}) > 1:  # each column names its own precision
+        described = ", ".join(part for part in described.split(", ") if part != base.precision)
+    console.print(f"[bold]{result.model}[/bold]: {described}")
     reserved = result.settings.device == "cuda"
     table = Table(title="predicted peak" + (" (reserved peak)" if reserved else ""), title_justify="left")
     table.add_column("batch", justify="right")
@@ -47,8 +52,8 @@ def render_sweep(result: SweepResult, console: Console) -> None:
     if result.budget_bytes is not None:
         fit = "reserved peak" if result.settings.device == "cuda" else "peak"
         console.print(
-            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits, red does not; "
-            "'largest' is the largest batch size that fits[/dim]"
+            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits, red and ✗ "
+            "do not; 'largest' is the largest batch size that fits[/dim]"
         )
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
 
@@ -91,7 +96,10 @@ def render_compare(result: CompareResult, console: Console) -> None:
     )
     if result.budget_bytes is not None:
         fit = "reserved peak" if result.settings.device == "cuda" else "peak"
-        console.print(f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits[/dim]")
+        console.print(
+            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits, red and ✗ "
+            "do not[/dim]"
+        )
     for reason in result.skipped:
         console.print(f"[dim]skipped {reason}[/dim]")
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
