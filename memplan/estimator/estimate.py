@@ -63,8 +63,8 @@ class BatchTracer:
         self.interpolated: dict[int, dict[str, int]] = {}  # batch size -> fit_phase_peaks, from the lines
 
     def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
-        if batch_size in self.simulations or self.lines is None:
-            return self.simulate(batch_size).fit_phase_peaks
+        if batch_size in self.simulations or self.lines is None or batch_size == 1:
+            return self.simulate(batch_size).fit_phase_peaks  # (batch 1 can take shortcuts: never on the lines)
         if batch_size not in self.interpolated:
             raise_if_interrupted()
             timeline = self.lines.timeline_at(batch_size)
