@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from memplan.advice import when_nothing_fits
 from memplan.estimator.result import EstimateResult
 from memplan.gpus import DEFAULT_GPU
 from memplan.render.units import format_flops, format_seconds
@@ -104,7 +105,7 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         elif result.max_batch_size:
             console.print(f"largest batch size that fits: {result.max_batch_size}")
         else:
-            console.print("[red]not even batch size 1 fits[/red]: try bf16, checkpointing or a smaller sequence")
+            console.print(f"[red]not even batch size 1 fits[/red]: {when_nothing_fits(result, result.budget_bytes)}")
     if result.unsupported_ops:
         console.print(f"[yellow]unsupported ops (not counted):[/yellow] {', '.join(result.unsupported_ops)}")
     for note in result.notes:

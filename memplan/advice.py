@@ -1,0 +1,58 @@
+"""What to change when not even batch size 1 fits: advice that follows from where the memory goes.
+
+Checkpointing only lowers activations, so it is advice only when activations are the problem:
+- parameters and optimizer state alone over the budget: no batch size fits one GPU as configured;
+  keep less state (8-bit Adam, Adafactor), store weights in bf16, or shard across GPUs;
+- the optimizer step's peak over the budget (gradients + optimizer temporaries, the same at every
+  batch size): the optimizer's implementation and state, not the batch, decide;
+- otherwise the forward/backward peak: activations, which checkpointing, autocast and a shorter
+  sequence or smaller image lower.
+"""
+
+from __future__ import annotations
+
+from memplan.estimator.result import EstimateResult
+from memplan.settings import CheckpointLayout, format_bytes
+
+
+def _state_options(result: EstimateResult) -> list[str]:
+    settings = result.settings
+    options = []
+    if settings.optimizer in ("adam", "adamw"):
+        options.append("--optimizer adam8bit or adafactor (less optimizer state)")
+    if settings.precision in ("fp32", "amp-bf16", "amp-fp16"):
+        options.append("--precision bf16 (weights, gradients and state in 16 bits)")
+    return options
+
+
+def when_nothing_fits(result: EstimateResult, budget_bytes: int) -> str:
+    """One line for a budget that not even batch size 1 meets."""
+    settings = result.settings
+    state = result.breakdown.parameters + result.breakdown.optimizer_state
+    if state >= budget_bytes:
+        options = [*_state_options(result), "sharding across GPUs (FSDP, DeepSpeed ZeRO)"]
+        return (
+            f"parameters and optimizer state alone take {format_bytes(state)} of the {format_bytes(budget_bytes)} "
+            f"budget, so no batch size fits one GPU as configured: try {'; '.join(options)}"
+        )
+    if result.phase_peak_bytes.get("optimizer", 0) >= budget_bytes:
+        options = _state_options(result)
+        if settings.optimizer_impl != "for-loop" and settings.optimizer not in ("sgd", "none"):
+            options.insert(0, "--optimizer-impl for-loop (no foreach temporaries)")
+        return (
+            f"the optimizer step alone peaks at {format_bytes(result.phase_peak_bytes['optimizer'])} (gradients and "
+            "its temporaries, the same at every batch size; checkpointing does not lower it): try "
+            + "; ".join(options or ["sharding across GPUs (FSDP, DeepSpeed ZeRO)"])
+        )
+    options = []
+    checkpointed = isinstance(settings.checkpoint, CheckpointLayout) or settings.checkpoint != "none"
+    if not checkpointed:
+        options.append("--checkpoint all (or `memplan plan`)")
+    if settings.precision == "fp32":
+        options.append("--precision amp-bf16")
+    if settings.seq_len:
+        options.append("a shorter --seq-len")
+    elif settings.image_size:
+        options.append("a smaller --image-size")
+    options += _state_options(result)
+    return "activations make the peak: try " + "; ".join(options)

@@ -1,0 +1,37 @@
+"""The advice printed when not even batch size 1 fits names what lowers the part that is over.
+
+Budgets are placed between the estimate's own parts (state, optimizer-step peak, whole peak), so
+each case is over budget for one reason only; the advice must name a remedy for that part and
+must not offer checkpointing where checkpointing cannot help.
+"""
+
+from memplan.advice import when_nothing_fits
+from memplan.api import estimate
+
+SETTINGS = dict(batch_size=1, seq_len=128, optimizer="adamw", device="cpu")
+
+
+def test_each_reason_gets_its_own_advice(tiny_model_dirs):
+    result = estimate(tiny_model_dirs["gpt2"], **SETTINGS)
+    state = result.breakdown.parameters + result.breakdown.optimizer_state
+    optimizer_peak = result.phase_peak_bytes["optimizer"]
+    assert state < optimizer_peak < result.peak_bytes  # activations make this step's peak
+
+    state_advice = when_nothing_fits(result, state - 1)
+    assert "no batch size fits" in state_advice and "sharding" in state_advice and "adam8bit" in state_advice
+    assert "--checkpoint" not in state_advice
+
+    step_advice = when_nothing_fits(result, (state + optimizer_peak) // 2)
+    assert "optimizer step" in step_advice and "--optimizer-impl for-loop" in step_advice
+    assert "--checkpoint" not in step_advice
+
+    activation_advice = when_nothing_fits(result, (optimizer_peak + result.peak_bytes) // 2)
+    assert "--checkpoint all" in activation_advice and "--precision amp-bf16" in activation_advice
+    assert "--seq-len" in activation_advice
+
+
+def test_advice_leaves_out_what_is_already_set(tiny_model_dirs):
+    result = estimate(tiny_model_dirs["gpt2"], **{**SETTINGS, "checkpoint": "all", "precision": "amp-bf16"})
+    advice = when_nothing_fits(result, result.phase_peak_bytes["optimizer"] + 1)
+    assert "--checkpoint all" not in advice and "amp-bf16" not in advice
+    assert "--precision bf16" in advice
