@@ -13,6 +13,8 @@ trainer.py `get_optimizer_cls_and_kwargs` and training_args.py):
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -34,6 +36,21 @@ OPTIMS: dict[str, tuple[str, str]] = {
 DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default with torch >= 2.8
 # Keys that put the run outside one GPU holding everything, which memplan does not model.
 _SHARDING_KEYS = ("fsdp", "deepspeed")
+# Every TrainingArguments field this module reads.
+READ_KEYS = frozenset(
+    {
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "bf16",
+        "fp16",
+        "optim",
+        "optim_args",
+        "max_grad_norm",
+        "torch_compile",
+        *_SHARDING_KEYS,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,25 @@ def _momentum(optim_args: object) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
+    """Keys TrainingArguments does not have, each with the field it is closest to, if any.
+
+    A near miss of a field memplan reads is an error: the setting it meant changes memory and would
+    be silently lost. Other unknown keys (typos of fields that do not matter here, or fields of
+    other transformers releases, like 4.x's evaluation_strategy) are listed in a note.
+    """
+    from transformers import TrainingArguments
+
+    fields = [field.name for field in dataclasses.fields(TrainingArguments)]
+    described = []
+    for key in sorted(key for key in data if key not in fields):
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
+        if close and close[0] in READ_KEYS:
+            raise HfArgsError(f"--hf-args {path}: {key!r} is not a TrainingArguments field; did you mean {close[0]!r}?")
+        described.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    return described
+
+
 def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTrainingArgs:
     """Settings from a TrainingArguments JSON/YAML file (as saved by `TrainingArguments.to_json_string`).
 
@@ -98,6 +134,9 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
     data = _load(path)
     settings: dict[str, Any] = {}
     notes: list[str] = []
+    unknown = _unknown_keys(data, path)
+    if unknown:
+        notes.append(f"not TrainingArguments fields in this transformers, so ignored: {', '.join(unknown)}")
     for key in _SHARDING_KEYS:
         if data.get(key):
             raise HfArgsError(

@@ -20,6 +20,7 @@ CONFIGS = {
     "unknown-type.json": json.dumps({"model_type": "no-such-architecture"}),
     "heads-do-not-divide.json": json.dumps({"model_type": "gpt2", "n_head": 5, "n_embd": 64, "n_layer": 1}),
     "list.json": "[1, 2]",
+    "training-args-typo.json": json.dumps({"per_device_train_batch_size": 4, "gradient_acumulation_steps": 2}),
 }
 
 # (arguments, words the one line must contain)
@@ -40,6 +41,7 @@ CASES = [
     (["validate", "gpt2", "--warmup", "-1", "--device", "cpu"], ["--warmup"]),
     (["validate", "gpt2", "--timeout", "-5", "--device", "cpu"], ["--timeout"]),
     (["validate", "gpt2", "--timeout", "0", "--device", "cpu"], ["--timeout"]),
+    (["estimate", "gpt2", "--hf-args", "training-args-typo.json"], ["did you mean 'gradient_accumulation_steps'"]),
     (["estimate", "gpt2", "-b", "100000000000000000000"], ["batch size", "at most 1,048,576"]),
     (["estimate", "gpt2", "--grad-accum", "2000000"], ["gradient accumulation", "at most"]),
     (["estimate", "gpt2", "--inputs", "tests.zoo_models:features_inputs"], ["--inputs", "drop --inputs"]),

@@ -124,3 +124,21 @@ def test_a_file_that_is_not_utf8_is_a_clear_error(tmp_path):
     path.write_bytes(json.dumps(TRAINING_ARGS).encode("utf-16"))  # PowerShell's Out-File default
     with pytest.raises(HfArgsError, match="is not UTF-8 text"):
         read_training_args(path)
+
+
+def test_a_misspelt_memory_field_is_an_error_and_other_unknown_keys_are_noted(tmp_path):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from memplan.hf_args import READ_KEYS
+
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    assert READ_KEYS <= fields  # every key memplan reads is a real field (a misspelt one would never match)
+    typo = write(tmp_path, "typo.json", {**TRAINING_ARGS, "gradient_acumulation_steps": 2})
+    with pytest.raises(HfArgsError, match="did you mean 'gradient_accumulation_steps'"):
+        read_training_args(typo)
+    old = write(tmp_path, "old.json", {**TRAINING_ARGS, "evaluation_strategy": "steps", "my_key": 1})
+    notes = " ".join(read_training_args(old).notes)
+    assert "evaluation_strategy (did you mean eval_strategy?)" in notes and "my_key" in notes
+    assert "output_dir" not in notes and "learning_rate" not in notes  # real fields are not listed
