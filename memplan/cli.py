@@ -470,13 +470,16 @@ def plan(
 
 
 def _emit(result: Any, as_json: bool, render: Callable[[Any, Any], None]) -> None:
-    """JSON on stdout, or the rendered tables."""
+    """JSON on stdout, or the rendered tables; a result Ctrl-C cut short is shown, then exits 130."""
     if as_json:
         import json
 
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         render(result, _stdout_console())
+    if getattr(result, "interrupted", False):
+        click.echo("memplan: interrupted; shown: what finished before it", err=True)
+        sys.exit(130)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

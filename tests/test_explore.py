@@ -105,3 +105,42 @@ def test_over_budget_is_said_in_text_and_the_sweep_header_names_no_single_precis
     as_given = next(line for line in compared.output.splitlines() if "as given" in line)
     accumulated = next(line for line in compared.output.splitlines() if "grad accumulation ×4" in line)
     assert "✗" in as_given and "✗" not in accumulated
+
+
+def _interrupt_at(marker: str):
+    """A progress callback that raises KeyboardInterrupt, as Ctrl-C does, once `marker` is reported."""
+
+    def progress(message: str) -> None:
+        if marker in message:
+            raise KeyboardInterrupt
+
+    return progress
+
+
+def test_ctrl_c_in_a_sweep_or_compare_keeps_what_finished(tiny_model_dirs):
+    from memplan.explore.compare import run_compare
+    from memplan.explore.sweep import run_sweep
+
+    spec = resolve_model(tiny_model_dirs["gpt2"])
+    settings = TrainingSettings(seq_len=32, device="cpu")
+    swept = run_sweep(
+        spec, settings, batch_sizes=(1, 2), precisions=("fp32", "amp-bf16"), progress=_interrupt_at("[2/2]")
+    )
+    assert swept.interrupted and [s.precision for s in swept.series] == ["fp32"]
+    assert [p.batch_size for p in swept.series[0].points] == [1, 2]
+    assert swept.to_dict()["interrupted"] is True
+    compared = run_compare(spec, settings.replace(batch_size=2), progress=_interrupt_at("[3/"))
+    assert compared.interrupted and [row.name for row in compared.rows] == ["as given", "AMP bf16"]
+    with pytest.raises(KeyboardInterrupt):  # nothing finished: nothing to show
+        run_sweep(spec, settings, batch_sizes=(1,), progress=_interrupt_at("[1/1]"))
+
+
+def test_ctrl_c_in_the_cli_sweep_shows_the_finished_table_and_exits_130(tiny_model_dirs, monkeypatch):
+    import memplan.cli
+
+    monkeypatch.setattr(memplan.cli, "_progress", lambda as_json: _interrupt_at("[2/2]"))
+    args = [tiny_model_dirs["gpt2"], "--seq-len", "32", "--device", "cpu", "--batch-sizes", "1,2"]
+    result = CliRunner().invoke(main, ["sweep", *args, "--precisions", "fp32,amp-bf16"])
+    assert result.exit_code == 130, result.output
+    assert "fp32" in result.output and "amp-bf16" not in result.output.split("predicted peak")[1]
+    assert result.output.strip().endswith("memplan: interrupted; shown: what finished before it")

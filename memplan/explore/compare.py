@@ -99,6 +99,7 @@ class CompareResult:
     rows: tuple[CompareRow, ...]
     skipped: tuple[str, ...]  # techniques that do not apply, with the reason
     seconds: float
+    interrupted: bool = False  # Ctrl-C stopped it: `rows` are the techniques finished before
 
     def to_dict(self) -> dict[str, Any]:
         return fields_dict(self)
@@ -122,22 +123,29 @@ def run_compare(
     results: dict[str, EstimateResult] = {}
     rows, skipped = [], []
     listed = techniques(settings)
+    interrupted = False
     for number, technique in enumerate(listed, start=1):
         variant = settings.replace(**technique.changes)
         label = f"[{number}/{len(listed)}] {technique.name}"
-        result = run_estimate(spec, variant, progress=lambda message, label=label: report(f"{label}: {message}"))
-        if technique.changes.get("checkpoint") == "all" and not result.checkpointed_blocks:
-            skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
-            continue
+        try:
+            result = run_estimate(spec, variant, progress=lambda message, label=label: report(f"{label}: {message}"))
+            if technique.changes.get("checkpoint") == "all" and not result.checkpointed_blocks:
+                skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
+                continue
+            recompute = None
+            if variant.checkpoint == "all" and settings.checkpoint == "none":
+                same = result.settings.replace(checkpoint="none")
+                twin = next((r for r in results.values() if r.settings == same), None)
+                twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
+                recompute = result.step_flops - twin.step_flops
+        except KeyboardInterrupt:
+            if not rows:
+                raise  # nothing finished to show
+            interrupted = True  # keep what is finished; the caller shows it and exits as interrupted
+            break
         results[technique.name] = result
-        recompute = None
-        if variant.checkpoint == "all" and settings.checkpoint == "none":
-            twin = next((r for r in results.values() if r.settings == result.settings.replace(checkpoint="none")), None)
-            twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
-            recompute = result.step_flops - twin.step_flops
         effective = variant.batch_size * variant.grad_accum * gpus
         fits = result.fit_bytes <= budget_bytes if budget_bytes is not None else None
         rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute, fits))
-    return CompareResult(
-        spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), time.perf_counter() - started
-    )
+    seconds = time.perf_counter() - started
+    return CompareResult(spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), seconds, interrupted)

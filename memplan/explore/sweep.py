@@ -56,6 +56,7 @@ class SweepResult:
     budget_bytes: int | None
     series: tuple[SweepSeries, ...]
     seconds: float
+    interrupted: bool = False  # Ctrl-C stopped it: `series` are the settings finished before
 
     def to_dict(self) -> dict[str, Any]:
         return fields_dict(self)
@@ -87,16 +88,23 @@ def run_sweep(
     report = progress or (lambda message: None)
     series = []
     combinations = [(precision, checkpoint) for precision in precisions for checkpoint in checkpoints]
+    interrupted = False
     for number, (precision, checkpoint) in enumerate(combinations, start=1):
         variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
         label = f"[{number}/{len(combinations)}] {series_label(precision, checkpoint)}"
-        tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
-        points = []
-        for batch in sorted(set(batch_sizes)):
-            simulation = tracer.simulate(batch)
-            fits = simulation.fit_bytes <= budget_bytes if budget_bytes is not None else None
-            points.append(SweepPoint(batch, simulation.peak_bytes, simulation.reserved_peak_bytes, fits))
-        max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
+        try:
+            tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
+            points = []
+            for batch in sorted(set(batch_sizes)):
+                simulation = tracer.simulate(batch)
+                fits = simulation.fit_bytes <= budget_bytes if budget_bytes is not None else None
+                points.append(SweepPoint(batch, simulation.peak_bytes, simulation.reserved_peak_bytes, fits))
+            max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
+        except KeyboardInterrupt:
+            if not series:
+                raise  # nothing finished to show
+            interrupted = True  # keep what is finished; the caller shows it and exits as interrupted
+            break
         series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch))
     seconds = time.perf_counter() - started
-    return SweepResult(spec.name, spec.settings_for(settings), budget_bytes, tuple(series), seconds)
+    return SweepResult(spec.name, spec.settings_for(settings), budget_bytes, tuple(series), seconds, interrupted)
