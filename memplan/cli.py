@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -269,10 +270,30 @@ def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as
     return function(model, **source, **options, **merged, progress=_progress(as_json))
 
 
+# Where stderr is no terminal (a log, a pipe), progress is plain lines, and only once a command has
+# run this long (MEMPLAN_PROGRESS_AFTER_SECONDS overrides): quick answers stay quiet, long ones say
+# what they are doing.
+PLAIN_PROGRESS_AFTER_SECONDS = 3.0
+
+
 def _progress(as_json: bool) -> Callable[[str], None] | None:
-    """A spinner on stderr naming the current step; off with --quiet or when stderr is no terminal."""
-    if _quiet() or not sys.stderr.isatty():  # --json keeps stdout clean; progress is on stderr
+    """Progress on stderr naming the current step (--json keeps stdout clean); off with --quiet.
+
+    A spinner on a terminal; elsewhere a line per step once the command has run a few seconds.
+    """
+    if _quiet():
         return None
+    if not sys.stderr.isatty():
+        import time
+
+        started = time.monotonic()
+        after = float(os.environ.get("MEMPLAN_PROGRESS_AFTER_SECONDS", PLAIN_PROGRESS_AFTER_SECONDS))
+
+        def line(message: str) -> None:
+            if time.monotonic() - started >= after:
+                click.echo(f"memplan: {message}", err=True)
+
+        return line
     from rich.console import Console
 
     status = Console(stderr=True).status("starting…")

@@ -260,3 +260,25 @@ def test_ctrl_c_stops_a_long_search_promptly_with_exit_130():
     assert process.returncode == 130
     assert stderr.decode().strip().endswith("memplan: interrupted")
     assert stopped_after < 3, f"took {stopped_after:.1f} s to stop"
+
+
+def test_a_long_command_reports_progress_on_stderr_when_piped_and_keeps_stdout_json():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "memplan", "estimate", "gpt2", "-b", "8", "--seq-len", "256"]
+    done = subprocess.run(
+        [*command, "--budget", "40GiB", "--json"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "MEMPLAN_PROGRESS_AFTER_SECONDS": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["max_batch_size"] > 8  # stdout is the JSON alone
+    progress = [line for line in done.stderr.splitlines() if line.startswith("memplan: tracing batch size")]
+    assert [line.split("(trace ")[1] for line in progress][:2] == ["1)", "2)"]  # what it does, and how far

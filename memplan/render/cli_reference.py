@@ -20,6 +20,8 @@ Exit codes: 0 done (an out-of-memory *measurement* is a result, so it is 0 too),
 the work (a model that cannot be traced, a run that crashed), 2 a usage mistake (an unknown model,
 a bad size, an option that does not apply). Errors are one line on stderr; `--debug` adds the
 traceback. JSON goes to stdout, messages and progress to stderr; `--quiet` silences the messages.
+Progress is a spinner on a terminal; piped or logged, a `memplan: ...` line per step once a command
+has run 3 seconds (`MEMPLAN_PROGRESS_AFTER_SECONDS` changes that).
 
 ## Shell completion
 
