@@ -219,3 +219,171 @@ def test_a_cpu_trace_keeps_cpu_kernels(tiny_model_dirs) -> None:  # type: ignore
     }
     assert "aten.native_dropout.default" not in ops
     assert "aten.bernoulli_.float" in ops  # CPU dropout: a mask in the input's dtype
+
+
+class _CallRecorder(TorchDispatchMode):
+    """Every aten call with its arguments, for checking what reaches the kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls.append((str(func), args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def call(self, name: str) -> tuple[tuple, dict]:
+        found = [(args, kwargs) for op, args, kwargs in self.calls if op == name]
+        assert len(found) == 1, [op for op, _, _ in self.calls]
+        return found[0]
+
+
+def _attend(gpu: str | None, make, *, autocast: bool = False, **kwargs: object):  # type: ignore[no-untyped-def]
+    """SDPA as the cuda target runs it; `make()` builds (q, k, v, extra kwargs) inside the fake mode."""
+    with FakeTensorMode(), cuda_kernels(gpu):
+        q, k, v, extra = make()
+        recorder = _CallRecorder()
+        with recorder, torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **extra, **kwargs)
+    return out, recorder
+
+
+def _grad(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.requires_grad_() for t in tensors]
+
+
+def test_flash_gets_head_dims_padded_to_8_the_original_scale_and_returns_the_original_width() -> None:
+    """attention.cpp: pad_last_dim<8> before the kernel, the scale of the unpadded head dim, slice back."""
+    out, recorder = _attend("H100", lambda: (*_grad(_qkv(head_dim=60)), {}), is_causal=True, dropout_p=0.1)
+    args, kwargs = recorder.call("aten._scaled_dot_product_flash_attention.default")
+    assert [tuple(t.shape) for t in args[:3]] == [(2, 4, 128, 64)] * 3
+    assert args[3:5] == (0.1, True) and kwargs["scale"] == pytest.approx(60**-0.5)  # dropout, causal
+    assert tuple(out.shape) == (2, 4, 128, 60)
+    _, recorder = _attend("H100", lambda: (*_qkv(head_dim=64), {}), scale=0.5)
+    args, kwargs = recorder.call("aten._scaled_dot_product_flash_attention.default")
+    assert tuple(args[0].shape) == (2, 4, 128, 64) and kwargs["scale"] == 0.5  # no padding, the caller's scale
+    assert [op for op, _, _ in recorder.calls if "pad" in op or "slice" in op] == []  # no copies made
+
+
+def test_autocast_casts_inputs_and_a_float_mask_before_the_kernel_is_chosen() -> None:
+    _, recorder = _attend("H100", lambda: (*_qkv(dtype=F32), {}), autocast=True)
+    args, _ = recorder.call("aten._scaled_dot_product_flash_attention.default")  # bf16 now: flash
+    assert [t.dtype for t in args[:3]] == [BF16] * 3
+    masked = lambda: (*_qkv(dtype=F32), {"attn_mask": torch.zeros(2, 1, 128, 128)})  # noqa: E731
+    _, recorder = _attend("H100", masked, autocast=True)
+    args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
+    assert [t.dtype for t in args[:4]] == [BF16] * 4
+
+
+def test_efficient_gets_a_bool_mask_as_an_additive_mask_expanded_to_every_head() -> None:
+    """attention.cpp convert_boolean_attn_mask, then the kernel's (B, H, Lq, Lk) mask; logsumexp only
+    when a gradient is needed."""
+    masked = lambda: (*_grad(_qkv(dtype=F32)), {"attn_mask": torch.ones(2, 1, 128, 128, dtype=torch.bool)})  # noqa: E731
+    _, recorder = _attend("H100", masked, dropout_p=0.2, scale=0.25)
+    args, kwargs = recorder.call("aten._scaled_dot_product_efficient_attention.default")
+    assert args[3].dtype == F32 and tuple(args[3].shape) == (2, 4, 128, 128)
+    assert args[4:6] == (True, 0.2) and kwargs["scale"] == 0.25  # logsumexp wanted, dropout
+    _, recorder = _attend("H100", lambda: (*_qkv(dtype=F32), {}))
+    args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
+    assert args[3] is None and args[4] is False  # no mask, no gradient wanted
+
+
+def test_math_keeps_the_callers_grouped_heads_and_arguments() -> None:
+    def grouped():  # type: ignore[no-untyped-def]
+        return torch.empty(2, 8, 128, 64), torch.empty(2, 2, 128, 64), torch.empty(2, 2, 128, 64), {}
+
+    out, recorder = _attend("H100", grouped, is_causal=True, enable_gqa=True, scale=0.3)
+    # The math kernel is composite: its parts show the caller's arguments arrived (attention.cpp
+    # scales q and k by sqrt(scale) each, builds the causal mask with tril, repeats k/v per group).
+    ops = [op for op, _, _ in recorder.calls]
+    scales = [args[1] for op, args, _ in recorder.calls if op == "aten.mul.Scalar"]
+    assert pytest.approx(0.3**0.5) in scales and "aten.tril.default" in ops
+    assert tuple(out.shape) == (2, 8, 128, 64)
+    _, plain = _attend("H100", grouped, enable_gqa=True)
+    assert "aten.tril.default" not in [op for op, _, _ in plain.calls]
+
+
+def test_dropout_shortcuts_follow_dropout_cpp() -> None:
+    """p = 0 or eval: the input itself, no op; p = 1: zeros through a multiply; else the fused kernel."""
+    with FakeTensorMode(), cuda_kernels(None):
+        x = torch.empty(16, 32, requires_grad=True)
+        for p, train in ((0.0, True), (0.5, False)):
+            recorder = _CallRecorder()
+            with recorder:
+                assert torch.nn.functional.dropout(x, p, training=train) is x
+            assert recorder.calls == []
+        recorder = _CallRecorder()
+        with recorder:
+            dropped = torch.nn.functional.dropout(x, 1.0, training=True)
+        assert [op for op, _, _ in recorder.calls if "dropout" in op] == [] and tuple(dropped.shape) == (16, 32)
+        recorder = _CallRecorder()
+        with recorder:
+            torch.nn.functional.dropout(x, 0.5, training=True)
+        args, _ = recorder.call("aten.native_dropout.default")
+        assert args[1:] == (0.5, True)
+
+
+def _tensors(q_heads=4, kv_heads=4, seq=128, q_dim=64, k_dim=None, v_dim=None, dtype=BF16, kv_seq=None):  # type: ignore[no-untyped-def]
+    q = torch.empty(2, q_heads, seq, q_dim, dtype=dtype)
+    k = torch.empty(2, kv_heads, kv_seq or seq, k_dim or q_dim, dtype=dtype)
+    v = torch.empty(2, kv_heads, kv_seq or seq, v_dim or q_dim, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    ("case", "tensors", "causal", "gqa", "capability", "expected"),
+    [
+        # flash's head-dim limit is 256 inclusive.
+        ("256 flash", _tensors(q_dim=256), False, False, (9, 0), "flash"),
+        ("264 not flash", _tensors(q_dim=264), False, False, (9, 0), "efficient"),
+        # sm86/89/120 training: 192 < head_dim <= 224 excluded from flash, both ends checked.
+        ("sm86 192 flash", _tensors(q_dim=192), False, False, (8, 6), "flash"),
+        ("sm86 200 no", _tensors(q_dim=200), False, False, (8, 6), "efficient"),
+        ("sm86 224 no", _tensors(q_dim=224), False, False, (8, 6), "efficient"),
+        ("sm86 232 flash", _tensors(q_dim=232), False, False, (8, 6), "flash"),
+        ("sm120 200 no", _tensors(q_dim=200), False, False, (12, 0), "efficient"),
+        ("sm87 200 flash", _tensors(q_dim=200), False, False, (8, 7), "flash"),
+        ("sm90 200 flash", _tensors(q_dim=200), False, False, (9, 0), "flash"),
+        # Flash needs one head dim for q, k and v; memory-efficient needs q's = k's only.
+        ("v differs", _tensors(q_dim=64, v_dim=32), False, False, (9, 0), "efficient"),
+        ("k differs", _tensors(q_dim=64, k_dim=32), False, False, (9, 0), "math"),
+        # Memory-efficient's alignment: a multiple of 8 (16-bit) or 4 (fp32) from sm80; 8 / 1 on sm7x.
+        ("fp32 66 on A100", _tensors(q_dim=66, dtype=F32), False, False, (8, 0), "math"),
+        ("fp32 68 on A100", _tensors(q_dim=68, dtype=F32), False, False, (8, 0), "efficient"),
+        ("fp32 66 on V100", _tensors(q_dim=66, dtype=F32), False, False, (7, 0), "efficient"),
+        ("fp16 68 on T4", _tensors(q_dim=68, dtype=torch.float16), False, False, (7, 5), "math"),
+        ("fp16 72 on T4", _tensors(q_dim=72, dtype=torch.float16), False, False, (7, 5), "efficient"),
+        ("fp16 68 on sm60", _tensors(q_dim=68, dtype=torch.float16), False, False, (6, 0), "efficient"),
+        ("fp16 65 on sm60", _tensors(q_dim=65, dtype=torch.float16), False, False, (6, 0), "efficient"),
+        ("fp32 65 on V100", _tensors(q_dim=65, dtype=F32), False, False, (7, 0), "efficient"),
+        ("fp32 65 on A100", _tensors(q_dim=65, dtype=F32), False, False, (8, 0), "math"),
+        ("bf16 masked sm80", _tensors(), True, False, (8, 0), "flash"),
+        ("fp16 sm50", _tensors(dtype=torch.float16), False, False, (5, 0), "efficient"),
+        ("fp16 sm37", _tensors(dtype=torch.float16), False, False, (3, 7), "math"),
+        # Grouped heads: flash with enable_gqa when the query heads are a multiple of the key heads.
+        ("gqa 8/2", _tensors(q_heads=8, kv_heads=2), True, True, (9, 0), "flash"),
+        ("gqa 8/3", _tensors(q_heads=8, kv_heads=3), True, True, (9, 0), "math"),
+        ("gqa without the flag", _tensors(q_heads=8, kv_heads=2), True, False, (9, 0), "math"),
+        # Causal with different query and key lengths: not flash (its causal mask is top-left).
+        ("causal 128/256", _tensors(kv_seq=256), True, False, (9, 0), "efficient"),
+        ("not causal 128/256", _tensors(kv_seq=256), False, False, (9, 0), "flash"),
+        # Shapes no fused kernel takes: empty sequences, a last dim with a stride, not 4-d.
+        ("empty sequence", _tensors(seq=0), False, False, (9, 0), "math"),
+        ("strided last dim", tuple(t.transpose(-1, -2) for t in _tensors(seq=64)), False, False, (9, 0), "math"),
+        ("3-d", tuple(t[0] for t in _tensors()), False, False, (9, 0), "math"),
+    ],
+)
+def test_sdpa_backend_boundaries(case, tensors, causal, gqa, capability, expected) -> None:  # type: ignore[no-untyped-def]
+    """Each rule of sdp_utils.cpp just inside and just outside its limit (torch 2.11-2.14)."""
+    q, k, v = tensors
+    assert select_sdpa_backend(q, k, v, None, causal, gqa, capability) == expected, case
+
+
+def test_cublas_workspace_is_32_mib_on_hopper_only() -> None:
+    """CublasHandlePool.cpp: ":4096:8" on sm90, ":4096:2:16:8" elsewhere (torch 2.11-2.14)."""
+    from memplan.estimator.cuda.kernels import cublas_workspace_bytes
+
+    assert cublas_workspace_bytes((9, 0)) == 32 * 2**20
+    assert [cublas_workspace_bytes(cc) for cc in ((8, 0), (8, 9), (9, 1), (10, 0), (7, 5))] == [
+        4096 * 1024 * 2 + 16 * 1024 * 8
+    ] * 5
