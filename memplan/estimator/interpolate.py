@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from memplan.estimator.cuda.allocator import CachingAllocator, round_size
-from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, replay_steady_state
+from memplan.estimator.cuda.allocator import round_size
+from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, reserved_peak_bytes
 
 
 def _requested(allocation: TimelineAllocation) -> int:
@@ -81,11 +81,7 @@ def same_requests(first: MemoryTimeline, second: MemoryTimeline) -> bool:
 
 def fit_bytes(timeline: MemoryTimeline, cuda: bool) -> int:
     """What a budget must hold, as Simulation.fit_bytes: the reserved peak on cuda, else the peak."""
-    if cuda:
-        allocator = CachingAllocator()
-        replay_steady_state(timeline, allocator)
-        return allocator.max_reserved_bytes
-    return max(timeline.total_bytes())
+    return reserved_peak_bytes(timeline) if cuda else max(timeline.total_bytes())
 
 
 def phase_fit_bytes(timeline: MemoryTimeline, cuda: bool) -> dict[str, int]:

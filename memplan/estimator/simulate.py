@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memplan.estimator.cuda.allocator import CachingAllocator, round_size
-from memplan.estimator.cuda.cudnn import conv_calls, workspace_band_bytes
+from memplan.estimator.cuda.allocator import round_size
+from memplan.estimator.cuda.cudnn import CONV_OPS, conv_calls, workspace_band_bytes
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
@@ -24,7 +24,7 @@ from memplan.estimator.timeline import (
     PHASES,
     MemoryTimeline,
     TimelineAllocation,
-    replay_steady_state,
+    reserved_peak_bytes,
 )
 from memplan.estimator.trace import TracedStep
 from memplan.gpus import DEFAULT_GPU, gpu_named
@@ -223,7 +223,7 @@ def conv_workspaces(traced: TracedStep, nodes: list[OpNode]) -> dict[int, int]:
     capability = gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability
     workspaces = {}
     for index, node in enumerate(nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target not in CONV_OPS:
             continue
         args, _ = _fake_args(node)
         calls = conv_calls(node.target, args, node.meta.get("val"))
@@ -259,12 +259,6 @@ def _live_bytes(
     return live_bytes, peak_bytes, peak_node, phase_peaks
 
 
-def _reserved_peak(timeline: MemoryTimeline) -> int:
-    allocator = CachingAllocator()
-    replay_steady_state(timeline, allocator)
-    return allocator.max_reserved_bytes
-
-
 def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulation:
     """`lifetimes`: the trace's liveness when the caller already has it."""
     lifetimes = lifetimes or liveness(traced)
@@ -272,11 +266,11 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     workspaces = cublas_workspaces(traced)
     conv = conv_workspaces(traced, nodes)
     timeline = memory_timeline(traced, lifetimes, workspaces, conv)
-    reserved = _reserved_peak(timeline) if traced.settings.device == "cuda" else None
+    reserved = reserved_peak_bytes(timeline) if traced.settings.device == "cuda" else None
     low_peak = low_reserved = None  # only where there are convolutions on cuda
     if conv:
         low_peak = _live_bytes(traced, lifetimes, sum(workspaces), {})[1]
-        low_reserved = _reserved_peak(memory_timeline(traced, lifetimes, workspaces, {}))
+        low_reserved = reserved_peak_bytes(memory_timeline(traced, lifetimes, workspaces, {}))
     rounded_conv = {index: round_size(nbytes) for index, nbytes in conv.items()}
     live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), rounded_conv)
 

@@ -125,3 +125,10 @@ def replay_steady_state(
                 allocator.free(handle)
                 if last and on_event is not None:
                     on_event("free", handle, allocation)
+
+
+def reserved_peak_bytes(timeline: MemoryTimeline) -> int:
+    """max_memory_reserved of the steady-state iteration: the timeline replayed through a fresh simulator."""
+    allocator = CachingAllocator()
+    replay_steady_state(timeline, allocator)
+    return allocator.max_reserved_bytes

@@ -42,6 +42,7 @@ aten = torch.ops.aten
 
 CONV_FORWARD_OPS = frozenset({aten.convolution.default})
 CONV_BACKWARD_OPS = frozenset({aten.convolution_backward.default})
+CONV_OPS = CONV_FORWARD_OPS | CONV_BACKWARD_OPS
 
 
 @dataclass(frozen=True)
