@@ -8,12 +8,14 @@ gradients) and graph outputs (gradients, freed by zero_grad at the iteration's e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.estimator.cuda.allocator import round_size
+from memplan.estimator.cuda.attention_scratch import FLASH_BACKWARD, attention_backward_scratch
 from memplan.estimator.cuda.cudnn import CONV_OPS, conv_calls, workspace_band_bytes
 from memplan.estimator.cuda.kernels import cublas_workspace_bytes
 from memplan.estimator.leaves import map_leaves, tensors_in
@@ -40,6 +42,12 @@ CUBLAS_OPS = {
     torch.ops.aten.mv.default,
     torch.ops.aten.addmv.default,
     torch.ops.aten.dot.default,
+}
+
+
+ATTENTION_BACKWARD_OPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
 }
 
 
@@ -212,25 +220,40 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]
 
 
-def conv_workspaces(traced: TracedStep, nodes: list[OpNode]) -> dict[int, int]:
-    """The top of each convolution node's cuDNN workspace band in bytes requested, by node index (cuda only).
+# A transient request a CUDA kernel makes and frees within its op: (what it is, bytes requested).
+Scratch = tuple[str, int]
 
-    A backward node runs backward-data, then backward-weight, each freeing its workspace before
-    the next starts, so the node's transient is the larger of the two.
-    """
+
+def _kernel_transients(
+    traced: TracedStep, nodes: list[OpNode], targets: set | frozenset, rule: Callable[..., tuple[Scratch, ...]]
+) -> dict[int, tuple[Scratch, ...]]:
+    """`rule(node, args, compute_capability)` for each node calling one of `targets`, by node index
+    (cuda only; nodes whose rule requests nothing are left out)."""
     if traced.settings.device != "cuda":
         return {}
     capability = gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability
-    workspaces = {}
+    transients = {}
     for index, node in enumerate(nodes):
-        if node.op != "call_function" or node.target not in CONV_OPS:
-            continue
-        args, _ = _fake_args(node)
-        calls = conv_calls(node.target, args, node.meta.get("val"))
-        high = max((workspace_band_bytes(call, capability)[1] for call in calls), default=0)
-        if high:
-            workspaces[index] = high
-    return workspaces
+        if node.op == "call_function" and node.target in targets:
+            requests = rule(node, _fake_args(node)[0], capability)
+            if requests:
+                transients[index] = requests
+    return transients
+
+
+def _conv_workspace(node: OpNode, args: tuple, capability: tuple[int, int]) -> tuple[Scratch, ...]:
+    """The top of a convolution node's cuDNN workspace band. A backward node runs backward-data, then
+    backward-weight, each freeing its workspace before the next starts: the larger of the two."""
+    calls = conv_calls(node.target, args, node.meta.get("val"))
+    high = max((workspace_band_bytes(call, capability)[1] for call in calls), default=0)
+    return ((f"cudnn workspace ({_op_name(node)})", high),) if high else ()
+
+
+def _attention_scratch(node: OpNode, args: tuple, capability: tuple[int, int]) -> tuple[Scratch, ...]:
+    """What an attention backward node allocates besides its gradients (memplan.estimator.cuda.attention_scratch)."""
+    kernel = "flash" if node.target == FLASH_BACKWARD else "memory-efficient"
+    requests = attention_backward_scratch(node.target, args, capability)
+    return tuple((f"{kernel} attention backward scratch", nbytes) for nbytes in requests)
 
 
 def _live_bytes(
@@ -264,18 +287,20 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     lifetimes = lifetimes or liveness(traced)
     nodes, size, born, last_use = lifetimes.nodes, lifetimes.size, lifetimes.born, lifetimes.last_use
     workspaces = cublas_workspaces(traced)
-    conv = conv_workspaces(traced, nodes)
-    timeline = memory_timeline(traced, lifetimes, workspaces, conv)
+    exact = _kernel_transients(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch)  # in both ends of the band
+    conv = _kernel_transients(traced, nodes, CONV_OPS, _conv_workspace)  # the band's top
+    transients = {**exact, **conv}
+    timeline = memory_timeline(traced, lifetimes, workspaces, transients)
     reserved = reserved_peak_bytes(timeline) if traced.settings.device == "cuda" else None
     low_peak = low_reserved = None  # only where there are convolutions on cuda
     if conv:
-        low_peak = _live_bytes(traced, lifetimes, sum(workspaces), {})[1]
-        low_reserved = reserved_peak_bytes(memory_timeline(traced, lifetimes, workspaces, {}))
-    rounded_conv = {index: round_size(nbytes) for index, nbytes in conv.items()}
-    live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), rounded_conv)
+        low_peak = _live_bytes(traced, lifetimes, sum(workspaces), _rounded(exact))[1]
+        low_reserved = reserved_peak_bytes(memory_timeline(traced, lifetimes, workspaces, exact))
+    rounded = _rounded(transients)
+    live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), rounded)
 
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
-    breakdown["workspaces"] = sum(workspaces) + rounded_conv.get(peak_node, 0)
+    breakdown["workspaces"] = sum(workspaces) + rounded.get(peak_node, 0)
     for key in size:
         if born[key] <= peak_node <= last_use[key]:
             breakdown[_category(key, born[key], last_use[key], traced)] += size[key]
@@ -296,12 +321,21 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     )
 
 
+def _rounded(transients: dict[int, tuple[Scratch, ...]]) -> dict[int, int]:
+    """Bytes each node's transients add to memory_allocated while it runs."""
+    return {index: sum(round_size(nbytes) for _, nbytes in requests) for index, requests in transients.items()}
+
+
 def memory_timeline(
-    traced: TracedStep, lifetimes: Liveness, workspaces: list[int], conv_workspaces: dict[int, int] | None = None
+    traced: TracedStep,
+    lifetimes: Liveness,
+    workspaces: list[int],
+    transients: dict[int, tuple[Scratch, ...]] | None = None,
 ) -> MemoryTimeline:
     """Every storage of the step with its lifetime and category, workspaces first, then in request order.
 
-    A convolution's cuDNN workspace is requested after the node's outputs and freed when it ends.
+    A kernel's transients (a cuDNN workspace, attention backward scratch) are requested after the
+    node's outputs and freed when it ends.
     """
     end = len(lifetimes.nodes)
     allocations = [TimelineAllocation(0, end, size, "workspaces", "cublas workspace", None) for size in workspaces]
@@ -318,9 +352,9 @@ def memory_timeline(
                 requested_bytes=lifetimes.requested[key],
             )
         )
-    for index, nbytes in (conv_workspaces or {}).items():  # after the storages: the sort below is stable
-        op = f"cudnn workspace ({_op_name(lifetimes.nodes[index])})"
-        allocations.append(TimelineAllocation(index, index, round_size(nbytes), "workspaces", op, None, nbytes))
+    for index, requests in (transients or {}).items():  # after the storages: the sort below is stable
+        for op, nbytes in requests:
+            allocations.append(TimelineAllocation(index, index, round_size(nbytes), "workspaces", op, None, nbytes))
     allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
     return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))
 

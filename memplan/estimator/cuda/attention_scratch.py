@@ -1,0 +1,106 @@
+"""What CUDA's attention backward kernels allocate beyond the gradients they return.
+
+The traced ops (`_scaled_dot_product_flash_attention_backward`, `..._efficient_attention_backward`)
+produce only their gradients on fake tensors; on a GPU each call also allocates scratch through the
+caching allocator and frees it when the call returns. These rules give the sizes, all requested
+together and freed at the op's end (torch 2.11-2.14 sources):
+
+Flash (aten/src/ATen/native/transformers/cuda/attention_backward.cu `_flash_attention_backward`,
+flash_attn/flash_api.cpp `mha_bwd`; the tensors arrive as [batch, seq, heads, head_dim]):
+- `grad_out.contiguous()` and `out.contiguous()`: a copy of each that is not contiguous in that layout;
+- `softmax_d`: float32 [batch, heads, seq_q rounded up to 128], returned and dropped by the caller;
+- `dq_accum`: float32 [batch, seq_q rounded to 128, heads, head_dim rounded to 32 (64 above 128)].
+  Under `torch.use_deterministic_algorithms(True)` it gains a leading dimension of
+  ceil(SMs / (batch * heads)) splits; memplan does not model that mode;
+- grouped-query attention (fewer key/value heads): `dk_expanded` and `dv_expanded`, [batch,
+  seq_k, heads, head_dim] in the input's dtype, summed into dk and dv after the kernel.
+
+Memory-efficient (attention_backward.cu `_efficient_attention_backward`, the cutlass kernel of
+mem_eff_attention/kernel_backward.h):
+- `delta`: float32 [batch, heads, seq_q]. 16-bit kernels compute it in the kernel
+  (kKernelComputesDelta); float32 ones first compute `(grad_out.float() * out.float()).sum(-1)`,
+  a float32 product the size of the output, freed before the kernel runs;
+- the grad-query accumulator (kNeedsAccumGradQ: every kernel from sm70): float32 tiles covering
+  [batch, heads, seq_q, head_dim]. memplan counts the unpadded float32 size, so this is a lower
+  bound: the tile padding (64 or 128 rows, the kernel's column width) and the grad-key/value
+  split-key staging (kNeedsAccumGradK/V, at most 200 / (batch * heads) splits) are not modelled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_backward.default
+EFFICIENT_BACKWARD = aten._scaled_dot_product_efficient_attention_backward.default
+FLOAT32_BYTES = 4
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _contiguous_as_kernel_reads(tensor: torch.Tensor) -> bool:
+    """Whether [batch, heads, seq, dim] transposed to [batch, seq, heads, dim] needs no copy."""
+    return tensor.transpose(1, 2).is_contiguous()
+
+
+def flash_backward_scratch(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """Bytes requested by one flash-attention backward call besides its gradients, in request order.
+
+    Arguments as the traced op takes them: [batch, heads, seq, head_dim], head_dim already padded
+    to a multiple of 8.
+    """
+    batch, heads, seq_q, head_dim = query.shape
+    heads_k, seq_k = key.shape[1], key.shape[2]
+    requests = []
+    if not _contiguous_as_kernel_reads(grad_out):
+        requests.append(_nbytes(grad_out))
+    if not _contiguous_as_kernel_reads(out):
+        requests.append(_nbytes(out))
+    seq_q_rounded = _round_up(seq_q, 128)
+    head_dim_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
+    requests.append(batch * heads * seq_q_rounded * FLOAT32_BYTES)  # softmax_d
+    requests.append(batch * seq_q_rounded * heads * head_dim_rounded * FLOAT32_BYTES)  # dq_accum
+    if heads_k != heads:
+        expanded = batch * seq_k * heads * head_dim * query.element_size()
+        requests += [expanded, expanded]  # dk_expanded, dv_expanded
+    return tuple(requests)
+
+
+def efficient_backward_scratch(
+    grad_out: torch.Tensor, query: torch.Tensor, compute_capability: tuple[int, int]
+) -> tuple[int, ...]:
+    """Bytes requested by one memory-efficient attention backward call while its kernel runs.
+
+    A float32 call's delta product (the output's size, freed before the kernel) is returned
+    instead when it is larger than what the kernel holds.
+    """
+    batch, heads, seq_q, head_dim = query.shape
+    delta = batch * heads * seq_q * FLOAT32_BYTES
+    accumulator = batch * heads * seq_q * head_dim * FLOAT32_BYTES if compute_capability >= (7, 0) else 0
+    during_kernel = (delta, accumulator) if accumulator else (delta,)
+    if grad_out.dtype == torch.float32:
+        product = grad_out.numel() * FLOAT32_BYTES
+        before_kernel = (product, batch * seq_q * heads * FLOAT32_BYTES)  # the product, then its sum
+        if sum(before_kernel) > sum(during_kernel):
+            return before_kernel
+    return during_kernel
+
+
+def attention_backward_scratch(target: object, args: tuple, compute_capability: tuple[int, int]) -> tuple[int, ...]:
+    """The scratch requests of one traced attention backward op; () for any other op."""
+    if target == FLASH_BACKWARD:
+        grad_out, query, key, _value, out = args[:5]
+        return flash_backward_scratch(grad_out, query, key, out)
+    if target == EFFICIENT_BACKWARD:
+        grad_out, query = args[0], args[1]
+        return efficient_backward_scratch(grad_out, query, compute_capability)
+    return ()
