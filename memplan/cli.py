@@ -171,6 +171,39 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "device total and taken off --gpu's memory [default: 512 MiB, memplan's estimate].",
         ),
         click.option(
+            "--cudnn-benchmark",
+            is_flag=True,
+            help="The run sets torch.backends.cudnn.benchmark = True (convolutions: see docs/concepts.md).",
+        ),
+        click.option(
+            "--deterministic",
+            is_flag=True,
+            help="The run calls torch.use_deterministic_algorithms(True) (flash attention's backward keeps more).",
+        ),
+        click.option(
+            "--cudnn-tf32/--no-cudnn-tf32",
+            "cudnn_allow_tf32",
+            default=True,
+            show_default=True,
+            help="torch.backends.cudnn.allow_tf32: off, fp32 convolutions leave tensor cores (no workspace band).",
+        ),
+        click.option(
+            "--cudnn-workspace-cap",
+            "cudnn_workspace_cap_mib",
+            type=click.IntRange(min=0),
+            metavar="MIB",
+            envvar="CUDNN_CONV_WSCAP_DBG",
+            show_envvar=True,
+            help="Cap each cuDNN convolution workspace at MIB MiB, as CUDNN_CONV_WSCAP_DBG does.",
+        ),
+        click.option(
+            "--cublas-workspace-config",
+            metavar=":SIZE:COUNT",
+            envvar="CUBLAS_WORKSPACE_CONFIG",
+            show_envvar=True,
+            help="The run's CUBLAS_WORKSPACE_CONFIG (e.g. :4096:8 or :16:8): the size of each cuBLAS workspace.",
+        ),
+        click.option(
             "--loop",
             type=click.Choice(LOOPS),
             default="canonical",
@@ -262,9 +295,31 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
     return merged
 
 
+# Options a CUDA library's own environment variable also sets (click's envvar=).
+_ENVIRONMENT_OPTIONS = {
+    "cudnn_workspace_cap_mib": "CUDNN_CONV_WSCAP_DBG",
+    "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
+}
+
+
+def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
+    """Say which settings came from the environment; a CUDA variable means nothing for a cpu target."""
+    from click.core import ParameterSource
+
+    context = click.get_current_context()
+    for name, variable in _ENVIRONMENT_OPTIONS.items():
+        if context.get_parameter_source(name) != ParameterSource.ENVIRONMENT:
+            continue
+        if settings.get("device") == "cpu":
+            settings[name] = None
+        elif not as_json and not _quiet():
+            _stderr_console().print(f"[dim]from the environment: {variable}={settings[name]}[/dim]")
+    return settings
+
+
 def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as_json: bool, **options: Any) -> Any:
     """One library call with the options every command shares: the model's source, --hf-args, progress."""
-    settings = dict(settings)
+    settings = _with_environment(dict(settings), as_json)
     source = {key: settings.pop(key) for key in ("inputs", "loss", "task")}
     merged = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner
     return function(model, **source, **options, **merged, progress=_progress(as_json))

@@ -54,6 +54,11 @@ class Gpu:
     measured: bool = False  # total_bytes read on a lent machine, not taken from public reports
 
     @property
+    def multiprocessors(self) -> int:
+        """Streaming multiprocessors (cudaDeviceProp.multiProcessorCount); see MULTIPROCESSORS."""
+        return MULTIPROCESSORS[self.name]
+
+    @property
     def usable_bytes(self) -> int:
         return self.total_bytes - CONTEXT_BYTES
 
@@ -107,6 +112,26 @@ GPUS = {
         Gpu("V100-32GB", 32768 * MiB, (7, 0), Throughput(15.7 * TERA, None, 125 * TERA, None, 900 * GIGA)),
         Gpu("V100-16GB", 16160 * MiB, (7, 0), Throughput(15.7 * TERA, None, 125 * TERA, None, 900 * GIGA)),
     )
+}
+# Streaming multiprocessors per card, from NVIDIA's datasheets and architecture whitepapers (H100
+# SXM5 and NVL 132, H200 132, A100 108, L40S 142, RTX A6000 84, L4 58, RTX 4090 128, RTX 3090 82,
+# T4 40, V100 80); A10G, AWS's A10 variant, reports 80 (the A10 has 72). Kernels that split work
+# across the whole GPU size buffers by it (flash attention's deterministic backward).
+MULTIPROCESSORS = {
+    "H200": 132,
+    "H100-80GB": 132,
+    "H100-94GB": 132,
+    "A100-80GB": 108,
+    "A100-40GB": 108,
+    "L40S": 142,
+    "A6000": 84,
+    "L4": 58,
+    "A10G": 80,
+    "RTX-4090": 128,
+    "RTX-3090": 82,
+    "T4": 40,
+    "V100-32GB": 80,
+    "V100-16GB": 80,
 }
 # What memplan assumes about kernels when no --gpu is named: the generation of an H100.
 DEFAULT_GPU = "H100-80GB"

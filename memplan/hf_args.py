@@ -9,6 +9,10 @@ trainer.py `get_optimizer_cls_and_kwargs` and training_args.py):
   which checkpoints every decoder/encoder layer, as memplan's "all" does)
 - bf16 / fp16: true -> amp-bf16 / amp-fp16 (Trainer autocasts through accelerate; the weights stay fp32)
 - optim -> OPTIMS below; the default is adamw_torch_fused, as TrainingArguments' on torch >= 2.8
+- full_determinism: true -> deterministic algorithms, cudnn.benchmark off and CUBLAS_WORKSPACE_CONFIG
+  ":16:8" (trainer_utils.enable_full_determinism sets exactly these)
+- tf32: true / false -> torch.backends.cudnn.allow_tf32 (training_args.py enable_tf32 sets it with
+  the matmul flag); left out, the torch default (true for cuDNN) stands
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ READ_KEYS = frozenset(
         "optim_args",
         "max_grad_norm",
         "torch_compile",
+        "full_determinism",
+        "tf32",
         *_SHARDING_KEYS,
     }
 )
@@ -172,6 +178,10 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
             "optim adafactor is transformers' Adafactor; memplan traces torch.optim.Adafactor, whose factored "
             "state has the same shapes"
         )
+    if _flag(data, "full_determinism"):
+        settings.update(deterministic=True, cudnn_benchmark=False, cublas_workspace_config=":16:8")
+    if data.get("tf32") is not None:
+        settings["cudnn_allow_tf32"] = _flag(data, "tf32")
     # Trainer's own loop: clipping to max_grad_norm before the step, model.zero_grad() after it.
     settings["loop"] = "hf-trainer"
     max_grad_norm = data.get("max_grad_norm", 1.0)

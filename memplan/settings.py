@@ -157,6 +157,12 @@ class TrainingSettings:
     attn_impl: str = "sdpa"  # transformers' attn_implementation
     loop: str = "canonical"  # one of LOOPS: where zero_grad runs, what stays alive (memplan.estimator.loop)
     cuda_context: int | None = None  # bytes nvidia-smi shows beyond reserved; None = memplan.gpus.CONTEXT_BYTES
+    # The CUDA libraries as the run configures them (memplan.estimator.cuda.cudnn, .cublas, docs/concepts.md):
+    cudnn_benchmark: bool = False  # torch.backends.cudnn.benchmark
+    deterministic: bool = False  # torch.use_deterministic_algorithms(True) (and cudnn.deterministic)
+    cudnn_allow_tf32: bool = True  # torch.backends.cudnn.allow_tf32
+    cudnn_workspace_cap_mib: int | None = None  # CUDNN_CONV_WSCAP_DBG
+    cublas_workspace_config: str | None = None  # CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -180,6 +186,7 @@ class TrainingSettings:
                 raise SettingsError("--cuda-context is the CUDA context of a GPU; it has no meaning with --device cpu")
             if self.cuda_context < 0:
                 raise SettingsError(f"CUDA context must be 0 or more bytes, got {self.cuda_context}")
+        self._check_cuda_libraries()
         if self.gpu is not None:
             if self.device != "cuda":
                 raise SettingsError(
@@ -191,6 +198,30 @@ class TrainingSettings:
             raise SettingsError(
                 f"torch has no fused implementation of {self.optimizer}; "
                 "use --optimizer-impl default, foreach or for-loop"
+            )
+
+    def _check_cuda_libraries(self) -> None:
+        from memplan.estimator.cuda.cublas import config_bytes
+
+        given = [
+            flag
+            for flag, value, default in (
+                ("--cudnn-benchmark", self.cudnn_benchmark, False),
+                ("--no-cudnn-tf32", self.cudnn_allow_tf32, True),
+                ("--cudnn-workspace-cap (CUDNN_CONV_WSCAP_DBG)", self.cudnn_workspace_cap_mib, None),
+                ("--cublas-workspace-config (CUBLAS_WORKSPACE_CONFIG)", self.cublas_workspace_config, None),
+            )
+            if value != default
+        ]
+        if given and self.device != "cuda":
+            raise SettingsError(f"{given[0]} configures a CUDA library; it has no meaning with --device cpu")
+        cap = self.cudnn_workspace_cap_mib
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise SettingsError(f"the cuDNN workspace cap is a number of MiB, 0 or more; got {cap!r}")
+        config = self.cublas_workspace_config
+        if config is not None and config_bytes(config) is None:
+            raise SettingsError(
+                f"cannot read CUBLAS_WORKSPACE_CONFIG {config!r}: it is :SIZE:COUNT pairs in KiB, e.g. :4096:8 or :16:8"
             )
 
     @property

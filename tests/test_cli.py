@@ -282,3 +282,31 @@ def test_a_long_command_reports_progress_on_stderr_when_piped_and_keeps_stdout_j
     assert json.loads(done.stdout)["max_batch_size"] > 8  # stdout is the JSON alone
     progress = [line for line in done.stderr.splitlines() if line.startswith("memplan: tracing batch size")]
     assert [line.split("(trace ")[1] for line in progress][:2] == ["1)", "2)"]  # what it does, and how far
+
+
+def test_cuda_library_switches_come_from_flags_or_their_environment_variables(tiny_model_dirs):
+    model = tiny_model_dirs["gpt2"]
+    common = ("estimate", model, "-b", "2", "--seq-len", "32", "--gpu", "A100-80GB", "--json")
+    default = json.loads(run(*common).stdout)
+    # Two cuBLAS workspaces (the forward thread and autograd's), each :16:8 = 128 KiB instead of 8.125 MiB.
+    small = json.loads(run(*common, "--cublas-workspace-config", ":16:8").stdout)
+    assert small["settings"]["cublas_workspace_config"] == ":16:8"
+    saved = 2 * (4096 * 1024 * 2 + 16 * 1024 * 8 - 16 * 1024 * 8)
+    assert default["peak_bytes"] - small["peak_bytes"] == saved
+    from_environment = CliRunner().invoke(main, list(common), env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"})
+    assert json.loads(from_environment.stdout)["peak_bytes"] == small["peak_bytes"]
+    text = CliRunner().invoke(main, list(common[:-1]), env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"})
+    assert "from the environment: CUBLAS_WORKSPACE_CONFIG=:16:8" in text.stderr
+    # A CUDA variable in the environment means nothing for a cpu target; a flag given for one is refused.
+    cpu = CliRunner().invoke(
+        main,
+        ["estimate", model, "-b", "2", "--seq-len", "32", "--device", "cpu", "--json"],
+        env={"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUDNN_CONV_WSCAP_DBG": "64"},
+    )
+    assert cpu.exit_code == 0 and json.loads(cpu.stdout)["settings"]["cublas_workspace_config"] is None
+    refused = run("estimate", model, "--device", "cpu", "--cudnn-benchmark")
+    assert refused.exit_code == 2 and "--cudnn-benchmark configures a CUDA library" in refused.output
+    unreadable = run(*common, "--cublas-workspace-config", "4096:8")
+    assert unreadable.exit_code == 2 and "cannot read CUBLAS_WORKSPACE_CONFIG '4096:8'" in unreadable.output
+    deterministic = json.loads(run(*common, "--deterministic").stdout)
+    assert any("CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8" in note for note in deterministic["notes"])

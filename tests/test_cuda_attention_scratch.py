@@ -127,3 +127,17 @@ def test_each_scratch_request_reads_its_own_argument() -> None:
     assert attention_backward_scratch(EFFICIENT_BACKWARD, args, P100) == (1 * 2 * 100 * 16 * 4, 1 * 100 * 2 * 4)
     # On sm90 the kernel holds delta (800) and the accumulator (6,400): less than the product and its sum.
     assert attention_backward_scratch(EFFICIENT_BACKWARD, args, H100) == (1 * 2 * 100 * 16 * 4, 1 * 100 * 2 * 4)
+
+
+def test_deterministic_flash_splits_dq_accum_over_the_multiprocessors() -> None:
+    q = _bshd_as_bhsd(1, 128, 2, 64)
+    one_split = 1 * 128 * 2 * 64 * 4
+    # ceil(132 / (1 x 2)) = 66 splits on an H100; ceil(108 / 2) = 54 on an A100.
+    assert flash_backward_scratch(q, q, q, q, deterministic_multiprocessors=132)[1] == 66 * one_split
+    assert flash_backward_scratch(q, q, q, q, deterministic_multiprocessors=108)[1] == 54 * one_split
+    wide = _bshd_as_bhsd(16, 128, 16, 64)  # 256 batch-heads >= 132: one split
+    assert flash_backward_scratch(wide, wide, wide, wide, 132)[1] == 16 * 128 * 16 * 64 * 4
+    settings = TrainingSettings(batch_size=2, optimizer="sgd", precision="amp-bf16", gpu="A100-80GB")
+    deterministic = simulate(trace_step(_spec(), settings.replace(deterministic=True)))
+    dq_accum = [a for a in deterministic.timeline.allocations if "attention backward scratch" in a.op][1]
+    assert dq_accum.requested_bytes == -(-108 // (2 * 4)) * 2 * 256 * 4 * 64 * 4  # 14 splits

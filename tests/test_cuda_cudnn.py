@@ -129,3 +129,30 @@ def test_no_cudnn_workspaces_on_the_cpu_or_where_no_tensor_core_path_applies() -
         simulation = simulate(trace_step(_spec(), settings))
         assert not [a for a in simulation.timeline.allocations if a.op.startswith("cudnn workspace")]
         assert simulation.conv_workspace_free_reserved_peak_bytes is None
+
+
+def test_the_users_switches_change_the_band_as_cudnn_would() -> None:
+    from memplan.estimator.cuda.cudnn import CudnnSwitches
+
+    no_tf32 = CudnnSwitches(allow_tf32=False)
+    # cudnn.allow_tf32 = False: fp32 convolutions have no tensor-core path, so nothing to transform.
+    assert workspace_band_bytes(_call(torch.float32), A100, no_tf32) == (0, 0)
+    assert workspace_band_bytes(_call(torch.bfloat16), A100, no_tf32) == (0, 4200)  # 16-bit is unaffected
+    # CUDNN_CONV_WSCAP_DBG: each call's top is capped, never raised.
+    assert workspace_band_bytes(_call(torch.float16), H100, CudnnSwitches(workspace_cap_bytes=1000)) == (0, 1000)
+    assert workspace_band_bytes(_call(torch.float16), H100, CudnnSwitches(workspace_cap_bytes=5000)) == (0, 4200)
+    assert workspace_band_bytes(_call(torch.float16), H100, CudnnSwitches(workspace_cap_bytes=0)) == (0, 0)
+
+
+def test_the_simulation_applies_the_cap_and_the_tf32_switch() -> None:
+    x, w1, y1 = 4 * 3 * 32 * 32 * 4, 16 * 3 * 9 * 4, 4 * 16 * 30 * 30 * 4
+    capped = TrainingSettings(batch_size=4, optimizer="sgd", gpu="A100-40GB", cudnn_workspace_cap_mib=0)
+    assert not [a for a in simulate(trace_step(_spec(), capped)).timeline.allocations if "cudnn" in a.op]
+    one_mib = TrainingSettings(batch_size=4, optimizer="sgd", gpu="A100-40GB", cudnn_workspace_cap_mib=1)
+    workspaces = [a for a in simulate(trace_step(_spec(), one_mib)).timeline.allocations if "cudnn" in a.op]
+    assert x + w1 + y1 < 2**20 and workspaces[0].requested_bytes == x + w1 + y1  # under the cap: unchanged
+    assert max(a.requested_bytes for a in workspaces) <= 2**20
+    no_tf32 = TrainingSettings(batch_size=4, optimizer="sgd", gpu="A100-40GB", cudnn_allow_tf32=False)
+    simulation = simulate(trace_step(_spec(), no_tf32))
+    assert not [a for a in simulation.timeline.allocations if "cudnn" in a.op]
+    assert simulation.conv_workspace_free_peak_bytes is None

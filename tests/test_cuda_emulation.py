@@ -381,9 +381,22 @@ def test_sdpa_backend_boundaries(case, tensors, causal, gqa, capability, expecte
 
 def test_cublas_workspace_is_32_mib_on_hopper_only() -> None:
     """CublasHandlePool.cpp: ":4096:8" on sm90, ":4096:2:16:8" elsewhere (torch 2.11-2.14)."""
-    from memplan.estimator.cuda.kernels import cublas_workspace_bytes
+    from memplan.estimator.cuda.cublas import cublas_workspace_bytes
 
     assert cublas_workspace_bytes((9, 0)) == 32 * 2**20
     assert [cublas_workspace_bytes(cc) for cc in ((8, 0), (8, 9), (9, 1), (10, 0), (7, 5))] == [
         4096 * 1024 * 2 + 16 * 1024 * 8
     ] * 5
+
+
+def test_cublas_workspace_config_sets_the_size_as_torch_parses_it() -> None:
+    """CublasHandlePool.cpp parseChosenWorkspaceSize: each ":SIZE:COUNT" pair adds SIZE KiB x COUNT."""
+    from memplan.estimator.cuda.cublas import config_bytes, cublas_workspace_bytes
+
+    assert config_bytes(":16:8") == 16 * 1024 * 8
+    assert config_bytes(":4096:8") == 4096 * 1024 * 8
+    assert config_bytes(":4096:2:16:8") == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert config_bytes("4096") is None and config_bytes("") is None  # torch warns and keeps its default
+    assert cublas_workspace_bytes((9, 0), ":16:8") == 16 * 1024 * 8  # the variable beats the Hopper default
+    assert cublas_workspace_bytes((8, 0), ":4096:8") == 32 * 2**20
+    assert cublas_workspace_bytes((8, 0), None) == 4096 * 1024 * 2 + 16 * 1024 * 8

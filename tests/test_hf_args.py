@@ -68,6 +68,13 @@ def test_json_and_yaml_give_the_same_settings(tmp_path):
         ({"optim": "sgd", "optim_args": "momentum=0.9"}, {"optimizer": "sgd-momentum", "optimizer_impl": "default"}),
         ({"fp16": True}, {"precision": "amp-fp16"}),
         ({"bf16": "true"}, {"precision": "amp-bf16"}),
+        # trainer_utils.enable_full_determinism: deterministic algorithms, benchmark off, ":16:8" for cuBLAS.
+        (
+            {"full_determinism": True},
+            {"deterministic": True, "cudnn_benchmark": False, "cublas_workspace_config": ":16:8"},
+        ),
+        ({"tf32": False}, {"cudnn_allow_tf32": False}),
+        ({"tf32": True}, {"cudnn_allow_tf32": True}),
     ],
 )
 def test_fields_map_to_settings(tmp_path, fields, expected):
@@ -142,3 +149,8 @@ def test_a_misspelt_memory_field_is_an_error_and_other_unknown_keys_are_noted(tm
     notes = " ".join(read_training_args(old).notes)
     assert "evaluation_strategy (did you mean eval_strategy?)" in notes and "my_key" in notes
     assert "output_dir" not in notes and "learning_rate" not in notes  # real fields are not listed
+
+
+def test_without_full_determinism_or_tf32_the_torch_defaults_stand(tmp_path):
+    settings = read_training_args(write(tmp_path, "args.json", {"full_determinism": False})).settings
+    assert not {"deterministic", "cudnn_benchmark", "cublas_workspace_config", "cudnn_allow_tf32"} & set(settings)

@@ -44,6 +44,12 @@ def test_format_bytes_uses_binary_units():
         {"device": "tpu"},
         {"checkpoint": "some"},
         {"optimizer": "adafactor", "optimizer_impl": "fused"},
+        {"cudnn_workspace_cap_mib": -1},
+        {"cudnn_workspace_cap_mib": True},
+        {"cublas_workspace_config": "4096:8"},
+        {"device": "cpu", "cudnn_benchmark": True},
+        {"device": "cpu", "cudnn_allow_tf32": False},
+        {"device": "cpu", "cublas_workspace_config": ":16:8"},
     ],
 )
 def test_settings_reject_invalid(kwargs):

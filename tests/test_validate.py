@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -119,3 +120,29 @@ def test_a_configuration_that_fails_is_recorded_and_the_suite_goes_on(tmp_path) 
     assert not broken.measured and broken.error.startswith("TraceError: cannot trace b")
     saved = json.loads((tmp_path / "r.json").read_text())
     assert [entry["id"] for entry in saved["configs"]] == ["first", "broken", "last"]
+
+
+def test_the_measured_run_sets_the_cuda_library_switches_the_prediction_assumed(monkeypatch):
+    import torch
+
+    from memplan.validate.measure import configure_cuda_libraries
+
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "999")  # inherited, but not in the settings: removed
+    before = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    try:
+        configure_cuda_libraries(
+            TrainingSettings(
+                cudnn_benchmark=True, deterministic=True, cudnn_allow_tf32=False, cublas_workspace_config=":16:8"
+            )
+        )
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and "CUDNN_CONV_WSCAP_DBG" not in os.environ
+        assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.allow_tf32
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = before[:2]
+        torch.use_deterministic_algorithms(before[2])
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

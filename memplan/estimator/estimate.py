@@ -21,7 +21,7 @@ from memplan.settings import TrainingSettings, format_bytes
 Progress = Callable[[str], None]
 
 
-def _notes(settings: TrainingSettings) -> list[str]:
+def _notes(settings: TrainingSettings, has_convolutions: bool = False) -> list[str]:
     notes = []
     if settings.device == "cuda":
         notes.append(
@@ -34,8 +34,38 @@ def _notes(settings: TrainingSettings) -> list[str]:
                 f"device_peak_bytes counts a CUDA context of {format_bytes(settings.context_bytes)}, memplan's "
                 "estimate; it depends on the CUDA version, lazy loading and GPU: give yours with --cuda-context"
             )
+    notes += _library_notes(settings, has_convolutions)
     if settings.optimizer == "adam8bit":
         notes.append("adam8bit: bitsandbytes' state layout (uint8 moments + blockwise absmax), in-place update")
+    return notes
+
+
+def _library_notes(settings: TrainingSettings, has_convolutions: bool) -> list[str]:
+    """What the CUDA library switches mean for these numbers (memplan.estimator.cuda.cudnn, .cublas)."""
+    from memplan.estimator.cuda.cublas import DETERMINISTIC_CONFIGS
+
+    notes = []
+    if settings.device != "cuda":
+        return notes
+    if settings.cudnn_benchmark and has_convolutions:
+        notes.append(
+            "cudnn.benchmark: the first iteration times each convolution's candidate plans on one workspace as large "
+            "as free memory allows, then empties the allocator's cache; it cannot make the step fail, but "
+            "max_memory_reserved and nvidia-smi over the run may show up to the GPU's free memory then. The "
+            "steady-state figures here do not count it"
+        )
+    if settings.deterministic and settings.cublas_workspace_config not in DETERMINISTIC_CONFIGS:
+        notes.append(
+            "deterministic algorithms on CUDA need CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8, or torch raises at the "
+            "first matmul (unless warn_only); memplan counted "
+            + (f"{settings.cublas_workspace_config}" if settings.cublas_workspace_config else "the default workspace")
+            + ": give the value your run sets with --cublas-workspace-config"
+        )
+    if settings.cudnn_workspace_cap_mib is not None and has_convolutions:
+        notes.append(
+            f"CUDNN_CONV_WSCAP_DBG={settings.cudnn_workspace_cap_mib}: each convolution's workspace band is capped at "
+            f"{settings.cudnn_workspace_cap_mib} MiB (a cuDNN variable NVIDIA does not document; read as MiB per call)"
+        )
     return notes
 
 
@@ -174,6 +204,6 @@ def run_estimate(
         fits=fits,
         max_batch_size=max_batch,
         max_batch_size_is_limit=max_batch == MAX_BATCH_SIZE,
-        notes=tuple(_notes(settings)),
+        notes=tuple(_notes(settings, main.conv_workspace_free_peak_bytes is not None)),
         timeline=main.timeline,
     )

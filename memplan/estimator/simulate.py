@@ -16,8 +16,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import FLASH_BACKWARD, attention_backward_scratch
-from memplan.estimator.cuda.cudnn import CONV_OPS, conv_calls, workspace_band_bytes
-from memplan.estimator.cuda.kernels import cublas_workspace_bytes
+from memplan.estimator.cuda.cublas import cublas_workspace_bytes
+from memplan.estimator.cuda.cudnn import CONV_OPS, CudnnSwitches, conv_calls, workspace_band_bytes
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
@@ -30,6 +30,7 @@ from memplan.estimator.timeline import (
 )
 from memplan.estimator.trace import TracedStep
 from memplan.gpus import DEFAULT_GPU, gpu_named
+from memplan.settings import TrainingSettings
 
 # Ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp).
 CUBLAS_OPS = {
@@ -213,7 +214,8 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     """
     if traced.settings.device != "cuda":
         return []
-    size = round_size(cublas_workspace_bytes(gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability))
+    capability = gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability
+    size = round_size(cublas_workspace_bytes(capability, traced.settings.cublas_workspace_config))
     nodes = list(traced.graph.nodes)
     main_thread = nodes[: traced.forward_end] + nodes[traced.backward_end :]
     backward_thread = nodes[traced.forward_end : traced.backward_end]
@@ -227,32 +229,36 @@ Scratch = tuple[str, int]
 def _kernel_transients(
     traced: TracedStep, nodes: list[OpNode], targets: set | frozenset, rule: Callable[..., tuple[Scratch, ...]]
 ) -> dict[int, tuple[Scratch, ...]]:
-    """`rule(node, args, compute_capability)` for each node calling one of `targets`, by node index
-    (cuda only; nodes whose rule requests nothing are left out)."""
+    """`rule(node, args, settings)` for each node calling one of `targets`, by node index (cuda only;
+    nodes whose rule requests nothing are left out)."""
     if traced.settings.device != "cuda":
         return {}
-    capability = gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability
     transients = {}
     for index, node in enumerate(nodes):
         if node.op == "call_function" and node.target in targets:
-            requests = rule(node, _fake_args(node)[0], capability)
+            requests = rule(node, _fake_args(node)[0], traced.settings)
             if requests:
                 transients[index] = requests
     return transients
 
 
-def _conv_workspace(node: OpNode, args: tuple, capability: tuple[int, int]) -> tuple[Scratch, ...]:
+def _conv_workspace(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
     """The top of a convolution node's cuDNN workspace band. A backward node runs backward-data, then
     backward-weight, each freeing its workspace before the next starts: the larger of the two."""
+    capability = gpu_named(settings.gpu or DEFAULT_GPU).compute_capability
+    cap = settings.cudnn_workspace_cap_mib
+    switches = CudnnSwitches(settings.cudnn_allow_tf32, None if cap is None else cap * 2**20)
     calls = conv_calls(node.target, args, node.meta.get("val"))
-    high = max((workspace_band_bytes(call, capability)[1] for call in calls), default=0)
+    high = max((workspace_band_bytes(call, capability, switches)[1] for call in calls), default=0)
     return ((f"cudnn workspace ({_op_name(node)})", high),) if high else ()
 
 
-def _attention_scratch(node: OpNode, args: tuple, capability: tuple[int, int]) -> tuple[Scratch, ...]:
+def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
     """What an attention backward node allocates besides its gradients (memplan.estimator.cuda.attention_scratch)."""
+    gpu = gpu_named(settings.gpu or DEFAULT_GPU)
     kernel = "flash" if node.target == FLASH_BACKWARD else "memory-efficient"
-    requests = attention_backward_scratch(node.target, args, capability)
+    splits_over = gpu.multiprocessors if settings.deterministic else None
+    requests = attention_backward_scratch(node.target, args, gpu.compute_capability, splits_over)
     return tuple((f"{kernel} attention backward scratch", nbytes) for nbytes in requests)
 
 

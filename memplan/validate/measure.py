@@ -8,6 +8,7 @@ includes the CUDA context). CPU: the live-storage counter of memplan.measure.cpu
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -52,9 +53,29 @@ def measure(spec: ModelSpec, settings: TrainingSettings, *, warmup: int, snapsho
     return _measure_cuda(spec, settings, warmup, snapshot, started)
 
 
+def configure_cuda_libraries(settings: TrainingSettings) -> None:
+    """Set the run's CUDA library switches as the prediction assumed them, before CUDA starts.
+
+    The environment variables are set or removed to match the settings exactly (an inherited
+    CUBLAS_WORKSPACE_CONFIG the prediction did not count would make the two runs differ).
+    """
+    for variable, value in (
+        ("CUBLAS_WORKSPACE_CONFIG", settings.cublas_workspace_config),
+        ("CUDNN_CONV_WSCAP_DBG", settings.cudnn_workspace_cap_mib),
+    ):
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = str(value)
+    torch.backends.cudnn.benchmark = settings.cudnn_benchmark
+    torch.backends.cudnn.allow_tf32 = settings.cudnn_allow_tf32
+    torch.use_deterministic_algorithms(settings.deterministic)
+
+
 def _measure_cuda(
     spec: ModelSpec, settings: TrainingSettings, warmup: int, snapshot: str | None, started: float
 ) -> Measurement:
+    configure_cuda_libraries(settings)
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     try:

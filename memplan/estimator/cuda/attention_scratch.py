@@ -10,8 +10,8 @@ flash_attn/flash_api.cpp `mha_bwd`; the tensors arrive as [batch, seq, heads, he
 - `grad_out.contiguous()` and `out.contiguous()`: a copy of each that is not contiguous in that layout;
 - `softmax_d`: float32 [batch, heads, seq_q rounded up to 128], returned and dropped by the caller;
 - `dq_accum`: float32 [batch, seq_q rounded to 128, heads, head_dim rounded to 32 (64 above 128)].
-  Under `torch.use_deterministic_algorithms(True)` it gains a leading dimension of
-  ceil(SMs / (batch * heads)) splits; memplan does not model that mode;
+  Under `torch.use_deterministic_algorithms(True)` (not warn-only) it gains a leading dimension of
+  ceil(multiprocessors / (batch * heads)) splits;
 - grouped-query attention (fewer key/value heads): `dk_expanded` and `dv_expanded`, [batch,
   seq_k, heads, head_dim] in the input's dtype, summed into dk and dv after the kernel.
 
@@ -23,7 +23,8 @@ mem_eff_attention/kernel_backward.h):
 - the grad-query accumulator (kNeedsAccumGradQ: every kernel from sm70): float32 tiles covering
   [batch, heads, seq_q, head_dim]. memplan counts the unpadded float32 size, so this is a lower
   bound: the tile padding (64 or 128 rows, the kernel's column width) and the grad-key/value
-  split-key staging (kNeedsAccumGradK/V, at most 200 / (batch * heads) splits) are not modelled.
+  split-key staging (kNeedsAccumGradK/V, at most 200 / (batch * heads) splits; one split in
+  deterministic mode) are not modelled.
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ def _contiguous_as_kernel_reads(tensor: torch.Tensor) -> bool:
 
 
 def flash_backward_scratch(
-    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, out: torch.Tensor
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    out: torch.Tensor,
+    deterministic_multiprocessors: int | None = None,
 ) -> tuple[int, ...]:
     """Bytes requested by one flash-attention backward call besides its gradients, in request order.
 
     Arguments as the traced op takes them: [batch, heads, seq, head_dim], head_dim already padded
-    to a multiple of 8.
+    to a multiple of 8. `deterministic_multiprocessors`: the GPU's multiprocessor count when
+    deterministic algorithms are on, else None.
     """
     batch, heads, seq_q, head_dim = query.shape
     heads_k, seq_k = key.shape[1], key.shape[2]
@@ -68,7 +74,10 @@ def flash_backward_scratch(
     seq_q_rounded = _round_up(seq_q, 128)
     head_dim_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
     requests.append(batch * heads * seq_q_rounded * FLOAT32_BYTES)  # softmax_d
-    requests.append(batch * seq_q_rounded * heads * head_dim_rounded * FLOAT32_BYTES)  # dq_accum
+    splits = 1
+    if deterministic_multiprocessors is not None:
+        splits = -(-deterministic_multiprocessors // (batch * heads))
+    requests.append(splits * batch * seq_q_rounded * heads * head_dim_rounded * FLOAT32_BYTES)  # dq_accum
     if heads_k != heads:
         expanded = batch * seq_k * heads * head_dim * query.element_size()
         requests += [expanded, expanded]  # dk_expanded, dv_expanded
@@ -95,11 +104,13 @@ def efficient_backward_scratch(
     return during_kernel
 
 
-def attention_backward_scratch(target: object, args: tuple, compute_capability: tuple[int, int]) -> tuple[int, ...]:
+def attention_backward_scratch(
+    target: object, args: tuple, compute_capability: tuple[int, int], deterministic_multiprocessors: int | None = None
+) -> tuple[int, ...]:
     """The scratch requests of one traced attention backward op; () for any other op."""
     if target == FLASH_BACKWARD:
         grad_out, query, key, _value, out = args[:5]
-        return flash_backward_scratch(grad_out, query, key, out)
+        return flash_backward_scratch(grad_out, query, key, out, deterministic_multiprocessors)
     if target == EFFICIENT_BACKWARD:
         grad_out, query = args[0], args[1]
         return efficient_backward_scratch(grad_out, query, compute_capability)

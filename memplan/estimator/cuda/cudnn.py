@@ -30,6 +30,25 @@ So memplan predicts a band per convolution call:
   torch.backends.cudnn.allow_tf32 = True). 16-bit channels-last convolutions run natively: 0.
 The top of the band is what "fits" and the largest batch use (an estimate that is too low is
 worse than none); both ends are reported.
+
+The user's switches (`CudnnSwitches`, from TrainingSettings):
+- `torch.backends.cudnn.allow_tf32 = False`: fp32 convolutions leave tensor cores (Conv_v8.cpp
+  drops plans with CUDNN_NUMERICAL_NOTE_TENSOR_CORE for fp32 without TF32): no transformation, no band.
+- CUDNN_CONV_WSCAP_DBG=N: a cuDNN library variable, read by cuDNN, not by PyTorch; the PyTorch
+  docs call it the cuDNN workspace setting "per allocation" (cuda_environment_variables.rst) and
+  public scripts set it in MiB. memplan caps each call's band top at N MiB. NVIDIA documents
+  neither its unit nor whether it filters every engine, so this reading is unverified.
+- `torch.backends.cudnn.benchmark = True`: the plan cuDNN runs is the fastest one whose workspace
+  fit when it was timed, so the band stays as it is. What benchmark mode adds is a one-time search
+  at each convolution shape's first call: every candidate is timed on one workspace as large as
+  the largest candidate's that fits in free memory (halving on failure), then the allocator's
+  cache is emptied (Conv_v8.cpp get_plans_from_find, `_cudnn_get_conv_benchmark_empty_cache`,
+  default true). It never makes a step fail, but max_memory_reserved and nvidia-smi over a run can
+  show up to the GPU's free memory during the first iteration; memplan says so and does not
+  count it in the steady-state peak.
+- Deterministic algorithms (`torch.use_deterministic_algorithms(True)`, `cudnn.deterministic`):
+  Conv_v8.cpp drops plans with CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC. Deterministic plans still
+  transform NCHW operands for tensor cores, so the band is unchanged.
 """
 
 from __future__ import annotations
@@ -64,14 +83,29 @@ def _uses_tensor_cores(dtype: torch.dtype, compute_capability: tuple[int, int]) 
     return False
 
 
-def workspace_band_bytes(call: ConvOperands, compute_capability: tuple[int, int]) -> tuple[int, int]:
+@dataclass(frozen=True)
+class CudnnSwitches:
+    """How the run configures cuDNN's convolutions (see the module docstring)."""
+
+    allow_tf32: bool = True  # torch.backends.cudnn.allow_tf32
+    workspace_cap_bytes: int | None = None  # CUDNN_CONV_WSCAP_DBG, in bytes
+
+
+def workspace_band_bytes(
+    call: ConvOperands, compute_capability: tuple[int, int], switches: CudnnSwitches = CudnnSwitches()
+) -> tuple[int, int]:
     """(low, high) bytes of the workspace one convolution call may request (see the module docstring)."""
+    if call.dtype == torch.float32 and not switches.allow_tf32:
+        return 0, 0
     if not _uses_tensor_cores(call.dtype, compute_capability):
         return 0, 0
     native = call.channels_last and call.dtype != torch.float32  # 16-bit NHWC: no transformation
     if native:
         return 0, 0
-    return 0, sum(call.read_bytes) + call.written_bytes
+    high = sum(call.read_bytes) + call.written_bytes
+    if switches.workspace_cap_bytes is not None:
+        high = min(high, switches.workspace_cap_bytes)
+    return 0, high
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -9,8 +9,7 @@
   and logsumexp and the RNG state for flash and memory-efficient, every intermediate for math).
 - Dropout: on CUDA `at::dropout` is the fused `native_dropout`, which saves a bool mask
   (Dropout.cpp, is_fused_kernel_acceptable); on CPU it multiplies by a mask of the input's dtype.
-- cuBLAS workspaces (CublasHandlePool.cpp, getChosenWorkspaceSize): allocated through the caching
-  allocator on the first matmul of each thread and kept, so they count in memory_allocated.
+- cuBLAS workspaces: memplan.estimator.cuda.cublas.
 """
 
 from __future__ import annotations
@@ -24,14 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from memplan.gpus import DEFAULT_GPU, gpu_named
-
-# CUBLAS_WORKSPACE_CONFIG defaults: ":4096:8" (32 MiB) on Hopper, ":4096:2:16:8" elsewhere.
-HOPPER_CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 8
-CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
-
-
-def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
-    return HOPPER_CUBLAS_WORKSPACE_BYTES if compute_capability == (9, 0) else CUBLAS_WORKSPACE_BYTES
 
 
 def _gemm_alignment(dtype: torch.dtype, compute_capability: tuple[int, int]) -> int:
