@@ -143,6 +143,8 @@ def test_a_misspelt_memory_field_is_an_error_and_other_unknown_keys_are_noted(tm
     fields = {field.name for field in dataclasses.fields(TrainingArguments)}
     assert READ_KEYS <= fields  # every key memplan reads is a real field (a misspelt one would never match)
     typo = write(tmp_path, "typo.json", {**TRAINING_ARGS, "gradient_acumulation_steps": 2})
+    with pytest.raises(HfArgsError, match=f"^--hf-args {typo}: 'gradient_acumulation_steps' is not a Train"):
+        read_training_args(typo)
     with pytest.raises(HfArgsError, match="did you mean 'gradient_accumulation_steps'"):
         read_training_args(typo)
     old = write(tmp_path, "old.json", {**TRAINING_ARGS, "evaluation_strategy": "steps", "my_key": 1})
@@ -154,3 +156,89 @@ def test_a_misspelt_memory_field_is_an_error_and_other_unknown_keys_are_noted(tm
 def test_without_full_determinism_or_tf32_the_torch_defaults_stand(tmp_path):
     settings = read_training_args(write(tmp_path, "args.json", {"full_determinism": False})).settings
     assert not {"deterministic", "cudnn_benchmark", "cublas_workspace_config", "cudnn_allow_tf32"} & set(settings)
+
+
+def test_a_file_that_cannot_be_read_names_itself_and_why(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(HfArgsError, match=f"^cannot read --hf-args {missing}: No such file or directory$"):
+        read_training_args(missing)
+    listed = write(tmp_path, "list.json", {})
+    listed.write_text("[1, 2]")
+    with pytest.raises(HfArgsError, match=f"^--hf-args {listed} must hold one mapping of TrainingArguments fields$"):
+        read_training_args(listed)
+
+
+def test_the_suffix_picks_the_parser_and_errors_keep_their_first_line(tmp_path):
+    yaml_text = "per_device_train_batch_size: 3\n"
+    for name in ("args.yml", "args.yaml", "ARGS.YML"):
+        (tmp_path / name).write_text(yaml_text)
+        assert read_training_args(tmp_path / name).settings["batch_size"] == 3
+    as_json = tmp_path / "args.json"
+    as_json.write_text(yaml_text)  # YAML in a .json file is read as JSON, and is not valid JSON
+    with pytest.raises(HfArgsError) as error:
+        read_training_args(as_json)
+    assert str(error.value) == f"--hf-args {as_json} is not valid JSON: Expecting value: line 1 column 1 (char 0)"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1,\n")
+    with pytest.raises(HfArgsError) as error:
+        read_training_args(broken)
+    message = str(error.value)
+    assert message.startswith(f"--hf-args {broken} is not valid YAML: ") and "\n" not in message
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("yes", True), ("YES ", True), ("no", False), (0, False)])
+def test_flags_read_as_trainingarguments_strings_do(tmp_path, value, expected):
+    settings = read_training_args(write(tmp_path, "args.json", {"gradient_checkpointing": value})).settings
+    assert ("checkpoint" in settings) is expected
+
+
+def test_counts_are_positive_integers_and_messages_name_the_file(tmp_path):
+    one = read_training_args(
+        write(tmp_path, "one.json", {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1})
+    )
+    assert one.settings["batch_size"] == 1 and one.settings["grad_accum"] == 1
+    assert one.path == str(tmp_path / "one.json")
+    for key, value in (("per_device_train_batch_size", True), ("gradient_accumulation_steps", 0)):
+        path = write(tmp_path, f"{key}.json", {key: value})
+        with pytest.raises(HfArgsError, match=f"^--hf-args {path}: {key} must be a positive integer, got {value!r}$"):
+            read_training_args(path)
+
+
+def test_sgd_momentum_is_read_from_optim_args(tmp_path):
+    def optimizer(optim_args):  # type: ignore[no-untyped-def]
+        data = {"optim": "sgd"} if optim_args is None else {"optim": "sgd", "optim_args": optim_args}
+        return read_training_args(write(tmp_path, "args.json", data)).settings["optimizer"]
+
+    assert optimizer("momentum=9E-1") == "sgd-momentum"
+    assert optimizer("nesterov=True, momentum=0.9") == "sgd-momentum"
+    assert optimizer("momentum=0") == "sgd"
+    assert optimizer("nesterov=True") == "sgd"
+    assert optimizer(None) == "sgd"
+
+
+def test_notes_say_what_is_read_differently_or_not_modelled(tmp_path):
+    def notes(data):  # type: ignore[no-untyped-def]
+        return read_training_args(write(tmp_path, "args.json", data)).notes
+
+    assert notes({"optim": "adafactor"}) == (
+        "optim adafactor is transformers' Adafactor; memplan traces torch.optim.Adafactor, whose factored "
+        "state has the same shapes",
+    )
+    assert notes({}) == ()  # max_grad_norm defaults to 1.0: clipping on, nothing to say
+    assert notes({"max_grad_norm": 0}) == (
+        "max_grad_norm 0 turns Trainer's clipping off; memplan traces it anyway (a few scalars in excess)",
+    )
+    assert notes({"torch_compile": True}) == (
+        "torch_compile is not modelled: memplan predicts the eager step, compiled steps usually use less",
+    )
+    assert notes({"my_key": 1, "other_key": 2}) == (
+        "not TrainingArguments fields in this transformers, so ignored: my_key, other_key",
+    )
+    # 'optimizer' is 0.71 similar to the read field 'optim': below the 0.8 cutoff, so a note, not an error.
+    assert "optimizer" in notes({"optimizer": "adamw"})[0]
+
+
+def test_an_unreadable_optim_says_how_to_override_it(tmp_path):
+    path = write(tmp_path, "args.json", {"optim": "lion_8bit"})
+    with pytest.raises(HfArgsError, match=r"\(or pass --optimizer to override the file\)$"):
+        read_training_args(path)
