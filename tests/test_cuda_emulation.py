@@ -77,6 +77,21 @@ def _probes(device: str) -> dict[str, Callable[[], torch.Tensor]]:
         "stack": lambda: torch.stack([t(4, 8, dtype=BF16), t(4, 8)]),
         "addcmul": lambda: torch.addcmul(t(4, 8, dtype=BF16), t(4, 8), t(4, 8, dtype=BF16)),
         "gelu": lambda: torch.nn.functional.gelu(t(4, 8, dtype=BF16)),
+        # fp32_append_dtype: norm overloads without a dtype are sent to the ones with dtype=float32.
+        "norm_scalar": lambda: torch.ops.aten.norm.Scalar(t(4, 8, dtype=BF16), 2),
+        "norm_dim": lambda: torch.ops.aten.norm.ScalarOpt_dim(t(4, 8, dtype=BF16), 2, [1]),
+        # fp32_set_opt_dtype keeps a dtype the caller gave, as a keyword or positionally.
+        "sum_with_dtype": lambda: torch.sum(t(4, 8, dtype=BF16), dtype=torch.float16),
+        "softmax_with_dtype": lambda: torch.ops.aten.softmax.int(t(4, 8, dtype=BF16), -1, torch.float16),
+        "cumsum_default_dtype": lambda: torch.ops.aten.cumsum.default(t(4, 8, dtype=BF16), 1),
+        # An integer input is not eligible: sum runs as called.
+        "sum_int64": lambda: torch.sum(t(4, 8, dtype=torch.int64)),
+        # A float64 input is not eligible: norm stays in float64.
+        "norm_float64": lambda: torch.ops.aten.norm.Scalar(t(4, 8, dtype=torch.float64), 3),
+        # Tensors given by keyword reach the kernel positionally, and are cast like the rest.
+        "layer_norm_keywords": lambda: torch.ops.aten.layer_norm.default(
+            t(4, 8, dtype=BF16), [8], weight=t(8, dtype=BF16), bias=t(8, dtype=BF16)
+        ),
     }
 
 
@@ -131,6 +146,27 @@ def test_emulated_policy_runs_the_same_ops_in_the_same_dtypes_as_cuda_autocast()
     assert {"softmax", "layer_norm", "cross_entropy", "exp"} <= set(differing)
     # And leaving the context gives CPU autocast back.
     assert _cpu_autocast(emulate=False) == plain
+
+
+def test_binary_cross_entropy_is_refused_as_cuda_autocast_refuses_it() -> None:
+    """ATen/autocast_mode.cpp bans binary_cross_entropy under CUDA autocast; the emulation raises the same."""
+
+    def probe(device: str) -> None:
+        probs = torch.empty(4, device=device, dtype=BF16)
+        torch.nn.functional.binary_cross_entropy(probs, torch.empty(4, device=device, dtype=BF16))
+
+    with FakeTensorMode():
+        torch.set_autocast_enabled("cuda", True)
+        try:
+            with pytest.raises(RuntimeError) as cuda_error:
+                probe("cuda")
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+    with FakeTensorMode(), torch.autocast("cpu", dtype=BF16), cuda_autocast_policy():
+        with pytest.raises(RuntimeError) as emulated_error:
+            probe("cpu")
+    assert str(emulated_error.value) == str(cuda_error.value)
+    assert "binary_cross_entropy_with_logits" in str(cuda_error.value)
 
 
 def _qkv(heads: int = 4, seq: int = 128, head_dim: int = 64, dtype: torch.dtype = BF16) -> list[torch.Tensor]:

@@ -30,3 +30,19 @@ def test_every_node_of_a_branching_graph_is_hooked():
     lifetimes._hook_graph(loss.grad_fn)
     loss.backward()
     assert len(formulas_returned) == expected
+
+
+def test_a_step_traced_twice_in_one_process_gives_the_same_peak():
+    """FakeTensorMode's op cache rebuilt the LSTM backward's twice-returned bias gradient as two
+    tensors on a cache hit (memplan.estimator.fake_mode): the second trace was 1,536 B higher."""
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from memplan.models.source import resolve_model
+    from tests.zoo import ZOO_CASES
+
+    case = next(case for case in ZOO_CASES if case.id == "lstm-accum")
+    spec = resolve_model(case.model, inputs=case.inputs, loss=case.loss)
+    settings = spec.settings_for(case.settings)
+    first, second = (simulate(trace_step(spec, settings)) for _ in range(2))
+    assert second.peak_bytes == first.peak_bytes
+    assert len(second.timeline.allocations) == len(first.timeline.allocations)

@@ -34,6 +34,7 @@ from memplan.errors import MemplanError, TraceError
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.fake_conversions import fake_friendly_conversions
+from memplan.estimator.fake_mode import TracingFakeMode
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.loop import (
@@ -445,7 +446,7 @@ class FakeSetup:
 
 
 def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
         state = prepare(spec, settings)
         _warm_up_optimizer(state)

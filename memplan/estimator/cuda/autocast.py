@@ -181,9 +181,16 @@ def _kernel(name: str, policy: str):  # type: ignore[no-untyped-def]
             elif len(args) <= dtype_position or args[dtype_position] is None:
                 defaults = [argument.default_value for argument in op._schema.arguments[len(args) : dtype_position]]
                 args = (*args[:dtype_position], *defaults, torch.float32, *args[dtype_position + 1 :])
-        elif policy == "fp32_append_dtype" and args and _eligible(args[0]):
+        elif policy == "fp32_append_dtype" and args:
+            # autocast_mode.h fp32_append_dtype: always the dtype overload, with float32 for an
+            # eligible first argument and the argument's own dtype otherwise (type_from_firstarg).
             target = getattr(torch.ops.aten.norm, FP32_APPEND_DTYPE[name])
-            return _below_autocast(target, args, {**kwargs, "dtype": torch.float32})
+            dtype = torch.float32 if _eligible(args[0]) else args[0].dtype
+            # The dispatcher drops trailing arguments equal to their defaults (norm.Scalar's p=2),
+            # which the dtype overload may not have: give them back before redispatching.
+            positional = [argument for argument in op._schema.arguments if not argument.kwarg_only]
+            args = (*args, *(argument.default_value for argument in positional[len(args) :]))
+            return _below_autocast(target, args, {**kwargs, "dtype": dtype})
         return _below_autocast(op, args, kwargs)
 
     return kernel

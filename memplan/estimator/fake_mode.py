@@ -1,0 +1,30 @@
+"""The fake tensor mode memplan traces under: torch's FakeTensorMode, with one cache rule added.
+
+FakeTensorMode caches each op's output metadata and, on a cache hit, builds fresh output tensors
+from it. An op that returns one tensor in two places (the CPU LSTM's `mkldnn_rnn_layer_backward`
+returns its bias gradient twice, in its meta kernel and in aten/src/ATen/native/mkldnn/RNN.cpp
+alike) comes back from the cache as two tensors with two storages, and from a miss as one. The
+same step then traced twice in one process gave two different peaks (1,536 B apart on the zoo's
+lstm-accum). Such ops bypass the cache here, so every call returns what the kernel returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
+
+
+def _shares_storage(outputs: tuple) -> bool:
+    storages = [output.untyped_storage()._cdata for output in outputs if isinstance(output, torch.Tensor)]
+    return len(set(storages)) < len(storages)
+
+
+class TracingFakeMode(FakeTensorMode):
+    """FakeTensorMode that does not cache ops whose outputs share storage (module docstring)."""
+
+    def _make_cache_entry(self, state: Any, key: Any, func: Any, args: Any, kwargs: Any, output: Any) -> Any:
+        if isinstance(output, tuple) and _shares_storage(output):
+            raise _BypassDispatchCache("outputs share storage")
+        return super()._make_cache_entry(state, key, func, args, kwargs, output)
