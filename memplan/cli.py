@@ -204,6 +204,13 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="The run's CUBLAS_WORKSPACE_CONFIG (e.g. :4096:8 or :16:8): the size of each cuBLAS workspace.",
         ),
         click.option(
+            "--cuda-alloc-conf",
+            metavar="KEY:VALUE,...",
+            envvar="PYTORCH_CUDA_ALLOC_CONF",
+            show_envvar=True,
+            help="The run's PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True is simulated; other keys are noted.",
+        ),
+        click.option(
             "--loop",
             type=click.Choice(LOOPS),
             default="canonical",
@@ -299,6 +306,7 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
 _ENVIRONMENT_OPTIONS = {
     "cudnn_workspace_cap_mib": "CUDNN_CONV_WSCAP_DBG",
     "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
+    "cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
 }
 
 
@@ -404,6 +412,11 @@ def estimate(
 
         if snapshot is not None and settings["device"] != "cuda":
             raise UsageError("--snapshot writes the CUDA caching allocator's view; use it with --device cuda")
+        if snapshot is not None and "expandable_segments:True" in (settings.get("cuda_alloc_conf") or ""):
+            raise UsageError(
+                "--snapshot draws the default allocator's segments, not expandable segments; "
+                "drop one of --snapshot and expandable_segments:True"
+            )
         _check_output_paths(plot=plot, snapshot=snapshot)
         _quiet_transformers()
         result = _call(run_estimate, model, settings, as_json, budget=budget)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.errors import SettingsError, SizeParseError
+from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.gpus import CONTEXT_BYTES, gpu_named
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
@@ -163,6 +164,7 @@ class TrainingSettings:
     cudnn_allow_tf32: bool = True  # torch.backends.cudnn.allow_tf32
     cudnn_workspace_cap_mib: int | None = None  # CUDNN_CONV_WSCAP_DBG
     cublas_workspace_config: str | None = None  # CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"
+    cuda_alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF, e.g. "expandable_segments:True"
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -210,6 +212,7 @@ class TrainingSettings:
                 ("--no-cudnn-tf32", self.cudnn_allow_tf32, True),
                 ("--cudnn-workspace-cap (CUDNN_CONV_WSCAP_DBG)", self.cudnn_workspace_cap_mib, None),
                 ("--cublas-workspace-config (CUBLAS_WORKSPACE_CONFIG)", self.cublas_workspace_config, None),
+                ("--cuda-alloc-conf (PYTORCH_CUDA_ALLOC_CONF)", self.cuda_alloc_conf, None),
             )
             if value != default
         ]
@@ -218,11 +221,21 @@ class TrainingSettings:
         cap = self.cudnn_workspace_cap_mib
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise SettingsError(f"the cuDNN workspace cap is a number of MiB, 0 or more; got {cap!r}")
+        if self.cuda_alloc_conf is not None:
+            try:
+                parse_alloc_conf(self.cuda_alloc_conf)
+            except ValueError as error:
+                raise SettingsError(f"cannot read PYTORCH_CUDA_ALLOC_CONF {self.cuda_alloc_conf!r}: {error}") from None
         config = self.cublas_workspace_config
         if config is not None and config_bytes(config) is None:
             raise SettingsError(
                 f"cannot read CUBLAS_WORKSPACE_CONFIG {config!r}: it is :SIZE:COUNT pairs in KiB, e.g. :4096:8 or :16:8"
             )
+
+    @property
+    def allocator_config(self) -> AllocatorConfig:
+        """The caching allocator's configuration memplan simulates (memplan.estimator.cuda.allocator)."""
+        return AllocatorConfig() if self.cuda_alloc_conf is None else parse_alloc_conf(self.cuda_alloc_conf)[0]
 
     @property
     def context_bytes(self) -> int:

@@ -310,3 +310,22 @@ def test_cuda_library_switches_come_from_flags_or_their_environment_variables(ti
     assert unreadable.exit_code == 2 and "cannot read CUBLAS_WORKSPACE_CONFIG '4096:8'" in unreadable.output
     deterministic = json.loads(run(*common, "--deterministic").stdout)
     assert any("CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8" in note for note in deterministic["notes"])
+
+
+def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_conf(tiny_model_dirs, tmp_path):
+    model = tiny_model_dirs["gpt2"]
+    common = ["estimate", model, "-b", "2", "--seq-len", "32", "--json"]
+    default = json.loads(run(*common).stdout)
+    expandable = CliRunner().invoke(main, common, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    data = json.loads(expandable.stdout)
+    assert data["settings"]["cuda_alloc_conf"] == "expandable_segments:True"
+    assert data["peak_bytes"] == default["peak_bytes"] and data["reserved_peak_bytes"] != default["reserved_peak_bytes"]
+    assert any("expandable_segments:True" in note for note in data["notes"])
+    noted = json.loads(run(*common, "--cuda-alloc-conf", "max_split_size_mb:64").stdout)
+    assert noted["reserved_peak_bytes"] == default["reserved_peak_bytes"]
+    assert any("max_split_size_mb: not modelled" in note for note in noted["notes"])
+    unknown = run(*common, "--cuda-alloc-conf", "expandable:True")
+    assert unknown.exit_code == 2 and "unknown option 'expandable'" in unknown.output
+    snapshot = run(*common, "--cuda-alloc-conf", "expandable_segments:True", "--snapshot", str(tmp_path / "s.pickle"))
+    assert snapshot.exit_code == 2 and "not expandable segments" in snapshot.output
+    assert not (tmp_path / "s.pickle").exists()

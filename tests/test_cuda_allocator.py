@@ -207,3 +207,88 @@ def test_neighbour_links_survive_splits_and_merges() -> None:
         (8 * MiB, 4 * MiB, z),
         (12 * MiB, 8 * MiB, None),
     ]
+
+
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the truths are hand-computed from the rules of
+# CUDACachingAllocator.cpp's expandable path (one segment per pool grown in 20 MiB / 2 MiB pages,
+# the end block taken last, any remainder of 512 bytes or more split off).
+
+
+def _expandable() -> CachingAllocator:
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    return CachingAllocator(AllocatorConfig(expandable_segments=True))
+
+
+def test_an_expandable_segment_grows_in_20mib_pages_from_its_free_end() -> None:
+    allocator = _expandable()
+    for _ in range(3):
+        allocator.malloc(6 * MiB)  # 18 of the first 20 MiB page
+    assert (allocator.segments, allocator.reserved_bytes) == (1, 20 * MiB)
+    allocator.malloc(12 * MiB)  # the 2 MiB free end + 10 MiB more: one more page, not a 12 MiB segment
+    assert (allocator.segments, allocator.reserved_bytes) == (1, 40 * MiB)
+    default = CachingAllocator()
+    for _ in range(3):
+        default.malloc(6 * MiB)
+    default.malloc(12 * MiB)
+    assert (default.segments, default.reserved_bytes) == (2, 32 * MiB)
+
+
+def test_an_expandable_segment_splits_any_remainder_of_512_bytes() -> None:
+    allocator = _expandable()
+    allocator.malloc(19 * MiB + 512 * KiB)  # leaves 0.5 MiB: split off (the default keeps the block whole)
+    assert allocator.allocated_bytes == 19 * MiB + 512 * KiB
+    assert allocator.malloc(256 * KiB) is not None and allocator.reserved_bytes == 20 * MiB + 2 * MiB
+    default = CachingAllocator()
+    default.malloc(19 * MiB + 512 * KiB)
+    assert default.allocated_bytes == 20 * MiB
+
+
+def test_the_free_end_of_an_expandable_segment_is_taken_last() -> None:
+    allocator = _expandable()
+    first = allocator.malloc(8 * MiB)  # [0, 8) from the segment's start
+    base = allocator.block(first)[0]
+    allocator.malloc(6 * MiB)  # [8, 14); the free end is [14, 20): 6 MiB
+    allocator.free(first)
+    # 5 MiB: the free end (6 MiB) is the smallest fit, but counts as large as it could grow.
+    taken = allocator.malloc(5 * MiB)
+    assert allocator.block(taken) == (base, 5 * MiB)
+    # 6 MiB now fits only the free end (the first block has 3 MiB left): it is taken, nothing is mapped.
+    end = allocator.malloc(6 * MiB)
+    assert allocator.block(end) == (base + 14 * MiB, 6 * MiB) and allocator.reserved_bytes == 20 * MiB
+
+
+def test_freed_blocks_merge_into_the_end_and_small_requests_share_2mib_pages() -> None:
+    allocator = _expandable()
+    allocator.malloc(6 * MiB)
+    second = allocator.malloc(6 * MiB)
+    allocator.free(second)  # merges with the 8 MiB free end: 14 MiB free from 6 MiB on
+    allocator.malloc(13 * MiB)
+    assert allocator.reserved_bytes == 20 * MiB and allocator.segments == 1
+    small = _expandable()
+    for _ in range(21):
+        small.malloc(100 * KiB)  # 2,100 KiB: a second 2 MiB page of the same segment
+    assert (small.segments, small.reserved_bytes) == (1, 4 * MiB)
+
+
+def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
+    import pytest
+
+    from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
+
+    assert parse_alloc_conf("expandable_segments:True") == (AllocatorConfig(True), ())
+    assert parse_alloc_conf("max_split_size_mb:128, expandable_segments:False") == (
+        AllocatorConfig(False),
+        ("max_split_size_mb",),
+    )
+    assert parse_alloc_conf("roundup_power2_divisions:[256:1,512:2],expandable_segments:True") == (
+        AllocatorConfig(True),
+        ("roundup_power2_divisions",),
+    )
+    for text, reason in (
+        ("expandable_segments:true", "takes True or False"),
+        ("expandable:True", "unknown option 'expandable'"),
+        ("expandable_segments", "is not key:value"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            parse_alloc_conf(text)

@@ -36,16 +36,16 @@ def test_lines_through_two_traces_give_a_third_batch_size_exactly(case, tiny_mod
         traced = tracer.simulate(batch)
         predicted = lines.timeline_at(batch)
         assert predicted is not None and same_requests(predicted, traced.timeline)
-        assert phase_fit_bytes(predicted, cuda) == traced.fit_phase_peaks
-        assert fit_bytes(predicted, cuda) == traced.fit_bytes
+        assert phase_fit_bytes(predicted, tracer.settings) == traced.fit_phase_peaks
+        assert fit_bytes(predicted, tracer.settings) == traced.fit_bytes
 
 
 def test_the_timeline_gives_the_simulations_own_figures(tiny_model_dirs):
     for case in CASES:
-        simulation = _tracer(tiny_model_dirs, case).simulate(4)
-        cuda = simulation.reserved_peak_bytes is not None
+        tracer = _tracer(tiny_model_dirs, case)
+        simulation = tracer.simulate(4)
         assert max(simulation.timeline.total_bytes()) == simulation.peak_bytes
-        assert phase_fit_bytes(simulation.timeline, cuda) == simulation.fit_phase_peaks
+        assert phase_fit_bytes(simulation.timeline, tracer.settings) == simulation.fit_phase_peaks
 
 
 def test_lines_refuse_timelines_of_different_shape(tiny_model_dirs):

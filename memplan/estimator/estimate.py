@@ -61,6 +61,17 @@ def _library_notes(settings: TrainingSettings, has_convolutions: bool) -> list[s
             + (f"{settings.cublas_workspace_config}" if settings.cublas_workspace_config else "the default workspace")
             + ": give the value your run sets with --cublas-workspace-config"
         )
+    if settings.cuda_alloc_conf is not None:
+        from memplan.estimator.cuda.allocator import parse_alloc_conf
+
+        config, unmodelled = parse_alloc_conf(settings.cuda_alloc_conf)
+        if config.expandable_segments:
+            notes.append("expandable_segments:True: reserved_peak_bytes follows the allocator's expandable segments")
+        if unmodelled:
+            notes.append(
+                f"PYTORCH_CUDA_ALLOC_CONF {', '.join(unmodelled)}: not modelled; reserved_peak_bytes follows the "
+                "allocator's default rules for them"
+            )
     if settings.cudnn_workspace_cap_mib is not None and has_convolutions:
         notes.append(
             f"CUDNN_CONV_WSCAP_DBG={settings.cudnn_workspace_cap_mib}: each convolution's workspace band is capped at "
@@ -100,7 +111,7 @@ class BatchTracer:
             timeline = self.lines.timeline_at(batch_size)
             if timeline is None:
                 return self.simulate(batch_size).fit_phase_peaks
-            self.interpolated[batch_size] = phase_fit_bytes(timeline, self.settings.device == "cuda")
+            self.interpolated[batch_size] = phase_fit_bytes(timeline, self.settings)
         return self.interpolated[batch_size]
 
     def fit_bytes(self, batch_size: int) -> int:

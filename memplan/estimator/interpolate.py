@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, reserved_peak_bytes
+from memplan.settings import TrainingSettings
 
 
 def _requested(allocation: TimelineAllocation) -> int:
@@ -79,15 +80,17 @@ def same_requests(first: MemoryTimeline, second: MemoryTimeline) -> bool:
     )
 
 
-def fit_bytes(timeline: MemoryTimeline, cuda: bool) -> int:
+def fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> int:
     """What a budget must hold, as Simulation.fit_bytes: the reserved peak on cuda, else the peak."""
-    return reserved_peak_bytes(timeline) if cuda else max(timeline.total_bytes())
+    if settings.device == "cuda":
+        return reserved_peak_bytes(timeline, settings.allocator_config)
+    return max(timeline.total_bytes())
 
 
-def phase_fit_bytes(timeline: MemoryTimeline, cuda: bool) -> dict[str, int]:
+def phase_fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> dict[str, int]:
     """As Simulation.fit_phase_peaks: one "reserved" figure on cuda, else each phase's peak."""
-    if cuda:
-        return {"reserved": fit_bytes(timeline, cuda)}
+    if settings.device == "cuda":
+        return {"reserved": fit_bytes(timeline, settings)}
     totals = timeline.total_bytes()
     starts = timeline.phase_starts()
     ends = [starts["backward"], starts["optimizer"], timeline.node_count]

@@ -297,11 +297,12 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     conv = _kernel_transients(traced, nodes, CONV_OPS, _conv_workspace)  # the band's top
     transients = {**exact, **conv}
     timeline = memory_timeline(traced, lifetimes, workspaces, transients)
-    reserved = reserved_peak_bytes(timeline) if traced.settings.device == "cuda" else None
+    config = traced.settings.allocator_config
+    reserved = reserved_peak_bytes(timeline, config) if traced.settings.device == "cuda" else None
     low_peak = low_reserved = None  # only where there are convolutions on cuda
     if conv:
         low_peak = _live_bytes(traced, lifetimes, sum(workspaces), _rounded(exact))[1]
-        low_reserved = reserved_peak_bytes(memory_timeline(traced, lifetimes, workspaces, exact))
+        low_reserved = reserved_peak_bytes(memory_timeline(traced, lifetimes, workspaces, exact), config)
     rounded = _rounded(transients)
     live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), rounded)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
-from memplan.estimator.cuda.allocator import CachingAllocator
+from memplan.estimator.cuda.allocator import DEFAULT_CONFIG, AllocatorConfig, CachingAllocator
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
 PHASES = ("forward", "backward", "optimizer")
@@ -127,8 +127,8 @@ def replay_steady_state(
                     on_event("free", handle, allocation)
 
 
-def reserved_peak_bytes(timeline: MemoryTimeline) -> int:
+def reserved_peak_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
     """max_memory_reserved of the steady-state iteration: the timeline replayed through a fresh simulator."""
-    allocator = CachingAllocator()
+    allocator = CachingAllocator(config)
     replay_steady_state(timeline, allocator)
     return allocator.max_reserved_bytes

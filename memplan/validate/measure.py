@@ -62,6 +62,7 @@ def configure_cuda_libraries(settings: TrainingSettings) -> None:
     for variable, value in (
         ("CUBLAS_WORKSPACE_CONFIG", settings.cublas_workspace_config),
         ("CUDNN_CONV_WSCAP_DBG", settings.cudnn_workspace_cap_mib),
+        ("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf),  # read when the allocator starts
     ):
         if value is None:
             os.environ.pop(variable, None)

@@ -15,6 +15,20 @@ PYTORCH_CUDA_ALLOC_CONF, so no max_split_size, no expandable segments, no garbag
   memory_allocated;
 - a freed block merges with free neighbours of its segment; segments are never released within a
   step (cudaFree happens only when a cudaMalloc fails or on empty_cache()).
+
+With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (`AllocatorConfig`), the same file's
+expandable-segment path instead:
+- gives each pool (of the one stream) one segment: a range of virtual addresses mapped to memory
+  in pages of kLargeBuffer = 20 MiB (large pool) or kSmallBuffer = 2 MiB (small pool), from the
+  start, as requests need them (find_expandable_block, map_block);
+- takes the best-fitting free block as before, except that the free block at the end of the
+  mapped range counts as large as it could grow (get_free_block's `expandable_size`), so it is
+  chosen only when no other free block holds the request;
+- otherwise grows the segment: the free block at its end (if any) plus as many new pages as the
+  request still needs (try_allocate_expandable_block), reserved growing by those pages;
+- splits any block whose remainder is at least 512 bytes, in both pools (should_split);
+- maps nothing out within a step, as pages are released only when a mapping fails or on
+  empty_cache().
 """
 
 from __future__ import annotations
@@ -28,6 +42,71 @@ SMALL_SEGMENT_BYTES = 2 << 20  # kSmallBuffer
 LARGE_SEGMENT_BYTES = 20 << 20  # kLargeBuffer
 MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
+# Keys CUDAAllocatorConfig::parseArgs accepts (c10/cuda/CUDAAllocatorConfig.cpp, torch 2.11-2.14);
+# memplan models expandable_segments and notes the others it does not.
+ALLOC_CONF_KEYS = frozenset(
+    {
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "garbage_collection_threshold",
+        "roundup_power2_divisions",
+        "expandable_segments",
+        "release_lock_on_cudamalloc",
+        "pinned_use_cuda_host_register",
+        "pinned_num_register_threads",
+        "pinned_use_background_threads",
+        "backend",
+        "graph_capture_record_stream_reuse",
+        "per_process_memory_fraction",
+    }
+)
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """PYTORCH_CUDA_ALLOC_CONF as far as memplan models it."""
+
+    expandable_segments: bool = False
+
+
+DEFAULT_CONFIG = AllocatorConfig()  # no PYTORCH_CUDA_ALLOC_CONF
+
+
+def _split_options(text: str) -> list[str]:
+    """`key:value` items separated by commas outside brackets (roundup_power2_divisions takes lists)."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    items.append(current)
+    return [item.strip() for item in items if item.strip()]
+
+
+def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
+    """(what memplan models, the keys given that it does not) from a PYTORCH_CUDA_ALLOC_CONF value.
+
+    Raises ValueError, with the reason, where torch's own parser would refuse the value.
+    """
+    expandable = False
+    unmodelled = []
+    for item in _split_options(text):
+        key, separator, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if not separator or not value:
+            raise ValueError(f"{item!r} is not key:value")
+        if key not in ALLOC_CONF_KEYS:
+            raise ValueError(f"unknown option {key!r}; torch knows {', '.join(sorted(ALLOC_CONF_KEYS))}")
+        if key == "expandable_segments":
+            if value not in ("True", "False"):
+                raise ValueError(f"expandable_segments takes True or False, got {value!r}")
+            expandable = value == "True"
+        else:
+            unmodelled.append(key)
+    return AllocatorConfig(expandable_segments=expandable), tuple(unmodelled)
 
 
 def round_size(num_bytes: int) -> int:
@@ -70,19 +149,30 @@ class _Pool:
         del self.free[bisect.bisect_left(self.free, key)]
         del self.by_key[key]
 
-    def best_fit(self, size: int) -> _Block | None:
+    def best_fit(self, size: int, last: _Block | None = None) -> _Block | None:
+        """The smallest free block that holds `size`, the lowest address among equals. `last`: an
+        expandable segment's end block, which counts as large as it could grow (taken only alone)."""
         index = bisect.bisect_left(self.free, (size, -1))
         if index == len(self.free):
             return None
         block = self.by_key[self.free[index]]
+        if block is last and index + 1 < len(self.free):
+            block = self.by_key[self.free[index + 1]]
         self.remove(block)
         return block
+
+
+# Where each pool's expandable segment starts: far apart, so addresses never meet.
+_EXPANDABLE_BASE = {True: 0, False: 1 << 50}
 
 
 class CachingAllocator:
     """One device, one stream. `malloc` returns a handle for `free`; statistics as torch.cuda names them."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: AllocatorConfig = DEFAULT_CONFIG) -> None:
+        self.config = config
+        self._last: dict[bool, _Block | None] = {True: None, False: None}  # expandable: each pool's end block
+        self._mapped_end = dict(_EXPANDABLE_BASE)
         self._pools = {True: _Pool(), False: _Pool()}
         self._next_address = 0
         self._handles: dict[int, _Block] = {}
@@ -98,14 +188,18 @@ class CachingAllocator:
         size = round_size(num_bytes)
         small = size <= SMALL_REQUEST_BYTES
         pool = self._pools[small]
-        block = pool.best_fit(size)
-        if block is None:
-            block = self._new_segment(segment_size(size), small)
+        if self.config.expandable_segments:
+            block = pool.best_fit(size, last=self._last[small]) or self._grow(size, small)
+        else:
+            block = pool.best_fit(size) or self._new_segment(segment_size(size), small)
         remaining = block.size - size
-        if remaining >= MIN_BLOCK_BYTES if small else remaining > SMALL_REQUEST_BYTES:
+        expandable_split = self.config.expandable_segments and remaining >= MIN_BLOCK_BYTES
+        if expandable_split or (remaining >= MIN_BLOCK_BYTES if small else remaining > SMALL_REQUEST_BYTES):
             rest = _Block(block.address + size, remaining, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
+            elif self.config.expandable_segments:
+                self._last[small] = rest
             block.next = rest
             block.size = size
             pool.add(rest)
@@ -136,7 +230,33 @@ class CachingAllocator:
                     block.next = neighbour.next
                     if neighbour.next is not None:
                         neighbour.next.prev = block
+        if self.config.expandable_segments and block.next is None:
+            self._last[block.small] = block
         pool.add(block)
+
+    def _grow(self, size: int, small: bool) -> _Block:
+        """Map pages at the end of the pool's expandable segment until its end block holds `size`."""
+        page = SMALL_SEGMENT_BYTES if small else LARGE_SEGMENT_BYTES
+        last = self._last[small]
+        if last is not None and not last.allocated:
+            self._pools[small].remove(last)
+            block, needed = last, size - last.size
+        else:
+            block, needed = None, size
+        mapped = -(-needed // page) * page
+        if block is None:
+            block = _Block(self._mapped_end[small], 0, small, prev=last)
+            if last is None:
+                self._segment_heads.append(block)
+                self.segments += 1
+            else:
+                last.next = block
+            self._last[small] = block
+        block.size += mapped
+        self._mapped_end[small] += mapped
+        self.reserved_bytes += mapped
+        self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
+        return block
 
     def _new_segment(self, size: int, small: bool) -> _Block:
         block = _Block(self._next_address, size, small)
