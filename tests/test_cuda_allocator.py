@@ -292,3 +292,53 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
     ):
         with pytest.raises(ValueError, match=reason):
             parse_alloc_conf(text)
+
+
+# A device of limited memory: on a failed cudaMalloc, release_cached_blocks frees every wholly free
+# cached segment and the cudaMalloc is tried once more (DeviceCachingAllocator::malloc).
+
+
+def test_a_full_device_frees_cached_free_segments_and_retries() -> None:
+    import pytest
+
+    from memplan.estimator.cuda.allocator import OutOfMemory
+
+    allocator = CachingAllocator(capacity_bytes=40 * MiB)
+    allocator.free(allocator.malloc(8 * MiB))  # a cached, wholly free 20 MiB segment
+    allocator.malloc(30 * MiB)  # 20 + 30 > 40: the cached segment goes, then 30 MiB fits
+    assert (allocator.segments, allocator.reserved_bytes) == (1, 30 * MiB)
+    with pytest.raises(OutOfMemory):
+        allocator.malloc(12 * MiB)  # 30 + 12 > 40 and nothing cached is free
+    split = CachingAllocator(capacity_bytes=30 * MiB)
+    first = split.malloc(8 * MiB)
+    split.malloc(4 * MiB)  # the same 20 MiB segment
+    split.free(first)  # free space inside a segment that is not wholly free: kept
+    with pytest.raises(OutOfMemory):
+        split.malloc(11 * MiB)  # 20 + 12 > 30
+    unlimited = CachingAllocator()
+    unlimited.free(unlimited.malloc(8 * MiB))
+    unlimited.malloc(30 * MiB)
+    assert unlimited.reserved_bytes == 50 * MiB
+
+
+def test_the_smallest_device_is_the_allocated_peak_when_cached_segments_can_go() -> None:
+    from memplan.estimator.timeline import (
+        MemoryTimeline,
+        TimelineAllocation,
+        completes_within,
+        reserved_peak_bytes,
+        smallest_device_bytes,
+    )
+
+    def request(start: int, end: int, size: int) -> TimelineAllocation:
+        return TimelineAllocation(start, end, size, "temporaries", "op", None)
+
+    # 8 MiB (a 20 MiB segment), freed; then 30 MiB (its own segment): 50 MiB reserved unconstrained,
+    # but the 20 MiB segment is wholly free when the 30 MiB one is asked for, so 30 MiB is enough.
+    timeline = MemoryTimeline(4, 2, 3, (request(0, 1, 8 * MiB), request(2, 3, 30 * MiB)))
+    assert reserved_peak_bytes(timeline) == 50 * MiB
+    assert smallest_device_bytes(timeline) == 30 * MiB
+    assert completes_within(timeline, 30 * MiB) and not completes_within(timeline, 28 * MiB)
+    # Both alive at once: nothing can be released, the reserved peak is the smallest device.
+    together = MemoryTimeline(4, 2, 3, (request(0, 2, 8 * MiB), request(1, 3, 30 * MiB)))
+    assert smallest_device_bytes(together) == reserved_peak_bytes(together) == 50 * MiB

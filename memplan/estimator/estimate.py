@@ -11,6 +11,7 @@ from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requ
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
+from memplan.estimator.timeline import smallest_device_bytes
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
 from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
@@ -199,6 +200,9 @@ def run_estimate(
         roofline_step_seconds=step_seconds(traced),
         device_peak_bytes=main.reserved_peak_bytes + settings.context_bytes
         if main.reserved_peak_bytes is not None
+        else None,
+        smallest_device_bytes=smallest_device_bytes(main.timeline, settings.allocator_config)
+        if settings.device == "cuda"
         else None,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,

@@ -48,6 +48,9 @@ class EstimateResult:
     seconds: float
     reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved, from the allocator simulator
     device_peak_bytes: int | None = None  # cuda: reserved + the CUDA context, what nvidia-smi shows
+    # cuda, default allocator: the least memory (for torch) the iteration completes in, the allocator
+    # freeing its cached segments and retrying when a cudaMalloc fails (memplan.estimator.timeline)
+    smallest_device_bytes: int | None = None
     # cuda, models with convolutions: the same peaks if cuDNN picks plans that need no workspace, the
     # low end of the band whose top is peak_bytes / reserved_peak_bytes (memplan.estimator.cuda.cudnn)
     conv_workspace_free_peak_bytes: int | None = None

@@ -12,7 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
-from memplan.estimator.cuda.allocator import DEFAULT_CONFIG, AllocatorConfig, CachingAllocator
+from memplan.estimator.cuda.allocator import (
+    DEFAULT_CONFIG,
+    ROUND_LARGE_BYTES,
+    AllocatorConfig,
+    CachingAllocator,
+    OutOfMemory,
+)
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
 PHASES = ("forward", "backward", "optimizer")
@@ -132,3 +138,37 @@ def reserved_peak_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFA
     allocator = CachingAllocator(config)
     replay_steady_state(timeline, allocator)
     return allocator.max_reserved_bytes
+
+
+def completes_within(timeline: MemoryTimeline, capacity_bytes: int, config: AllocatorConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the steady-state iteration runs on a device with `capacity_bytes` for torch, with the
+    allocator freeing its cached segments and retrying when a cudaMalloc fails."""
+    try:
+        replay_steady_state(timeline, CachingAllocator(config, capacity_bytes))
+    except OutOfMemory:
+        return False
+    return True
+
+
+def smallest_device_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int | None:
+    """The least device memory (for torch, so without the CUDA context) in which the iteration
+    completes, found by bisection between the allocated peak and the reserved peak in the 2 MiB
+    steps segments come in; None for expandable segments (their retry is not simulated).
+
+    Less memory means fewer cached segments to reuse, never more room, so a capacity that works
+    is taken to leave every larger one working too.
+    """
+    if config.expandable_segments:
+        return None
+    allocator = CachingAllocator(config)
+    replay_steady_state(timeline, allocator)
+    step = ROUND_LARGE_BYTES
+    low = -(-allocator.max_allocated_bytes // step)  # in steps; below the allocated peak nothing runs
+    high = -(-allocator.max_reserved_bytes // step)
+    while low < high:
+        middle = (low + high) // 2
+        if completes_within(timeline, middle * step, config):
+            high = middle
+        else:
+            low = middle + 1
+    return high * step

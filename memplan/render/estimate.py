@@ -75,11 +75,18 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             f"device total with {context} CUDA context (nvidia-smi)", format_bytes(result.device_peak_bytes), ""
         )
     console.print(table)
-    if result.conv_workspace_free_reserved_peak_bytes is not None:
-        low, high = result.conv_workspace_free_reserved_peak_bytes, result.reserved_peak_bytes
+    if result.smallest_device_bytes is not None and result.smallest_device_bytes < (result.reserved_peak_bytes or 0):
         console.print(
-            f"cuDNN convolution workspaces: reserved {format_bytes(low)} to {format_bytes(high)} depending on the "
-            "algorithms cuDNN picks; the top is used for fits and the largest batch"
+            f"completes in {format_bytes(result.smallest_device_bytes)} for torch: short of memory, the allocator "
+            "frees its cached segments and retries; fits and the largest batch use the reserved peak"
+        )
+    if result.conv_workspace_free_reserved_peak_bytes is not None:
+        without, top = result.conv_workspace_free_reserved_peak_bytes, result.reserved_peak_bytes or 0
+        console.print(
+            f"cuDNN convolution workspaces: reserved {format_bytes(top)} with the largest workspaces, "
+            f"{format_bytes(without)} with none, depending on the algorithms cuDNN picks; fits and the largest "
+            "batch use the first"
+            + (" (the allocator's segments fall differently: here none reserves more)" if without > top else "")
         )
     where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")
     console.print(f"peak in the {result.phase} pass at {where}")

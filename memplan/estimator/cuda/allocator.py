@@ -29,6 +29,13 @@ expandable-segment path instead:
 - splits any block whose remainder is at least 512 bytes, in both pools (should_split);
 - maps nothing out within a step, as pages are released only when a mapping fails or on
   empty_cache().
+
+On a device of limited memory (`capacity_bytes`), the default allocator's answer to a failed
+cudaMalloc is simulated too (DeviceCachingAllocator::malloc): release_available_cached_blocks
+does nothing without max_split_size_mb, so release_cached_blocks frees every cached segment
+that is wholly free, and the cudaMalloc is tried once more; if that fails too, the step runs out
+of memory (OutOfMemory). The expandable path's answer (unmapping free pages anywhere in the
+segment) is not simulated.
 """
 
 from __future__ import annotations
@@ -162,6 +169,10 @@ class _Pool:
         return block
 
 
+class OutOfMemory(Exception):
+    """A cudaMalloc failed even after the cached free segments were released."""
+
+
 # Where each pool's expandable segment starts: far apart, so addresses never meet.
 _EXPANDABLE_BASE = {True: 0, False: 1 << 50}
 
@@ -169,8 +180,9 @@ _EXPANDABLE_BASE = {True: 0, False: 1 << 50}
 class CachingAllocator:
     """One device, one stream. `malloc` returns a handle for `free`; statistics as torch.cuda names them."""
 
-    def __init__(self, config: AllocatorConfig = DEFAULT_CONFIG) -> None:
+    def __init__(self, config: AllocatorConfig = DEFAULT_CONFIG, capacity_bytes: int | None = None) -> None:
         self.config = config
+        self.capacity_bytes = capacity_bytes  # None: as much memory as the step asks for
         self._last: dict[bool, _Block | None] = {True: None, False: None}  # expandable: each pool's end block
         self._mapped_end = dict(_EXPANDABLE_BASE)
         self._pools = {True: _Pool(), False: _Pool()}
@@ -259,6 +271,10 @@ class CachingAllocator:
         return block
 
     def _new_segment(self, size: int, small: bool) -> _Block:
+        if self.capacity_bytes is not None and self.reserved_bytes + size > self.capacity_bytes:
+            self._release_cached_segments()
+            if self.reserved_bytes + size > self.capacity_bytes:
+                raise OutOfMemory(f"{size:,} B more than the {self.capacity_bytes:,} B device holds")
         block = _Block(self._next_address, size, small)
         self._segment_heads.append(block)
         self._next_address += size
@@ -266,6 +282,18 @@ class CachingAllocator:
         self.segments += 1
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
         return block
+
+    def _release_cached_segments(self) -> None:
+        """release_cached_blocks(): cudaFree every segment that is one free block."""
+        kept = []
+        for head in self._segment_heads:
+            if head.allocated or head.next is not None:
+                kept.append(head)
+                continue
+            self._pools[head.small].remove(head)
+            self.reserved_bytes -= head.size
+            self.segments -= 1
+        self._segment_heads = kept
 
     def block(self, handle: int) -> tuple[int, int]:
         """(address, size) of a live allocation; size is what memory_allocated counts for it."""
