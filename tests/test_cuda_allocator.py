@@ -342,3 +342,18 @@ def test_the_smallest_device_is_the_allocated_peak_when_cached_segments_can_go()
     # Both alive at once: nothing can be released, the reserved peak is the smallest device.
     together = MemoryTimeline(4, 2, 3, (request(0, 2, 8 * MiB), request(1, 3, 30 * MiB)))
     assert smallest_device_bytes(together) == reserved_peak_bytes(together) == 50 * MiB
+
+
+def test_the_issues_own_sequences() -> None:
+    """Issue 21's hand-computed cases: ten live 7 MiB tensors reserve 100 MiB by default (two per 20
+    MiB segment) and 80 MiB with expandable segments (70 MiB in 20 MiB pages); a freed 30 MiB block
+    then a 32 MiB request on a 60 MiB device completes after one retry with 32 MiB reserved."""
+    default, expandable = CachingAllocator(), _expandable()
+    for allocator in (default, expandable):
+        for _ in range(10):
+            allocator.malloc(7 * MiB)
+    assert (default.reserved_bytes, expandable.reserved_bytes) == (100 * MiB, 80 * MiB)
+    device = CachingAllocator(capacity_bytes=60 * MiB)
+    device.free(device.malloc(30 * MiB))
+    device.malloc(32 * MiB)
+    assert device.reserved_bytes == 32 * MiB
