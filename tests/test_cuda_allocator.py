@@ -357,3 +357,86 @@ def test_the_issues_own_sequences() -> None:
     device.free(device.malloc(30 * MiB))
     device.malloc(32 * MiB)
     assert device.reserved_bytes == 32 * MiB
+
+
+def test_an_expandable_segment_appends_pages_after_a_busy_end_and_keeps_its_blocks_linked() -> None:
+    allocator = _expandable()
+    first = allocator.malloc(20 * MiB)  # exactly one page: the end block is busy
+    base = allocator.block(first)[0]
+    second = allocator.malloc(20 * MiB)  # a new page right after it
+    assert allocator.block(second) == (base + 20 * MiB, 20 * MiB)
+    assert (allocator.segments, allocator.reserved_bytes, allocator.max_reserved_bytes) == (1, 40 * MiB, 40 * MiB)
+    assert [address for address, _, _ in allocator.segment_layout()[0][3]] == [base, base + 20 * MiB]
+    allocator.free(first)
+    allocator.free(second)  # merges with the first: one 40 MiB free block
+    whole = allocator.malloc(40 * MiB)
+    assert allocator.block(whole) == (base, 40 * MiB) and allocator.reserved_bytes == 40 * MiB
+    allocator.malloc(512 * KiB)  # the small pool has its own segment
+    assert allocator.segments == 2
+
+
+def test_an_expandable_segment_maps_only_what_its_free_end_lacks() -> None:
+    allocator = _expandable()
+    allocator.malloc(12 * MiB)  # the free end: 8 MiB
+    allocator.malloc(25 * MiB)  # 8 MiB + 17 MiB more: one page, 40 MiB in all
+    assert allocator.reserved_bytes == 40 * MiB
+    merged = _expandable()
+    merged.malloc(6 * MiB)
+    merged.free(merged.malloc(6 * MiB))  # merges into the free end: 14 MiB from 6 MiB on
+    merged.malloc(30 * MiB)  # that end + 16 MiB: one more page of the same segment
+    assert (merged.segments, merged.reserved_bytes) == (1, 40 * MiB)
+    exact = _expandable()
+    exact.malloc(20 * MiB - 512)  # a 512-byte remainder is split off
+    assert exact.allocated_bytes == 20 * MiB - 512
+
+
+def test_the_free_end_is_passed_over_for_the_next_larger_block_not_a_smaller_one() -> None:
+    allocator = _expandable()
+    small = allocator.malloc(2 * MiB)
+    allocator.malloc(1536 * KiB)
+    larger = allocator.malloc(8 * MiB)
+    allocator.malloc(2 * MiB)  # 13.5 MiB used; the free end: 6.5 MiB
+    address = allocator.block(larger)[0]
+    allocator.free(small)
+    allocator.free(larger)  # free: 2 MiB, the 6.5 MiB end, 8 MiB
+    taken = allocator.malloc(5 * MiB)
+    assert allocator.block(taken) == (address, 5 * MiB)
+
+
+def test_a_device_holds_exactly_its_capacity_and_releases_every_free_segment() -> None:
+    import pytest
+
+    from memplan.estimator.cuda.allocator import OutOfMemory
+
+    exact = CachingAllocator(capacity_bytes=30 * MiB)
+    exact.malloc(30 * MiB)
+    assert exact.reserved_bytes == 30 * MiB
+    with pytest.raises(OutOfMemory, match="20,971,520 B more than the 31,457,280 B device holds"):  # a 20 MiB segment
+        exact.malloc(2 * MiB)
+    device = CachingAllocator(capacity_bytes=60 * MiB)
+    busy = device.malloc(20 * MiB)
+    device.free(device.malloc(12 * MiB))
+    device.free(device.malloc(14 * MiB))  # 46 MiB reserved, 26 of it free after the busy segment
+    device.malloc(30 * MiB)  # both free segments go: 20 + 30 MiB
+    assert (device.reserved_bytes, device.segments) == (50 * MiB, 2)
+    assert [size for _, size, _, _ in device.segment_layout()] == [20 * MiB, 30 * MiB]
+    assert device.block(busy)[1] == 20 * MiB
+
+
+def test_pytorch_cuda_alloc_conf_messages_and_defaults() -> None:
+    import pytest
+
+    from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
+
+    assert parse_alloc_conf("max_split_size_mb:64") == (AllocatorConfig(False), ("max_split_size_mb",))
+    with pytest.raises(ValueError, match="'expandable_segments:' is not key:value"):
+        parse_alloc_conf("expandable_segments:")
+    with pytest.raises(ValueError, match="torch knows backend, expandable_segments, garbage_collection"):
+        parse_alloc_conf("nope:1")
+
+
+def test_a_cudamalloc_that_fits_exactly_releases_nothing() -> None:
+    device = CachingAllocator(capacity_bytes=42 * MiB)
+    device.free(device.malloc(8 * MiB))  # a cached free 20 MiB segment
+    device.malloc(22 * MiB)  # 20 + 22 = 42 MiB: the cudaMalloc succeeds, the cache stays
+    assert (device.reserved_bytes, device.segments) == (42 * MiB, 2)
