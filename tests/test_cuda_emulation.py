@@ -415,14 +415,15 @@ def test_sdpa_backend_boundaries(case, tensors, causal, gqa, capability, expecte
     assert select_sdpa_backend(q, k, v, None, causal, gqa, capability) == expected, case
 
 
-def test_cublas_workspace_is_32_mib_on_hopper_only() -> None:
-    """CublasHandlePool.cpp: ":4096:8" on sm90, ":4096:2:16:8" elsewhere (torch 2.11-2.14)."""
+def test_cublas_workspace_is_32_mib_on_hopper_and_blackwell() -> None:
+    """CublasHandlePool.cpp `use32mb`: ":4096:8" for compute capability major 9, 10 and 12
+    (pytorch#175344), ":4096:2:16:8" elsewhere (torch 2.11-2.14)."""
     from memplan.estimator.cuda.cublas import cublas_workspace_bytes
 
-    assert cublas_workspace_bytes((9, 0)) == 32 * 2**20
-    assert [cublas_workspace_bytes(cc) for cc in ((8, 0), (8, 9), (9, 1), (10, 0), (7, 5))] == [
+    assert [cublas_workspace_bytes(cc) for cc in ((9, 0), (9, 1), (10, 0), (12, 0))] == [32 * 2**20] * 4
+    assert [cublas_workspace_bytes(cc) for cc in ((8, 0), (8, 9), (11, 0), (7, 5))] == [
         4096 * 1024 * 2 + 16 * 1024 * 8
-    ] * 5
+    ] * 4
 
 
 def test_cublas_workspace_config_sets_the_size_as_torch_parses_it() -> None:
