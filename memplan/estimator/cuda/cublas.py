@@ -2,12 +2,13 @@
 
 aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.11-2.14), `parseChosenWorkspaceSize`: without
 CUBLAS_WORKSPACE_CONFIG the workspace is ":4096:8" (32 MiB) on Hopper and Blackwell, compute
-capability major 9, 10 or 12 (`use32mb`, since pytorch/pytorch#175344 of February 2026, which
-re-enabled Blackwell; before it sm90 alone), and ":4096:2:16:8" (8.125 MiB) elsewhere. With it, every ":SIZE:COUNT" pair the regex `:([0-9]+):([0-9]+)` finds adds SIZE KiB x
-COUNT; a value with no such pair makes torch warn and use the default. One workspace is allocated
-through the caching allocator per (handle, stream), i.e. per thread that multiplies matrices, and
-kept. `torch.use_deterministic_algorithms(True)` needs the value to be ":4096:8" or ":16:8"
-(Context.cpp `checkCuBLASConfigDeterministic`); transformers' `full_determinism` sets ":16:8".
+capability major 9, 10 or 12 (`use32mb`, since pytorch/pytorch#175344 of February 2026, which re-
+enabled Blackwell; before it sm90 alone), and ":4096:2:16:8" (8.125 MiB) elsewhere. With it, every
+":SIZE:COUNT" pair the regex `:([0-9]+):([0-9]+)` finds adds SIZE KiB x COUNT; a value with no such
+pair makes torch warn and use the default. One workspace is allocated through the caching allocator
+per (handle, stream), i.e. per thread that multiplies matrices, and kept.
+`torch.use_deterministic_algorithms(True)` needs the value to be ":4096:8" or ":16:8" (Context.cpp
+`checkCuBLASConfigDeterministic`); transformers' `full_determinism` sets ":16:8".
 
 Torch-free, so that settings can check a value without importing torch.
 """
