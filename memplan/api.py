@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ from memplan.compat import require_supported_torch
 
 require_supported_torch()  # before the imports below, which need a torch memplan knows
 
-from memplan.errors import SettingsError
+from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.explore.compare import CompareResult, run_compare
@@ -20,7 +22,7 @@ from memplan.models.source import ModelSpec, resolve_model
 from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
-from memplan.settings import CHECKPOINT_MODES, TrainingSettings, parse_size
+from memplan.settings import CHECKPOINT_MODES, CheckpointLayout, TrainingSettings, parse_size
 from memplan.validate.result import ValidationResult
 from memplan.validate.runner import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -33,27 +35,157 @@ from memplan.validate.suite import SuiteConfig, run_suite, suite_named
 __all__ = ["apply_plan", "compare", "estimate", "plan", "plan_batch", "sweep", "validate", "validate_suite"]
 
 
+# Arguments are checked here, at the boundary, with the messages the CLI gives: a wrong type is
+# one MemplanError line, not a TypeError from deep inside the trace.
+_MODEL_FORMS = (
+    "a preset name (`memplan presets`), a transformers model type, a config.json or model directory, "
+    "a cached hub id, or 'package.module:callable' returning an nn.Module"
+)
+
+
+def _model_name(model: Any) -> str:
+    """The model argument as the string the CLI takes (a path object is its path)."""
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    if isinstance(model, str):
+        return model
+    if isinstance(model, type) or callable(model):
+        hint = "; for your own model pass the import path of a factory, e.g. 'mypackage.models:build'"
+    else:
+        hint = ""
+    raise UsageError(f"model must be {_MODEL_FORMS}; got a value of type {type(model).__name__}{hint}")
+
+
+def _import_path(value: Any, option: str, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise UsageError(
+        f"{option} must be 'package.module:fn' (the CLI's --{option}), where {what}; "
+        f"got a value of type {type(value).__name__}"
+    )
+
+
+def _source(model: Any, inputs: Any, loss: Any, task: Any) -> ModelSpec:
+    name = _model_name(model)
+    inputs = _import_path(inputs, "inputs", "fn(batch_size) returns the batch")
+    loss = _import_path(loss, "loss", "fn(output, batch) returns the scalar loss")
+    return resolve_model(name, inputs=inputs, loss=loss, task=task)  # which checks the task
+
+
+# How settings.py's own messages name the integer fields.
+_SETTING_NAMES = {
+    "batch_size": "batch size",
+    "grad_accum": "gradient accumulation steps",
+    "seq_len": "sequence length",
+    "target_len": "target length",
+    "image_size": "image size",
+    "cuda_context": "CUDA context (bytes)",
+    "cudnn_workspace_cap_mib": "cuDNN workspace cap (MiB)",
+}
+
+
+def _check_types(values: dict[str, Any]) -> dict[str, Any]:
+    """Each TrainingSettings field given the type its annotation names (bool is no integer here)."""
+    checked = dict(values)
+    for name, value in values.items():
+        kind = str(TrainingSettings.__dataclass_fields__[name].type)
+        optional = kind.endswith("| None")
+        if value is None and optional:
+            continue
+        if name == "cuda_context" and isinstance(value, str):
+            checked[name] = parse_size(value)  # "600MiB", as the CLI's --cuda-context takes it
+            continue
+        base = kind.removesuffix("| None").strip()
+        if base == "int":
+            if value is None or isinstance(value, bool) or not isinstance(value, int):
+                what = "an integer" if name in ("cuda_context", "cudnn_workspace_cap_mib") else "a positive integer"
+                raise SettingsError(f"{_SETTING_NAMES.get(name, name)} must be {what}, got {value!r}")
+        elif base == "bool":
+            if not isinstance(value, bool):
+                raise SettingsError(f"{name} is True or False, got {value!r}")
+        elif base == "str":
+            if not isinstance(value, str):
+                raise SettingsError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
+    return checked
+
+
 def _settings(settings: TrainingSettings | None, overrides: dict[str, Any]) -> tuple[TrainingSettings, Plan | None]:
     """Settings from a base and keyword overrides; `checkpoint` may also be a plan (file or loaded)."""
+    if settings is not None and not isinstance(settings, TrainingSettings):
+        hint = " (pass a dict as keyword arguments: **settings)" if isinstance(settings, dict) else ""
+        raise SettingsError(
+            f"settings must be a memplan.TrainingSettings or None, got a {type(settings).__name__}{hint}"
+        )
     unknown = set(overrides) - set(TrainingSettings.__dataclass_fields__)
     if unknown:
         raise SettingsError(
             f"unknown setting(s) {', '.join(sorted(unknown))}; "
             f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
         )
+    overrides = _check_types(overrides)
     checkpoint = overrides.get("checkpoint")
     plan = None
-    if isinstance(checkpoint, Plan | Path) or (isinstance(checkpoint, str) and checkpoint not in CHECKPOINT_MODES):
+    if isinstance(checkpoint, Plan | os.PathLike) or (
+        isinstance(checkpoint, str) and checkpoint not in CHECKPOINT_MODES
+    ):
         plan = load_plan(checkpoint)
         overrides = {**overrides, "checkpoint": plan.layout}
+    elif checkpoint is not None and not isinstance(checkpoint, str | CheckpointLayout):
+        raise SettingsError(
+            f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, a CheckpointLayout or a plan file; "
+            f"got {checkpoint!r}"
+        )
     return (settings or TrainingSettings()).replace(**overrides), plan
 
 
 def _budget(budget: str | int | None, settings: TrainingSettings) -> int | None:
     """An explicit budget, else the usable memory of the named GPU, else none."""
     if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, str | int | float):
+            raise SettingsError(f"budget must be a size such as '24GiB', '80GB' or a number of bytes; got {budget!r}")
         return parse_size(budget)
     return gpu_named(settings.gpu).total_bytes - settings.context_bytes if settings.gpu is not None else None
+
+
+def _progress(progress: Any) -> Any:
+    if progress is not None and not callable(progress):
+        raise UsageError(f"progress must be a function taking one message string, or None; got {progress!r}")
+    return progress
+
+
+def _count(value: Any, name: str, allow_none: bool = False) -> int | None:
+    """A positive integer argument (not a bool, a float or a string)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _names(values: Any, option: str) -> tuple[str, ...] | None:
+    """A tuple of names; a string is a comma-separated list, as the CLI's option takes it."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [part.strip() for part in values.split(",") if part.strip()]
+    if not isinstance(values, Iterable) or not all(isinstance(value, str) for value in values):
+        raise SettingsError(
+            f"{option} must be names as strings (a list, or one comma-separated string); got {values!r}"
+        )
+    return tuple(values) or None
+
+
+def _batch_sizes(values: Any) -> tuple[int, ...]:
+    if isinstance(values, str):
+        try:
+            values = [int(part) for part in values.split(",") if part.strip()]
+        except ValueError:
+            raise SettingsError(f"batch_sizes takes integers, e.g. (1, 2, 4, 8) or '1,2,4,8'; got {values!r}") from None
+    if not isinstance(values, Iterable) or not all(
+        isinstance(value, int) and not isinstance(value, bool) for value in values
+    ):
+        raise SettingsError(f"batch_sizes takes positive integers, e.g. (1, 2, 4, 8); got {values!r}")
+    return tuple(values)
 
 
 def _checked_against_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | None) -> TrainingSettings:
@@ -84,14 +216,14 @@ def estimate(
     whether the configuration fits and the largest batch size that does.
     """
     settings, loaded = _settings(settings, setting_overrides)
-    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    spec = _source(model, inputs, loss, task)
     settings = _checked_against_plan(spec, settings, loaded)
     budget_bytes = _budget(budget, settings)
     return run_estimate(
         spec,
         settings,
         budget_bytes=budget_bytes,
-        progress=progress,
+        progress=_progress(progress),
         plan_fingerprint=loaded.fingerprint if loaded is not None else None,
     )
 
@@ -116,15 +248,18 @@ def sweep(
     series also gets the largest batch size that fits.
     """
     settings, _ = _settings(settings, setting_overrides)
-    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    sizes = _batch_sizes(batch_sizes)
+    precisions = _names(precisions, "precisions")
+    checkpoints = _names(checkpoints, "checkpoints")
+    spec = _source(model, inputs, loss, task)
     return run_sweep(
         spec,
         settings,
-        batch_sizes=tuple(batch_sizes),
-        precisions=tuple(precisions) if precisions else None,
-        checkpoints=tuple(checkpoints) if checkpoints else None,
+        batch_sizes=sizes,
+        precisions=precisions,
+        checkpoints=checkpoints,
         budget_bytes=_budget(budget, settings),
-        progress=progress,
+        progress=_progress(progress),
     )
 
 
@@ -147,8 +282,9 @@ def compare(
     `gpus` (data-parallel replicas) only multiplies the effective batch.
     """
     settings, _ = _settings(settings, setting_overrides)
-    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
-    return run_compare(spec, settings, gpus=gpus, budget_bytes=_budget(budget, settings), progress=progress)
+    gpus = _count(gpus, "--gpus")
+    spec = _source(model, inputs, loss, task)
+    return run_compare(spec, settings, gpus=gpus, budget_bytes=_budget(budget, settings), progress=_progress(progress))
 
 
 def plan(
@@ -174,14 +310,18 @@ def plan(
     how many processes trace the layouts at once (default: one per available core). Write
     the result with `memplan.planner.plan_file.write_plan` and use it with `apply_plan`.
     """
-    spec, settings, budget_bytes = _plan_inputs(model, settings, budget, inputs, loss, task, setting_overrides)
+    spec, settings, budget_bytes = _plan_inputs(
+        model, settings, budget, inputs, loss, task, setting_overrides, candidates, jobs
+    )
+    if not isinstance(selective, bool):
+        raise SettingsError(f"selective is True or False, got {selective!r}")
     return make_plan(
         spec,
         settings,
         budget_bytes,
         candidates=candidates,
         solver=solver,
-        progress=progress,
+        progress=_progress(progress),
         selective=selective,
         jobs=jobs,
     )
@@ -195,12 +335,19 @@ def _plan_inputs(
     loss: str | None,
     task: str | None,
     overrides: dict[str, Any],
+    candidates: str | None = None,
+    jobs: int | None = None,
 ) -> tuple[ModelSpec, TrainingSettings, int]:
+    if overrides.get("checkpoint", "none") != "none":
+        raise SettingsError("a plan chooses the checkpointing itself: drop checkpoint=")
     settings, _ = _settings(settings, {**overrides, "checkpoint": "none"})
+    if candidates is not None and not isinstance(candidates, str):
+        raise SettingsError(f"candidates must be a regular expression (a string) over module names; got {candidates!r}")
+    _count(jobs, "jobs", allow_none=True)
     budget_bytes = _budget(budget, settings)
     if budget_bytes is None:
         raise SettingsError("a plan needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
-    return resolve_model(model, inputs=inputs, loss=loss, task=task), settings, budget_bytes
+    return _source(model, inputs, loss, task), settings, budget_bytes
 
 
 def plan_batch(
@@ -223,10 +370,24 @@ def plan_batch(
     with every block checkpointed; each option is a traced, fitting plan (`.best.plan` can be
     written with `write_plan`). cuda targets only: the ranking needs the card's time estimate.
     """
-    spec, settings, budget_bytes = _plan_inputs(model, settings, budget, inputs, loss, task, setting_overrides)
-    return maximize_batch(
-        spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=progress, jobs=jobs
+    spec, settings, budget_bytes = _plan_inputs(
+        model, settings, budget, inputs, loss, task, setting_overrides, candidates, jobs
     )
+    return maximize_batch(
+        spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=_progress(progress), jobs=jobs
+    )
+
+
+def _run_limits(warmup: Any, timeout_s: Any) -> tuple[int, float]:
+    """A real run's warm-up count and time limit, checked as the CLI's --warmup and --timeout are."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise SettingsError(
+            f"--warmup must be an integer of at least 1 (the first iteration creates the optimizer state), "
+            f"got {warmup!r}"
+        )
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise SettingsError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
+    return warmup, float(timeout_s)
 
 
 def validate(
@@ -250,8 +411,11 @@ def validate(
     snapshot of the measured iteration for memory_viz.
     """
     settings, loaded = _settings(settings, setting_overrides)
+    warmup, timeout_s = _run_limits(warmup, timeout_s)
+    if snapshot is not None and not isinstance(snapshot, str | os.PathLike):
+        raise UsageError(f"snapshot must be a file path, got {snapshot!r}")
     check_can_measure(settings.device, snapshot)
-    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
+    spec = _source(model, inputs, loss, task)
     settings = _checked_against_plan(spec, settings, loaded)
     return validate_config(
         spec,
@@ -260,7 +424,7 @@ def validate(
         snapshot=snapshot,
         timeout_s=timeout_s,
         plan_fingerprint=loaded.fingerprint if loaded is not None else None,
-        progress=progress,
+        progress=_progress(progress),
     )
 
 
@@ -278,9 +442,24 @@ def validate_suite(
     Yields (configuration, result) as each finishes; the result is None for configurations a
     resumed run finds already in the file.
     """
+    if not isinstance(name, str):
+        raise UsageError(f"name must be a suite name (main, smoke), got {name!r}")
     configs = suite_named(name)
+    if not isinstance(results, str | os.PathLike):
+        raise UsageError(f"results must be a file path, got {results!r}")
+    path = Path(results)
+    if not path.resolve().parent.is_dir():  # before the first measurement, not after it
+        raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")
+    warmup, timeout_s = _run_limits(warmup, timeout_s)
+    if not isinstance(device, str):
+        raise SettingsError(f"device must be a string, got {device!r} ({type(device).__name__})")
 
     def measure(config: SuiteConfig) -> ValidationResult:
         return validate(config.model, warmup=warmup, timeout_s=timeout_s, device=device, **config.settings)
 
-    return run_suite(name, configs, Path(results), measure, device=device, resume=resume)
+    return run_suite(name, configs, path, measure, device=device, resume=resume)
+
+
+# Importing memplan.validate.* above bound the subpackage to the name `memplan.validate`, which
+# hid this module's `validate` from `import memplan; memplan.validate(...)`: the function wins.
+sys.modules["memplan"].validate = validate  # type: ignore[attr-defined]

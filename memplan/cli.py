@@ -579,8 +579,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def _name_list(text: str | None) -> tuple[str, ...] | None:
-    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+def _name_list(text: str | None, option: str) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise UsageError(f"{option} takes a comma-separated list of names; got {text!r}")
+    return names
 
 
 @main.command()
@@ -627,8 +632,8 @@ def sweep(
             settings,
             as_json,
             batch_sizes=_int_list(batch_sizes),
-            precisions=_name_list(precisions),
-            checkpoints=_name_list(checkpoints),
+            precisions=_name_list(precisions, "--precisions"),
+            checkpoints=_name_list(checkpoints, "--checkpoints"),
             budget=budget,
         )
         if plot is not None:
@@ -748,6 +753,11 @@ def validate(
             return
         if model is None:
             raise UsageError("name a MODEL to validate, or a built-in --suite (main, smoke)")
+        for flag, given in (("--results", results is not None), ("--resume", resume)):
+            if given:
+                raise UsageError(
+                    f"{flag} is for a --suite run; one MODEL's result prints (--json for JSON): drop {flag}"
+                )
         from memplan.api import validate as run_validate
         from memplan.render.validate import render_validation, validation_to_json
 

@@ -65,3 +65,7 @@ class HfArgsError(UsageError):
 
 class UnsupportedTorchError(MemplanError):
     """The installed torch is outside the releases memplan is tested on (memplan.compat)."""
+
+
+class UserCodeError(MemplanError):
+    """The user's own model factory or inputs function raised while memplan called it."""

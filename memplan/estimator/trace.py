@@ -404,7 +404,7 @@ def _categorize(
     return categories, sizes
 
 
-def _trace_failure(error: Exception, module: str | None, spec: ModelSpec) -> TraceError:
+def _trace_failure(error: Exception, module: str | None, spec: ModelSpec, batch: object = None) -> TraceError:
     where = f"in module {module}" if module else "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)
     if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
@@ -418,10 +418,28 @@ def _trace_failure(error: Exception, module: str | None, spec: ModelSpec) -> Tra
             f"cannot trace {spec.name}: op {op} {where} has no fake-tensor implementation; "
             "memplan cannot predict its memory (report it with --debug output)"
         )
+    hint = ""
+    if module and spec.ref.inputs is not None:  # the user's own batch may not be what the model takes
+        hint = f"; check that the batch from --inputs {spec.ref.inputs} ({_describe_batch(batch)}) is what it takes"
     return TraceError(
         f"cannot trace {spec.name} {where}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        "; rerun with --debug for the traceback"
+        f"{hint}; rerun with --debug for the traceback"
     )
+
+
+def _describe_batch(batch: object) -> str:
+    """Shapes and dtypes of a batch, short: `tensor (2, 11) float32`, `x: tensor (2, 8) int64`."""
+
+    def one(value: object) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return type(value).__name__
+
+    if isinstance(batch, dict):
+        return ", ".join(f"{key}: {one(value)}" for key, value in batch.items())
+    if isinstance(batch, tuple | list):
+        return ", ".join(one(value) for value in batch)
+    return one(batch)
 
 
 @contextlib.contextmanager
@@ -515,7 +533,7 @@ def trace_step(
     except MemplanError:
         raise
     except Exception as error:  # any failure inside the user's model becomes one clear message
-        raise _trace_failure(error, tracker.current(), spec) from error
+        raise _trace_failure(error, tracker.current(), spec, state.batch) from error
     graph = recorder.finish(grads)
     node_count = len(graph.nodes)
     categories, sizes = _categorize(state, grads)

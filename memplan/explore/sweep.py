@@ -85,6 +85,9 @@ def run_sweep(
     _check(checkpoints, CHECKPOINT_MODES, "--checkpoints")
     if not batch_sizes or any(batch < 1 for batch in batch_sizes):
         raise SettingsError("--batch-sizes takes positive integers, e.g. 1,2,4,8")
+    repeated = sorted({batch for batch in batch_sizes if batch_sizes.count(batch) > 1})
+    if repeated:
+        raise SettingsError(f"--batch-sizes names {', '.join(map(str, repeated))} more than once; name each once")
     report = progress or (lambda message: None)
     series = []
     combinations = [(precision, checkpoint) for precision in precisions for checkpoint in checkpoints]

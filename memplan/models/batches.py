@@ -28,6 +28,7 @@ def max_positions(config: Any) -> int | None:
 
 def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> TrainingSettings:
     """Fill in the sequence length / image size the batch will have and check it against the model."""
+    _refuse_other_shapes(task, settings)
     if task in TEXT_TASKS:
         limit = max_positions(config)
         seq_len = settings.seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)
@@ -40,6 +41,24 @@ def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> Train
         return settings.replace(seq_len=seq_len, target_len=target_len)
     image_size = settings.image_size or getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE
     return settings.replace(image_size=int(image_size))
+
+
+def _refuse_other_shapes(task: str, settings: TrainingSettings) -> None:
+    """A length the task's batch has no place for is a mistake to say, not a flag to ignore."""
+    unused = {
+        "--image-size": settings.image_size if task in TEXT_TASKS else None,
+        "--seq-len": settings.seq_len if task not in TEXT_TASKS else None,
+        "--target-len": settings.target_len if task != "seq2seq" else None,
+    }
+    given = [flag for flag, value in unused.items() if value is not None]
+    if given:
+        takes = {
+            "seq2seq": "--seq-len and --target-len",
+            "image-classification": "--image-size",
+        }.get(task, "--seq-len")
+        raise SettingsError(
+            f"{', '.join(given)} has no place in a {task} model's batch, which takes {takes}: drop {', '.join(given)}"
+        )
 
 
 def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:

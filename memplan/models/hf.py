@@ -126,7 +126,50 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
         )
     if chosen in ("sequence-classification", "image-classification") and not getattr(config, "num_labels", None):
         config.num_labels = 2
+    _check_sizes(config, name)
     return HFSource(name=name, config=config, task=chosen)
+
+
+# Config fields that count something (layers, heads, widths, tokens, pixels): each at least 1. The
+# names are transformers' canonical ones; a config's attribute_map (GPT-2's n_layer, T5's d_model)
+# answers to them.
+_SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "d_model",
+    "d_ff",
+    "d_kv",
+    "num_layers",
+    "num_decoder_layers",
+    "num_heads",
+    "head_dim",
+    "image_size",
+    "patch_size",
+    "num_channels",
+)
+
+
+def _check_sizes(config: Any, name: str) -> None:
+    """A negative or zero size builds an empty model or fails deep inside torch: say which field."""
+    from memplan.errors import UsageError
+
+    for field in _SIZE_FIELDS:
+        try:
+            value = getattr(config, field, None)
+        except Exception:  # some configs compute fields from others, and may raise on bad ones
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | list | tuple):
+            continue
+        values = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(item, int) and item < 1 for item in values):
+            alias = getattr(config, "attribute_map", {}).get(field)  # canonical name -> the config's own
+            named = f"{field} ({alias})" if alias else field
+            raise UsageError(f"the config of {name!r} has {named} = {value}; it must be at least 1: fix the config")
 
 
 def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:

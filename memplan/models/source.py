@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.errors import InputsError, LossError, UnknownModelError, UsageError
-from memplan.models.batches import resolve_lengths, synthesize_batch
+from memplan.errors import InputsError, LossError, MemplanError, UnknownModelError, UsageError, UserCodeError
+from memplan.models.batches import TASKS, resolve_lengths, synthesize_batch
 from memplan.models.hf import build_hf_model, model_types, resolve_hf
 from memplan.models.imports import import_object, is_import_path
 from memplan.models.presets import all_presets
@@ -89,23 +89,65 @@ def _check_batch(batch: Any, path: str) -> Batch:
     )
 
 
-def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
+def _check_signature(function: Callable[..., Any], arguments: tuple, error: type[MemplanError], message: str) -> None:
+    """Refuse at once a user function that cannot take the arguments memplan will pass it."""
+    try:
+        inspect.signature(function).bind(*arguments)
+    except TypeError as mismatch:
+        raise error(f"{message} ({mismatch})") from mismatch
+    except ValueError:
+        pass  # builtins without a signature: let the call decide
+
+
+def _call_user(function: Callable[..., Any], arguments: tuple, what: str) -> Any:
+    """Call the user's factory or inputs function; what it raises is one line naming it."""
+    try:
+        return function(*arguments)
+    except MemplanError:
+        raise
+    except Exception as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserCodeError(
+            f"{what} raised {type(error).__name__}{': ' + detail if detail else ''} (memplan calls it under fake "
+            "tensors: no real data, no GPU); fix it, or rerun with --debug for the traceback"
+        ) from error
+
+
+def _checked_loss(loss: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise LossError(f"loss function {loss!r} must return a scalar tensor, got {got}")
+    return value
+
+
+def _loss_function(loss: str | None) -> Callable[..., Any] | None:
+    if not loss:
+        return None
+    loss_fn = import_object(loss, "loss")
+    _check_signature(
+        loss_fn, (None, None), LossError, f"loss function {loss!r} must take two arguments, the output and the batch"
+    )
+    return loss_fn
+
+
+def _custom_spec(name: str, inputs: str | None, loss: str | None, task: str | None = None) -> ModelSpec:
     factory = import_object(name, "model")
+    if task is not None:
+        raise UsageError(
+            f"--task picks the head memplan builds for a transformers model; {name!r} is your own model, "
+            "whose factory builds it: drop --task"
+        )
+    _check_signature(factory, (), UsageError, f"model factory {name!r} must be callable with no arguments")
     if inputs is None:
         raise UsageError(
             "a custom model needs its batch: pass --inputs package.module:fn where fn(batch_size) returns it"
         )
     inputs_fn = import_object(inputs, "inputs")
-    try:
-        inspect.signature(inputs_fn).bind(1)
-    except TypeError as error:
-        raise InputsError(f"inputs function {inputs!r} must take one argument, the batch size ({error})") from error
-    except ValueError:
-        pass  # builtins without a signature: let the call decide
-    loss_fn = import_object(loss, "loss") if loss else None
+    _check_signature(inputs_fn, (1,), InputsError, f"inputs function {inputs!r} must take one argument, the batch size")
+    loss_fn = _loss_function(loss)
 
     def build(settings: TrainingSettings) -> nn.Module:
-        model = factory()
+        model = _call_user(factory, (), f"model factory {name!r}")
         if not isinstance(model, nn.Module):
             raise UsageError(f"model factory {name!r} returned a {type(model).__name__}, not a torch.nn.Module")
         if settings.attn_impl != "sdpa":
@@ -113,14 +155,11 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None) -> ModelSpec:
         return model
 
     def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:
-        return _check_batch(inputs_fn(settings.batch_size), inputs)
+        return _check_batch(_call_user(inputs_fn, (settings.batch_size,), f"inputs function {inputs!r}"), inputs)
 
     def loss_of(output: Any, batch: Batch) -> torch.Tensor:
         if loss_fn is not None:
-            value = loss_fn(output, batch)
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                raise LossError(f"loss function {loss!r} must return a scalar tensor, got {type(value).__name__}")
-            return value
+            return _checked_loss(loss, loss_fn(output, batch))
         return default_loss(output, batch)
 
     def settings_for(settings: TrainingSettings) -> TrainingSettings:
@@ -174,8 +213,10 @@ def resolve_model(
     name: str, *, inputs: str | None = None, loss: str | None = None, task: str | None = None
 ) -> ModelSpec:
     """Presets, transformers model types, config paths, cached hub ids, or `pkg.mod:callable`."""
+    if task is not None and task not in TASKS:
+        raise UsageError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
     if is_import_path(name):
-        return _custom_spec(name, inputs, loss)
+        return _custom_spec(name, inputs, loss, task)
     if inputs is not None:
         raise UsageError(
             f"--inputs gives a custom model (package.module:callable) its batch; for {name!r} memplan makes "
@@ -192,7 +233,7 @@ def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
             "`memplan presets` lists the presets; also accepted are a transformers model type, "
             "a config.json or model directory, a cached hub id, or package.module:callable"
         )
-    loss_fn = import_object(loss, "loss") if loss else None
+    loss_fn = _loss_function(loss)
 
     def settings_for(settings: TrainingSettings) -> TrainingSettings:
         return resolve_lengths(source.config, source.task, settings)
@@ -201,7 +242,7 @@ def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
         return synthesize_batch(source.config, source.task, settings, dtype)
 
     def loss_of(output: Any, batch: Batch) -> torch.Tensor:
-        return loss_fn(output, batch) if loss_fn else default_loss(output, batch)
+        return _checked_loss(loss, loss_fn(output, batch)) if loss_fn else default_loss(output, batch)
 
     return ModelSpec(
         ref=ModelRef(name, loss=loss, task=task),

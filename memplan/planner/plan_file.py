@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from memplan.errors import PlanFileError
+from memplan.errors import PlanFileError, UsageError
 from memplan.estimator.checkpointing import apply_layout
 from memplan.models.fingerprint import check_fingerprint
 from memplan.outputs import write_atomically
@@ -60,6 +61,10 @@ def write_plan(result: PlanResult, path: str | Path) -> None:
 def load_plan(source: str | Path | Plan) -> Plan:
     if isinstance(source, Plan):
         return source
+    if not isinstance(source, str | os.PathLike):
+        raise PlanFileError(
+            f"a plan is a file from `memplan plan --output` (its path) or a loaded Plan; got a {type(source).__name__}"
+        )
     try:
         document = json.loads(Path(source).read_text())
     except OSError as error:
@@ -110,6 +115,10 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
 
     The plan is refused if it was made for a model with other module names or parameter shapes.
     """
+    if not isinstance(model, nn.Module):
+        raise UsageError(
+            f"apply_plan checkpoints a real torch.nn.Module, built by your own code; got a {type(model).__name__}"
+        )
     loaded = load_plan(plan)
     check_fingerprint(loaded.fingerprint, loaded.model, model, "this model")
     apply_layout(model, loaded.layout)

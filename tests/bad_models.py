@@ -1,0 +1,163 @@
+"""Tiny custom models, inputs and losses that get something wrong, for tests/test_bad_inputs.py."""
+
+import torch
+from torch import nn
+
+FEATURES = 8
+NOT_CALLABLE = 42
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.ReLU(), nn.Linear(FEATURES, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).pow(2).mean()
+
+
+class NoParameters(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).sum()
+
+
+class KeywordOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).mean()
+
+
+class ReturnsNone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.linear(x)
+
+
+class ReturnsVector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class RaisesInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the user's forward is broken")
+
+
+class NoGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.linear(x).mean()
+
+
+def mlp() -> nn.Module:
+    return Mlp()
+
+
+def no_parameters() -> nn.Module:
+    return NoParameters()
+
+
+def returns_none() -> nn.Module:
+    return ReturnsNone()
+
+
+def returns_vector() -> nn.Module:
+    return ReturnsVector()
+
+
+def raises_in_forward() -> nn.Module:
+    return RaisesInForward()
+
+
+def no_grad() -> nn.Module:
+    return NoGrad()
+
+
+def not_a_module() -> str:
+    return "a model"
+
+
+def returns_class() -> type:
+    return Mlp
+
+
+def factory_needs_argument(width: int) -> nn.Module:
+    return Mlp()
+
+
+def factory_raises() -> nn.Module:
+    raise ValueError("the factory is broken")
+
+
+def inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, FEATURES)
+
+
+def wrong_shape_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, FEATURES + 3)
+
+
+def integer_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randint(0, 5, (batch_size, FEATURES))
+
+
+def keyword_inputs(batch_size: int) -> dict[str, torch.Tensor]:
+    return {"y": torch.randn(batch_size, FEATURES)}
+
+
+def too_many_inputs(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, FEATURES), torch.randn(batch_size, FEATURES)
+
+
+def list_inputs(batch_size: int) -> list[torch.Tensor]:
+    return [torch.randn(batch_size, FEATURES)]
+
+
+def none_inputs(batch_size: int) -> None:
+    return None
+
+
+def numpy_like_inputs(batch_size: int) -> list[list[float]]:
+    return [[0.0] * FEATURES for _ in range(batch_size)]
+
+
+def inputs_raise(batch_size: int) -> torch.Tensor:
+    raise RuntimeError("the inputs function is broken")
+
+
+def inputs_two_arguments(batch_size: int, seq_len: int) -> torch.Tensor:
+    return torch.randn(batch_size, FEATURES)
+
+
+def loss_not_scalar(output, batch) -> torch.Tensor:
+    return torch.ones(3, requires_grad=True) * output
+
+
+def loss_float(output, batch) -> float:
+    return 1.0
+
+
+def loss_raises(output, batch) -> torch.Tensor:
+    raise KeyError("logits")
+
+
+def loss_one_argument(output) -> torch.Tensor:
+    return output
