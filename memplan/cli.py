@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from memplan import interrupts
 from memplan.compat import require_supported_torch
 from memplan.errors import MemplanError, SizeParseError, UsageError
 from memplan.interrupts import reliable_interrupts
@@ -99,17 +100,19 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
                 action()
         finally:
             _stop_progress()
-    except MemplanError as error:
-        if debug:
-            traceback.print_exc()
-        click.echo(f"memplan: error: {error}", err=True)
-        sys.exit(error.exit_code)
     except KeyboardInterrupt:
         click.echo("memplan: interrupted", err=True)
         sys.exit(130)
-    except Exception as error:  # a bug in memplan or torch: say so, keep the details for --debug
+    except Exception as error:
         if debug:
             traceback.print_exc()
+        if interrupts.seen:  # raised while Ctrl-C unwound the work: the interrupt is the news
+            click.echo("memplan: interrupted", err=True)
+            sys.exit(130)
+        if isinstance(error, MemplanError):
+            click.echo(f"memplan: error: {error}", err=True)
+            sys.exit(error.exit_code)
+        # a bug in memplan or torch: say so, keep the details for --debug
         click.echo(f"memplan: internal error: {type(error).__name__}: {error} (rerun with --debug)", err=True)
         sys.exit(1)
 

@@ -17,11 +17,15 @@ from collections.abc import Iterator
 from types import FrameType
 
 requested = False  # read directly on hot paths (one attribute load per recorded op)
+# Set by a Ctrl-C during `reliable_interrupts()` and kept after it ends: an exception that follows
+# one (cleanup code failing on state the interrupt left half-done) is reported as the interrupt,
+# not as an internal error or a usage error.
+seen = False
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
-    global requested
-    requested = True
+    global requested, seen
+    requested = seen = True
     raise KeyboardInterrupt
 
 
@@ -33,10 +37,11 @@ def raise_if_interrupted() -> None:
 @contextlib.contextmanager
 def reliable_interrupts() -> Iterator[None]:
     """Install the SIGINT handler for the duration (main thread only; elsewhere a no-op)."""
-    global requested
+    global requested, seen
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    seen = False  # kept after the context, for the caller's error handling; cleared for the next
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         yield

@@ -329,3 +329,28 @@ def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_c
     snapshot = run(*common, "--cuda-alloc-conf", "expandable_segments:True", "--snapshot", str(tmp_path / "s.pickle"))
     assert snapshot.exit_code == 2 and "not expandable segments" in snapshot.output
     assert not (tmp_path / "s.pickle").exists()
+
+
+def test_an_error_raised_while_ctrl_c_unwinds_the_work_is_reported_as_the_interrupt(capsys):
+    import os
+    import signal
+
+    from memplan.cli import _run
+
+    def action() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler raises KeyboardInterrupt here
+        finally:
+            raise RuntimeError("cleanup failed on half-done state")  # replaces it, as a finally can
+
+    with pytest.raises(SystemExit) as stopped:
+        _run(False, action)
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == "memplan: interrupted"
+
+    def failing() -> None:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(SystemExit) as stopped:  # the next command starts clean
+        _run(False, failing)
+    assert stopped.value.code == 1 and "internal error: RuntimeError: a bug" in capsys.readouterr().err
