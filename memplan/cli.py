@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import sys
@@ -90,9 +91,16 @@ def _show_debug_messages() -> None:
 
 
 def _run(debug: bool, action: Callable[[], None]) -> None:
-    """Turn MemplanError into one line on stderr and its exit code; tracebacks only with --debug."""
+    """Turn MemplanError into one line on stderr and its exit code; tracebacks only with --debug.
+
+    The exit happens after the except clauses: exiting inside one would keep the exception, and
+    through its traceback every frame of the interrupted work, alive until the interpreter shuts
+    down, whose teardown then fails in those objects' finalizers (torch's StorageWeakRef.__del__
+    printed "Exception ignored ..." after "memplan: interrupted").
+    """
     if debug:
         _show_debug_messages()
+    message, code = None, 0
     try:
         require_supported_torch()
         try:
@@ -101,20 +109,20 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         finally:
             _stop_progress()
     except KeyboardInterrupt:
-        click.echo("memplan: interrupted", err=True)
-        sys.exit(130)
+        message, code = "memplan: interrupted", 130
     except Exception as error:
         if debug:
             traceback.print_exc()
         if interrupts.seen:  # raised while Ctrl-C unwound the work: the interrupt is the news
-            click.echo("memplan: interrupted", err=True)
-            sys.exit(130)
-        if isinstance(error, MemplanError):
-            click.echo(f"memplan: error: {error}", err=True)
-            sys.exit(error.exit_code)
-        # a bug in memplan or torch: say so, keep the details for --debug
-        click.echo(f"memplan: internal error: {type(error).__name__}: {error} (rerun with --debug)", err=True)
-        sys.exit(1)
+            message, code = "memplan: interrupted", 130
+        elif isinstance(error, MemplanError):
+            message, code = f"memplan: error: {error}", error.exit_code
+        else:  # a bug in memplan or torch: say so, keep the details for --debug
+            message, code = f"memplan: internal error: {type(error).__name__}: {error} (rerun with --debug)", 1
+    if message is not None:
+        gc.collect()  # the work's objects go now, while every module is intact
+        click.echo(message, err=True)
+        sys.exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
