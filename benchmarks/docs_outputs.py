@@ -7,7 +7,7 @@ Usage (from the repository root):
 A documented command is a ```bash block holding one `memplan ...` line (backslash continuations
 joined) followed at once by a ```text block: that block is what the command prints. Each command
 runs in a temporary folder (files it writes, such as --plot images, land there and are dropped),
-with COLUMNS=120 so tables wrap as in the docs. The closing "N traces, ... s" line and timings vary
+with COLUMNS=120 so tables wrap as in the docs. The closing "N traces, ... s" and "N s" lines vary
 from run to run and are left out of the comparison; everything else must match character for
 character. Default docs: docs/walkthroughs.md.
 """
@@ -23,11 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"```bash\n(?P<command>memplan [^`]*?)\n```\n```text\n(?P<output>.*?)```\n", re.DOTALL)
-VOLATILE = re.compile(r"^\d+ traces?,.* s$", re.MULTILINE)
+VOLATILE = re.compile(r"^(\d+ traces?\b.*)?[\d.]+ s$", re.MULTILINE)
 
 
 def _normalise(text: str) -> str:
-    return VOLATILE.sub("", text).rstrip() + "\n"
+    lines = [line.rstrip() for line in VOLATILE.sub("", text).splitlines()]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def run(command: str) -> str:
