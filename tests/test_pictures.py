@@ -120,3 +120,22 @@ def test_cli_writes_both_files_and_refuses_bad_ones(tmp_path):
 def test_plot_names_a_file_type_matplotlib_writes(tmp_path):
     result = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--plot", str(tmp_path / "memory.txt")])
     assert result.exit_code == 2 and "name a .png, .svg, .pdf file" in result.output
+
+
+def test_a_one_op_spike_is_drawn_as_a_line_with_a_marker_on_it(tmp_path, monkeypatch):
+    """A spike one node wide in 20,000 is narrower than a pixel of the stacked areas: the total is
+    drawn as a line too, and a marker sits on the peak (issue 17: the plot hid a one-op peak)."""
+    import memplan.render.plot as plot_module
+    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation
+
+    plateau = TimelineAllocation(0, 20_000, 1 << 30, "parameters", "p", None)
+    spike = TimelineAllocation(10_000, 10_000, 1 << 30, "temporaries", "t", None)
+    timeline = MemoryTimeline(20_000, 8_000, 16_000, (plateau, spike))
+    captured = []
+    monkeypatch.setattr(plot_module, "_save", lambda figure, path: captured.append(figure))
+    plot_timeline(timeline, tmp_path / "spike.png", title="spike")
+    axes = captured[0].axes[0]
+    heights = [max(line.get_ydata(), default=0) for line in axes.lines]
+    marker = [line for line in axes.lines if line.get_marker() == "v"]
+    assert max(heights) == 2.0  # GiB: the line reaches the spike
+    assert len(marker) == 1 and list(marker[0].get_xdata()) == [10_000] and list(marker[0].get_ydata()) == [2.0]

@@ -101,8 +101,12 @@ def plot_timeline(
         step="post",
         linewidth=0,
     )
+    # The total as a line on top: a spike one op wide is narrower than a pixel of the stacked areas,
+    # but a line is drawn at least a pixel wide, and the marker sits on the peak itself.
+    axes.plot(nodes, [totals[node] / scale for node in nodes], drawstyle="steps-post", color="black", linewidth=0.6)
+    axes.plot([peak_node], [totals[peak_node] / scale], marker="v", color="black", markersize=6, zorder=5)
     for phase, start in timeline.phase_starts().items():
-        axes.axvline(start, color="black", linewidth=0.8, linestyle=":")
+        axes.axvline(start, color="black", linewidth=0.8, linestyle=":", zorder=0)
         axes.text(start, top / scale * 1.07, f" {phase}", va="top", ha="left", fontsize=9)
     peak = totals[peak_node]
     axes.annotate(
