@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from memplan.estimator.checkpointing import block_names
 from memplan.estimator.simulate import liveness, simulate
@@ -59,3 +60,55 @@ def test_the_cost_model_predicts_each_layouts_traced_peak(model, device, tmp_pat
         saving = plain.peak_bytes - actual
         assert saving > 0, segments
         assert abs((plain.peak_bytes - predicted) - saving) <= SAVING_TOLERANCE * saving, (segments, predicted, actual)
+
+
+class _Scaled(torch.nn.Module):
+    """A plain ModuleList model whose forward changes the hidden state between blocks (issue 17)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(6)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) * 2
+        return x.sum()
+
+
+def scaled() -> torch.nn.Module:
+    return _Scaled()
+
+
+def scaled_inputs(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 64)
+
+
+def test_blocks_are_joined_only_where_the_graph_hands_one_blocks_output_to_the_next(tiny_model_dirs):
+    """Segment boundaries come from the traced graph: gpt2's blocks pass their output straight on
+    (a tuple item at most), the plain model above scales it between blocks, so its blocks can only
+    be checkpointed one by one, and `plan` must find that without --candidates."""
+    from memplan.api import plan
+
+    for spec in (
+        resolve_model(tiny_model_dirs["gpt2"]),
+        resolve_model("tests.test_planner_costs:scaled", inputs="tests.test_planner_costs:scaled_inputs"),
+    ):
+        settings = spec.settings_for(TrainingSettings(batch_size=512, device="cpu", optimizer="sgd"))
+        setup = build_fake_setup(spec, settings)
+        traced = trace_step(spec, settings, setup)
+        lifetimes = liveness(traced)
+        costs = chain_costs(traced, lifetimes, simulate(traced, lifetimes), block_names(setup.state.model))
+        expected = spec.name != "tests.test_planner_costs:scaled"
+        assert costs.chainable == (expected,) * (len(costs) - 1), spec.name
+    none = simulate(trace_step(spec, settings)).peak_bytes
+    result = plan(
+        "tests.test_planner_costs:scaled",
+        inputs="tests.test_planner_costs:scaled_inputs",
+        batch_size=512,
+        device="cpu",
+        optimizer="sgd",
+        budget=int(none * 0.9),
+    )
+    assert result.fits and all(len(segment) == 1 for segment in result.layout.segments)

@@ -13,6 +13,7 @@ its backward first recomputes the segment's forward on top of what is live then.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -58,6 +59,16 @@ def _consecutive_siblings(first: str, second: str) -> bool:
     parent_a, _, index_a = first.rpartition(".")
     parent_b, _, index_b = second.rpartition(".")
     return parent_a == parent_b and index_a.isdigit() and index_b.isdigit() and int(index_b) == int(index_a) + 1
+
+
+def _nothing_between(nodes: list, end: int, start: int) -> bool:
+    """Whether the parent computes nothing between one block's last forward op and the next one's
+    first: only then does the next block take the previous one's output as it is, which a segment
+    checkpoint over both needs (memplan.estimator.checkpointing). Picking an item of a block's
+    returned tuple is no computation."""
+    return all(
+        nodes[index].op != "call_function" or nodes[index].target is operator.getitem for index in range(end + 1, start)
+    )
 
 
 def select_candidates(module_names: list[str], blocks: list[str], pattern: str | None) -> list[str]:
@@ -155,7 +166,10 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
     return ChainCosts(
         names=tuple(order),
         forward_flops=tuple(flops),
-        chainable=tuple(_consecutive_siblings(order[j], order[j + 1]) for j in range(count - 1)),
+        chainable=tuple(
+            _consecutive_siblings(order[j], order[j + 1]) and _nothing_between(nodes, ends[j], starts[j + 1])
+            for j in range(count - 1)
+        ),
         forward_level_peak=tuple(forward_peak),
         backward_level_peak=tuple(backward_peak),
         backward_start_bytes=tuple(timeline[min(b, len(timeline) - 1)] for b in backward_start),
