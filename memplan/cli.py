@@ -797,17 +797,28 @@ def _validate_suite(
     path = Path(results or f"validation-{suite}.json")
     if not path.resolve().parent.is_dir():  # before the first measurement, not after it
         raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")
-    for config, result in validate_suite(suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout):
-        if result is not None and not as_json:
-            _stderr_console().print(" · ".join(suite_row(config.id, result)[:4]))
+    interrupted = False
+    try:
+        for config, result in validate_suite(
+            suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout
+        ):
+            if result is not None and not as_json:
+                _stderr_console().print(" · ".join(suite_row(config.id, result)[:4]))
+    except KeyboardInterrupt:
+        if not path.exists():
+            raise  # nothing finished: nothing to show
+        interrupted = True  # the file holds every finished configuration: show them, then stop as interrupted
     document = load_results(path)
     rows = result_rows(document)
     totals = summary([result for _, result in rows])
     if as_json:
-        click.echo(json.dumps({**document, "summary": totals}, indent=2))
+        click.echo(json.dumps({**document, "summary": totals, "interrupted": interrupted}, indent=2))
     else:
         render_suite(rows, totals, _stdout_console())
-        _stderr_console().print(f"[dim]results: {path}[/dim]")
+        resume_hint = f"; continue with --resume --results {path}" if interrupted else ""
+        _stderr_console().print(f"[dim]results: {path}{resume_hint}[/dim]")
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

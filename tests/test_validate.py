@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,31 @@ def test_the_measured_run_sets_the_cuda_library_switches_the_prediction_assumed(
         torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = before[:2]
         torch.use_deterministic_algorithms(before[2])
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def test_ctrl_c_in_a_suite_shows_what_finished_and_exits_130(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import memplan.api
+    from memplan.validate.result import ValidationResult
+    from memplan.validate.suite import SuiteConfig, run_suite
+
+    def interrupted_suite(name, results, **_):  # type: ignore[no-untyped-def]
+        def measure(config: SuiteConfig):  # type: ignore[no-untyped-def]
+            if config.id == "second":
+                raise KeyboardInterrupt  # Ctrl-C while the second configuration runs
+            return ValidationResult(config.model, {}, "cpu", 1000, 1000, None, None, None, None, "cpu", "x")
+
+        configs = (SuiteConfig("first", "a"), SuiteConfig("second", "b"))
+        return run_suite(name, configs, Path(results), measure, device="cpu")
+
+    monkeypatch.setattr(memplan.api, "validate_suite", interrupted_suite)
+    path = tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["validate", "--suite", "smoke", "--device", "cpu", "--results", str(path)])
+    assert result.exit_code == 130
+    assert "first" in result.stdout and "second" not in result.stdout  # the finished one is shown
+    assert result.stderr.strip().endswith("memplan: interrupted")
+    assert "--resume" in result.stderr
+    assert [entry["id"] for entry in json.loads(path.read_text())["configs"]] == ["first"]
+    as_json = CliRunner().invoke(
+        main, ["validate", "--suite", "smoke", "--device", "cpu", "--results", str(tmp_path / "j.json"), "--json"]
+    )
+    assert as_json.exit_code == 130 and json.loads(as_json.stdout)["interrupted"] is True
