@@ -336,6 +336,17 @@ def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]
     return settings
 
 
+def _expandable(alloc_conf: str | None) -> bool:
+    """Whether a PYTORCH_CUDA_ALLOC_CONF value turns expandable segments on (an unreadable one is
+    left for the settings to refuse, with the reason)."""
+    from memplan.estimator.cuda.allocator import parse_alloc_conf
+
+    try:
+        return alloc_conf is not None and parse_alloc_conf(alloc_conf)[0].expandable_segments
+    except ValueError:
+        return False
+
+
 def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as_json: bool, **options: Any) -> Any:
     """One library call with the options every command shares: the model's source, --hf-args, progress."""
     settings = _with_environment(dict(settings), as_json)
@@ -423,7 +434,7 @@ def estimate(
 
         if snapshot is not None and settings["device"] != "cuda":
             raise UsageError("--snapshot writes the CUDA caching allocator's view; use it with --device cuda")
-        if snapshot is not None and "expandable_segments:True" in (settings.get("cuda_alloc_conf") or ""):
+        if snapshot is not None and _expandable(settings.get("cuda_alloc_conf")):
             raise UsageError(
                 "--snapshot draws the default allocator's segments, not expandable segments; "
                 "drop one of --snapshot and expandable_segments:True"

@@ -326,7 +326,7 @@ def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_c
     assert any("max_split_size_mb: not modelled" in note for note in noted["notes"])
     unknown = run(*common, "--cuda-alloc-conf", "expandable:True")
     assert unknown.exit_code == 2 and "unknown option 'expandable'" in unknown.output
-    snapshot = run(*common, "--cuda-alloc-conf", "expandable_segments:True", "--snapshot", str(tmp_path / "s.pickle"))
+    snapshot = run(*common, "--cuda-alloc-conf", "expandable_segments: True", "--snapshot", str(tmp_path / "s.pickle"))
     assert snapshot.exit_code == 2 and "not expandable segments" in snapshot.output
     assert not (tmp_path / "s.pickle").exists()
 

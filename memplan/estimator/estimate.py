@@ -201,8 +201,10 @@ def run_estimate(
         device_peak_bytes=main.reserved_peak_bytes + settings.context_bytes
         if main.reserved_peak_bytes is not None
         else None,
-        smallest_device_bytes=smallest_device_bytes(main.timeline, settings.allocator_config)
-        if settings.device == "cuda"
+        smallest_device_bytes=smallest_device_bytes(
+            main.timeline, main.peak_bytes, main.reserved_peak_bytes, settings.allocator_config
+        )
+        if main.reserved_peak_bytes is not None
         else None,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,

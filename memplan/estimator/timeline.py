@@ -150,21 +150,25 @@ def completes_within(timeline: MemoryTimeline, capacity_bytes: int, config: Allo
     return True
 
 
-def smallest_device_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int | None:
+def smallest_device_bytes(
+    timeline: MemoryTimeline,
+    allocated_peak_bytes: int,
+    reserved_peak_bytes: int,
+    config: AllocatorConfig = DEFAULT_CONFIG,
+) -> int | None:
     """The least device memory (for torch, so without the CUDA context) in which the iteration
-    completes, found by bisection between the allocated peak and the reserved peak in the 2 MiB
-    steps segments come in; None for expandable segments (their retry is not simulated).
+    completes, found by bisection between its allocated and its reserved peak (the simulation's
+    own figures) in the 2 MiB steps segments come in; None for expandable segments (their retry is
+    not simulated).
 
     Less memory means fewer cached segments to reuse, never more room, so a capacity that works
     is taken to leave every larger one working too.
     """
     if config.expandable_segments:
         return None
-    allocator = CachingAllocator(config)
-    replay_steady_state(timeline, allocator)
     step = ROUND_LARGE_BYTES
-    low = -(-allocator.max_allocated_bytes // step)  # in steps; below the allocated peak nothing runs
-    high = -(-allocator.max_reserved_bytes // step)
+    low = -(-allocated_peak_bytes // step)  # in steps; below the allocated peak nothing runs
+    high = -(-reserved_peak_bytes // step)
     while low < high:
         middle = (low + high) // 2
         if completes_within(timeline, middle * step, config):

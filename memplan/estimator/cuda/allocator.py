@@ -184,7 +184,6 @@ class CachingAllocator:
         self.config = config
         self.capacity_bytes = capacity_bytes  # None: as much memory as the step asks for
         self._last: dict[bool, _Block | None] = {True: None, False: None}  # expandable: each pool's end block
-        self._mapped_end = dict(_EXPANDABLE_BASE)
         self._pools = {True: _Pool(), False: _Pool()}
         self._next_address = 0
         self._handles: dict[int, _Block] = {}
@@ -257,7 +256,8 @@ class CachingAllocator:
             block, needed = None, size
         mapped = -(-needed // page) * page
         if block is None:
-            block = _Block(self._mapped_end[small], 0, small, prev=last)
+            mapped_end = last.address + last.size if last is not None else _EXPANDABLE_BASE[small]
+            block = _Block(mapped_end, 0, small, prev=last)
             if last is None:
                 self._segment_heads.append(block)
                 self.segments += 1
@@ -265,7 +265,6 @@ class CachingAllocator:
                 last.next = block
             self._last[small] = block
         block.size += mapped
-        self._mapped_end[small] += mapped
         self.reserved_bytes += mapped
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
         return block
