@@ -206,6 +206,7 @@ def test_unequal_heads_need_enable_gqa() -> None:
     q = torch.empty(2, 8, 128, 64, dtype=BF16)
     k = v = torch.empty(2, 2, 128, 64, dtype=BF16)
     assert select_sdpa_backend(q, k, v, None, True, False) == "math"
+    assert select_sdpa_backend(q, k, v, None, True) == "math"  # the flag is off unless given
     assert select_sdpa_backend(q, k, v, None, True, True) == "flash"
 
 
@@ -407,6 +408,27 @@ def _tensors(q_heads=4, kv_heads=4, seq=128, q_dim=64, k_dim=None, v_dim=None, d
         ("empty sequence", _tensors(seq=0), False, False, (9, 0), "math"),
         ("strided last dim", tuple(t.transpose(-1, -2) for t in _tensors(seq=64)), False, False, (9, 0), "math"),
         ("3-d", tuple(t[0] for t in _tensors()), False, False, (9, 0), "math"),
+        # One 3-d operand whose sizes would otherwise pass every other check (batch 2, 4 heads).
+        ("3-d query", (torch.empty(2, 4, 64, dtype=BF16), *_tensors()[1:]), False, False, (9, 0), "math"),
+        ("3-d key", (_tensors()[0], torch.empty(2, 4, 64, dtype=BF16), _tensors()[2]), False, False, (9, 0), "math"),
+        ("3-d value", (*_tensors()[:2], torch.empty(2, 4, 64, dtype=BF16)), False, False, (9, 0), "math"),
+        ("empty query sequence", _tensors(seq=0, kv_seq=128), False, False, (9, 0), "math"),
+        ("empty key sequence", (_tensors()[0], *_tensors(seq=0)[1:]), False, False, (9, 0), "math"),
+        ("one-token sequence", _tensors(seq=1), False, False, (9, 0), "flash"),
+        # check_last_dim_stride_equals_1: a head dim of 1 passes whatever its stride.
+        (
+            "head dim 1, strided",
+            tuple(t.transpose(-1, -2) for t in _tensors(seq=1, q_dim=64)),
+            False,
+            False,
+            (9, 0),
+            "flash",
+        ),
+        ("257 not flash", _tensors(q_dim=257), False, False, (9, 0), "math"),
+        ("sm86 193 no", _tensors(q_dim=193), False, False, (8, 6), "math"),
+        ("sm86 225 flash", _tensors(q_dim=225), False, False, (8, 6), "flash"),
+        ("bf16 264 on sm80", _tensors(q_dim=264), False, False, (8, 0), "efficient"),
+        ("gqa 8/2, 5 tokens", _tensors(q_heads=8, kv_heads=2, seq=5), True, True, (9, 0), "flash"),
     ],
 )
 def test_sdpa_backend_boundaries(case, tensors, causal, gqa, capability, expected) -> None:  # type: ignore[no-untyped-def]
@@ -437,3 +459,89 @@ def test_cublas_workspace_config_sets_the_size_as_torch_parses_it() -> None:
     assert cublas_workspace_bytes((9, 0), ":16:8") == 16 * 1024 * 8  # the variable beats the Hopper default
     assert cublas_workspace_bytes((8, 0), ":4096:8") == 32 * 2**20
     assert cublas_workspace_bytes((8, 0), None) == 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def test_flash_is_called_as_attention_cpp_calls_it() -> None:
+    """attention.cpp: `_scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal,
+    return_debug_mask=false, scale)`, q/k/v padded to the next multiple of 8 (58 -> 64, not 60).
+    The dispatcher drops trailing arguments equal to their defaults, so a debug mask asked for
+    shows as a sixth argument."""
+    out, recorder = _attend("H100", lambda: (*_grad(_qkv(head_dim=58)), {}))
+    args, _ = recorder.call("aten._scaled_dot_product_flash_attention.default")
+    assert [tuple(t.shape) for t in args[:3]] == [(2, 4, 128, 64)] * 3
+    assert args[3:] == ()  # no dropout, not causal, no debug mask
+    assert tuple(out.shape) == (2, 4, 128, 58)
+    _, recorder = _attend("H100", lambda: (*_grad(_qkv()), {}), is_causal=True, dropout_p=0.1)
+    args, _ = recorder.call("aten._scaled_dot_product_flash_attention.default")
+    assert args[3:] == (0.1, True)
+
+
+def test_the_callers_flags_reach_the_backend_choice() -> None:
+    """A causal call with more keys than queries is not flash's (its causal mask is top-left), and
+    grouped heads reach flash only with enable_gqa."""
+    longer_keys = lambda: (*_tensors(kv_seq=256), {})  # noqa: E731
+    _, recorder = _attend("H100", longer_keys, is_causal=True)
+    args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
+    assert args[6] is True  # is_causal reaches the memory-efficient kernel too
+    grouped = lambda: (*_tensors(q_heads=8, kv_heads=2), {})  # noqa: E731
+    _, recorder = _attend("H100", grouped, enable_gqa=True)
+    recorder.call("aten._scaled_dot_product_flash_attention.default")
+    with pytest.raises(RuntimeError):  # as on CUDA: unequal heads without the flag do not broadcast
+        _attend("H100", grouped)
+
+
+def test_autocast_casts_every_floating_input_but_float64() -> None:
+    """autocast_mode.h cached_cast/is_eligible: float16 inputs are cast to bfloat16 under bfloat16
+    autocast (and then run flash), float64 ones are left alone (and run the math backend)."""
+    half = lambda: (*_qkv(dtype=torch.float16), {"attn_mask": torch.zeros(2, 1, 128, 128, dtype=torch.float16)})  # noqa: E731
+    _, recorder = _attend("H100", half, autocast=True)
+    args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
+    assert [t.dtype for t in args[:4]] == [BF16] * 4
+    out, recorder = _attend("H100", lambda: (*_qkv(dtype=torch.float64), {}), autocast=True)
+    assert out.dtype == torch.float64
+    assert not [
+        op for op, _, _ in recorder.calls if "flash" in op or "efficient" in op or op.startswith("aten._to_copy")
+    ]
+
+
+def test_a_bool_mask_becomes_additive_in_the_querys_own_dtype() -> None:
+    masked = lambda: (*_qkv(dtype=BF16), {"attn_mask": torch.ones(2, 1, 128, 128, dtype=torch.bool)})  # noqa: E731
+    _, recorder = _attend("H100", masked)
+    args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
+    assert args[3].dtype == BF16 and tuple(args[3].shape) == (2, 4, 128, 128)
+
+
+def test_the_math_backend_gets_the_mask_and_runs_without_autocast() -> None:
+    """On T4 (sm75) bfloat16 attention has no fused kernel: math, which gets the caller's mask and
+    runs below autocast's dispatch key as on CUDA, so its matmuls stay in the float32 that
+    attention.cpp upcasts 16-bit inputs to (CPU autocast would cast them back to bfloat16)."""
+    masked = lambda: (*_qkv(), {"attn_mask": torch.zeros(2, 1, 128, 128, dtype=BF16)})  # noqa: E731
+    _, recorder = _attend("T4", masked, autocast=True)
+    adds = [args for op, args, _ in recorder.calls if op == "aten.add.Tensor"]
+    assert len(adds) == 1 and tuple(adds[0][1].shape) == (2, 1, 128, 128)
+    matmuls = [args for op, args, _ in recorder.calls if op == "aten.bmm.default"]
+    assert len(matmuls) == 2 and all(t.dtype == F32 for args in matmuls for t in args)
+
+
+def test_dropout_edges_follow_dropout_cpp() -> None:
+    """Dropout.cpp: the fused kernel for any non-empty input (one element included); an empty input
+    comes back as it is, whatever p; p = 1 multiplies by a zero of the input's own dtype."""
+    with FakeTensorMode(), cuda_kernels(None):
+        one = torch.empty(1, dtype=BF16, requires_grad=True)
+        recorder = _CallRecorder()
+        with recorder:
+            torch.nn.functional.dropout(one, 0.5, training=True)
+        recorder.call("aten.native_dropout.default")
+        empty = torch.empty(0, 4, requires_grad=True)
+        for p in (0.5, 1.0):
+            recorder = _CallRecorder()
+            with recorder:
+                assert torch.nn.functional.dropout(empty, p, training=True) is empty
+            assert recorder.calls == []
+        x = torch.empty(16, 32, dtype=BF16, requires_grad=True)
+        recorder = _CallRecorder()
+        with recorder:
+            dropped = torch.nn.functional.dropout(x, 1.0, training=True)
+        assert dropped is not x and dropped.dtype == BF16
+        args, _ = recorder.call("aten.mul.Tensor")
+        assert args[0] is x and args[1].dtype == BF16 and tuple(args[1].shape) == ()

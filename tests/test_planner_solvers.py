@@ -145,3 +145,96 @@ def test_greedy_joins_checkpoints_when_single_blocks_cannot_reach_the_budget():
             assert heuristic.recompute_flops <= 1.5 * exact.recompute_flops
             joined_answers += any(first != last for first, last in heuristic.segments)
     assert cases >= 20 and joined_answers >= cases // 2
+
+
+def _additive_chain(
+    head_peak: int, saved: list[int], flops: list[int], boundary: list[int] | None = None, chainable=None
+) -> ChainCosts:
+    """A chain whose peak is at the head and falls by exactly what each checkpoint frees, so the
+    greedy rule can be followed by hand: checkpointing segment a..b frees saved[a..b] plus the
+    outputs a..b-1 that only the segment's own next block reads (boundary). Nothing else peaks:
+    the other levels and every recompute spike stay at or below zero."""
+    count = len(saved)
+    boundary = boundary if boundary is not None else [0] * count
+    return ChainCosts(
+        names=tuple(f"blocks.{j}" for j in range(count)),
+        forward_flops=tuple(flops),
+        chainable=tuple(chainable) if chainable is not None else (True,) * (count - 1),
+        forward_level_peak=(0,) * (count + 1),
+        backward_level_peak=(0,) * count + (head_peak,),
+        backward_start_bytes=(0,) * count,
+        freed=tuple(tuple(sum(saved[a : b + 1]) + sum(boundary[a:b]) for b in range(a, count)) for a in range(count)),
+        forward_growth=tuple((0,) * (count - a) for a in range(count)),
+        step_flops=sum(flops),
+    )
+
+
+def test_greedy_takes_the_most_bytes_per_flop_not_the_most_bytes_nor_the_cheapest():
+    """Block 0 frees 300 B for 30 FLOPs (10 B/FLOP), block 1 frees 100 B for 20 (5 B/FLOP); 100 B
+    must go. The rule takes block 0 and stops: 900 B fits, and dropping it would not. (The DP takes
+    the cheaper block 1; the heuristic is greedy by its ratio, which is what this pins.)"""
+    costs = _additive_chain(1000, saved=[300, 100], flops=[30, 20])
+    answer = greedy.solve(costs, 900)
+    assert answer is not None and answer.segments == ((0, 0),)
+    assert (answer.model_peak_bytes, answer.recompute_flops) == (700, 30)
+    assert dp.solve(costs, 900).segments == ((1, 1),)
+
+
+def test_greedy_counts_a_block_that_recomputes_nothing_as_one_flop():
+    """A block of 1 FLOP freeing 10 B (10 B/FLOP) beats one of 2 FLOPs freeing 15 B (7.5 B/FLOP);
+    the FLOP count is floored at 1 only so that a block computing nothing does not divide by zero."""
+    costs = _additive_chain(1000, saved=[10, 15], flops=[1, 2])
+    assert greedy.solve(costs, 995).segments == ((0, 0),)
+    free_block = _additive_chain(1000, saved=[10, 15], flops=[0, 2])  # 10 B/FLOP against 7.5
+    assert greedy.solve(free_block, 995).segments == ((0, 0),)
+
+
+def test_greedy_breaks_ties_towards_the_earlier_block():
+    costs = _additive_chain(1000, saved=[10, 10, 10], flops=[10, 10, 10])
+    assert greedy.solve(costs, 990).segments == ((0, 0),)
+    assert greedy.solve(costs, 980).segments == ((0, 0), (1, 1))
+
+
+def test_greedy_joins_neighbours_only_where_the_chain_allows_and_at_the_right_place():
+    """Every block checkpointed on its own frees 30 B of 1000; the budget needs the 50 B output
+    that block 1 hands block 2, freed only by one checkpoint over both. Block 0 may not join
+    block 1. By hand: blocks 0, 1, 2 are taken one by one (910 B), then 1 and 2 joined (860 B),
+    and the final pass finds that neither checkpoint can go (970 B, 890 B)."""
+    costs = _additive_chain(1000, saved=[30, 30, 30], flops=[10, 10, 10], boundary=[50, 50, 0], chainable=[False, True])
+    answer = greedy.solve(costs, 880)
+    assert answer is not None and answer.segments == ((0, 0), (1, 2))
+    assert answer.model_peak_bytes == 1000 - 30 - (30 + 30 + 50)
+    no_joins = _additive_chain(
+        1000, saved=[30, 30, 30], flops=[10, 10, 10], boundary=[50, 50, 0], chainable=[False, False]
+    )
+    assert greedy.solve(no_joins, 880) is None  # 910 B is the least any layout reaches
+    two = _additive_chain(1000, saved=[30, 30], flops=[10, 10], boundary=[50, 0])
+    assert greedy.solve(two, 900).segments == ((0, 1),)
+
+
+def test_greedy_joins_the_pair_that_frees_most_and_the_earlier_of_equals():
+    equal = _additive_chain(1000, saved=[30, 30, 30], flops=[10, 10, 10], boundary=[50, 50, 0])
+    assert greedy.solve(equal, 880).segments == ((0, 1), (2, 2))
+    later_frees_more = _additive_chain(1000, saved=[30, 30, 30], flops=[10, 10, 10], boundary=[50, 60, 0])
+    assert greedy.solve(later_frees_more, 860).segments == ((0, 0), (1, 2))  # 850 B; without block 0, 880
+
+
+def test_greedys_final_pass_drops_the_costliest_checkpoint_the_budget_does_not_need():
+    """By hand (head peak 1000 B, budget 880 B): taken in ratio order C (20 B/1 FLOP), Y (20 B/2),
+    then D (100 B/50) reaches 860 B. The final pass tries the costliest first: without D 960 B,
+    kept; without Y exactly 880 B, which fits, so Y goes; without C then 900 B, kept. Trying the
+    cheapest first would drop C instead (52 FLOPs, not 51)."""
+    costs = _additive_chain(1000, saved=[20, 20, 100, 5], flops=[1, 2, 50, 5])
+    answer = greedy.solve(costs, 880)
+    assert answer is not None and answer.segments == ((0, 0), (2, 2))
+    assert (answer.model_peak_bytes, answer.recompute_flops) == (880, 51)
+
+
+def test_greedy_steps_through_checkpoints_that_free_nothing_to_the_join_that_does():
+    """Two blocks that save nothing themselves, one handing the other a 50 B output: only one
+    checkpoint over both frees it (the DP's answer). Neither single checkpoint lowers the peak,
+    so a rule that took only those would give up; the greedy heuristic takes both and joins them."""
+    costs = _additive_chain(1000, saved=[0, 0], flops=[10, 10], boundary=[50, 0])
+    assert dp.solve(costs, 950).segments == ((0, 1),)
+    assert greedy.solve(costs, 950).segments == ((0, 1),)
+    assert greedy.solve(costs, 949) is None

@@ -126,14 +126,14 @@ def _overload(name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
 
-def _eligible(value: object) -> bool:
+def autocast_eligible(value: object) -> bool:
     """autocast_mode.h is_eligible: a floating-point tensor that is not float64."""
     return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
 
 
 def _cast_all(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
     def cast(value: object) -> object:
-        return value.to(dtype) if _eligible(value) and value.dtype != dtype else value  # type: ignore[union-attr]
+        return value.to(dtype) if autocast_eligible(value) and value.dtype != dtype else value  # type: ignore[union-attr]
 
     return tree_map(cast, args), tree_map(cast, kwargs)
 
@@ -170,10 +170,10 @@ def _kernel(name: str, policy: str):  # type: ignore[no-untyped-def]
         elif policy == "promote":
             widest = torch.get_autocast_dtype("cpu")
             for value in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if _eligible(value):
+                if autocast_eligible(value):
                     widest = torch.promote_types(widest, value.dtype)
             args, kwargs = _cast_all(args, kwargs, widest)
-        elif policy == "fp32_set_opt_dtype" and args and _eligible(args[0]):
+        elif policy == "fp32_set_opt_dtype" and args and autocast_eligible(args[0]):
             # autocast_mode.h set_opt_dtype: only when the caller gave no dtype of its own.
             if dtype_position is None:
                 if kwargs.get("dtype") is None:
@@ -185,7 +185,7 @@ def _kernel(name: str, policy: str):  # type: ignore[no-untyped-def]
             # autocast_mode.h fp32_append_dtype: always the dtype overload, with float32 for an
             # eligible first argument and the argument's own dtype otherwise (type_from_firstarg).
             target = getattr(torch.ops.aten.norm, FP32_APPEND_DTYPE[name])
-            dtype = torch.float32 if _eligible(args[0]) else args[0].dtype
+            dtype = torch.float32 if autocast_eligible(args[0]) else args[0].dtype
             # The dispatcher drops trailing arguments equal to their defaults (norm.Scalar's p=2),
             # which the dtype overload may not have: give them back before redispatching.
             positional = [argument for argument in op._schema.arguments if not argument.kwarg_only]

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from memplan.estimator.cuda.autocast import autocast_eligible
 from memplan.gpus import DEFAULT_GPU, gpu_named
 
 
@@ -103,11 +104,12 @@ def _sdpa_as_on_cuda(compute_capability: tuple[int, int]):  # type: ignore[no-un
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         if torch.is_autocast_enabled("cpu"):
-            # CUDA autocast casts sdpa's floating inputs (the mask too) before the kernel is chosen.
+            # CUDA autocast casts sdpa's floating inputs (the mask too; float16 ones under bfloat16
+            # as well, float64 never: autocast_mode.h cached_cast) before the kernel is chosen.
             low = torch.get_autocast_dtype("cpu")
-            query, key, value = (t.to(low) if t.dtype == torch.float32 else t for t in (query, key, value))
-            if attn_mask is not None and attn_mask.dtype == torch.float32:
-                attn_mask = attn_mask.to(low)
+            query, key, value, attn_mask = (
+                t.to(low) if autocast_eligible(t) else t for t in (query, key, value, attn_mask)
+            )
         backend = select_sdpa_backend(query, key, value, attn_mask, is_causal, enable_gqa, compute_capability)
         with torch.autocast("cpu", enabled=False):
             if backend == "flash":

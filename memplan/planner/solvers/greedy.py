@@ -1,8 +1,11 @@
 """A fast heuristic for large candidate sets: checkpoint the best bytes-per-FLOP block until it fits.
 
 Each round adds the single block whose checkpoint lowers the modelled peak most per recomputed
-FLOP; when no block helps, it joins two adjacent checkpoints into one segment (no extra FLOPs).
-A final pass drops checkpoints, costliest first, that the budget does not need.
+FLOP (one that leaves the peak where it is counts too, as a step towards a join: a block may save
+nothing itself and still hand its neighbour an output that only a checkpoint over both frees);
+when no block is left that does not raise the peak, it joins the two adjacent checkpoints whose
+segment lowers it most (no extra FLOPs). A final pass drops checkpoints, costliest first, that
+the budget does not need.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def solve(costs: ChainCosts, budget_bytes: int) -> Solution | None:
             trial = sorted([*segments, (j, j)])
             trial_peak = model_peak_bytes(costs, trial)
             gain = (peak - trial_peak) / max(costs.forward_flops[j], 1)
-            if trial_peak < peak and (best is None or gain > best[0]):
+            if trial_peak <= peak and (best is None or gain > best[0]):
                 best = (gain, trial, trial_peak)
         if best is None:
             for index in range(len(segments) - 1):
