@@ -219,7 +219,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             metavar="KEY:VALUE,...",
             envvar="PYTORCH_CUDA_ALLOC_CONF",
             show_envvar=True,
-            help="The run's PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True is simulated; other keys are noted.",
+            help="The run's PYTORCH_CUDA_ALLOC_CONF: expandable_segments, max_split_size_mb, max_non_split_rounding_mb "
+            "and roundup_power2_divisions are simulated; other keys are noted.",
         ),
         click.option(
             "--loop",

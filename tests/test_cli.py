@@ -321,9 +321,21 @@ def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_c
     assert data["settings"]["cuda_alloc_conf"] == "expandable_segments:True"
     assert data["peak_bytes"] == default["peak_bytes"] and data["reserved_peak_bytes"] != default["reserved_peak_bytes"]
     assert any("expandable_segments:True" in note for note in data["notes"])
-    noted = json.loads(run(*common, "--cuda-alloc-conf", "max_split_size_mb:64").stdout)
-    assert noted["reserved_peak_bytes"] == default["reserved_peak_bytes"]
-    assert any("max_split_size_mb: not modelled" in note for note in noted["notes"])
+    noted = json.loads(run(*common, "--cuda-alloc-conf", "backend:cudaMallocAsync,max_split_size_mb:64").stdout)
+    assert noted["reserved_peak_bytes"] == default["reserved_peak_bytes"]  # no block of this step reaches 64 MiB
+    assert [note for note in noted["notes"] if "not modelled" in note] == [
+        "PYTORCH_CUDA_ALLOC_CONF backend: not modelled; "
+        "reserved_peak_bytes follows the allocator's default rules for them"
+    ]
+    collected = json.loads(run(*common, "--cuda-alloc-conf", "garbage_collection_threshold:0.8").stdout)
+    assert collected["reserved_peak_bytes"] == default["reserved_peak_bytes"]
+    assert any("set_per_process_memory_fraction" in note for note in collected["notes"])
+    # roundup_power2_divisions:16 rounds requests above 8 KiB to sixteenths of their power of two,
+    # and memory_allocated counts each request as its rounded block: batch 3 x 30 tokens makes
+    # sizes that are not already multiples of those steps (this tiny model's are powers of two).
+    odd = ["estimate", model, "-b", "3", "--seq-len", "30", "--json"]
+    divided = json.loads(run(*odd, "--cuda-alloc-conf", "roundup_power2_divisions:16").stdout)
+    assert divided["peak_bytes"] > json.loads(run(*odd).stdout)["peak_bytes"]
     unknown = run(*common, "--cuda-alloc-conf", "expandable:True")
     assert unknown.exit_code == 2 and "unknown option 'expandable'" in unknown.output
     snapshot = run(*common, "--cuda-alloc-conf", "expandable_segments: True", "--snapshot", str(tmp_path / "s.pickle"))

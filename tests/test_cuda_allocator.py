@@ -278,17 +278,36 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
 
     assert parse_alloc_conf("expandable_segments:True") == (AllocatorConfig(True), ())
     assert parse_alloc_conf("max_split_size_mb:128, expandable_segments:False") == (
-        AllocatorConfig(False),
-        ("max_split_size_mb",),
+        AllocatorConfig(False, max_split_size_bytes=128 * MiB),
+        (),
     )
-    assert parse_alloc_conf("roundup_power2_divisions:[256:1,512:2],expandable_segments:True") == (
-        AllocatorConfig(True),
-        ("roundup_power2_divisions",),
+    # AllocatorConfig.cpp parseRoundUpPower2Divisions: interval k (0..15) is [2**k, 2**(k+1)) MiB;
+    # the first entry also fills the intervals below it, `>` every interval after the last entry.
+    config, unmodelled = parse_alloc_conf("roundup_power2_divisions:[256:1,512:2],expandable_segments:True")
+    assert (config.expandable_segments, unmodelled) == (True, ())
+    assert config.roundup_power2_divisions == (1,) * 9 + (2,) + (0,) * 6
+    config, _ = parse_alloc_conf("roundup_power2_divisions:[64:8, 128:4, >:2]")
+    assert config.roundup_power2_divisions == (8,) * 7 + (4,) + (2,) * 8
+    assert parse_alloc_conf("roundup_power2_divisions:4")[0].roundup_power2_divisions == (4,) * 16
+    assert parse_alloc_conf("backend:cudaMallocAsync,pinned_use_cuda_host_register:True")[1] == (
+        "backend",
+        "pinned_use_cuda_host_register",
     )
+    assert parse_alloc_conf("garbage_collection_threshold:0.6")[0].garbage_collection_threshold == 0.6
+    assert parse_alloc_conf("max_non_split_rounding_mb:20")[0].max_non_split_rounding_bytes == 20 * MiB
     for text, reason in (
         ("expandable_segments:true", "takes True or False"),
         ("expandable:True", "unknown option 'expandable'"),
         ("expandable_segments", "is not key:value"),
+        ("max_split_size_mb:19", "must be >= 20"),  # kLargeBuffer / 1 MB
+        ("max_non_split_rounding_mb:8", "must be >= 20"),
+        ("max_split_size_mb:1.5", "whole number"),
+        ("roundup_power2_divisions:3", "power of 2"),
+        ("roundup_power2_divisions:[256:3]", "power of 2 or 0"),
+        ("roundup_power2_divisions:[300:2]", "intervals must be powers of 2"),
+        ("roundup_power2_divisions:[256:2", "closing"),
+        ("garbage_collection_threshold:1.0", r"in \(0.0, 1.0\)"),
+        ("garbage_collection_threshold:high", "takes a number"),
     ):
         with pytest.raises(ValueError, match=reason):
             parse_alloc_conf(text)
@@ -429,7 +448,7 @@ def test_pytorch_cuda_alloc_conf_messages_and_defaults() -> None:
 
     from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
 
-    assert parse_alloc_conf("max_split_size_mb:64") == (AllocatorConfig(False), ("max_split_size_mb",))
+    assert parse_alloc_conf("max_split_size_mb:64") == (AllocatorConfig(max_split_size_bytes=64 * MiB), ())
     with pytest.raises(ValueError, match="'expandable_segments:' is not key:value"):
         parse_alloc_conf("expandable_segments:")
     with pytest.raises(ValueError, match="torch knows backend, expandable_segments, garbage_collection"):
@@ -441,3 +460,122 @@ def test_a_cudamalloc_that_fits_exactly_releases_nothing() -> None:
     device.free(device.malloc(8 * MiB))  # a cached free 20 MiB segment
     device.malloc(22 * MiB)  # 20 + 22 = 42 MiB: the cudaMalloc succeeds, the cache stays
     assert (device.reserved_bytes, device.segments) == (42 * MiB, 2)
+
+
+# PYTORCH_CUDA_ALLOC_CONF's other options, each against numbers worked out from
+# CUDACachingAllocator.cpp's functions (torch 2.11-2.14).
+
+
+def test_roundup_power2_divisions_round_to_the_next_division_between_powers_of_two() -> None:
+    """round_size / roundup_power2_next_division, with the source's own example (1200 B in 4
+    divisions of 1024..2048 is 1280 B), and the guard: at most 512 B x divisions, 512-byte blocks."""
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    four = AllocatorConfig(roundup_power2_divisions=(4,) * 16)
+    assert round_size(1200, AllocatorConfig(roundup_power2_divisions=(1,) * 16)) == 1536  # 1: plain blocks
+    assert [round_size(n, four) for n in (1200, 2048, 2049, 3000, 4096)] == [1536, 2048, 2560, 3072, 4096]
+    eight = AllocatorConfig(roundup_power2_divisions=(8,) * 16)
+    assert round_size(1200, AllocatorConfig(roundup_power2_divisions=(2,) * 16)) == 1536  # 1200 > 1024: 1024..2048 in 2
+    assert round_size(5000, eight) == 5120  # 4096..8192 in steps of 512
+    assert round_size(100 * MiB + 1, four) == 112 * MiB  # 64..128 MiB in steps of 16 MiB
+    assert round_size(100 * MiB + 1, eight) == 104 * MiB
+    # The divisions of the interval the size falls in: 1-2 MiB is interval 0, anything smaller too.
+    by_interval = AllocatorConfig(roundup_power2_divisions=(2,) + (0,) * 5 + (4,) + (0,) * 9)
+    assert round_size(3000, by_interval) == 3072  # below 1 MiB: interval 0, 2 divisions of 2048..4096
+    assert round_size(MiB + 1, by_interval) == 3 * MiB // 2
+    assert round_size(2 * MiB + 1, by_interval) == 2 * MiB + 512  # interval 1: no rounding configured
+    assert round_size(65 * MiB, by_interval) == 80 * MiB  # 64..128 MiB: interval 6, 4 divisions
+    device = CachingAllocator(four)
+    device.malloc(100 * MiB + 1)
+    assert (device.allocated_bytes, device.reserved_bytes) == (112 * MiB, 112 * MiB)
+
+
+def test_max_split_size_keeps_oversize_blocks_whole_and_away_from_small_requests() -> None:
+    """With max_split_size_mb:40, a freed 60 MiB segment is oversize: a 30 MiB request may not
+    take it (a new 30 MiB segment), a 50 MiB request may (60 < 50 + 20) and gets it whole (no
+    split at or above the limit: 60 MiB allocated), a 38 MiB request below the limit may not."""
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    config = AllocatorConfig(max_split_size_bytes=40 * MiB)
+    device = CachingAllocator(config)
+    device.free(device.malloc(60 * MiB))
+    small = device.malloc(30 * MiB)
+    assert (device.reserved_bytes, device.segments) == (90 * MiB, 2)
+    device.free(small)
+    big = device.malloc(50 * MiB)
+    assert (device.reserved_bytes, device.allocated_bytes) == (90 * MiB, 60 * MiB)
+    assert device.block(big) == (0, 60 * MiB)
+    device.free(big)
+    device.malloc(38 * MiB)  # the 30 MiB block is too small, the 60 MiB one oversize: cudaMalloc
+    assert device.reserved_bytes == 128 * MiB
+    # Without the option the same requests reuse and split the first segment.
+    plain = CachingAllocator()
+    plain.free(plain.malloc(60 * MiB))
+    plain.malloc(30 * MiB)
+    assert (plain.reserved_bytes, plain.segments) == (60 * MiB, 1)
+
+
+def test_an_oversize_block_serves_a_large_request_only_within_the_rounding_limit() -> None:
+    """get_free_block: refused when block >= request + max_non_split_rounding (20 MiB default)."""
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    for rounding, request, reused in ((20, 41, True), (20, 40, False), (30, 40, True), (30, 30, False)):
+        config = AllocatorConfig(max_split_size_bytes=20 * MiB, max_non_split_rounding_bytes=rounding * MiB)
+        device = CachingAllocator(config)
+        device.free(device.malloc(60 * MiB))
+        device.malloc(request * MiB)
+        assert (device.reserved_bytes == 60 * MiB) is reused, (rounding, request)
+
+
+def test_below_the_limit_large_blocks_still_split() -> None:
+    """should_split: a request below max_split_size splits a large block (remainder > 1 MiB), so
+    a 4 MiB request takes the front of a 20 MiB segment and a second one the next 4 MiB. With the
+    limit at 20 MiB the 20 MiB segment itself counts as oversize once wholly free."""
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    device = CachingAllocator(AllocatorConfig(max_split_size_bytes=20 * MiB))
+    first, second = device.malloc(4 * MiB), device.malloc(4 * MiB)
+    assert [device.block(first), device.block(second)] == [(0, 4 * MiB), (4 * MiB, 4 * MiB)]
+    assert device.reserved_bytes == 20 * MiB
+    device.free(first)
+    device.free(second)  # the segment is one free 20 MiB block again: oversize
+    device.malloc(4 * MiB)
+    assert (device.reserved_bytes, device.segments) == (40 * MiB, 2)
+
+
+def test_out_of_memory_frees_oversize_segments_before_the_whole_cache() -> None:
+    """release_available_cached_blocks, by hand. (1) max_split_size_mb:20, a 200 MiB device,
+    cached free segments of 60, 50 and 40 MiB: a 70 MiB request finds no block, its cudaMalloc
+    (150 + 70 > 200) fails; no cached segment holds 70 MiB, so the largest go until 70 MiB are
+    freed (60, then 50) and the cudaMalloc succeeds: 40 + 70 MiB. (2) max_split_size_mb:64,
+    cached 80 and 100 MiB: a 30 MiB request may not take either (oversize), its cudaMalloc
+    (180 + 30 > 200) fails, and the smallest oversize segment of at least 64 MiB (80) goes:
+    100 + 30 MiB. Releasing the whole cache instead would leave 30 MiB."""
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    device = CachingAllocator(AllocatorConfig(max_split_size_bytes=20 * MiB), capacity_bytes=200 * MiB)
+    for handle in [device.malloc(size * MiB) for size in (60, 50, 40)]:
+        device.free(handle)
+    device.malloc(70 * MiB)
+    assert (device.reserved_bytes, device.segments) == (110 * MiB, 2)
+    device = CachingAllocator(AllocatorConfig(max_split_size_bytes=64 * MiB), capacity_bytes=200 * MiB)
+    for handle in [device.malloc(size * MiB) for size in (80, 100)]:
+        device.free(handle)
+    device.malloc(30 * MiB)
+    assert (device.reserved_bytes, device.segments) == (130 * MiB, 2)
+    # Oversize segments that cannot free enough: all of them go, then release_cached_blocks the
+    # rest (a cached 10 MiB segment), and the cudaMalloc is tried once more.
+    device = CachingAllocator(AllocatorConfig(max_split_size_bytes=64 * MiB), capacity_bytes=100 * MiB)
+    for handle in [device.malloc(size) for size in (10 * MiB, 70 * MiB)]:
+        device.free(handle)
+    device.malloc(90 * MiB)
+    assert (device.reserved_bytes, device.segments) == (90 * MiB, 1)
+    # Without the option the 30 MiB request splits the cached 80 MiB segment, and a request no
+    # cached block holds makes release_cached_blocks free every wholly free segment at once.
+    plain = CachingAllocator(capacity_bytes=200 * MiB)
+    for handle in [plain.malloc(size * MiB) for size in (80, 100)]:
+        plain.free(handle)
+    plain.malloc(30 * MiB)
+    assert (plain.reserved_bytes, plain.segments) == (180 * MiB, 2)
+    plain.malloc(110 * MiB)
+    assert (plain.reserved_bytes, plain.segments) == (190 * MiB, 2)  # 80 (in use) + 110; 100 freed

@@ -96,14 +96,14 @@ def test_over_budget_is_said_in_text_and_the_sweep_header_names_no_single_precis
     args = ["tiny-gpt2", "--seq-len", "32", "--device", "cpu", "--budget", "60MiB"]
     swept = CliRunner().invoke(main, ["sweep", *args, "--batch-sizes", "1,256", "--precisions", "fp32,amp-bf16"])
     assert swept.exit_code == 0, swept.output
-    header = swept.output.splitlines()[0]
+    header = swept.stdout.splitlines()[0]  # stdout: progress lines go to stderr when tracing is slow
     assert "fp32" not in header and "amp-bf16" not in header  # the columns name them
-    rows = {line.split("│")[1].strip(): line for line in swept.output.splitlines() if line.count("│") >= 3}
+    rows = {line.split("│")[1].strip(): line for line in swept.stdout.splitlines() if line.count("│") >= 3}
     assert "✗" not in rows["1"] and rows["256"].count("✗") == 2
     compared = CliRunner().invoke(main, ["compare", *args, "-b", "256"])
     assert compared.exit_code == 0, compared.output
-    as_given = next(line for line in compared.output.splitlines() if "as given" in line)
-    accumulated = next(line for line in compared.output.splitlines() if "grad accumulation ×4" in line)
+    as_given = next(line for line in compared.stdout.splitlines() if "as given" in line)
+    accumulated = next(line for line in compared.stdout.splitlines() if "grad accumulation ×4" in line)
     assert "✗" in as_given and "✗" not in accumulated
 
 

@@ -86,10 +86,16 @@ def test_output_stays_live_to_the_end():
 
 
 def test_cuda_rounding_to_512_byte_blocks():
-    assert round_for_device(1, "cuda") == 512
-    assert round_for_device(513, "cuda") == 1024
-    assert round_for_device(0, "cuda") == 0
-    assert round_for_device(513, "cpu") == 513
+    cuda, cpu = TrainingSettings(device="cuda"), TrainingSettings(device="cpu")
+    assert round_for_device(1, cuda) == 512
+    assert round_for_device(513, cuda) == 1024
+    assert round_for_device(0, cuda) == 0
+    assert round_for_device(513, cpu) == 513
+    # roundup_power2_divisions:4 (CUDACachingAllocator.cpp round_size): 3000 B lies between 2048 and
+    # 4096, whose quarters start at 2048, 2560, 3072 and 3584: 3072; 100 MiB + 1 B rounds to 112 MiB.
+    divided = TrainingSettings(device="cuda", cuda_alloc_conf="roundup_power2_divisions:4")
+    assert round_for_device(3000, divided) == 3072
+    assert round_for_device(100 * 2**20 + 1, divided) == 112 * 2**20
 
     def fn(x):
         return (x + 1).sum()

@@ -68,6 +68,12 @@ def _library_notes(settings: TrainingSettings, has_convolutions: bool) -> list[s
         config, unmodelled = parse_alloc_conf(settings.cuda_alloc_conf)
         if config.expandable_segments:
             notes.append("expandable_segments:True: reserved_peak_bytes follows the allocator's expandable segments")
+        if config.garbage_collection_threshold is not None:
+            notes.append(
+                "garbage_collection_threshold: acts only where the process caps itself with "
+                "torch.cuda.set_per_process_memory_fraction (CUDACachingAllocator.cpp malloc), which this step does "
+                "not; it changes nothing here"
+            )
         if unmodelled:
             notes.append(
                 f"PYTORCH_CUDA_ALLOC_CONF {', '.join(unmodelled)}: not modelled; reserved_peak_bytes follows the "
@@ -137,7 +143,8 @@ class BatchTracer:
         fitted = [batch for batch in self.simulations if batch != batch_size and batch > 1][:2]
         if len(fitted) < 2:
             return
-        lines = BatchLines.fit(*((batch, self.simulations[batch].timeline) for batch in fitted), cuda=cuda)
+        timelines = ((batch, self.simulations[batch].timeline) for batch in fitted)
+        lines = BatchLines.fit(*timelines, cuda=cuda, allocator=self.settings.allocator_config)
         predicted = lines.timeline_at(batch_size) if lines is not None else None
         if predicted is not None and same_requests(predicted, self.simulations[batch_size].timeline):
             self.lines = lines

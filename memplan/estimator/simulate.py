@@ -52,11 +52,12 @@ ATTENTION_BACKWARD_OPS = {
 }
 
 
-def round_for_device(num_bytes: int, device: str) -> int:
-    """memory_allocated() counts each request rounded up to the caching allocator's 512-byte blocks."""
-    if device != "cuda" or num_bytes == 0:
+def round_for_device(num_bytes: int, settings: TrainingSettings) -> int:
+    """memory_allocated() counts each request rounded up to the caching allocator's 512-byte blocks
+    (or its power-of-two divisions, where PYTORCH_CUDA_ALLOC_CONF sets them)."""
+    if settings.device != "cuda" or num_bytes == 0:
         return num_bytes
-    return round_size(num_bytes)
+    return round_size(num_bytes, settings.allocator_config)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,6 @@ class Liveness:
 
 def liveness(traced: TracedStep) -> Liveness:
     nodes = list(traced.graph.nodes)
-    device = traced.settings.device
     unsupported: dict[str, None] = {}
     storages = [_node_storages(node, unsupported) for node in nodes]
     index_of = {node: index for index, node in enumerate(nodes)}
@@ -201,7 +201,7 @@ def liveness(traced: TracedStep) -> Liveness:
         for key, _ in storages[index_of[source]]:
             last_use[key] = end
     unsupported.update(dict.fromkeys(traced.unknown_target_ops))
-    size = {key: round_for_device(nbytes, device) for key, nbytes in requested.items()}
+    size = {key: round_for_device(nbytes, traced.settings) for key, nbytes in requested.items()}
     return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested)
 
 
@@ -215,7 +215,9 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     if traced.settings.device != "cuda":
         return []
     capability = gpu_named(traced.settings.gpu or DEFAULT_GPU).compute_capability
-    size = round_size(cublas_workspace_bytes(capability, traced.settings.cublas_workspace_config))
+    size = round_size(
+        cublas_workspace_bytes(capability, traced.settings.cublas_workspace_config), traced.settings.allocator_config
+    )
     nodes = list(traced.graph.nodes)
     main_thread = nodes[: traced.forward_end] + nodes[traced.backward_end :]
     backward_thread = nodes[traced.forward_end : traced.backward_end]
@@ -301,9 +303,9 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     reserved = reserved_peak_bytes(timeline, config) if traced.settings.device == "cuda" else None
     low_peak = low_reserved = None  # only where there are convolutions on cuda
     if conv:
-        low_peak = _live_bytes(traced, lifetimes, sum(workspaces), _rounded(exact))[1]
+        low_peak = _live_bytes(traced, lifetimes, sum(workspaces), _rounded(exact, traced.settings))[1]
         low_reserved = reserved_peak_bytes(memory_timeline(traced, lifetimes, workspaces, exact), config)
-    rounded = _rounded(transients)
+    rounded = _rounded(transients, traced.settings)
     live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), rounded)
 
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
@@ -328,9 +330,12 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     )
 
 
-def _rounded(transients: dict[int, tuple[Scratch, ...]]) -> dict[int, int]:
+def _rounded(transients: dict[int, tuple[Scratch, ...]], settings: TrainingSettings) -> dict[int, int]:
     """Bytes each node's transients add to memory_allocated while it runs."""
-    return {index: sum(round_size(nbytes) for _, nbytes in requests) for index, requests in transients.items()}
+    return {
+        index: sum(round_for_device(nbytes, settings) for _, nbytes in requests)
+        for index, requests in transients.items()
+    }
 
 
 def memory_timeline(
@@ -361,7 +366,8 @@ def memory_timeline(
         )
     for index, requests in (transients or {}).items():  # after the storages: the sort below is stable
         for op, nbytes in requests:
-            allocations.append(TimelineAllocation(index, index, round_size(nbytes), "workspaces", op, None, nbytes))
+            size = round_for_device(nbytes, traced.settings)
+            allocations.append(TimelineAllocation(index, index, size, "workspaces", op, None, nbytes))
     allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
     return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))
 

@@ -30,12 +30,27 @@ expandable-segment path instead:
 - maps nothing out within a step, as pages are released only when a mapping fails or on
   empty_cache().
 
-On a device of limited memory (`capacity_bytes`), the default allocator's answer to a failed
-cudaMalloc is simulated too (DeviceCachingAllocator::malloc): release_available_cached_blocks
-does nothing without max_split_size_mb, so release_cached_blocks frees every cached segment
-that is wholly free, and the cudaMalloc is tried once more; if that fails too, the step runs out
-of memory (OutOfMemory). The expandable path's answer (unmapping free pages anywhere in the
-segment) is not simulated.
+The other options of PYTORCH_CUDA_ALLOC_CONF that shape device memory (parsed as
+c10/core/AllocatorConfig.cpp does, torch 2.11-2.14):
+- `max_split_size_mb` (>= 20): a cached free block of at least that size is an "oversize" block.
+  get_free_block hands one to a request below the limit never, and to a request at or above it
+  only when the block is less than `max_non_split_rounding_mb` (default 20 MiB) larger; a large
+  block is split only for a request below the limit (should_split);
+- `roundup_power2_divisions`: a request above 512 B x divisions is rounded up to the next of
+  `divisions` equal steps between two powers of two (round_size, roundup_power2_next_division),
+  the divisions chosen per power-of-two interval from 1 MiB to 64 GiB (a single number for all,
+  or `[MB:divisions,...,>:divisions]`);
+- `garbage_collection_threshold` acts only in a process that set
+  torch.cuda.set_per_process_memory_fraction (malloc: `set_fraction &&` the threshold), which a
+  plain training step does not: it changes nothing here.
+
+On a device of limited memory (`capacity_bytes`), the allocator's answer to a failed cudaMalloc
+is simulated too (DeviceCachingAllocator::malloc): release_available_cached_blocks frees cached
+oversize segments (the smallest one that holds the request, else the largest ones until enough
+is freed; nothing without max_split_size_mb) and the cudaMalloc is tried again; then
+release_cached_blocks frees every cached segment that is wholly free, and it is tried once more;
+if that fails too, the step runs out of memory (OutOfMemory). The expandable path's answer
+(unmapping free pages anywhere in the segment) is not simulated.
 """
 
 from __future__ import annotations
@@ -43,83 +58,42 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from memplan.estimator.cuda.alloc_conf import (
+    DEFAULT_CONFIG,
+    LARGE_SEGMENT_BYTES,
+    AllocatorConfig,
+    parse_alloc_conf,
+    power_of_two,
+)
+
+__all__ = ["DEFAULT_CONFIG", "AllocatorConfig", "CachingAllocator", "OutOfMemory", "parse_alloc_conf", "round_size"]
+
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
 SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize
 SMALL_SEGMENT_BYTES = 2 << 20  # kSmallBuffer
-LARGE_SEGMENT_BYTES = 20 << 20  # kLargeBuffer
 MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
-# Keys CUDAAllocatorConfig::parseArgs accepts (c10/cuda/CUDAAllocatorConfig.cpp, torch 2.11-2.14);
-# memplan models expandable_segments and notes the others it does not.
-ALLOC_CONF_KEYS = frozenset(
-    {
-        "max_split_size_mb",
-        "max_non_split_rounding_mb",
-        "garbage_collection_threshold",
-        "roundup_power2_divisions",
-        "expandable_segments",
-        "release_lock_on_cudamalloc",
-        "pinned_use_cuda_host_register",
-        "pinned_num_register_threads",
-        "pinned_use_background_threads",
-        "backend",
-        "graph_capture_record_stream_reuse",
-        "per_process_memory_fraction",
-    }
-)
 
 
-@dataclass(frozen=True)
-class AllocatorConfig:
-    """PYTORCH_CUDA_ALLOC_CONF as far as memplan models it."""
-
-    expandable_segments: bool = False
-
-
-DEFAULT_CONFIG = AllocatorConfig()  # no PYTORCH_CUDA_ALLOC_CONF
-
-
-def _split_options(text: str) -> list[str]:
-    """`key:value` items separated by commas outside brackets (roundup_power2_divisions takes lists)."""
-    items, depth, current = [], 0, ""
-    for char in text:
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += char
-    items.append(current)
-    return [item.strip() for item in items if item.strip()]
-
-
-def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
-    """(what memplan models, the keys given that it does not) from a PYTORCH_CUDA_ALLOC_CONF value.
-
-    Raises ValueError, with the reason, where torch's own parser would refuse the value.
-    """
-    expandable = False
-    unmodelled = []
-    for item in _split_options(text):
-        key, separator, value = item.partition(":")
-        key, value = key.strip(), value.strip()
-        if not separator or not value:
-            raise ValueError(f"{item!r} is not key:value")
-        if key not in ALLOC_CONF_KEYS:
-            raise ValueError(f"unknown option {key!r}; torch knows {', '.join(sorted(ALLOC_CONF_KEYS))}")
-        if key == "expandable_segments":
-            if value not in ("True", "False"):
-                raise ValueError(f"expandable_segments takes True or False, got {value!r}")
-            expandable = value == "True"
-        else:
-            unmodelled.append(key)
-    return AllocatorConfig(expandable_segments=expandable), tuple(unmodelled)
-
-
-def round_size(num_bytes: int) -> int:
+def round_size(num_bytes: int, config: AllocatorConfig | None = None) -> int:
+    """round_size(): 512-byte blocks, or the next power-of-two division where configured."""
     if num_bytes < MIN_BLOCK_BYTES:
         return MIN_BLOCK_BYTES
+    divisions = config.divisions_for(num_bytes) if config is not None else 0
+    if divisions > 1 and num_bytes > MIN_BLOCK_BYTES * divisions:
+        return _roundup_power2_next_division(num_bytes, divisions)
     return -(-num_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+
+
+def _roundup_power2_next_division(num_bytes: int, divisions: int) -> int:
+    """roundup_power2_next_division(): e.g. 1200 B in 4 divisions of 1024..2048 rounds to 1280."""
+    if power_of_two(num_bytes):
+        return num_bytes
+    floor = 1 << (num_bytes.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    return -(-num_bytes // step) * step
 
 
 def segment_size(rounded_bytes: int) -> int:
@@ -157,15 +131,15 @@ class _Pool:
         del self.by_key[key]
 
     def best_fit(self, size: int, last: _Block | None = None) -> _Block | None:
-        """The smallest free block that holds `size`, the lowest address among equals. `last`: an
-        expandable segment's end block, which counts as large as it could grow (taken only alone)."""
+        """The smallest free block that holds `size`, the lowest address among equals (left in the
+        pool). `last`: an expandable segment's end block, which counts as large as it could grow
+        (taken only alone)."""
         index = bisect.bisect_left(self.free, (size, -1))
         if index == len(self.free):
             return None
         block = self.by_key[self.free[index]]
         if block is last and index + 1 < len(self.free):
             block = self.by_key[self.free[index + 1]]
-        self.remove(block)
         return block
 
 
@@ -196,16 +170,28 @@ class CachingAllocator:
         self.max_reserved_bytes = 0
 
     def malloc(self, num_bytes: int) -> int:
-        size = round_size(num_bytes)
+        config = self.config
+        size = round_size(num_bytes, config)
         small = size <= SMALL_REQUEST_BYTES
         pool = self._pools[small]
-        if self.config.expandable_segments:
-            block = pool.best_fit(size, last=self._last[small]) or self._grow(size, small)
+        block = pool.best_fit(size, last=self._last[small] if config.expandable_segments else None)
+        if block is not None and config.oversize(block.size):
+            # get_free_block: no oversize block for a request below the limit, nor one more than
+            # max_non_split_rounding larger than a request at or above it.
+            if not config.oversize(size) or block.size >= size + config.max_non_split_rounding_bytes:
+                block = None
+        if block is not None:
+            pool.remove(block)
+        elif config.expandable_segments:
+            block = self._grow(size, small)
         else:
-            block = pool.best_fit(size) or self._new_segment(segment_size(size), small)
+            block = self._new_segment(size, small)
         remaining = block.size - size
-        expandable_split = self.config.expandable_segments and remaining >= MIN_BLOCK_BYTES
-        if expandable_split or (remaining >= MIN_BLOCK_BYTES if small else remaining > SMALL_REQUEST_BYTES):
+        if small or config.expandable_segments:
+            split = remaining >= MIN_BLOCK_BYTES
+        else:
+            split = not config.oversize(size) and remaining > SMALL_REQUEST_BYTES
+        if split:
             rest = _Block(block.address + size, remaining, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
@@ -269,11 +255,13 @@ class CachingAllocator:
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
         return block
 
-    def _new_segment(self, size: int, small: bool) -> _Block:
-        if self.capacity_bytes is not None and self.reserved_bytes + size > self.capacity_bytes:
-            self._release_cached_segments()
-            if self.reserved_bytes + size > self.capacity_bytes:
-                raise OutOfMemory(f"{size:,} B more than the {self.capacity_bytes:,} B device holds")
+    def _new_segment(self, request: int, small: bool) -> _Block:
+        size = segment_size(request)
+        if self.capacity_bytes is not None and not self._room_for(size):
+            if not (self._release_oversize_segments(request, small) and self._room_for(size)):
+                self._release_cached_segments()
+                if not self._room_for(size):
+                    raise OutOfMemory(f"{size:,} B more than the {self.capacity_bytes:,} B device holds")
         block = _Block(self._next_address, size, small)
         self._segment_heads.append(block)
         self._next_address += size
@@ -282,17 +270,40 @@ class CachingAllocator:
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
         return block
 
+    def _room_for(self, size: int) -> bool:
+        return self.capacity_bytes is None or self.reserved_bytes + size <= self.capacity_bytes
+
+    def _release_oversize_segments(self, request: int, small: bool) -> bool:
+        """release_available_cached_blocks(): with max_split_size_mb, cudaFree the smallest cached
+        oversize segment that holds the request (at least the limit), else the largest ones, down
+        to the limit, until that much is freed; whether enough was."""
+        limit = self.config.max_split_size_bytes
+        if limit is None:
+            return False
+        pool, wanted = self._pools[small], max(request, limit)
+        index = bisect.bisect_left(pool.free, (wanted, -1))
+        if index < len(pool.free):
+            self._release(pool.by_key[pool.free[index]])
+            return True
+        released = 0
+        for size, address in reversed(pool.free[:]):
+            if released >= wanted or size < limit:
+                break
+            self._release(pool.by_key[(size, address)])
+            released += size
+        return released >= wanted
+
     def _release_cached_segments(self) -> None:
         """release_cached_blocks(): cudaFree every segment that is one free block."""
-        kept = []
-        for head in self._segment_heads:
-            if head.allocated or head.next is not None:
-                kept.append(head)
-                continue
-            self._pools[head.small].remove(head)
-            self.reserved_bytes -= head.size
-            self.segments -= 1
-        self._segment_heads = kept
+        for head in [head for head in self._segment_heads if not head.allocated and head.next is None]:
+            self._release(head)
+
+    def _release(self, head: _Block) -> None:
+        """cudaFree of a cached segment that is one free block."""
+        self._pools[head.small].remove(head)
+        self._segment_heads.remove(head)
+        self.reserved_bytes -= head.size
+        self.segments -= 1
 
     def block(self, handle: int) -> tuple[int, int]:
         """(address, size) of a live allocation; size is what memory_allocated counts for it."""
