@@ -1,17 +1,18 @@
 """Optimizer state bytes against the optimizer itself: the test builds each torch.optim optimizer
 as a user would, takes one real step, and counts the bytes of the real `optimizer.state`
-(memplan's optimizer construction and loop are on neither side). adam8bit has no such truth
-here: bitsandbytes is not installed, and memplan's layout of it is its own reading."""
+(memplan's optimizer construction and loop are on neither side). 8-bit Adam is bitsandbytes' own
+`bnb.optim.Adam8bit` (its CPU backend runs the step), which memplan lays out without importing."""
 
 from __future__ import annotations
 
+import bitsandbytes as bnb
 import pytest
 import torch
 
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
-from tests.zoo_models import tied_lm, token_inputs
+from tests.zoo_models import odd_vocab_lm, token_inputs
 
 USER_OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -19,17 +20,18 @@ USER_OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-2),
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
+    "adam8bit": lambda params: bnb.optim.Adam8bit(params, lr=1e-3),
 }
 
 
 def _real_state_bytes(name: str) -> int:
     torch.manual_seed(0)
-    model = tied_lm()
+    model = odd_vocab_lm()  # parameters that are not whole 256-element blocks: 8-bit Adam's partial block
     optimizer = USER_OPTIMIZERS[name](model.parameters())
     model(**token_inputs(4))["loss"].backward()
     optimizer.step()
-    storages = {
-        value.untyped_storage()._cdata: value.untyped_storage().nbytes()
+    storages = {  # by storage: bitsandbytes shares its two quantization maps between parameters
+        value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
         for state in optimizer.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor)
@@ -38,7 +40,7 @@ def _real_state_bytes(name: str) -> int:
 
 
 def _predicted_state_bytes(name: str) -> int:
-    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    spec = resolve_model("tests.zoo_models:odd_vocab_lm", inputs="tests.zoo_models:token_inputs")
     traced = trace_step(spec, TrainingSettings(batch_size=4, device="cpu", optimizer=name))
     return sum(
         traced.storage_bytes[key]
@@ -55,3 +57,21 @@ def test_optimizer_state_bytes_are_the_real_optimizers(name):
         assert real == 0  # plain SGD keeps no state: the case that tells a missing buffer apart
     else:
         assert real > 0
+
+
+def test_eight_bit_adam_keeps_bitsandbytes_blockwise_layout():
+    """Optimizer2State.init_state, counted by hand for a parameter each side of min_8bit_size
+    (4096 elements): 4097 elements keep two uint8 states and two float32 absmax vectors of
+    ceil(4097 / 256) = 17 blocks; 4095 keep two float32 states; the two 256-entry float32
+    quantization maps are stored once."""
+    big, small = torch.nn.Parameter(torch.randn(4097)), torch.nn.Parameter(torch.randn(4095))
+    optimizer = bnb.optim.Adam8bit([big, small], lr=1e-3)
+    (big.sum() + small.sum()).backward()
+    optimizer.step()
+    storages = {
+        value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    }
+    assert sum(storages.values()) == 2 * 4097 + 2 * 17 * 4 + 2 * 4095 * 4 + 2 * 256 * 4

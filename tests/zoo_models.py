@@ -150,6 +150,11 @@ def tied_lm() -> nn.Module:
     return TiedLM()
 
 
+def odd_vocab_lm() -> nn.Module:
+    """TiedLM with 509 tokens: its embedding (32,576 elements) ends in a part of a 256-element block."""
+    return TiedLM(vocab=509)
+
+
 def token_inputs(batch_size: int) -> dict[str, torch.Tensor]:
     return {"ids": torch.randint(0, 500, (batch_size, 48))}
 
