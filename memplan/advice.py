@@ -18,8 +18,12 @@ from memplan.settings import CheckpointLayout, format_bytes
 def _state_options(result: EstimateResult) -> list[str]:
     settings = result.settings
     options = []
-    if settings.optimizer in ("adam", "adamw"):
+    # Optimizer state worth shrinking: at least a quarter of the weights' bytes (full Adam keeps two
+    # moments per weight; LoRA's adapters are a sliver of the model).
+    if settings.optimizer in ("adam", "adamw") and 4 * result.breakdown.optimizer_state >= result.breakdown.parameters:
         options.append("--optimizer adam8bit or adafactor (less optimizer state)")
+    if settings.lora_rank is None and result.trainable_parameter_count:
+        options.append("--lora RANK (train adapters: the weights get no gradients or optimizer state)")
     if settings.precision in ("fp32", "amp-bf16", "amp-fp16"):
         options.append("--precision bf16 (weights, gradients and state in 16 bits)")
     return options

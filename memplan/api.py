@@ -81,6 +81,7 @@ _SETTING_NAMES = {
     "image_size": "image size",
     "cuda_context": "CUDA context (bytes)",
     "cudnn_workspace_cap_mib": "cuDNN workspace cap (MiB)",
+    "lora_rank": "LoRA rank",
 }
 
 
@@ -103,6 +104,10 @@ def _check_types(values: dict[str, Any]) -> dict[str, Any]:
         elif base == "bool":
             if not isinstance(value, bool):
                 raise SettingsError(f"{name} is True or False, got {value!r}")
+        elif base == "float":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SettingsError(f"{name} must be a number, got {value!r}")
+            checked[name] = float(value)
         elif base == "str":
             if not isinstance(value, str):
                 raise SettingsError(f"{name} must be a string, got {value!r} ({type(value).__name__})")

@@ -176,6 +176,21 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="transformers' attn_implementation (sdpa where the architecture supports it).",
         ),
         click.option(
+            "--lora",
+            "lora_rank",
+            type=int,
+            metavar="RANK",
+            help="Train LoRA adapters of this rank (built with peft: pip install 'memplan[peft]'); the model's "
+            "own weights are frozen.",
+        ),
+        click.option("--lora-alpha", type=float, help="LoRA's lora_alpha [default: peft's]."),
+        click.option(
+            "--lora-targets",
+            metavar="NAMES",
+            help="Comma-separated module names the adapters go on [default: peft's for the architecture].",
+        ),
+        click.option("--lora-dropout", type=float, default=0.0, show_default=True, help="LoRA's lora_dropout."),
+        click.option(
             "--cuda-context",
             type=SizeType(),
             help="The CUDA context nvidia-smi shows beyond what torch reserves (e.g. 600MiB), counted in the "

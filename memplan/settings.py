@@ -165,6 +165,11 @@ class TrainingSettings:
     cudnn_workspace_cap_mib: int | None = None  # CUDNN_CONV_WSCAP_DBG
     cublas_workspace_config: str | None = None  # CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8"
     cuda_alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF, e.g. "expandable_segments:True"
+    # LoRA adapters added with peft (memplan.finetune.lora); None: the model is trained as built.
+    lora_rank: int | None = None  # peft LoraConfig r
+    lora_alpha: float | None = None  # lora_alpha; None: peft's default
+    lora_targets: str | None = None  # comma-separated target_modules; None: peft's default for the architecture
+    lora_dropout: float = 0.0  # lora_dropout
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -189,6 +194,7 @@ class TrainingSettings:
             if self.cuda_context < 0:
                 raise SettingsError(f"CUDA context must be 0 or more bytes, got {self.cuda_context}")
         self._check_cuda_libraries()
+        self._check_lora()
         if self.gpu is not None:
             if self.device != "cuda":
                 raise SettingsError(
@@ -231,6 +237,28 @@ class TrainingSettings:
             raise SettingsError(
                 f"cannot read CUBLAS_WORKSPACE_CONFIG {config!r}: it is :SIZE:COUNT pairs in KiB, e.g. :4096:8 or :16:8"
             )
+
+    def _check_lora(self) -> None:
+        if self.lora_rank is None:
+            given = [
+                flag
+                for flag, value, default in (
+                    ("--lora-alpha", self.lora_alpha, None),
+                    ("--lora-targets", self.lora_targets, None),
+                    ("--lora-dropout", self.lora_dropout, 0.0),
+                )
+                if value != default
+            ]
+            if given:
+                raise SettingsError(f"{given[0]} configures LoRA adapters: give their rank with --lora RANK")
+            return
+        _check_positive("LoRA rank", self.lora_rank)
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise SettingsError(f"--lora-alpha must be more than 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise SettingsError(f"--lora-dropout is a probability below 1, got {self.lora_dropout}")
+        if self.lora_targets is not None and not [name for name in self.lora_targets.split(",") if name.strip()]:
+            raise SettingsError("--lora-targets names no module: give names such as q_proj,v_proj")
 
     @property
     def allocator_config(self) -> AllocatorConfig:

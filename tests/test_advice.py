@@ -19,6 +19,7 @@ def test_each_reason_gets_its_own_advice(tiny_model_dirs):
 
     state_advice = when_nothing_fits(result, state - 1)
     assert "no batch size fits" in state_advice and "sharding" in state_advice and "adam8bit" in state_advice
+    assert "--lora RANK" in state_advice
     assert "--checkpoint" not in state_advice
 
     step_advice = when_nothing_fits(result, (state + optimizer_peak) // 2)
@@ -35,3 +36,12 @@ def test_advice_leaves_out_what_is_already_set(tiny_model_dirs):
     advice = when_nothing_fits(result, result.phase_peak_bytes["optimizer"] + 1)
     assert "--checkpoint all" not in advice and "amp-bf16" not in advice
     assert "--precision bf16" in advice
+
+
+def test_lora_advice_does_not_offer_to_shrink_a_sliver_of_optimizer_state(tiny_model_dirs):
+    """With rank-4 adapters AdamW keeps 2 x 4 B x 2,048 adapter parameters (+ step counts) against
+    ~0.5 MiB of weights: 8-bit Adam would save nothing worth saying, nor would --lora again."""
+    result = estimate(tiny_model_dirs["gpt2"], **SETTINGS, lora_rank=4)
+    assert 4 * result.breakdown.optimizer_state < result.breakdown.parameters
+    advice = when_nothing_fits(result, result.breakdown.parameters - 1)
+    assert "adam8bit" not in advice and "--lora" not in advice and "--precision bf16" in advice

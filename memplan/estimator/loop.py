@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
+from memplan.finetune.lora import with_lora
 from memplan.models.source import Batch, ModelSpec, call_model
 from memplan.settings import TrainingSettings
 
@@ -99,6 +100,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     dtype = STORAGE_DTYPES[settings.precision]
     if dtype != torch.float32:
         cast_floating_point(model, dtype)
+    model = with_lora(model, settings)  # after the cast: peft keeps a 16-bit model's adapters in float32
     checkpointed = apply_checkpointing(model, settings.checkpoint)
     batch = spec.make_batch(settings, dtype)
     trainable = [param for param in model.parameters() if param.requires_grad]

@@ -37,12 +37,24 @@ def describe_settings(s: TrainingSettings, with_batch: bool = True) -> str:
         shape,
         f"grad-accum {s.grad_accum}" if s.grad_accum > 1 else "",
         s.precision,
+        _describe_lora(s),
         s.optimizer if s.optimizer_impl == "default" else f"{s.optimizer} ({s.optimizer_impl})",
         _describe_checkpoint(s.checkpoint),
         f"target {s.device}" + (f" ({s.gpu})" if s.gpu else ""),
         "eager attention" if s.attn_impl == "eager" else "",
     ]
     return ", ".join(part for part in parts if part)
+
+
+def _describe_lora(s: TrainingSettings) -> str:
+    if s.lora_rank is None:
+        return ""
+    details = [
+        f"alpha {s.lora_alpha:g}" if s.lora_alpha is not None else "",
+        f"on {s.lora_targets}" if s.lora_targets else "",
+    ]
+    details.append(f"dropout {s.lora_dropout:g}" if s.lora_dropout else "")
+    return " ".join([f"LoRA r={s.lora_rank}", *(part for part in details if part)])
 
 
 def _describe_checkpoint(checkpoint: str | CheckpointLayout) -> str:

@@ -1,0 +1,61 @@
+"""LoRA adapters added with peft, as `get_peft_model(model, LoraConfig(...))` adds them.
+
+peft is an optional dependency (`pip install 'memplan[peft]'`): memplan builds the adapters with
+the library users train with rather than a copy of it, so the layers it targets by default per
+architecture (peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), the adapters' shapes and
+their dtype (peft keeps 16-bit models' adapters in float32: `autocast_adapter_dtype`) are peft's.
+The base model's parameters stop requiring gradients, so they get neither gradients nor optimizer
+state; the adapters get both.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from torch import nn
+
+from memplan.errors import SettingsError, UsageError
+from memplan.settings import TrainingSettings
+
+
+def _import_peft():  # type: ignore[no-untyped-def]
+    """peft's LoraConfig and get_peft_model. peft imports bitsandbytes where it is installed, whose CPU
+    backend logs a warning about an optional kernel package on some CPUs: held back while importing."""
+    bitsandbytes_logger = logging.getLogger("bitsandbytes")
+    level = bitsandbytes_logger.level
+    bitsandbytes_logger.setLevel(logging.ERROR)
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UsageError(
+            "--lora builds the adapters with peft, which is not installed: pip install 'memplan[peft]'"
+        ) from None
+    finally:
+        bitsandbytes_logger.setLevel(level)
+    return LoraConfig, get_peft_model
+
+
+def with_lora(model: nn.Module, settings: TrainingSettings) -> nn.Module:
+    """`model` with LoRA adapters where `settings.lora_rank` asks for them, else `model` itself."""
+    if settings.lora_rank is None:
+        return model
+    LoraConfig, get_peft_model = _import_peft()  # noqa: N806 (peft's class, under its own name)
+    options: dict[str, object] = {"r": settings.lora_rank, "lora_dropout": settings.lora_dropout}
+    if settings.lora_alpha is not None:
+        options["lora_alpha"] = settings.lora_alpha
+    if settings.lora_targets is not None:
+        options["target_modules"] = [name.strip() for name in settings.lora_targets.split(",") if name.strip()]
+    with warnings.catch_warnings():
+        # peft says it switched fan_in_fan_out on for GPT-2's Conv1D layers (it handles them itself),
+        # and asks transformers a question transformers 5 calls by a new name: neither is the user's.
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        try:
+            return get_peft_model(model, LoraConfig(**options))
+        except ValueError as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise SettingsError(
+                f"peft cannot add LoRA adapters to this model ({reason}); name the layers to adapt with "
+                "--lora-targets, e.g. --lora-targets q_proj,v_proj"
+            ) from None

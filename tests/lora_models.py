@@ -1,0 +1,31 @@
+"""LoRA models built by hand with peft, as a user's own factory would (tests/test_finetune_lora.py)."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.zoo import TINY_HF_CONFIGS
+
+SEQ_LEN = 64
+
+
+def _peft_causal_lm(name: str) -> nn.Module:
+    config = AutoConfig.for_model(**TINY_HF_CONFIGS[name], use_cache=False)  # training: no key/value cache
+    model = AutoModelForCausalLM.from_config(config)
+    return get_peft_model(model, LoraConfig(r=4, lora_dropout=0.1))  # peft's default target modules
+
+
+def peft_gpt2() -> nn.Module:
+    return _peft_causal_lm("gpt2")
+
+
+def peft_llama() -> nn.Module:
+    return _peft_causal_lm("llama")
+
+
+def tokens(batch_size: int) -> dict[str, torch.Tensor]:
+    input_ids = torch.randint(0, TINY_HF_CONFIGS["gpt2"]["vocab_size"], (batch_size, SEQ_LEN))
+    return {"input_ids": input_ids, "labels": input_ids.clone()}

@@ -1,0 +1,120 @@
+"""`--lora` (memplan.finetune.lora) against what a user builds with peft by hand.
+
+Truths: the adapters' parameter counts worked out from peft's LoRA layout (r x (in + out) per
+adapted layer, on peft's default target modules per architecture); a user's own factory that calls
+`get_peft_model` itself, whose step is measured for real on the CPU (memplan.measure.cpu counts it;
+the adapters are peft's, not memplan's); and peft's own dtype rule for 16-bit models.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import memplan
+from memplan.cli import main
+from memplan.errors import SettingsError
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.measure.cpu import measure_cpu
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
+from tests.lora_models import SEQ_LEN
+from tests.zoo import TINY_HF_CONFIGS
+
+# peft's default targets: GPT-2's c_attn (64 -> 192) in each of 2 layers; Llama's q_proj (64 -> 64)
+# and v_proj (64 -> 2 key/value heads x 16 = 32) in each of 2 layers. Rank 4.
+ADAPTER_PARAMETERS = {"gpt2": 2 * 4 * (64 + 192), "llama": 2 * (4 * (64 + 64) + 4 * (64 + 32))}
+ADAPTER_TENSORS = {"gpt2": 2 * 2, "llama": 2 * 2 * 2}  # lora_A and lora_B per adapted layer
+
+
+def _adamw_state_bytes(name: str, bytes_per_element: int = 4) -> int:
+    """Two moments per element, and a float32 step count per tensor (torch.optim.AdamW)."""
+    return 2 * bytes_per_element * ADAPTER_PARAMETERS[name] + 4 * ADAPTER_TENSORS[name]
+
+
+@pytest.mark.parametrize(("name", "checkpoint"), [("gpt2", "none"), ("llama", "none"), ("llama", "all")])
+def test_lora_on_a_config_is_the_peft_model_a_user_builds(tiny_model_dirs, name, checkpoint):
+    ours = memplan.estimate(
+        tiny_model_dirs[name],
+        batch_size=2,
+        seq_len=SEQ_LEN,
+        device="cpu",
+        checkpoint=checkpoint,
+        lora_rank=4,
+        lora_dropout=0.1,
+    )
+    assert ours.trainable_parameter_count == ADAPTER_PARAMETERS[name]
+    assert ours.breakdown.optimizer_state == _adamw_state_bytes(name)
+    # The user's own factory, predicted and then run for real (its adapters are peft's, not memplan's).
+    spec = resolve_model(f"tests.lora_models:peft_{name}", inputs="tests.lora_models:tokens")
+    settings = spec.settings_for(TrainingSettings(batch_size=2, device="cpu", checkpoint=checkpoint))
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    assert ours.peak_bytes == predicted  # the same model, built two ways
+    measured = measure_cpu(spec, settings).peak_bytes
+    assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)
+    if checkpoint == "all":
+        assert len(ours.checkpointed_blocks) == 2
+
+
+def test_a_16_bit_models_adapters_stay_float32_as_peft_keeps_them(tiny_model_dirs):
+    """peft's get_peft_model(autocast_adapter_dtype=True): a bfloat16 base gets float32 adapters,
+    so their AdamW moments are float32 too (8 bytes per adapter parameter, not 4)."""
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_HF_CONFIGS["gpt2"])).to(torch.bfloat16)
+    adapted = get_peft_model(base, LoraConfig(r=4))
+    assert {p.dtype for p in adapted.parameters() if p.requires_grad} == {torch.float32}
+    result = memplan.estimate(
+        tiny_model_dirs["gpt2"], batch_size=2, seq_len=SEQ_LEN, device="cpu", precision="bf16", lora_rank=4
+    )
+    assert result.breakdown.optimizer_state == _adamw_state_bytes("gpt2", bytes_per_element=4)
+
+
+def test_lora_options_change_the_adapters_as_peft_reads_them(tiny_model_dirs):
+    """Rank 8 on q_proj and k_proj (64 -> 32): 2 layers x 8 x ((64 + 64) + (64 + 32)) parameters;
+    dropout on the adapters' input saves a mask per adapted layer, so the peak rises."""
+    model = tiny_model_dirs["llama"]
+    common = {"batch_size": 2, "seq_len": SEQ_LEN, "device": "cpu", "lora_rank": 8, "lora_targets": "q_proj,k_proj"}
+    plain = memplan.estimate(model, **common)
+    assert plain.trainable_parameter_count == 2 * 8 * ((64 + 64) + (64 + 32))
+    assert memplan.estimate(model, lora_dropout=0.2, **common).peak_bytes > plain.peak_bytes
+
+
+def test_lora_mistakes_are_one_line_usage_errors(tiny_model_dirs):
+    model = tiny_model_dirs["gpt2"]
+    for extra, message in (
+        (["--lora-alpha", "16"], "--lora-alpha configures LoRA adapters: give their rank with --lora RANK"),
+        (["--lora", "0"], "LoRA rank must be a positive integer"),
+        (["--lora", "4", "--lora-dropout", "1"], "--lora-dropout is a probability below 1"),
+        (["--lora", "4", "--lora-targets", "nope"], "Target modules {'nope'} not found"),
+    ):
+        result = CliRunner().invoke(main, ["estimate", model, "--device", "cpu", "--seq-len", "16", *extra])
+        assert result.exit_code == 2, result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("memplan: error:")]
+        assert len(errors) == 1 and message in errors[0], result.output
+    own = CliRunner().invoke(
+        main, ["estimate", "tests.zoo_models:linear_stack", "--inputs", "tests.zoo_models:flat_inputs", "--lora", "4"]
+    )
+    assert own.exit_code == 2 and "name the layers to adapt with --lora-targets" in own.output
+    targeted = CliRunner().invoke(
+        main,
+        ["estimate", "tests.zoo_models:linear_stack", "--inputs", "tests.zoo_models:flat_inputs", "--device", "cpu"]
+        + [
+            "--loss",
+            "tests.zoo_models:mean_square_loss",
+            "--lora",
+            "4",
+            "--lora-targets",
+            "out",
+            "--json",
+        ],  # the output Linear, 64 -> 1
+    )
+    assert targeted.exit_code == 0, targeted.output
+    data = json.loads(targeted.stdout)
+    assert data["settings"]["lora_rank"] == 4 and data["trainable_parameter_count"] == 4 * (64 + 1)
+    with pytest.raises(SettingsError, match="lora_alpha must be a number"):
+        memplan.estimate(model, device="cpu", lora_rank=4, lora_alpha=True)
