@@ -75,3 +75,49 @@ def test_eight_bit_adam_keeps_bitsandbytes_blockwise_layout():
         if isinstance(value, torch.Tensor)
     }
     assert sum(storages.values()) == 2 * 4097 + 2 * 17 * 4 + 2 * 4095 * 4 + 2 * 256 * 4
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "impl", "device", "expected"),
+    [
+        # torch.optim's _default_to_fused_or_foreach: foreach when every parameter is on CUDA, the
+        # for-loop elsewhere; fused only when asked. memplan passes CUDA's choice explicitly (its
+        # traced parameters are CPU tensors) and leaves the CPU's to torch.
+        ("adamw", "default", "cuda", {"foreach": True, "fused": None}),
+        ("adamw", "default", "cpu", {"foreach": None, "fused": None}),
+        ("adam", "foreach", "cpu", {"foreach": True, "fused": None}),
+        ("sgd-momentum", "for-loop", "cuda", {"foreach": False, "fused": None}),
+        ("adamw", "fused", "cpu", {"foreach": None, "fused": True}),
+        ("adafactor", "default", "cuda", {"foreach": True}),
+        ("sgd", "default", "cuda", {"foreach": True, "fused": None}),
+    ],
+)
+def test_the_implementation_is_the_one_torch_picks_on_the_target(optimizer, impl, device, expected):
+    from memplan.estimator.optimizers import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    built = build_optimizer(params, TrainingSettings(device=device, optimizer=optimizer, optimizer_impl=impl))
+    assert {key: built.defaults.get(key) for key in expected} == expected
+    assert (
+        type(built).__name__
+        == {
+            "adamw": "AdamW",
+            "adam": "Adam",
+            "sgd": "SGD",
+            "sgd-momentum": "SGD",
+            "adafactor": "Adafactor",
+        }[optimizer]
+    )
+    if optimizer == "sgd-momentum":
+        assert built.defaults["momentum"] > 0
+
+
+def test_no_optimizer_or_nothing_to_train_builds_none_and_8_bit_adam_takes_no_torch_flags():
+    from memplan.estimator.adam8bit import Adam8bitLayout
+    from memplan.estimator.optimizers import build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    assert build_optimizer(params, TrainingSettings(optimizer="none")) is None
+    assert build_optimizer([], TrainingSettings(optimizer="adamw")) is None
+    eight_bit = build_optimizer(params, TrainingSettings(optimizer="adam8bit", device="cuda"))
+    assert isinstance(eight_bit, Adam8bitLayout) and "foreach" not in eight_bit.defaults

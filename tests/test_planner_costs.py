@@ -112,3 +112,49 @@ def test_blocks_are_joined_only_where_the_graph_hands_one_blocks_output_to_the_n
         budget=int(none * 0.9),
     )
     assert result.fits and all(len(segment) == 1 for segment in result.layout.segments)
+
+
+def test_candidates_are_the_blocks_or_the_outermost_modules_a_pattern_matches():
+    """--candidates REGEX: full matches only, and a match inside an already chosen module is left
+    out (checkpointing the outer one covers it); no pattern: the repeated blocks."""
+    import re
+
+    import pytest
+
+    from memplan.errors import SettingsError
+    from memplan.planner.costs import select_candidates
+
+    names = ["", "h", "h.0", "h.0.attn", "h.0.mlp", "h.1", "h.1.attn", "h.1.mlp", "head", "mlp"]
+    blocks = ["h.0", "h.1"]
+    assert select_candidates(names, blocks, None) == blocks
+    assert select_candidates(names, blocks, r"h\.\d+") == ["h.0", "h.1"]
+    assert select_candidates(names, blocks, r"h\.\d+\.mlp") == ["h.0.mlp", "h.1.mlp"]
+    assert select_candidates(names, blocks, r"h.*") == ["h", "head"]  # h.0 ... lie inside h
+    assert select_candidates(names, blocks, r".*mlp") == ["h.0.mlp", "h.1.mlp", "mlp"]
+    message = "--candidates 'nope' matches no module; module names look like ['h.0', 'h.1']"
+    with pytest.raises(SettingsError, match=re.escape(message)):  # the first two block names
+        select_candidates(names, ["h.0", "h.1", "h.2"], "nope")
+    with pytest.raises(SettingsError, match=r"--candidates '\(' is not a valid regular expression"):
+        select_candidates(names, blocks, "(")
+
+
+def test_two_blocks_may_share_a_checkpoint_only_as_consecutive_siblings_with_nothing_between():
+    import operator
+    from types import SimpleNamespace
+
+    from memplan.planner.costs import _consecutive_siblings, _nothing_between
+
+    assert _consecutive_siblings("layers.3", "layers.4")
+    assert not _consecutive_siblings("layers.4", "layers.3")
+    assert not _consecutive_siblings("layers.3", "layers.5")
+    assert not _consecutive_siblings("enc.layers.3", "dec.layers.4")
+    assert not _consecutive_siblings("layers.3", "layers.x")
+    assert not _consecutive_siblings("layers.a", "layers.4")
+    node = SimpleNamespace
+    getitem = node(op="call_function", target=operator.getitem)
+    add = node(op="call_function", target=operator.add)
+    placeholder = node(op="placeholder", target="x")
+    nodes = [add, getitem, placeholder, getitem, add]
+    assert _nothing_between(nodes, 0, 4)  # only tuple items and a placeholder between nodes 0 and 4
+    assert not _nothing_between([add, add, add], 0, 2)
+    assert _nothing_between([add, add], 0, 1)  # adjacent: nothing between
