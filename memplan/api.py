@@ -18,6 +18,7 @@ from memplan.estimator.result import EstimateResult
 from memplan.explore.compare import CompareResult, run_compare
 from memplan.explore.sweep import DEFAULT_BATCH_SIZES, SweepResult, run_sweep
 from memplan.gpus import gpu_named
+from memplan.models.objects import batch_size_of, is_model_object, object_spec
 from memplan.models.source import ModelSpec, resolve_model
 from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
@@ -39,7 +40,7 @@ __all__ = ["apply_plan", "compare", "estimate", "plan", "plan_batch", "sweep", "
 # one MemplanError line, not a TypeError from deep inside the trace.
 _MODEL_FORMS = (
     "a preset name (`memplan presets`), a transformers model type, a config.json or model directory, "
-    "a cached hub id, or 'package.module:callable' returning an nn.Module"
+    "a cached hub id, 'package.module:callable' returning an nn.Module, an nn.Module, or a callable returning one"
 )
 
 
@@ -49,11 +50,7 @@ def _model_name(model: Any) -> str:
         return os.fspath(model)
     if isinstance(model, str):
         return model
-    if isinstance(model, type) or callable(model):
-        hint = "; for your own model pass the import path of a factory, e.g. 'mypackage.models:build'"
-    else:
-        hint = ""
-    raise UsageError(f"model must be {_MODEL_FORMS}; got a value of type {type(model).__name__}{hint}")
+    raise UsageError(f"model must be {_MODEL_FORMS}; got a value of type {type(model).__name__}")
 
 
 def _import_path(value: Any, option: str, what: str) -> str | None:
@@ -66,6 +63,10 @@ def _import_path(value: Any, option: str, what: str) -> str | None:
 
 
 def _source(model: Any, inputs: Any, loss: Any, task: Any) -> ModelSpec:
+    if is_model_object(model):
+        if task is not None:
+            raise UsageError("task picks the head memplan builds for a transformers model; a model object has its own")
+        return object_spec(model, inputs, loss)
     name = _model_name(model)
     inputs = _import_path(inputs, "inputs", "fn(batch_size) returns the batch")
     loss = _import_path(loss, "loss", "fn(output, batch) returns the scalar loss")
@@ -114,8 +115,15 @@ def _check_types(values: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def _settings(settings: TrainingSettings | None, overrides: dict[str, Any]) -> tuple[TrainingSettings, Plan | None]:
-    """Settings from a base and keyword overrides; `checkpoint` may also be a plan (file or loaded)."""
+def _settings(
+    settings: TrainingSettings | None, overrides: dict[str, Any], inputs: Any = None
+) -> tuple[TrainingSettings, Plan | None]:
+    """Settings from a base and keyword overrides; `checkpoint` may also be a plan (file or loaded).
+    A batch given as `inputs` sets the batch size where neither settings nor overrides do."""
+    if settings is None and "batch_size" not in overrides and not isinstance(inputs, str):
+        rows = batch_size_of(inputs)
+        if rows is not None:
+            overrides = {**overrides, "batch_size": rows}
     if settings is not None and not isinstance(settings, TrainingSettings):
         hint = " (pass a dict as keyword arguments: **settings)" if isinstance(settings, dict) else ""
         raise SettingsError(
@@ -220,7 +228,7 @@ def estimate(
     ("24GiB", "80GB", bytes), or a `gpu` name and no budget (its usable memory), the result says
     whether the configuration fits and the largest batch size that does.
     """
-    settings, loaded = _settings(settings, setting_overrides)
+    settings, loaded = _settings(settings, setting_overrides, inputs)
     spec = _source(model, inputs, loss, task)
     settings = _checked_against_plan(spec, settings, loaded)
     budget_bytes = _budget(budget, settings)
@@ -252,7 +260,7 @@ def sweep(
     `precisions` and `checkpoints` default to the settings' own; with `budget` (or a `gpu`), each
     series also gets the largest batch size that fits.
     """
-    settings, _ = _settings(settings, setting_overrides)
+    settings, _ = _settings(settings, setting_overrides, inputs)
     sizes = _batch_sizes(batch_sizes)
     precisions = _names(precisions, "precisions")
     checkpoints = _names(checkpoints, "checkpoints")
@@ -286,7 +294,7 @@ def compare(
     batch, Adafactor, 8-bit Adam, checkpointing every block, and AMP bf16 with checkpointing;
     `gpus` (data-parallel replicas) only multiplies the effective batch.
     """
-    settings, _ = _settings(settings, setting_overrides)
+    settings, _ = _settings(settings, setting_overrides, inputs)
     gpus = _count(gpus, "--gpus")
     spec = _source(model, inputs, loss, task)
     return run_compare(spec, settings, gpus=gpus, budget_bytes=_budget(budget, settings), progress=_progress(progress))
@@ -345,7 +353,7 @@ def _plan_inputs(
 ) -> tuple[ModelSpec, TrainingSettings, int]:
     if overrides.get("checkpoint", "none") != "none":
         raise SettingsError("a plan chooses the checkpointing itself: drop checkpoint=")
-    settings, _ = _settings(settings, {**overrides, "checkpoint": "none"})
+    settings, _ = _settings(settings, {**overrides, "checkpoint": "none"}, inputs)
     if candidates is not None and not isinstance(candidates, str):
         raise SettingsError(f"candidates must be a regular expression (a string) over module names; got {candidates!r}")
     _count(jobs, "jobs", allow_none=True)
@@ -415,11 +423,16 @@ def validate(
     result (`out_of_memory=True`), not an exception. `snapshot` (cuda) saves PyTorch's memory
     snapshot of the measured iteration for memory_viz.
     """
-    settings, loaded = _settings(settings, setting_overrides)
+    settings, loaded = _settings(settings, setting_overrides, inputs)
     warmup, timeout_s = _run_limits(warmup, timeout_s)
     if snapshot is not None and not isinstance(snapshot, str | os.PathLike):
         raise UsageError(f"snapshot must be a file path, got {snapshot!r}")
     check_can_measure(settings.device, snapshot)
+    if is_model_object(model) or not (inputs is None or isinstance(inputs, str)):
+        raise UsageError(
+            "validate runs the step in a separate process, which cannot be handed Python objects: give the "
+            "model as a name or 'package.module:factory' and its inputs as 'package.module:fn'"
+        )
     spec = _source(model, inputs, loss, task)
     settings = _checked_against_plan(spec, settings, loaded)
     return validate_config(

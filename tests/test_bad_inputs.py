@@ -319,7 +319,7 @@ API_CASES = [
     # the model
     (api("estimate", 123, **C), 2, ["model must be a preset name", "int"]),
     (api("estimate", None, **C), 2, ["model must be", "NoneType"]),
-    (api("estimate", nn.Linear(2, 2), **C), 2, ["got a value of type Linear", "import path of a factory"]),
+    (api("estimate", nn.Linear(2, 2), **C), 2, ["a model object needs its batch", "inputs=fn(batch_size)"]),
     (api("estimate", b"tiny-gpt2", **C), 2, ["model must be", "bytes"]),
     (api("estimate", Path("not-json.json"), **C), 2, ["cannot read not-json.json as a JSON config"]),
     (api("estimate", "nosuchmodel", **C), 2, ["unknown model 'nosuchmodel'"]),

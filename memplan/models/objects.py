@@ -1,0 +1,140 @@
+"""Models and batches given as Python objects, for notebooks: `memplan.estimate(model, inputs=...)`.
+
+- an `nn.Module` the user already has, with real, meta or fake parameters. Its weights are never
+  copied or touched: each build is a copy of the module tree whose parameters and buffers are new
+  tensors of the same shapes and dtypes, made in the tensor mode memplan builds in (fake while
+  tracing), so a 70B model on the meta device costs nothing; tied weights stay tied.
+- a zero-argument callable (a class, a factory function, a lambda) returning one.
+- inputs: a function of the batch size, as --inputs names one, or a batch (a tensor, a tuple of
+  tensors, a dict of keyword arguments) whose rows are repeated or cut to the batch size asked for.
+- loss: a function fn(output, batch), or None for the model's own loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.errors import InputsError, UsageError
+from memplan.models.imports import import_object
+from memplan.models.source import (
+    Batch,
+    ModelRef,
+    ModelSpec,
+    _call_user,
+    _check_batch,
+    _check_signature,
+    _checked_loss,
+    default_loss,
+)
+from memplan.settings import TrainingSettings
+
+
+def is_model_object(model: Any) -> bool:
+    """An nn.Module or a callable returning one, as opposed to a name the CLI would take."""
+    return isinstance(model, nn.Module) or (callable(model) and not isinstance(model, str))
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if id(tensor) not in memo:  # parameters() lists a tied weight once; buffers are never tied
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            memo[id(tensor)] = (
+                nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+            )
+    return copy.deepcopy(model, memo)
+
+
+def _rows(batch: Batch) -> int:
+    tensors = (
+        list(batch.values()) if isinstance(batch, Mapping) else list(batch) if isinstance(batch, tuple) else [batch]
+    )
+    sizes = {tensor.shape[0] for tensor in tensors if isinstance(tensor, torch.Tensor) and tensor.dim() > 0}
+    if len(sizes) != 1:
+        raise InputsError(
+            "a batch given as inputs needs one leading (batch) dimension shared by its tensors; got "
+            f"{sorted(sizes) or 'none'}: pass a function of the batch size instead"
+        )
+    return sizes.pop()
+
+
+def _resized(batch: Batch, size: int, rows: int) -> Batch:
+    """Rows repeated or cut to `size`, made by an op so the batch is the step's own (inputs memory)."""
+    index = torch.arange(size) % rows
+
+    def resize(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.index_select(0, index)
+        return value
+
+    if isinstance(batch, Mapping):
+        return {key: resize(value) for key, value in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(resize(value) for value in batch)
+    return resize(batch)
+
+
+def batch_size_of(inputs: Any) -> int | None:
+    """The batch size a batch given as inputs has (None for a function of the batch size)."""
+    if not isinstance(inputs, torch.Tensor | tuple | Mapping):
+        return None  # a function, a name, or a mistake the model's own route reports
+    return _rows(_check_batch(inputs, "inputs"))
+
+
+def object_spec(model: Any, inputs: Any, loss: Any) -> ModelSpec:
+    """A ModelSpec for a model object or factory callable (see the module docstring)."""
+    name = (
+        f"{type(model).__name__} (object)"
+        if isinstance(model, nn.Module)
+        else getattr(model, "__qualname__", repr(model))
+    )
+    if not isinstance(model, nn.Module):
+        _check_signature(model, (), UsageError, f"model factory {name!r} must be callable with no arguments")
+    if inputs is None:
+        raise UsageError("a model object needs its batch: pass inputs=fn(batch_size) or inputs=a batch of tensors")
+    if isinstance(inputs, str):
+        inputs = import_object(inputs, "inputs")
+    if isinstance(loss, str):
+        loss = import_object(loss, "loss")
+    if callable(inputs):
+        _check_signature(inputs, (1,), InputsError, "inputs must take one argument, the batch size")
+        inputs_name = getattr(inputs, "__qualname__", "inputs")
+
+        def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:
+            return _check_batch(_call_user(inputs, (settings.batch_size,), f"inputs {inputs_name!r}"), inputs_name)
+
+    else:
+        inputs_name = f"a {type(inputs).__name__} batch"
+        rows = _rows(_check_batch(inputs, "inputs"))
+
+        def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:
+            return _resized(inputs, settings.batch_size, rows)
+
+    if loss is not None and not callable(loss):
+        raise UsageError(f"loss must be a function fn(output, batch) or None, got a {type(loss).__name__}")
+    if loss is not None:
+        _check_signature(loss, (None, None), UsageError, "loss must take two arguments, the output and the batch")
+
+    def build(settings: TrainingSettings) -> nn.Module:
+        built = model if isinstance(model, nn.Module) else _call_user(model, (), f"model factory {name!r}")
+        if not isinstance(built, nn.Module):
+            raise UsageError(f"model factory {name!r} returned a {type(built).__name__}, not a torch.nn.Module")
+        return _skeleton(built)
+
+    def loss_of(output: Any, batch: Batch) -> torch.Tensor:
+        return _checked_loss("loss", loss(output, batch)) if loss is not None else default_loss(output, batch)
+
+    def settings_for(settings: TrainingSettings) -> TrainingSettings:
+        if settings.seq_len is not None or settings.image_size is not None or settings.target_len is not None:
+            raise UsageError(
+                "seq_len, target_len and image_size shape the batches memplan makes; size the inputs instead"
+            )
+        return settings
+
+    return ModelSpec(ModelRef(name, inputs_name), build, make_batch, loss_of, settings_for=settings_for)
