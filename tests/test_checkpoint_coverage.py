@@ -120,3 +120,15 @@ def test_a_segment_keeps_only_its_first_blocks_inputs(tiny_model_dirs):
     # hidden state entering the first block, is counted outside the blocks.
     assert [saved[name] for name in blocks] == [0] * len(blocks)
     assert saved["outside blocks"] == plain["outside blocks"] + 1
+
+
+def test_a_segment_of_blocks_honours_its_policy(tiny_model_dirs):
+    """A two-block segment with the selective policy replays no matmul (as many in backward as
+    without checkpointing), the same segment with the full policy replays them all."""
+    names = ("model.layers.0", "model.layers.1")
+    matmuls = (aten.mm.default, aten.bmm.default, aten.addmm.default)
+    count = lambda counts: sum(counts[op] for op in matmuls)  # noqa: E731
+    plain = count(_backward_ops(tiny_model_dirs, "none"))
+    selective = count(_backward_ops(tiny_model_dirs, CheckpointLayout(segments=(names,), policies=("selective",))))
+    full = count(_backward_ops(tiny_model_dirs, CheckpointLayout(segments=(names,), policies=("full",))))
+    assert selective == plain < full
