@@ -289,6 +289,14 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
     config, _ = parse_alloc_conf("roundup_power2_divisions:[64:8, 128:4, >:2]")
     assert config.roundup_power2_divisions == (8,) * 7 + (4,) + (2,) * 8
     assert parse_alloc_conf("roundup_power2_divisions:4")[0].roundup_power2_divisions == (4,) * 16
+    # `>` fills from the interval after the last entry (the first, index 0, when it comes first),
+    # entries after it still apply (the first of them filling below itself), and an interval past
+    # 32 GiB counts as the last one.
+    assert parse_alloc_conf("roundup_power2_divisions:[>:4]")[0].roundup_power2_divisions == (0,) + (4,) * 15
+    config, _ = parse_alloc_conf("roundup_power2_divisions:[>:2,64:8]")
+    assert config.roundup_power2_divisions == (8,) * 7 + (2,) * 9
+    config, _ = parse_alloc_conf("roundup_power2_divisions:[65536:2]")
+    assert config.roundup_power2_divisions == (2,) * 16
     assert parse_alloc_conf("backend:cudaMallocAsync,pinned_use_cuda_host_register:True")[1] == (
         "backend",
         "pinned_use_cuda_host_register",
@@ -307,6 +315,8 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
         ("roundup_power2_divisions:[300:2]", "intervals must be powers of 2"),
         ("roundup_power2_divisions:[256:2", "closing"),
         ("garbage_collection_threshold:1.0", r"in \(0.0, 1.0\)"),
+        ("garbage_collection_threshold:0", r"in \(0.0, 1.0\)"),
+        ("roundup_power2_divisions:0", "must be a power of 2"),  # 0 only inside a list
         ("garbage_collection_threshold:high", "takes a number"),
     ):
         with pytest.raises(ValueError, match=reason):
@@ -579,3 +589,27 @@ def test_out_of_memory_frees_oversize_segments_before_the_whole_cache() -> None:
     assert (plain.reserved_bytes, plain.segments) == (180 * MiB, 2)
     plain.malloc(110 * MiB)
     assert (plain.reserved_bytes, plain.segments) == (190 * MiB, 2)  # 80 (in use) + 110; 100 freed
+
+
+def test_oversize_release_boundaries() -> None:
+    """release_available_cached_blocks at its edges, by hand: (1) a cached oversize segment exactly
+    the size wanted, at address 0, is the one freed; (2) freeing the largest ones stops as soon as
+    what is freed reaches the request (70 of 70 MiB: the 26 MiB one stays); (3) a segment exactly
+    at the limit counts as oversize (60 then 40 freed for 90; the 10 MiB one below the limit stays)."""
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    def cached(limit_mib: int, capacity_mib: int, sizes: list[int]) -> CachingAllocator:
+        device = CachingAllocator(AllocatorConfig(max_split_size_bytes=limit_mib * MiB), capacity_mib * MiB)
+        for handle in [device.malloc(size * MiB) for size in sizes]:
+            device.free(handle)
+        return device
+
+    device = cached(64, 190, [64, 100])
+    assert device.block(device.malloc(30 * MiB))[0] == 164 * MiB  # a new segment after the 100 MiB one
+    assert (device.reserved_bytes, device.segments) == (130 * MiB, 2)
+    device = cached(20, 100, [40, 30, 25])  # the 25 MiB request's segment: 26 MiB (2 MiB rounding)
+    device.malloc(70 * MiB)
+    assert (device.reserved_bytes, device.segments) == (96 * MiB, 2)
+    device = cached(40, 120, [60, 40, 10])
+    device.malloc(90 * MiB)
+    assert (device.reserved_bytes, device.segments) == (100 * MiB, 2)

@@ -121,3 +121,29 @@ def test_no_optimizer_or_nothing_to_train_builds_none_and_8_bit_adam_takes_no_to
     assert build_optimizer([], TrainingSettings(optimizer="adamw")) is None
     eight_bit = build_optimizer(params, TrainingSettings(optimizer="adam8bit", device="cuda"))
     assert isinstance(eight_bit, Adam8bitLayout) and "foreach" not in eight_bit.defaults
+
+
+def test_eight_bit_adam_keeps_float32_statistics_for_16_bit_weights():
+    """bitsandbytes keeps small parameters' states and every block's absmax in float32 whatever the
+    weights' dtype: bfloat16 weights, counted on bnb's Adam8bit after a real step."""
+    torch.manual_seed(0)
+    model = odd_vocab_lm().to(torch.bfloat16)
+    optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-3)
+    model(**token_inputs(4))["loss"].backward()
+    optimizer.step()
+    real = sum(
+        {
+            value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        }.values()
+    )
+    spec = resolve_model("tests.zoo_models:odd_vocab_lm", inputs="tests.zoo_models:token_inputs")
+    traced = trace_step(spec, TrainingSettings(batch_size=4, device="cpu", optimizer="adam8bit", precision="bf16"))
+    predicted = sum(
+        traced.storage_bytes[key]
+        for key, category in traced.storage_categories.items()
+        if category == "optimizer_state"
+    )
+    assert predicted == real
