@@ -302,7 +302,8 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
         "pinned_use_cuda_host_register",
     )
     assert parse_alloc_conf("garbage_collection_threshold:0.6")[0].garbage_collection_threshold == 0.6
-    assert parse_alloc_conf("max_non_split_rounding_mb:20")[0].max_non_split_rounding_bytes == 20 * MiB
+    rounding = parse_alloc_conf("max_non_split_rounding_mb:30")[0]
+    assert (rounding.max_non_split_rounding_bytes, rounding.max_split_size_bytes) == (30 * MiB, None)
     for text, reason in (
         ("expandable_segments:true", "takes True or False"),
         ("expandable:True", "unknown option 'expandable'"),
@@ -316,6 +317,12 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
         ("roundup_power2_divisions:[256:2", "closing"),
         ("garbage_collection_threshold:1.0", r"in \(0.0, 1.0\)"),
         ("garbage_collection_threshold:0", r"in \(0.0, 1.0\)"),
+        ("roundup_power2_divisions:x", "^roundup_power2_divisions takes a whole number, got 'x'$"),
+        ("roundup_power2_divisions:[4:x]", "^roundup_power2_divisions takes a whole number, got 'x'$"),
+        ("roundup_power2_divisions:[4:2:1]", "^roundup_power2_divisions takes a whole number, got '2:1'$"),
+        ("roundup_power2_divisions:[x:4]", "^roundup_power2_divisions interval takes a whole number, got 'x'$"),
+        ("roundup_power2_divisions:[4]", "^roundup_power2_divisions entry '4' is not MB:divisions$"),
+        ("max_split_size_mb:x", "^max_split_size_mb takes a whole number, got 'x'$"),
         ("roundup_power2_divisions:0", "must be a power of 2"),  # 0 only inside a list
         ("garbage_collection_threshold:high", "takes a number"),
     ):
@@ -495,6 +502,10 @@ def test_roundup_power2_divisions_round_to_the_next_division_between_powers_of_t
     assert round_size(MiB + 1, by_interval) == 3 * MiB // 2
     assert round_size(2 * MiB + 1, by_interval) == 2 * MiB + 512  # interval 1: no rounding configured
     assert round_size(65 * MiB, by_interval) == 80 * MiB  # 64..128 MiB: interval 6, 4 divisions
+    # Sizes from 32 GiB up share the last interval: 100 GiB in 4 divisions of 64..128 GiB.
+    last = AllocatorConfig(roundup_power2_divisions=(0,) * 15 + (4,))
+    assert round_size(100 * 2**30, last) == 112 * 2**30
+    assert round_size(40 * 2**30 + 1, last) == 48 * 2**30
     device = CachingAllocator(four)
     device.malloc(100 * MiB + 1)
     assert (device.allocated_bytes, device.reserved_bytes) == (112 * MiB, 112 * MiB)
