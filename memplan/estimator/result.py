@@ -71,6 +71,12 @@ class EstimateResult:
         """What a budget must hold: the reserved peak on cuda, the peak on cpu (as Simulation.fit_bytes)."""
         return self.reserved_peak_bytes if self.reserved_peak_bytes is not None else self.peak_bytes
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the CLI's report and the timeline plot (memplan.render.notebook)."""
+        from memplan.render.notebook import estimate_html
+
+        return estimate_html(self)
+
     def to_dict(self) -> dict[str, Any]:
         data = {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.name != "timeline"}
         data["settings"] = self.settings.to_dict()

@@ -101,6 +101,13 @@ class CompareResult:
     seconds: float
     interrupted: bool = False  # Ctrl-C stopped it: `rows` are the techniques finished before
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the CLI's report (memplan.render.notebook)."""
+        from memplan.render.explore import render_compare
+        from memplan.render.notebook import recorded_html
+
+        return recorded_html(lambda console: render_compare(self, console))
+
     def to_dict(self) -> dict[str, Any]:
         return fields_dict(self)
 

@@ -58,6 +58,13 @@ class SweepResult:
     seconds: float
     interrupted: bool = False  # Ctrl-C stopped it: `series` are the settings finished before
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the CLI's report (memplan.render.notebook)."""
+        from memplan.render.explore import render_sweep
+        from memplan.render.notebook import recorded_html
+
+        return recorded_html(lambda console: render_sweep(self, console))
+
     def to_dict(self) -> dict[str, Any]:
         return fields_dict(self)
 

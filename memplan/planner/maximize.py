@@ -62,6 +62,13 @@ class MaximizeResult:
     best: BatchOption
     seconds: float
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the CLI's report (memplan.render.notebook)."""
+        from memplan.render.notebook import recorded_html
+        from memplan.render.plan import render_batch_options
+
+        return recorded_html(lambda console: render_batch_options(self, console))
+
     def to_dict(self) -> dict[str, Any]:
         return fields_dict(self)
 

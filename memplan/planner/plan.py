@@ -81,6 +81,13 @@ class PlanResult:
     step_seconds: float | None = None  # cuda: roofline time of the planned step on the card (a lower bound)
     recompute_seconds: float | None = None  # cuda: what the recomputation adds to it
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the CLI's report (memplan.render.notebook)."""
+        from memplan.render.notebook import recorded_html
+        from memplan.render.plan import render_plan
+
+        return recorded_html(lambda console: render_plan(self, console))
+
     def to_dict(self) -> dict[str, Any]:
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         data.update(
