@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -260,7 +261,7 @@ class TrainingSettings:
         if self.lora_targets is not None and not [name for name in self.lora_targets.split(",") if name.strip()]:
             raise SettingsError("--lora-targets names no module: give names such as q_proj,v_proj")
 
-    @property
+    @functools.cached_property
     def allocator_config(self) -> AllocatorConfig:
         """The caching allocator's configuration memplan simulates (memplan.estimator.cuda.allocator)."""
         return AllocatorConfig() if self.cuda_alloc_conf is None else parse_alloc_conf(self.cuda_alloc_conf)[0]

@@ -7,6 +7,7 @@ which shares none of the interpolation's arithmetic.
 import pytest
 import torch
 
+from memplan.estimator.cuda.allocator import DEFAULT_CONFIG
 from memplan.estimator.estimate import BatchTracer
 from memplan.estimator.interpolate import BatchLines, fit_bytes, phase_fit_bytes, same_requests
 from memplan.models.source import ModelRef, ModelSpec, resolve_model
@@ -30,7 +31,9 @@ def _tracer(tiny_model_dirs, case: str, batch_size: int = 4) -> BatchTracer:
 def test_lines_through_two_traces_give_a_third_batch_size_exactly(case, tiny_model_dirs):
     tracer = _tracer(tiny_model_dirs, case)
     cuda = tracer.settings.device == "cuda"
-    lines = BatchLines.fit((2, tracer.simulate(2).timeline), (4, tracer.simulate(4).timeline), cuda=cuda)
+    lines = BatchLines.fit(
+        (2, tracer.simulate(2).timeline), (4, tracer.simulate(4).timeline), allocator=DEFAULT_CONFIG if cuda else None
+    )
     assert lines is not None
     for batch in (3, 7, 13):  # between the two, and beyond them
         traced = tracer.simulate(batch)
@@ -51,8 +54,8 @@ def test_the_timeline_gives_the_simulations_own_figures(tiny_model_dirs):
 def test_lines_refuse_timelines_of_different_shape(tiny_model_dirs):
     plain = _tracer(tiny_model_dirs, "gpt2 cuda").simulate(2).timeline
     checkpointed = _tracer(tiny_model_dirs, "gpt2 checkpointed amp").simulate(4).timeline
-    assert BatchLines.fit((2, plain), (4, checkpointed), cuda=True) is None
-    assert BatchLines.fit((2, plain), (2, plain), cuda=True) is None
+    assert BatchLines.fit((2, plain), (4, checkpointed), allocator=DEFAULT_CONFIG) is None
+    assert BatchLines.fit((2, plain), (2, plain), allocator=DEFAULT_CONFIG) is None
 
 
 def test_the_search_answers_from_confirmed_lines_and_its_answer_holds(tiny_model_dirs):

@@ -25,4 +25,5 @@ def test_sweeps_comparisons_and_plans_show_their_tables():
     html = compare._repr_html_()
     assert all(row.name in html for row in compare.rows)
     plan = memplan.plan("tiny-gpt2", seq_len=32, batch_size=2, device="cpu", budget="64MiB")
-    assert "plan" in plan._repr_html_().lower()
+    html = plan._repr_html_()
+    assert memplan.format_bytes(plan.predicted_peak_bytes) in html and memplan.format_bytes(plan.budget_bytes) in html

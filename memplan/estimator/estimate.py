@@ -144,7 +144,7 @@ class BatchTracer:
         if len(fitted) < 2:
             return
         timelines = ((batch, self.simulations[batch].timeline) for batch in fitted)
-        lines = BatchLines.fit(*timelines, cuda=cuda, allocator=self.settings.allocator_config)
+        lines = BatchLines.fit(*timelines, allocator=self.settings.allocator_config if cuda else None)
         predicted = lines.timeline_at(batch_size) if lines is not None else None
         if predicted is not None and same_requests(predicted, self.simulations[batch_size].timeline):
             self.lines = lines

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from memplan.estimator.cuda.allocator import DEFAULT_CONFIG, AllocatorConfig, round_size
+from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
 from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, reserved_peak_bytes
 from memplan.settings import TrainingSettings
 
@@ -47,22 +47,21 @@ class BatchLines:
     first: MemoryTimeline
     second_batch: int
     second: MemoryTimeline
-    cuda: bool  # sizes are rounded as the caching allocator rounds them
-    allocator: AllocatorConfig = DEFAULT_CONFIG  # cuda: its rounding (PYTORCH_CUDA_ALLOC_CONF)
+    # cuda: the caching allocator's configuration, whose rounding every size gets; cpu: None
+    allocator: AllocatorConfig | None
 
     @classmethod
     def fit(
         cls,
         first: tuple[int, MemoryTimeline],
         second: tuple[int, MemoryTimeline],
-        cuda: bool,
-        allocator: AllocatorConfig = DEFAULT_CONFIG,
+        allocator: AllocatorConfig | None,
     ) -> BatchLines | None:
         """None where the two timelines differ in anything but sizes (no lines to draw)."""
         (first_batch, first_timeline), (second_batch, second_timeline) = sorted([first, second], key=lambda p: p[0])
         if first_batch == second_batch or not _same_shape(first_timeline, second_timeline):
             return None
-        return cls(first_batch, first_timeline, second_batch, second_timeline, cuda, allocator)
+        return cls(first_batch, first_timeline, second_batch, second_timeline, allocator)
 
     def timeline_at(self, batch: int) -> MemoryTimeline | None:
         """None where some request would not be a whole, non-negative number of bytes."""
@@ -73,7 +72,7 @@ class BatchLines:
             scaled, remainder = divmod(low * span + (high - low) * (batch - self.first_batch), span)
             if remainder or scaled < 0:
                 return None
-            size = round_size(scaled, self.allocator) if self.cuda and scaled else scaled
+            size = round_size(scaled, self.allocator) if self.allocator is not None and scaled else scaled
             allocations.append(replace(a, size_bytes=size, requested_bytes=scaled))
         return replace(self.first, allocations=tuple(allocations))
 

@@ -37,7 +37,7 @@ from memplan.settings import TrainingSettings
 
 def is_model_object(model: Any) -> bool:
     """An nn.Module or a callable returning one, as opposed to a name the CLI would take."""
-    return isinstance(model, nn.Module) or (callable(model) and not isinstance(model, str))
+    return isinstance(model, nn.Module) or callable(model)  # names (str, paths) are not callable
 
 
 def _skeleton(model: nn.Module) -> nn.Module:

@@ -90,9 +90,9 @@ def _roundup_power2_next_division(num_bytes: int, divisions: int) -> int:
     if power_of_two(num_bytes):
         return num_bytes
     floor = 1 << (num_bytes.bit_length() - 1)
+    # torch returns the next power of two where the step would be 0; round_size calls this only
+    # above 512 B x divisions, where the step is 512 B or more.
     step = floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return floor << 1
     return -(-num_bytes // step) * step
 
 
@@ -257,7 +257,7 @@ class CachingAllocator:
 
     def _new_segment(self, request: int, small: bool) -> _Block:
         size = segment_size(request)
-        if self.capacity_bytes is not None and not self._room_for(size):
+        if not self._room_for(size):
             if not (self._release_oversize_segments(request, small) and self._room_for(size)):
                 self._release_cached_segments()
                 if not self._room_for(size):
