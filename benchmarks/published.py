@@ -10,18 +10,27 @@ The one number taken from a source is a CUDA context the same source measured (t
 `torch.ones((1, 1)).to("cuda")` step), passed as --cuda-context would be.
 
 Prints one markdown row per measurement and the median and worst error per figure.
+
+A second column replays the rows whose source ran an older torch that kept more for backward
+than the installed one (a row's "source_torch_differences"), with that older behaviour put back
+into the trace; see SOURCE_TORCH_DIFFERENCES. memplan itself models the installed torch: the first
+column is its answer, the second tells a version difference from a modelling miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 from memplan.estimator.simulate import simulate  # noqa: E402
@@ -33,7 +42,52 @@ MiB = 1 << 20
 DATA = Path(__file__).with_name("published.json")
 
 
-def predict(row: dict, folder: Path) -> dict[str, float]:
+class _SoftmaxSavingInput(torch.autograd.Function):
+    """softmax as torch before 1.11 recorded it: its backward node kept the input besides the output."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
+        probabilities = torch.softmax(scores, dim, dtype=dtype)
+        ctx.save_for_backward(scores, probabilities)
+        ctx.dim = dim
+        return probabilities
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        scores, probabilities = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, probabilities, ctx.dim, scores.dtype), None, None
+
+
+@contextlib.contextmanager
+def _softmax_saves_input() -> Iterator[None]:
+    """torch < 1.11: `_softmax`'s derivative was `_softmax_backward_data(grad, result, dim, self)`, so
+    autograd kept softmax's input alive until backward although the kernel never reads it
+    (pytorch/pytorch#49600 and #64000; fixed by #65242, which passes `self.scalar_type()` instead,
+    first released in 1.11 — transformers' `pytorch_utils.softmax_backward_data` branched on
+    `is_torch_less_than_1_11` for exactly this signature change). Eager attention thus kept one
+    more scores-sized tensor per layer: (batch, heads, seq, seq) in the scores' dtype."""
+    plain = torch.nn.functional.softmax
+
+    def softmax(
+        input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        if torch.is_grad_enabled() and input.requires_grad:
+            return _SoftmaxSavingInput.apply(input, dim, dtype)
+        return plain(input, dim, dtype=dtype)
+
+    torch.nn.functional.softmax = softmax
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = plain
+
+
+SOURCE_TORCH_DIFFERENCES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "softmax-saves-input": _softmax_saves_input,
+}
+
+
+def predict(row: dict, folder: Path, source_torch: bool = False) -> dict[str, float]:
     """memplan's allocated, reserved and device figures for the row, in MiB (one trace)."""
     memplan = dict(row["memplan"])
     model = memplan.pop("model", None)
@@ -48,7 +102,10 @@ def predict(row: dict, folder: Path) -> dict[str, float]:
         memplan["cuda_context"] = int(context_mib * MiB)
     spec = resolve_model(model, task=task)
     settings = spec.settings_for(TrainingSettings(**memplan))
-    simulation = simulate(trace_step(spec, settings))
+    with contextlib.ExitStack() as differences:
+        for name in row.get("source_torch_differences", []) if source_torch else []:
+            differences.enter_context(SOURCE_TORCH_DIFFERENCES[name]())
+        simulation = simulate(trace_step(spec, settings))
     return {
         "max_memory_allocated": simulation.peak_bytes / MiB,
         "max_memory_reserved": simulation.reserved_peak_bytes / MiB,
@@ -62,26 +119,34 @@ def main() -> None:
     wanted = set(sys.argv[1:])
     folder = Path(tempfile.mkdtemp())
     errors: dict[str, list[float]] = {}
-    print("| id | GPU | figure | measured (MiB) | predicted (MiB) | error |")
-    print("| --- | --- | --- | ---: | ---: | ---: |")
+    source_errors: dict[str, list[float]] = {}
+    print("| id | GPU | figure | measured (MiB) | predicted (MiB) | error | with the source's torch |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for row in rows:
         if wanted and row["id"] not in wanted:
             continue
+        measured = row["measured_mib"]
         predicted = predict(row, folder)[row["figure"]]
-        error = (predicted - row["measured_mib"]) / row["measured_mib"]
+        error = (predicted - measured) / measured
         errors.setdefault(row["figure"], []).append(error)
+        source_error = error
+        replayed = "same"
+        if row.get("source_torch_differences"):
+            replayed_mib = predict(row, folder, source_torch=True)[row["figure"]]
+            source_error = (replayed_mib - measured) / measured
+            replayed = f"{replayed_mib:,.0f} ({source_error:+.1%})"
+        source_errors.setdefault(row["figure"], []).append(source_error)
         gpu = row["memplan"]["gpu"]
-        print(
-            f"| {row['id']} | {gpu} | {row['figure']} | {row['measured_mib']:,.0f} | {predicted:,.0f} | {error:+.1%} |",
-            flush=True,
-        )
+        cells = [row["id"], gpu, row["figure"], f"{measured:,.0f}", f"{predicted:,.0f}", f"{error:+.1%}", replayed]
+        print("| " + " | ".join(cells) + " |", flush=True)
     print()
-    for figure, values in errors.items():
-        absolute = [abs(value) for value in values]
-        print(
-            f"{figure}: {len(values)} rows, median |error| {statistics.median(absolute):.1%}, "
-            f"worst {max(values, key=abs):+.1%}, under-predicted {sum(value < 0 for value in values)}"
-        )
+    for label, table in (("installed torch", errors), ("with the source's torch", source_errors)):
+        for figure, values in table.items():
+            absolute = [abs(value) for value in values]
+            print(
+                f"{label}, {figure}: {len(values)} rows, median |error| {statistics.median(absolute):.1%}, "
+                f"worst {max(values, key=abs):+.1%}, under-predicted {sum(value < 0 for value in values)}"
+            )
 
 
 if __name__ == "__main__":
