@@ -158,3 +158,90 @@ def test_two_blocks_may_share_a_checkpoint_only_as_consecutive_siblings_with_not
     assert _nothing_between(nodes, 0, 4)  # only tuple items and a placeholder between nodes 0 and 4
     assert not _nothing_between([add, add, add], 0, 2)
     assert _nothing_between([add, add], 0, 1)  # adjacent: nothing between
+
+
+def _hand_worked_chain():
+    """Three blocks of two matmuls each, a head and a backward that frees what each block saved in
+    reverse order. Sizes are powers of ten so every sum below names the storages it holds:
+    x 1 (the batch), block j's inner tensor a_j and output o_j (a0 10, o0 20, a1 100, o1 200,
+    a2 1000, o2 2000), the loss 5. Block j+1 reads o_j; the head reads o2.
+
+    node  module  makes  reads   live bytes        node  frees        live bytes
+    0     -       x      -       1                 8     o2, loss     3336
+    1     b.0     a0     x       11                9     a2           1331
+    2     b.0     o0     a0      31                10    o1           331
+    3     b.1     a1     o0      131               11    a1           131
+    4     b.1     o1     a1      331               12    o0           31
+    5     b.2     a2     o1      1331              13    a0           11
+    6     b.2     o2     a2      3331
+    7     head    loss   o2      3336  (forward ends after node 7)
+    """
+    from types import SimpleNamespace
+
+    from memplan.estimator.opgraph import OpNode
+    from memplan.estimator.simulate import Liveness
+
+    mm = torch.ops.aten.mm.default
+    nodes = [OpNode("placeholder", "x")]
+    nodes[0].meta["val"] = torch.empty(4, 8, device="meta")
+    widths = [8, 8, 16, 16, 32, 32, 1]  # node i's output is (4, widths[i - 1])
+    for index in range(1, 8):
+        source = nodes[index - 1]
+        weight = OpNode("get_attr", f"w{index}")
+        weight.meta["val"] = torch.empty(source.meta["val"].shape[1], widths[index - 1], device="meta")
+        node = OpNode("call_function", mm, (source, weight), inputs=[source])
+        node.meta["val"] = torch.empty(4, widths[index - 1], device="meta")
+        nodes.append(node)
+    nodes += [OpNode("call_function", torch.ops.aten.add.Tensor) for _ in range(8, 14)]
+    keys = ["x", "a0", "o0", "a1", "o1", "a2", "o2", "loss"]
+    sizes = dict(zip(keys, [1, 10, 20, 100, 200, 1000, 2000, 5], strict=True))
+    last_use = {"x": 14, "loss": 8, "o2": 8, "a2": 9, "o1": 10, "a1": 11, "o0": 12, "a0": 13}
+    lifetimes = Liveness(
+        nodes=nodes,
+        storages=[[(key, sizes[key])] for key in keys] + [[] for _ in range(8, 14)],
+        size=sizes,
+        born={key: index for index, key in enumerate(keys)},
+        last_use=last_use,
+        unsupported_ops=(),
+        requested=sizes,
+    )
+    modules = [None, "b.0", "b.0", "b.1", "b.1", "b.2", "b.2", "head"] + [None] * 6
+    traced = SimpleNamespace(node_modules=modules, forward_end=8)
+    timeline = (1, 11, 31, 131, 331, 1331, 3331, 3336, 3336, 1331, 331, 131, 31, 11)
+    return chain_costs(traced, lifetimes, SimpleNamespace(timeline_bytes=timeline), ["b.0", "b.1", "b.2"])
+
+
+def test_chain_costs_on_a_hand_worked_chain():
+    """Every table of the cost model, worked out by hand from the chain in _hand_worked_chain."""
+    costs = _hand_worked_chain()
+    assert costs.names == ("b.0", "b.1", "b.2")
+    # A checkpoint over a..b frees what its blocks saved that no later forward op reads:
+    # block 0 alone a0; blocks 0-1 a0, o0, a1; all three a0, o0, a1, o1, a2 (o2 feeds the head).
+    assert costs.freed == ((10, 130, 1330), (100, 1300), (1000,))
+    # Growth over a..b's forward: its highest live bytes less those before it (node first-1).
+    assert costs.forward_growth == ((30, 330, 3330), (300, 3300), (3000,))
+    # Level k: k blocks done with their forward and not yet into their backward. A block's
+    # backward starts where its first saved tensor is freed (nodes 13, 11, 9).
+    assert costs.forward_level_peak == (31, 331, 3331, 3336)
+    assert costs.backward_level_peak == (11, 131, 1331, 3336)
+    assert costs.backward_start_bytes == (11, 131, 1331)
+    # mm of (4, k) by (k, n): 2 * 4 * k * n per node.
+    assert costs.forward_flops == (2 * 4 * (8 * 8 + 8 * 8), 2 * 4 * (8 * 16 + 16 * 16), 2 * 4 * (16 * 32 + 32 * 32))
+    assert costs.step_flops == sum(costs.forward_flops) + 2 * 4 * 32 * 1
+    assert costs.chainable == (True, True)  # consecutive siblings, each block's first op right after the last
+
+
+def test_model_peak_bytes_on_a_hand_worked_chain():
+    """The peak of each layout, worked by hand from the tables above."""
+    costs = _hand_worked_chain()
+    # Block 0 alone: levels above it lose a0 (10); the top level 3336 - 10.
+    assert model_peak_bytes(costs, [(0, 0)]) == 3326
+    # Blocks 0-1 as one: level 1 (inside the segment) loses a0, levels 2 and 3 lose 130.
+    assert model_peak_bytes(costs, [(0, 1)]) == 3206
+    # All three: the top level drops to 3336 - 1330 = 2006, but block 2's backward recomputes the
+    # whole forward on top of what is live there: 1331 - 1330 + 3330 = 3331, the peak.
+    assert model_peak_bytes(costs, [(0, 2)]) == 3331
+    # Blocks 1 and 2 each alone: block 2's recomputation, 1331 - 100 (block 1's saving below it)
+    # - 1000 + 3000, ties the forward's level 2 less block 1's saving, 3331 - 100.
+    assert model_peak_bytes(costs, [(1, 1), (2, 2)]) == 3231
+    assert model_peak_bytes(costs, []) == 3336
