@@ -69,3 +69,143 @@ def test_undo_restores_the_plain_forward():
     assert "forward" in vars(model.blocks[0])
     undo()
     assert "forward" not in vars(model.blocks[0])
+
+
+class _Chained(nn.Module):
+    """Blocks that hand each other their output as it is: `scale` reaches each block as a number."""
+
+    def __init__(self, count: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(count))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale=0.5)
+        return self.head(x).sum()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        # The trailing multiply saves nothing for backward: an early-stopping recomputation skips it.
+        return torch.tanh(self.linear(x)) * scale
+
+
+class _BackwardOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_in_backward(model: nn.Module, forward) -> list[str]:  # type: ignore[no-untyped-def]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = forward(torch.randn(4, 8, requires_grad=True))
+    with _BackwardOps() as recorder:
+        loss.backward()
+    return recorder.ops
+
+
+def test_a_segment_recomputes_exactly_what_torchs_own_checkpoint_does():
+    """Truth: torch.utils.checkpoint over the same blocks called in a row, which stops its
+    recomputation once the last saved tensor is back (early stop, torch's default): the ops the
+    backward runs, recomputation included, are the same list."""
+    torch.manual_seed(0)
+    model = _Chained()
+
+    def by_torch(x: torch.Tensor) -> torch.Tensor:
+        def blocks(hidden: torch.Tensor) -> torch.Tensor:
+            for block in model.blocks:
+                hidden = block(hidden, scale=0.5)
+            return hidden
+
+        hidden = torch.utils.checkpoint.checkpoint(blocks, x, use_reentrant=False)
+        return model.head(hidden).sum()
+
+    expected = _ops_in_backward(model, by_torch)
+    apply_layout(model, CheckpointLayout(segments=(("blocks.0", "blocks.1", "blocks.2"),)))
+    assert _ops_in_backward(model, model) == expected
+    # Three multiplies in the gradients of `* scale`, two recomputed: early stop leaves out the last
+    # block's trailing one, which nothing saved (without early stop: six).
+    assert expected.count("aten.mul.Tensor") == 5
+
+
+def test_a_segment_passes_non_tensor_arguments_to_its_recomputation_and_checkpoints_every_iteration():
+    """Truth: the gradients without checkpointing, and each block's forward running once in the
+    forward and once more in the backward (its recomputation), in every iteration."""
+    torch.manual_seed(0)
+    plain = _Chained()
+    segmented = _Chained()
+    segmented.load_state_dict(plain.state_dict())
+    apply_layout(segmented, CheckpointLayout(segments=(("blocks.0", "blocks.1", "blocks.2"),)))
+    calls = []
+    segmented.blocks[0].register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(4, 8)
+    for iteration in range(2):
+        plain(x).backward()
+        segmented(x).backward()
+        assert len(calls) == 2 * (iteration + 1), iteration
+    for expected, actual in zip(plain.parameters(), segmented.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, expected.grad)
+
+
+def test_repeated_block_lists_are_the_outermost_lists_of_two_or_more_blocks_of_one_class():
+    class _Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))  # inside a block: not a candidate
+
+    model = nn.Module()
+    model.mixed = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])  # two classes
+    model.single = nn.ModuleList([nn.Linear(2, 2)])  # one block
+    model.blocks = nn.ModuleList(_Inner() for _ in range(2))
+    model.heads = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+    assert block_names(model) == ["blocks.0", "blocks.1", "heads.0", "heads.1"]
+    # A model that is itself the list: its blocks are named by their index alone.
+    assert block_names(nn.ModuleList(nn.Linear(2, 2) for _ in range(2))) == ["0", "1"]
+
+
+def test_checkpoint_all_is_the_full_policy_on_every_block():
+    from memplan.estimator.checkpointing import all_blocks_layout
+
+    layout = all_blocks_layout(_Chained(2))
+    assert layout.segments == (("blocks.0",), ("blocks.1",))
+    assert layout.policies == ("full", "full")
+
+
+def test_a_segment_must_be_consecutive_blocks_of_one_list():
+    model = nn.Module()
+    model.a = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+    model.b = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+    for segment in (("a.0", "b.1"), ("a.0", "a.2"), ("a.1", "a.0")):
+        with pytest.raises(SettingsError, match="is not a run of consecutive blocks"):
+            apply_layout(model, CheckpointLayout(segments=(segment,)))
+    message = "checkpoint segment a.0 … a.3 is not a run of consecutive blocks of one ModuleList"
+    with pytest.raises(SettingsError, match=message):
+        apply_layout(model, CheckpointLayout(segments=(("a.0", "a.1", "a.3"),)))
+    apply_layout(model, CheckpointLayout(segments=(("a.1", "a.2"),)))()  # not from the list's start: fine
+
+
+def test_a_segment_that_cannot_be_replayed_names_the_block():
+    class _TakesTheInputTwice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Bilinear(8, 8, 8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.blocks[0](x, x)
+            hidden = self.blocks[1](hidden, x)  # the first block's input: replayable
+            return self.blocks[2](hidden, x * 2).sum()  # a tensor made between blocks: not
+
+    model = _TakesTheInputTwice()
+    apply_layout(model, CheckpointLayout(segments=(("blocks.0", "blocks.1", "blocks.2"),)))
+    with pytest.raises(SegmentError, match="block 2 of it takes a tensor that is neither"):
+        model(torch.randn(3, 8, requires_grad=True))
