@@ -141,3 +141,13 @@ def test_deterministic_flash_splits_dq_accum_over_the_multiprocessors() -> None:
     deterministic = simulate(trace_step(_spec(), settings.replace(deterministic=True)))
     dq_accum = [a for a in deterministic.timeline.allocations if "attention backward scratch" in a.op][1]
     assert dq_accum.requested_bytes == -(-108 // (2 * 4)) * 2 * 256 * 4 * 64 * 4  # 14 splits
+
+
+def test_the_memory_efficient_backward_node_names_its_scratch() -> None:
+    """float32 attention runs the memory-efficient kernel on an H100 (flash takes 16-bit only): the
+    timeline names its scratch for that kernel (the sizes: test_each_scratch_request_reads_its_own_argument)."""
+    settings = TrainingSettings(batch_size=2, optimizer="sgd", gpu="H100-80GB")
+    simulation = simulate(trace_step(_spec(), settings))
+    scratch = [a for a in simulation.timeline.allocations if "attention backward scratch" in a.op]
+    assert [a.op for a in scratch] == ["memory-efficient attention backward scratch"] * len(scratch)
+    assert scratch

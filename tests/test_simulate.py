@@ -3,7 +3,7 @@
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memplan.estimator.opgraph import OpGraph
+from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.recorder import record_graph
 from memplan.estimator.simulate import round_for_device, simulate
 from memplan.estimator.trace import TracedStep
@@ -118,3 +118,58 @@ def test_phase_of_the_peak_follows_the_boundaries():
     assert simulation.phase == "forward"
     assert simulation.phase_peak_bytes["backward"] == 100 * FLOAT + 2 * FLOAT
     assert isinstance(traced.graph, OpGraph)
+
+
+def test_ops_without_a_fake_value_are_reported_by_name_never_counted_as_zero():
+    """A call_function node that returns a tensor but has no fake value (its fake kernel failed) is
+    an unsupported op, named as the aten op; an input without one, or an op that returns no
+    tensor (a Python number), is not."""
+
+    def fn(x):
+        return (x * 2).sum()
+
+    traced = _traced(fn, (100,))
+    nodes = traced.graph.nodes
+    assert [node.op for node in nodes][:1] == ["placeholder"] and str(nodes[1].target) == "aten.mul.Tensor"
+    del nodes[1].meta["val"]
+    del nodes[0].meta["val"]
+    scalar = OpNode("call_function", torch.ops.aten._local_scalar_dense.default)  # returns a Scalar
+    nodes.insert(2, scalar)
+    traced.node_modules.append(None)
+    simulation = simulate(traced)
+    assert simulation.unsupported_ops == ("aten.mul.Tensor",)
+
+
+def test_the_peak_names_its_op_and_the_timeline_names_each_storages_maker():
+    def fn(x):
+        big = x.repeat(10)
+        return big.sum()
+
+    simulation = simulate(_traced(fn, (100,)))
+    assert simulation.peak_op == "aten.sum.default"  # x, big and the sum's scalar live together there
+    assert [allocation.op for allocation in simulation.timeline.allocations] == [
+        "placeholder",
+        "aten.repeat.default",
+        "aten.sum.default",
+    ]
+
+
+def test_a_convolutions_workspace_is_capped_in_mib_and_absent_when_it_makes_no_cudnn_call():
+    """CUDNN_CONV_WSCAP_DBG (--cudnn-workspace-cap) is in MiB: a 1 MiB cap holds an 8 MiB band top to
+    1,048,576 bytes. A backward that only sums the bias's gradient calls no cuDNN convolution."""
+    from memplan.estimator.simulate import _conv_workspace
+
+    x = torch.empty(8, 64, 64, 64, dtype=torch.float16, device="meta")  # 4 MiB
+    weight = torch.empty(64, 64, 3, 3, dtype=torch.float16, device="meta")
+    forward = OpNode("call_function", torch.ops.aten.convolution.default)
+    forward.meta["val"] = torch.empty(8, 64, 64, 64, dtype=torch.float16, device="meta")  # 4 MiB
+    args = (x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    a100 = TrainingSettings(device="cuda", gpu="A100-40GB")
+    uncapped = _conv_workspace(forward, args, a100)
+    assert uncapped == (("cudnn workspace (aten.convolution.default)", 8 * 2**20 + 64 * 64 * 9 * 2),)
+    capped = _conv_workspace(forward, args, a100.replace(cudnn_workspace_cap_mib=1))
+    assert capped == (("cudnn workspace (aten.convolution.default)", 2**20),)
+    backward = OpNode("call_function", torch.ops.aten.convolution_backward.default)
+    grad = forward.meta["val"]
+    bias_only = (grad, x, weight, [64], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, False, True])
+    assert _conv_workspace(backward, bias_only, a100) == ()
