@@ -173,3 +173,144 @@ def test_a_convolutions_workspace_is_capped_in_mib_and_absent_when_it_makes_no_c
     grad = forward.meta["val"]
     bias_only = (grad, x, weight, [64], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, False, True])
     assert _conv_workspace(backward, bias_only, a100) == ()
+
+
+def test_an_output_bytes_rule_sizes_its_ops_storage_from_the_fake_arguments(monkeypatch):
+    """An op whose fake kernel gets its output's size wrong has a rule (memplan.estimator.oprules):
+    it receives the node's arguments with recorded tensors replaced by their fake values (in
+    kwargs too) and plain values as they are, and its bytes are the storage's."""
+    from memplan.estimator.oprules import OUTPUT_BYTES_RULES
+
+    seen = []
+
+    def rule(args, kwargs):
+        seen.append((args[0], args[1], sorted(kwargs), kwargs.get("other")))
+        return [12_345]
+
+    monkeypatch.setitem(OUTPUT_BYTES_RULES, torch.ops.aten.mul.Tensor, rule)
+
+    def fn(x):
+        return (x * 2).sum()
+
+    traced = _traced(fn, (100,))
+    traced.graph.nodes[1].kwargs = {"other": traced.graph.nodes[0]}
+    simulation = simulate(traced)
+    x_value = traced.graph.nodes[0].meta["val"]
+    assert seen[0][0] is x_value and seen[0][1] == 2
+    assert seen[0][2] == ["other"] and seen[0][3] is x_value
+    # x (400 B) and the rule's 12,345 B, then the sum's 4 B beside them.
+    assert simulation.peak_bytes == 100 * FLOAT + 12_345 + FLOAT
+    assert simulation.timeline.allocations[1].requested_bytes == 12_345
+
+
+def test_a_sparse_output_is_reported_and_the_strided_ones_beside_it_still_counted():
+    def fn(x):
+        return (x * 2).sum()
+
+    traced = _traced(fn, (100,))
+    with FakeTensorMode():
+        sparse = torch.empty(10, 10).to_sparse()
+        strided = torch.empty(50)
+    traced.graph.nodes[1].meta["val"] = (sparse, strided)
+    simulation = simulate(traced)
+    assert simulation.unsupported_ops == ("aten.mul.Tensor (torch.sparse_coo)",)
+    assert simulation.peak_bytes == 100 * FLOAT + 50 * FLOAT + FLOAT  # x, the strided output, the sum
+
+
+def test_the_node_at_backward_end_is_the_optimizers():
+    def fn(x):
+        big = x.repeat(10)
+        return big.sum()
+
+    # nodes: 0 x, 1 repeat, 2 sum, 3 output; the peak (x, big and the sum) is node 2 = backward_end
+    simulation = simulate(_traced(fn, (100,), forward_end=1, backward_end=2))
+    assert simulation.peak_node == 2
+    assert simulation.phase == "optimizer"
+    assert simulation.phase_peak_bytes["backward"] == 11 * 100 * FLOAT
+
+
+def test_an_empty_storage_takes_no_block_on_cuda():
+    def fn(x):
+        empty = x.new_empty(0)
+        return [x + 1, empty]
+
+    # x and x + 1, 512 B each; the empty tensor asks for nothing (round_size(0) is not called).
+    assert simulate(_traced(fn, (10,), device="cuda")).peak_bytes == 2 * 512
+
+
+def test_an_empty_formula_does_not_end_the_formulas_after_it():
+    def fn(x):
+        a = x * 2
+        b = a + 1
+        c = b * 3
+        return c.sum()
+
+    held = simulate(_traced(fn, (100,), backward_node_ops=[(), (2, 3)]))
+    assert held.peak_bytes == 4 * 100 * FLOAT  # as test_an_autograd_formula_keeps_what_it_reads_until_it_returns
+
+
+def test_state_the_graph_never_reads_and_gradients_released_early_count_from_the_first_node():
+    """A parameter no op reads (storage_bytes, never in the graph) is live through the iteration; the
+    previous step's gradients under --loop zero-grad-before-backward (released_early) from the first
+    node until their release."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def fn(x):
+        a = x * 2
+        return (a + 1).sum()
+
+    # nodes: 0 x, 1 a, 2 a + 1, 3 sum, 4 output
+    unread, old_gradient = torch.empty(250), torch.empty(500)  # 1,000 and 2,000 B, kept alive here
+    traced = _traced(fn, (100,))
+    traced.storage_bytes[StorageWeakRef(unread.untyped_storage())] = 1_000
+    traced.released_early = ((StorageWeakRef(old_gradient.untyped_storage()), 2_000, 1),)
+    plain = simulate(_traced(fn, (100,))).timeline_bytes
+    timeline = simulate(traced).timeline_bytes
+    assert [with_state - without for with_state, without in zip(timeline, plain, strict=True)] == [
+        3_000,
+        3_000,
+        1_000,
+        1_000,
+        1_000,
+    ]
+
+
+def test_outputs_live_until_the_iteration_ends_after_the_last_node():
+    def fn(x):
+        kept = x * 2
+        return [kept, (x + 1).sum()]
+
+    traced = _traced(fn, (50,))
+    end = len(traced.graph.nodes)
+    kept = simulate(traced).timeline.allocations[1]
+    assert (kept.op, kept.freed_at) == ("aten.mul.Tensor", end)  # gradients: freed by zero_grad, after the graph
+    traced.graph.nodes.pop()  # no output node: nothing is kept past its last reader
+    traced.node_modules.pop()
+    last = simulate(traced).timeline.allocations
+    assert [(allocation.op, allocation.freed_at) for allocation in last[1:]] == [
+        ("aten.mul.Tensor", 1),
+        ("aten.add.Tensor", 3),
+        ("aten.sum.default", 3),
+    ]
+
+
+def test_one_cublas_workspace_per_thread_that_multiplies_matrices():
+    """CublasHandlePool.cpp: ":4096:8" (32 MiB) on sm90, ":4096:2:16:8" (2 x 4 MiB + 8 x 16 KiB)
+    elsewhere, one per thread; the autograd engine's device thread runs the backward. Rounded as
+    the allocator rounds: roundup_power2_divisions:4 takes 8.125 MiB to 10 MiB."""
+    from memplan.estimator.simulate import cublas_workspaces
+
+    def fn(x):
+        y = x @ x
+        return (y @ x).sum()
+
+    # nodes: 0 x, 1 mm, 2 mm, 3 sum, 4 output
+    forward_only = _traced(fn, (64, 64), device="cuda")
+    forward_only.settings = TrainingSettings(device="cuda", gpu="H100-80GB")
+    assert cublas_workspaces(forward_only) == [32 * 2**20]
+    both = _traced(fn, (64, 64), device="cuda", forward_end=2, backward_end=3)
+    both.settings = TrainingSettings(device="cuda", gpu="A100-40GB", cuda_alloc_conf="roundup_power2_divisions:4")
+    assert cublas_workspaces(both) == [10 * 2**20, 10 * 2**20]
+    both.settings = TrainingSettings(device="cuda", gpu="A100-40GB")
+    assert cublas_workspaces(both) == [2 * 4 * 2**20 + 8 * 16 * 2**10] * 2
+    assert cublas_workspaces(_traced(fn, (64, 64))) == []  # the CPU has none
