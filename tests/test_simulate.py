@@ -314,3 +314,127 @@ def test_one_cublas_workspace_per_thread_that_multiplies_matrices():
     both.settings = TrainingSettings(device="cuda", gpu="A100-40GB")
     assert cublas_workspaces(both) == [2 * 4 * 2**20 + 8 * 16 * 2**10] * 2
     assert cublas_workspaces(_traced(fn, (64, 64))) == []  # the CPU has none
+
+
+def test_a_peak_with_nothing_live_is_zero_and_a_phase_without_nodes_peaks_at_zero():
+    simulation = simulate(_traced(lambda x: [x], (0,)))  # one empty input: nothing is ever live
+    assert simulation.peak_bytes == 0
+    assert simulation.phase_peak_bytes == {"forward": 0, "backward": 0, "optimizer": 0}
+
+
+def test_the_first_of_two_equal_peaks_is_the_peak():
+    def fn(x):
+        a = x * 2
+        b = a + 1  # x, a, b
+        c = b * 3  # x, b, c: as many bytes
+        return c.sum()
+
+    simulation = simulate(_traced(fn, (100,)))
+    assert simulation.timeline_bytes[2] == simulation.timeline_bytes[3] == simulation.peak_bytes
+    assert simulation.peak_node == 2
+
+
+def test_the_breakdown_reads_the_storages_categories_and_names_the_peaks_module():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def fn(x):
+        a = x * 2
+        return (a + 1).sum()
+
+    traced = _traced(fn, (100,))
+    x = traced.graph.nodes[0].meta["val"]
+    traced.storage_categories[StorageWeakRef(x.untyped_storage())] = "inputs"
+    traced.node_modules[:] = [None, "encoder", "encoder.head", "encoder.head", None]
+    simulation = simulate(traced)
+    assert simulation.breakdown["inputs"] == 100 * FLOAT
+    assert simulation.breakdown["temporaries"] == 2 * 100 * FLOAT  # a and a + 1 at the peak (node 2)
+    assert simulation.peak_module == "encoder.head"
+    assert [allocation.module for allocation in simulation.timeline.allocations] == [
+        None,
+        "encoder",
+        "encoder.head",
+        "encoder.head",
+    ]
+
+
+def test_the_reserved_peak_follows_the_allocator_configuration():
+    """A 40 MiB tensor freed, then a 15 MiB one: by default the 15 MiB request splits the cached
+    40 MiB block (reserved 40 MiB, besides the 2 MiB small-pool segment of the scalars); with
+    max_split_size_mb:20 the 40 MiB block is oversize and serves no request below 20 MiB, so a
+    16 MiB segment is added (CUDACachingAllocator.cpp get_free_block)."""
+
+    def fn(x):
+        big = x.new_zeros(10 * 2**20)
+        total = big.sum()
+        later = x.new_zeros(15 * 2**18)
+        return [total, later.sum()]
+
+    plain = simulate(_traced(fn, (10,), device="cuda"))
+    traced = _traced(fn, (10,), device="cuda")
+    traced.settings = TrainingSettings(device="cuda", cuda_alloc_conf="max_split_size_mb:20")
+    capped = simulate(traced)
+    assert plain.reserved_peak_bytes == 42 * 2**20
+    assert capped.reserved_peak_bytes == 58 * 2**20
+
+
+def test_cublas_workspaces_open_the_timeline_for_the_whole_iteration():
+    def fn(x):
+        return (x @ x).sum()
+
+    traced = _traced(fn, (64, 64), device="cuda")
+    traced.settings = TrainingSettings(device="cuda", gpu="H100-80GB")
+    simulation = simulate(traced)
+    first = simulation.timeline.allocations[0]
+    assert (first.op, first.allocated_at, first.freed_at, first.size_bytes) == (
+        "cublas workspace",
+        0,
+        len(traced.graph.nodes),
+        32 * 2**20,
+    )
+    assert simulation.breakdown["workspaces"] == 32 * 2**20
+
+
+class _ConvAttention(torch.nn.Module):
+    """A convolution whose output becomes the tokens of one self-attention: both kinds of CUDA
+    kernel transients (a cuDNN workspace band, the attention backward's scratch) in one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(64, 256, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = torch.nn.functional.avg_pool2d(self.conv(x), 8)
+        tokens = pooled.flatten(2).transpose(1, 2).contiguous()  # [batch, 64 positions, 256 channels]
+        q = tokens.reshape(tokens.shape[0], 64, 4, 64).transpose(1, 2)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return attended.float().sum()
+
+
+def test_the_conv_workspace_free_end_is_the_step_with_every_workspace_capped_at_zero():
+    """The band's low end (every cuDNN workspace 0 bytes) is the same step run with
+    CUDNN_CONV_WSCAP_DBG=0, which leaves cuDNN no workspace; the attention backward's scratch stays
+    in both, and both ends read the allocator configuration (max_split_size_mb here). The high end
+    is above the low one, at a convolution, and its breakdown adds up to its peak."""
+    from memplan.estimator.trace import trace_step
+    from memplan.models.source import ModelRef, ModelSpec
+
+    spec = ModelSpec(
+        ModelRef("conv-attention"),
+        lambda settings: _ConvAttention(),
+        lambda settings, dtype: torch.randn(settings.batch_size, 64, 64, 64),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+    settings = TrainingSettings(
+        batch_size=4, optimizer="sgd", precision="amp-bf16", gpu="A100-40GB", cuda_alloc_conf="max_split_size_mb:20"
+    )
+    band = simulate(trace_step(spec, settings))
+    no_workspace = simulate(trace_step(spec, settings.replace(cudnn_workspace_cap_mib=0)))
+    scratch = [a for a in band.timeline.allocations if "attention backward scratch" in a.op]
+    assert scratch and band.conv_workspace_free_peak_bytes is not None
+    assert band.conv_workspace_free_peak_bytes == no_workspace.peak_bytes
+    assert band.conv_workspace_free_reserved_peak_bytes == no_workspace.reserved_peak_bytes
+    assert band.peak_bytes > no_workspace.peak_bytes
+    assert band.peak_op.startswith("aten.convolution")
+    assert sum(band.breakdown.values()) == band.peak_bytes
+    assert sum(no_workspace.breakdown.values()) == no_workspace.peak_bytes
