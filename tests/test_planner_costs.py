@@ -18,6 +18,7 @@ already hold what the recomputation brings back.
 from __future__ import annotations
 
 import json
+import operator
 
 import pytest
 import torch
@@ -245,3 +246,78 @@ def test_model_peak_bytes_on_a_hand_worked_chain():
     # - 1000 + 3000, ties the forward's level 2 less block 1's saving, 3331 - 100.
     assert model_peak_bytes(costs, [(1, 1), (2, 2)]) == 3231
     assert model_peak_bytes(costs, []) == 3336
+
+
+def _chain_with_unsaved_block():
+    """A chain with the cases the cost model treats apart, every table worked out by hand below.
+    Block 0 makes s0 (7), read by its own next op and by the head (a skip connection: never
+    freed by checkpointing), and o0 (20), block 1's input; it saves nothing of its own. Block 1
+    saves nothing either (a1 and o1 die in the forward) but makes k1 (4,000), kept to the
+    iteration's end. Block 2 saves a2 (1,000) and m2 (300), which no forward op reads and the
+    first backward node frees (a dropout mask's kind). Reads are per node, as the recorder's are.
+
+    node  module  makes   reads    live bytes       node  frees              live bytes
+    0     -       x       -        1                9     m2, o2, loss       7333
+    1     b.0     s0      x        8                10    a2                 5028
+    2     b.0     o0      s0       28               11-12 -                  4028
+    3     b.1     a1, k1  o0       4128             13    o0                 4028
+    4     b.1     o1      a1       4328 (a1 freed)  14    s0                 4008
+    5     b.2     a2      o1       5228
+    6     b.2     m2      o1       5528 (o1 freed)
+    7     b.2     o2      a2       7328
+    8     head    loss    o2, s0   7333  (the forward ends after node 8)
+    """
+    from types import SimpleNamespace
+
+    from memplan.estimator.opgraph import OpNode
+    from memplan.estimator.simulate import Liveness
+
+    made = [["x"], ["s0"], ["o0"], ["a1", "k1"], ["o1"], ["a2"], ["m2"], ["o2"], ["loss"]]
+    reads = [[], ["x"], ["s0"], ["o0"], ["a1"], ["o1"], ["o1"], ["a2"], ["o2", "s0"]]
+    made_by = {key: index for index, keys in enumerate(made) for key in keys}
+    nodes: list = []
+    for index in range(15):
+        inputs = [nodes[made_by[key]] for key in reads[index]] if index < 9 else []
+        nodes.append(OpNode("placeholder" if index == 0 else "call_function", operator.add, inputs=inputs))
+    sizes = {"x": 1, "s0": 7, "o0": 20, "a1": 100, "k1": 4000, "o1": 200}
+    sizes |= {"a2": 1000, "m2": 300, "o2": 2000, "loss": 5}
+    last_use = {"x": 15, "s0": 14, "o0": 13, "a1": 4, "k1": 15, "o1": 6, "a2": 10, "m2": 9, "o2": 9, "loss": 9}
+    lifetimes = Liveness(
+        nodes=nodes,
+        storages=[[(key, sizes[key]) for key in keys] for keys in made] + [[] for _ in range(9, 15)],
+        size=sizes,
+        born={key: made_by[key] for key in sizes},  # in the order the nodes make them
+        last_use=last_use,
+        unsupported_ops=(),
+        requested=sizes,
+    )
+    modules = [None, "b.0", "b.0", "b.1", "b.1", "b.2", "b.2", "b.2", "head"] + [None] * 6
+    traced = SimpleNamespace(node_modules=modules, forward_end=9)
+    timeline = (1, 8, 28, 4128, 4328, 5228, 5528, 7328, 7333, 7333, 5028, 4028, 4028, 4028, 4008)
+    return traced, lifetimes, SimpleNamespace(timeline_bytes=timeline)
+
+
+def test_chain_costs_of_blocks_that_save_nothing_a_skip_connection_and_a_mask():
+    costs = chain_costs(*_chain_with_unsaved_block(), ["b.0", "b.1", "b.2"])
+    # Block 0 alone frees nothing (s0 feeds the head, o0 block 1); with block 1, o0; block 2 a2
+    # and m2, read by no forward op and so its own block's.
+    assert costs.freed == ((0, 20, 1320), (0, 1300), (1300,))
+    assert costs.forward_growth == ((27, 4327, 7327), (4300, 7300), (3000,))
+    # Blocks 0 and 1 save nothing: their backward starts with block 2's, at node 9, where m2 is
+    # freed; from there on every node is at level 0, and levels 1-3 have no backward node.
+    assert costs.forward_level_peak == (28, 4328, 7328, 7333)
+    assert costs.backward_level_peak == (7333, 0, 0, 0)
+    assert costs.backward_start_bytes == (7333, 7333, 7333)
+    # Checkpointing block 1 frees nothing and recomputes its forward (4,300) on top of node 9.
+    assert model_peak_bytes(costs, [(1, 1)]) == 7333 + 4300
+    assert model_peak_bytes(costs, [(2, 2)]) == 7333 - 1300 + 3000
+    assert model_peak_bytes(costs, [(0, 2)]) == 7333 - 1320 + 7327
+
+
+def test_candidates_that_run_nothing_are_an_error():
+    import pytest
+
+    from memplan.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="^none of the checkpoint candidates runs any op in the forward pass$"):
+        chain_costs(*_chain_with_unsaved_block(), ["decoder.0"])

@@ -190,7 +190,9 @@ def test_an_output_bytes_rule_sizes_its_ops_storage_from_the_fake_arguments(monk
     monkeypatch.setitem(OUTPUT_BYTES_RULES, torch.ops.aten.mul.Tensor, rule)
 
     def fn(x):
-        return (x * 2).sum()
+        doubled = x * 2
+        doubled.add_(1)  # in place: the same storage, which the fake tensor says is 400 B
+        return doubled.sum()
 
     traced = _traced(fn, (100,))
     traced.graph.nodes[1].kwargs = {"other": traced.graph.nodes[0]}
@@ -198,7 +200,7 @@ def test_an_output_bytes_rule_sizes_its_ops_storage_from_the_fake_arguments(monk
     x_value = traced.graph.nodes[0].meta["val"]
     assert seen[0][0] is x_value and seen[0][1] == 2
     assert seen[0][2] == ["other"] and seen[0][3] is x_value
-    # x (400 B) and the rule's 12,345 B, then the sum's 4 B beside them.
+    # x (400 B) and the rule's 12,345 B (the largest any node says of that storage), then the sum's 4 B.
     assert simulation.peak_bytes == 100 * FLOAT + 12_345 + FLOAT
     assert simulation.timeline.allocations[1].requested_bytes == 12_345
 
@@ -313,6 +315,8 @@ def test_one_cublas_workspace_per_thread_that_multiplies_matrices():
     assert cublas_workspaces(both) == [10 * 2**20, 10 * 2**20]
     both.settings = TrainingSettings(device="cuda", gpu="A100-40GB")
     assert cublas_workspaces(both) == [2 * 4 * 2**20 + 8 * 16 * 2**10] * 2
+    both.settings = TrainingSettings(device="cuda", gpu="A100-40GB", cublas_workspace_config=":16:8")
+    assert cublas_workspaces(both) == [8 * 16 * 2**10] * 2  # CUBLAS_WORKSPACE_CONFIG=:16:8: 8 x 16 KiB
     assert cublas_workspaces(_traced(fn, (64, 64))) == []  # the CPU has none
 
 
@@ -438,3 +442,27 @@ def test_the_conv_workspace_free_end_is_the_step_with_every_workspace_capped_at_
     assert band.peak_op.startswith("aten.convolution")
     assert sum(band.breakdown.values()) == band.peak_bytes
     assert sum(no_workspace.breakdown.values()) == no_workspace.peak_bytes
+
+
+def test_activations_are_made_in_the_forward_and_read_in_the_backward():
+    """Saved for backward: made before the first backward node, read at it or after, and not kept
+    to the iteration's end (outputs are not activations)."""
+
+    def fn(x):
+        kept = x - 1  # an output: to the end
+        a = x * 2  # read by the first backward node
+        b = a + 1  # made at the first backward node
+        c = b * 3
+        return [c.sum(), kept]
+
+    # nodes: 0 x, 1 kept, 2 a, 3 b, 4 c, 5 sum, 6 output; the backward starts at node 3
+    simulation = simulate(_traced(fn, (100,), forward_end=3, backward_end=6))
+    categories = [(allocation.op, allocation.category) for allocation in simulation.timeline.allocations]
+    assert categories == [
+        ("placeholder", "temporaries"),
+        ("aten.sub.Tensor", "temporaries"),
+        ("aten.mul.Tensor", "activations"),
+        ("aten.add.Tensor", "temporaries"),
+        ("aten.mul.Tensor", "temporaries"),
+        ("aten.sum.default", "temporaries"),
+    ]
