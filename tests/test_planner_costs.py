@@ -321,3 +321,32 @@ def test_candidates_that_run_nothing_are_an_error():
 
     with pytest.raises(SettingsError, match="^none of the checkpoint candidates runs any op in the forward pass$"):
         chain_costs(*_chain_with_unsaved_block(), ["decoder.0"])
+
+
+def test_a_segments_own_forward_levels_lose_what_its_earlier_blocks_free():
+    """model_peak_bytes on tables written by hand (three blocks), where the highest forward level
+    lies inside a segment: there the blocks of the segment before it have already dropped what they
+    saved (a checkpoint frees as it goes), while blocks after a segment lose all of it."""
+    from memplan.planner.costs import ChainCosts
+
+    def costs(forward_level_peak: tuple[int, ...]) -> ChainCosts:
+        return ChainCosts(
+            names=("b.0", "b.1", "b.2"),
+            forward_flops=(1, 1, 1),
+            chainable=(True, True),
+            forward_level_peak=forward_level_peak,
+            backward_level_peak=(40, 40, 40, 40),
+            backward_start_bytes=(50, 50, 50),
+            freed=((10, 30, 60), (20, 50), (30,)),
+            forward_growth=((5, 10, 15), (5, 10), (5,)),
+            step_flops=3,
+        )
+
+    early = costs((100, 5000, 300, 200))  # block 1's forward is the high point
+    # Blocks 0-1 as one segment, block 2 alone: level 1 lies inside the first segment and has
+    # lost block 0's saving (10); recomputations stay low (50 - 30 + 10, 50 - 30 - 30 + 5).
+    assert model_peak_bytes(early, [(0, 1), (2, 2)]) == 5000 - 10
+    late = costs((100, 200, 5000, 300))  # block 2's forward is the high point
+    assert model_peak_bytes(late, [(0, 1)]) == 5000 - 30  # level 2 follows the segment: all of it
+    assert model_peak_bytes(late, [(0, 2)]) == 5000 - 30  # inside it: blocks 0 and 1's, 30
+    assert model_peak_bytes(late, [(2, 2)]) == 5000  # its own first block has freed nothing yet
