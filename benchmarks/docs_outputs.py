@@ -9,7 +9,8 @@ joined) followed at once by a ```text block: that block is what the command prin
 runs in a temporary folder (files it writes, such as --plot images, land there and are dropped),
 with COLUMNS=120 so tables wrap as in the docs. The closing "N traces, ... s" and "N s" lines vary
 from run to run and are left out of the comparison; everything else must match character for
-character. Default docs: docs/walkthroughs.md.
+character. Default docs: docs/walkthroughs.md. Exits 1 when an output drifted (without --write),
+which is how CI (.ci/run) checks the docs.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
         if write:
             doc.write_text("".join(pieces))
     print(f"{drifted} drifted" + (" (rewritten)" if write and drifted else ""))
+    if drifted and not write:
+        raise SystemExit(1)  # CI's docs check (.ci/run) fails on a drifted output
 
 
 if __name__ == "__main__":
