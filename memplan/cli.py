@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
 import logging
@@ -120,9 +121,23 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         else:  # a bug in memplan or torch: say so, keep the details for --debug
             message, code = f"memplan: internal error: {type(error).__name__}: {error} (rerun with --debug)", 1
     if message is not None:
-        gc.collect()  # the work's objects go now, while every module is intact
+        _collect_before_teardown()
         click.echo(message, err=True)
         sys.exit(code)
+
+
+_collect_registered = False
+
+
+def _collect_before_teardown() -> None:
+    """Free the failed work's objects at exit, before the interpreter tears its modules down (atexit
+    handlers run first), so that their finalizers still find torch intact. Registered once, not run
+    at each error: a full collection over a large heap takes a good part of a second, which every
+    refused command would pay (the test suite's hundred refusals in one process did)."""
+    global _collect_registered
+    if not _collect_registered:
+        atexit.register(gc.collect)
+        _collect_registered = True
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -269,9 +269,9 @@ def test_a_long_command_reports_progress_on_stderr_when_piped_and_keeps_stdout_j
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "memplan", "estimate", "gpt2", "-b", "8", "--seq-len", "256"]
+    command = [sys.executable, "-m", "memplan", "estimate", "tiny-gpt2", "-b", "8", "--seq-len", "128"]
     done = subprocess.run(
-        [*command, "--budget", "40GiB", "--json"],
+        [*command, "--budget", "256MiB", "--json"],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root), "MEMPLAN_PROGRESS_AFTER_SECONDS": "0"},
         capture_output=True,
