@@ -216,6 +216,7 @@ def estimate(
     loss: str | None = None,
     task: str | None = None,
     budget: str | int | None = None,
+    maximize: str | None = None,
     progress: Progress | None = None,
     **setting_overrides: Any,
 ) -> EstimateResult:
@@ -226,8 +227,11 @@ def estimate(
     (`batch_size=8, precision="amp-bf16", ...`); `checkpoint` is "none", "all", a `CheckpointLayout`
     or a plan file from `plan` (refused if made for another model or other settings). With `budget`
     ("24GiB", "80GB", bytes), or a `gpu` name and no budget (its usable memory), the result says
-    whether the configuration fits and the largest batch size that does.
+    whether the configuration fits and the largest batch size that does; `maximize="seq-len"` adds the
+    longest sequence length that fits at the batch size (`max_seq_len`).
     """
+    if maximize not in (None, "seq-len"):
+        raise SettingsError(f"maximize must be 'seq-len' or None; got {maximize!r}")
     settings, loaded = _settings(settings, setting_overrides, inputs)
     spec = _source(model, inputs, loss, task)
     settings = _checked_against_plan(spec, settings, loaded)
@@ -238,6 +242,7 @@ def estimate(
         budget_bytes=budget_bytes,
         progress=_progress(progress),
         plan_fingerprint=loaded.fingerprint if loaded is not None else None,
+        maximize_seq_len=maximize == "seq-len",
     )
 
 

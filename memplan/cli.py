@@ -435,6 +435,11 @@ def _quiet_transformers() -> None:
 )
 @click.option("--budget", type=SizeType(), help="Memory budget (80GB, 24GiB, 512MiB, bytes): fits? largest batch?")
 @click.option(
+    "--maximize",
+    type=click.Choice(["seq-len"]),
+    help="With --budget or --gpu: also the longest --seq-len that fits at the batch size (a trace per length tried).",
+)
+@click.option(
     "--plot",
     type=click.Path(dir_okay=False),
     help="Write a PNG of the iteration's memory over time, stacked by category.",
@@ -447,6 +452,7 @@ def _quiet_transformers() -> None:
 def estimate(
     model: str,
     budget: int | None,
+    maximize: str | None,
     plot: str | None,
     snapshot: str | None,
     as_json: bool,
@@ -472,7 +478,7 @@ def estimate(
             )
         _check_output_paths(plot=plot, snapshot=snapshot)
         _quiet_transformers()
-        result = _call(run_estimate, model, settings, as_json, budget=budget)
+        result = _call(run_estimate, model, settings, as_json, budget=budget, maximize=maximize)
         _write_pictures(result, plot, snapshot)
         if as_json:
             click.echo(to_json(result))

@@ -70,3 +70,63 @@ def test_confirming_a_right_answer_costs_one_trace():
 def test_the_limit_fitting_is_reported_as_the_limit():
     best, probes = _confirm(10**9, found=3, limit=1000)
     assert best == 1000 and probes[-1] == 1000
+
+
+def _threshold(edge: int, asked: list[int]):  # type: ignore[no-untyped-def]
+    """Sizes up to `edge` fit; records every size asked about."""
+
+    def fits(size: int) -> bool:
+        asked.append(size)
+        return size <= edge
+
+    return fits
+
+
+def test_the_largest_fitting_size_is_found_from_above_and_below_and_at_the_limits():
+    from memplan.estimator.search import largest_fitting
+
+    for start, edge, limit in [(32, 27, 128), (32, 100, 128), (32, 500, 128), (32, 0, 128), (1, 1, 1), (7, 7, 9)]:
+        asked: list[int] = []
+        assert largest_fitting(start, _threshold(edge, asked), limit) == min(edge, limit), (start, edge, limit)
+        assert all(1 <= size <= limit for size in asked)
+    # From 128 to an edge of 2,000 within 1,048,576: doubling to 256, 512, 1,024 and 2,048, then
+    # bisecting the 1,024 between the last two (10 questions), 15 in all with the start.
+    asked = []
+    assert largest_fitting(128, _threshold(2_000, asked), 1 << 20) == 2_000
+    assert asked[:6] == [128, 256, 512, 1_024, 2_048, 1_536]
+    assert len(asked) == 15
+
+
+def test_maximize_seq_len_finds_the_last_length_that_fits():
+    """Truth: the step traced at the answer and one past it, each on its own."""
+    from memplan.api import estimate
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    common = {"batch_size": 16, "device": "cpu", "optimizer": "sgd"}
+    budget = 24 * 2**20  # tiny-gpt2 at batch 16 peaks near 13 MiB at sequence 32, 28 MiB at 64
+    result = estimate("tiny-gpt2", seq_len=32, budget=budget, maximize="seq-len", **common)
+    longest = result.max_seq_len
+    assert longest is not None and 32 < longest < 128 and not result.max_seq_len_is_limit
+    spec = resolve_model("tiny-gpt2")
+
+    def peak(seq_len: int) -> int:
+        return simulate(trace_step(spec, spec.settings_for(TrainingSettings(seq_len=seq_len, **common)))).peak_bytes
+
+    assert peak(longest) <= budget < peak(longest + 1)
+
+
+def test_maximize_seq_len_is_refused_without_a_budget_or_a_sequence():
+    import pytest
+
+    from memplan.api import estimate
+    from memplan.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="needs a budget"):
+        estimate("tiny-gpt2", batch_size=2, seq_len=32, device="cpu", maximize="seq-len")
+    with pytest.raises(SettingsError, match="resnet-50 takes no sequence length"):
+        estimate("resnet-50", batch_size=2, budget="4GiB", maximize="seq-len")
+    with pytest.raises(SettingsError, match="maximize must be 'seq-len' or None"):
+        estimate("tiny-gpt2", batch_size=2, budget="4GiB", maximize="batch")

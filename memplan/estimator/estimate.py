@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from memplan.errors import SettingsError
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
 from memplan.estimator.result import Breakdown, EstimateResult
-from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, last_fitting_from
+from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.timeline import smallest_device_bytes
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
@@ -17,7 +18,7 @@ from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
-from memplan.settings import TrainingSettings, format_bytes
+from memplan.settings import MAX_COUNT, TrainingSettings, format_bytes
 
 Progress = Callable[[str], None]
 
@@ -162,6 +163,31 @@ class BatchTracer:
         return last_fitting_from(found, lambda batch: self.fit_bytes(batch) <= budget_bytes)
 
 
+def longest_seq_len(tracer: BatchTracer, budget_bytes: int) -> tuple[int, bool, int]:
+    """The longest sequence length whose fit_bytes, at the settings' batch size, is within the
+    budget; whether it is the limit (the model's maximum, else memplan's MAX_COUNT); the traces run.
+
+    Each length asked about is one trace on the tracer's fake model: memory is no line in the
+    sequence length (attention's scores grow with its square; the kernels change with it), so it is
+    searched by galloping and bisection (memplan.estimator.search.largest_fitting)."""
+    settings = tracer.settings
+    assert settings.seq_len is not None, "run_estimate refuses --maximize seq-len for models without one"
+    limit = tracer.spec.max_seq_len or MAX_COUNT
+    fit_bytes = {settings.seq_len: tracer.simulate(settings.batch_size).fit_bytes}
+
+    def fits(seq_len: int) -> bool:
+        if seq_len not in fit_bytes:
+            raise_if_interrupted()
+            tracer.report(f"tracing sequence length {seq_len} (trace {len(tracer.simulations) + len(fit_bytes)})")
+            traced = trace_step(tracer.spec, settings.replace(seq_len=seq_len), tracer.setup)
+            fit_bytes[seq_len] = simulate(traced).fit_bytes
+        return fit_bytes[seq_len] <= budget_bytes
+
+    found = largest_fitting(settings.seq_len, fits, limit)
+    tracer.setup.state.settings = settings  # the setup serves the settings' own sequence length again
+    return found, found == limit, len(fit_bytes) - 1
+
+
 def step_flops(traced: TracedStep) -> int:
     """FLOPs of the traced iteration (torch.utils.flop_counter's formulas; recomputation included)."""
     return sum(node_flops(node) for node in traced.graph.nodes)
@@ -174,9 +200,15 @@ def run_estimate(
     budget_bytes: int | None = None,
     progress: Progress | None = None,
     plan_fingerprint: str | None = None,
+    maximize_seq_len: bool = False,
 ) -> EstimateResult:
+    """`maximize_seq_len` (with a budget): also the longest sequence that fits at the batch size."""
     started = time.perf_counter()
     settings = spec.settings_for(settings)
+    if maximize_seq_len and budget_bytes is None:
+        raise SettingsError("--maximize seq-len needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
+    if maximize_seq_len and settings.seq_len is None:
+        raise SettingsError(f"--maximize seq-len: {spec.name} takes no sequence length (--seq-len)")
     tracer = BatchTracer(spec, settings, progress)
     if plan_fingerprint is not None:
         check_fingerprint(plan_fingerprint, "another model", tracer.setup.state.model, spec.name)
@@ -191,6 +223,9 @@ def run_estimate(
     if budget_bytes is not None:
         fits = main.fit_bytes <= budget_bytes
         max_batch = tracer.max_batch_size(budget_bytes)
+    max_seq_len, max_seq_len_is_limit, seq_len_traces = None, False, 0
+    if maximize_seq_len and budget_bytes is not None:
+        max_seq_len, max_seq_len_is_limit, seq_len_traces = longest_seq_len(tracer, budget_bytes)
     unsupported = sorted({op for simulation in simulations.values() for op in simulation.unsupported_ops})
     return EstimateResult(
         model=spec.name,
@@ -221,13 +256,15 @@ def run_estimate(
         unsupported_ops=tuple(unsupported),
         graph_nodes=len(traced.graph.nodes),
         step_flops=step_flops(traced),
-        traces=len(simulations),
+        traces=len(simulations) + seq_len_traces,
         interpolated_batch_sizes=len(tracer.interpolated),
         seconds=time.perf_counter() - started,
         budget_bytes=budget_bytes,
         fits=fits,
         max_batch_size=max_batch,
         max_batch_size_is_limit=max_batch == MAX_BATCH_SIZE,
+        max_seq_len=max_seq_len,
+        max_seq_len_is_limit=max_seq_len_is_limit,
         notes=tuple(_notes(settings, main.conv_workspace_free_peak_bytes is not None)),
         timeline=main.timeline,
     )

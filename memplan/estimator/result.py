@@ -60,6 +60,10 @@ class EstimateResult:
     fits: bool | None = None
     max_batch_size: int | None = None
     max_batch_size_is_limit: bool = False  # even memplan.estimator.search.MAX_BATCH_SIZE fits: "at least"
+    # --maximize seq-len: the longest sequence that fits at this batch size (0: none does), and
+    # whether that is the model's own maximum (or memplan's limit where the model has none).
+    max_seq_len: int | None = None
+    max_seq_len_is_limit: bool = False
     notes: tuple[str, ...] = ()
     # batch sizes the largest-batch search answered from confirmed lines through traces, not traced
     interpolated_batch_sizes: int = 0

@@ -89,6 +89,36 @@ def last_fitting_from(found: int, fits: Callable[[int], bool], limit: int = MAX_
             low, step = probe, step * 2
         else:
             high = probe
+    return _bisect(low, high, fits)
+
+
+def largest_fitting(start: int, fits: Callable[[int], bool], limit: int) -> int:
+    """The largest size from 1 to `limit` that fits, searched from `start` (1 <= start <= limit);
+    0 when not even 1 fits.
+
+    For sizes whose memory is no line (a sequence length: attention grows with its square), so no
+    fitted line guides the search: from a `start` that fits, double until a size does not (or the
+    limit fits), from one that does not, take 0 as the floor; then bisect. About
+    log2(answer / start) + log2(the bracket) questions. Like the batch search it finds the edge of
+    the first step over the budget, not a larger size that might fit again past it.
+    """
+    if fits(start):
+        low, high = start, None
+        while high is None:
+            if low == limit:
+                return low
+            probe = min(2 * low, limit)
+            if fits(probe):
+                low = probe
+            else:
+                high = probe
+    else:
+        low, high = 0, start
+    return _bisect(low, high, fits)
+
+
+def _bisect(low: int, high: int, fits: Callable[[int], bool]) -> int:
+    """The last size that fits between `low` (fits, or 0) and `high` (does not)."""
     while high - low > 1:
         middle = (low + high) // 2
         if fits(middle):

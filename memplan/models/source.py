@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from memplan.errors import InputsError, LossError, MemplanError, UnknownModelError, UsageError, UserCodeError
-from memplan.models.batches import TASKS, resolve_lengths, synthesize_batch
+from memplan.models.batches import TASKS, TEXT_TASKS, max_positions, resolve_lengths, synthesize_batch
 from memplan.models.hf import build_hf_model, model_types, resolve_hf
 from memplan.models.imports import import_object, is_import_path
 from memplan.models.presets import all_presets
@@ -44,6 +44,8 @@ class ModelSpec:
     make_batch: Callable[[TrainingSettings, torch.dtype], Batch]
     loss_of: Callable[[Any, Batch], torch.Tensor]
     settings_for: Callable[[TrainingSettings], TrainingSettings]
+    # The longest --seq-len the model's position embeddings allow; None where no limit is known.
+    max_seq_len: int | None = None
 
     @property
     def name(self) -> str:
@@ -250,4 +252,5 @@ def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
         make_batch=make_batch,
         loss_of=loss_of,
         settings_for=settings_for,
+        max_seq_len=max_positions(source.config) if source.task in TEXT_TASKS else None,
     )

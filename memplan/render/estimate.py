@@ -11,7 +11,7 @@ from memplan.advice import when_nothing_fits
 from memplan.estimator.result import EstimateResult
 from memplan.gpus import DEFAULT_GPU
 from memplan.render.units import format_flops, format_seconds
-from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
 
 _CATEGORY_LABELS = {
     "parameters": "parameters (+ buffers)",
@@ -125,6 +125,8 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             console.print(f"largest batch size that fits: {result.max_batch_size}")
         else:
             console.print(f"[red]not even batch size 1 fits[/red]: {when_nothing_fits(result, result.budget_bytes)}")
+        if result.max_seq_len is not None:
+            console.print(_longest_sequence(result))
     if result.unsupported_ops:
         console.print(f"[yellow]unsupported ops (not counted):[/yellow] {', '.join(result.unsupported_ops)}")
     for note in result.notes:
@@ -137,3 +139,13 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     console.print(
         f"[dim]{result.traces} traces{lines}, {result.graph_nodes:,} graph nodes, {result.seconds:.1f} s[/dim]"
     )
+
+
+def _longest_sequence(result: EstimateResult) -> str:
+    batch = result.settings.batch_size
+    if not result.max_seq_len:
+        return f"[red]no sequence length fits[/red] at batch size {batch}"
+    if result.max_seq_len_is_limit:
+        limit = "the most memplan searches" if result.max_seq_len == MAX_COUNT else "the model's own maximum"
+        return f"longest sequence that fits at batch size {batch}: {result.max_seq_len:,}, {limit}"
+    return f"longest sequence that fits at batch size {batch}: {result.max_seq_len:,}"
