@@ -350,3 +350,45 @@ def test_a_segments_own_forward_levels_lose_what_its_earlier_blocks_free():
     assert model_peak_bytes(late, [(0, 1)]) == 5000 - 30  # level 2 follows the segment: all of it
     assert model_peak_bytes(late, [(0, 2)]) == 5000 - 30  # inside it: blocks 0 and 1's, 30
     assert model_peak_bytes(late, [(2, 2)]) == 5000  # its own first block has freed nothing yet
+
+
+def test_a_last_block_that_saves_nothing_keeps_its_backward_at_the_end():
+    """Two blocks and a head, worked by hand: block 0 saves a0 (10, freed by the last node); block
+    1 makes o1 (200), which only the head reads, and saves nothing, so its backward starts at the
+    iteration's end (no successor to take it from) and it stays at level 1 through node 7.
+
+    node  module  makes  reads  live bytes      node  frees       live bytes
+    0     -       x      -      1               5     o1, loss    216
+    1     b.0     a0     x      11              6     -           11
+    2     b.0     o0     a0     31              7     a0          11
+    3     b.1     o1     o0     231 (o0 freed)
+    4     head    loss   o1     216 (the forward ends after node 4)
+    """
+    from types import SimpleNamespace
+
+    from memplan.estimator.opgraph import OpNode
+    from memplan.estimator.simulate import Liveness
+
+    keys = ["x", "a0", "o0", "o1", "loss"]
+    nodes: list = []
+    for index in range(8):
+        inputs = [nodes[index - 1]] if 0 < index < 5 else []
+        nodes.append(OpNode("placeholder" if index == 0 else "call_function", operator.add, inputs=inputs))
+    sizes = dict(zip(keys, [1, 10, 20, 200, 5], strict=True))
+    lifetimes = Liveness(
+        nodes=nodes,
+        storages=[[(key, sizes[key])] for key in keys] + [[], [], []],
+        size=sizes,
+        born={key: index for index, key in enumerate(keys)},
+        last_use={"x": 8, "a0": 7, "o0": 3, "o1": 5, "loss": 5},
+        unsupported_ops=(),
+        requested=sizes,
+    )
+    traced = SimpleNamespace(node_modules=[None, "b.0", "b.0", "b.1", "head", None, None, None], forward_end=5)
+    timeline = SimpleNamespace(timeline_bytes=(1, 11, 31, 231, 216, 216, 11, 11))
+    costs = chain_costs(traced, lifetimes, timeline, ["b.0", "b.1"])
+    assert costs.freed == ((10, 10), (0,))
+    assert costs.forward_growth == ((30, 230), (200,))
+    assert costs.forward_level_peak == (31, 231, 216)
+    assert costs.backward_level_peak == (0, 11, 216)  # node 7 at level 1: block 1's backward has not begun
+    assert costs.backward_start_bytes == (11, 11)
