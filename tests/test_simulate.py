@@ -466,3 +466,34 @@ def test_activations_are_made_in_the_forward_and_read_in_the_backward():
         ("aten.mul.Tensor", "temporaries"),
         ("aten.sum.default", "temporaries"),
     ]
+
+
+def test_a_budget_must_hold_the_larger_end_of_the_workspace_band():
+    """Without workspaces the allocator's segments can fall so that more is reserved: under
+    max_split_size_mb:20 the conv+attention step reserves more with no workspace than with the
+    largest. What a budget must hold (fit_bytes) is the larger end, for traced steps and for the
+    batch search's timelines alike (memplan.estimator.interpolate.fit_bytes)."""
+    from memplan.estimator.interpolate import fit_bytes
+    from memplan.estimator.trace import trace_step
+    from memplan.models.source import ModelRef, ModelSpec
+
+    spec = ModelSpec(
+        ModelRef("conv-attention"),
+        lambda settings: _ConvAttention(),
+        lambda settings, dtype: torch.randn(settings.batch_size, 64, 64, 64),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+    settings = TrainingSettings(
+        batch_size=4, optimizer="sgd", precision="amp-bf16", gpu="A100-40GB", cuda_alloc_conf="max_split_size_mb:20"
+    )
+    band = simulate(trace_step(spec, settings))
+    top, none = band.reserved_peak_bytes, band.conv_workspace_free_reserved_peak_bytes
+    no_workspace = simulate(trace_step(spec, settings.replace(cudnn_workspace_cap_mib=0)))
+    assert none == no_workspace.reserved_peak_bytes > top  # this step's band is inverted
+    assert band.fit_bytes == none and band.fit_phase_peaks == {"reserved": none}
+    assert fit_bytes(band.timeline, settings) == none
+    plain = settings.replace(cuda_alloc_conf=None)
+    usual = simulate(trace_step(spec, plain))
+    assert usual.fit_bytes == max(usual.reserved_peak_bytes, usual.conv_workspace_free_reserved_peak_bytes)
+    assert fit_bytes(usual.timeline, plain) == usual.fit_bytes

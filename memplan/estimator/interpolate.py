@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
+from memplan.estimator.cuda.cudnn import CUDNN_WORKSPACE
 from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, reserved_peak_bytes
 from memplan.settings import TrainingSettings
 
@@ -85,10 +86,16 @@ def same_requests(first: MemoryTimeline, second: MemoryTimeline) -> bool:
 
 
 def fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> int:
-    """What a budget must hold, as Simulation.fit_bytes: the reserved peak on cuda, else the peak."""
-    if settings.device == "cuda":
-        return reserved_peak_bytes(timeline, settings.allocator_config)
-    return max(timeline.total_bytes())
+    """What a budget must hold, as Simulation.fit_bytes: the reserved peak on cuda (the larger of
+    the timeline's and the same without its cuDNN workspaces), else the peak."""
+    if settings.device != "cuda":
+        return max(timeline.total_bytes())
+    reserved = reserved_peak_bytes(timeline, settings.allocator_config)
+    without = tuple(a for a in timeline.allocations if not a.op.startswith(CUDNN_WORKSPACE))
+    if len(without) == len(timeline.allocations):
+        return reserved
+    workspace_free = replace(timeline, allocations=without)
+    return max(reserved, reserved_peak_bytes(workspace_free, settings.allocator_config))
 
 
 def phase_fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> dict[str, int]:

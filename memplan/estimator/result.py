@@ -72,8 +72,11 @@ class EstimateResult:
 
     @property
     def fit_bytes(self) -> int:
-        """What a budget must hold: the reserved peak on cuda, the peak on cpu (as Simulation.fit_bytes)."""
-        return self.reserved_peak_bytes if self.reserved_peak_bytes is not None else self.peak_bytes
+        """What a budget must hold: the reserved peak on cuda (the larger end of a convolution
+        workspace band), the peak on cpu (as Simulation.fit_bytes)."""
+        if self.reserved_peak_bytes is None:
+            return self.peak_bytes
+        return max(self.reserved_peak_bytes, self.conv_workspace_free_reserved_peak_bytes or 0)
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the CLI's report and the timeline plot (memplan.render.notebook)."""

@@ -97,7 +97,7 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         console.print(
             f"cuDNN convolution workspaces: reserved {format_bytes(top)} with the largest workspaces, "
             f"{format_bytes(without)} with none, depending on the algorithms cuDNN picks; fits and the largest "
-            "batch use the first"
+            "batch use the larger"
             + (" (the allocator's segments fall differently: here none reserves more)" if without > top else "")
         )
     where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")

@@ -83,6 +83,10 @@ def _uses_tensor_cores(dtype: torch.dtype, compute_capability: tuple[int, int]) 
     return False
 
 
+# How the timeline names a convolution's workspace request (the top of the band).
+CUDNN_WORKSPACE = "cudnn workspace"
+
+
 @dataclass(frozen=True)
 class CudnnSwitches:
     """How the run configures cuDNN's convolutions (see the module docstring)."""
