@@ -414,21 +414,26 @@ class _ConvAttention(torch.nn.Module):
         return attended.float().sum()
 
 
-def test_the_conv_workspace_free_end_is_the_step_with_every_workspace_capped_at_zero():
-    """The band's low end (every cuDNN workspace 0 bytes) is the same step run with
-    CUDNN_CONV_WSCAP_DBG=0, which leaves cuDNN no workspace; the attention backward's scratch stays
-    in both, and both ends read the allocator configuration (max_split_size_mb here). The high end
-    is above the low one, at a convolution, and its breakdown adds up to its peak."""
-    from memplan.estimator.trace import trace_step
+def _conv_attention_spec():  # type: ignore[no-untyped-def]
     from memplan.models.source import ModelRef, ModelSpec
 
-    spec = ModelSpec(
+    return ModelSpec(
         ModelRef("conv-attention"),
         lambda settings: _ConvAttention(),
         lambda settings, dtype: torch.randn(settings.batch_size, 64, 64, 64),
         lambda output, batch: output,
         lambda settings: settings,
     )
+
+
+def test_the_conv_workspace_free_end_is_the_step_with_every_workspace_capped_at_zero():
+    """The band's low end (every cuDNN workspace 0 bytes) is the same step run with
+    CUDNN_CONV_WSCAP_DBG=0, which leaves cuDNN no workspace; the attention backward's scratch stays
+    in both, and both ends read the allocator configuration (max_split_size_mb here). The high end
+    is above the low one, at a convolution, and its breakdown adds up to its peak."""
+    from memplan.estimator.trace import trace_step
+
+    spec = _conv_attention_spec()
     settings = TrainingSettings(
         batch_size=4, optimizer="sgd", precision="amp-bf16", gpu="A100-40GB", cuda_alloc_conf="max_split_size_mb:20"
     )
@@ -475,15 +480,8 @@ def test_a_budget_must_hold_the_larger_end_of_the_workspace_band():
     batch search's timelines alike (memplan.estimator.interpolate.fit_bytes)."""
     from memplan.estimator.interpolate import fit_bytes
     from memplan.estimator.trace import trace_step
-    from memplan.models.source import ModelRef, ModelSpec
 
-    spec = ModelSpec(
-        ModelRef("conv-attention"),
-        lambda settings: _ConvAttention(),
-        lambda settings, dtype: torch.randn(settings.batch_size, 64, 64, 64),
-        lambda output, batch: output,
-        lambda settings: settings,
-    )
+    spec = _conv_attention_spec()
     settings = TrainingSettings(
         batch_size=4, optimizer="sgd", precision="amp-bf16", gpu="A100-40GB", cuda_alloc_conf="max_split_size_mb:20"
     )
