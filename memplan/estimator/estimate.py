@@ -29,7 +29,8 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False) -> list[s
         notes.append(
             f"cuda target ({settings.gpu or DEFAULT_GPU}): CUDA's autocast lists, SDPA backend, fused dropout, "
             "cuBLAS workspaces and the caching allocator are emulated; cuDNN convolution workspaces are a band "
-            "(memplan cannot know the algorithm cuDNN picks), and its top is what is reported"
+            "(memplan cannot know the algorithm cuDNN picks): its top is what is reported, and fits take the "
+            "larger reserved figure of its two ends"
         )
         if settings.cuda_context is None:
             notes.append(
