@@ -126,18 +126,13 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         sys.exit(code)
 
 
-_collect_registered = False
-
-
+@functools.cache
 def _collect_before_teardown() -> None:
     """Free the failed work's objects at exit, before the interpreter tears its modules down (atexit
-    handlers run first), so that their finalizers still find torch intact. Registered once, not run
-    at each error: a full collection over a large heap takes a good part of a second, which every
-    refused command would pay (the test suite's hundred refusals in one process did)."""
-    global _collect_registered
-    if not _collect_registered:
-        atexit.register(gc.collect)
-        _collect_registered = True
+    handlers run first), so that their finalizers still find torch intact. Registered once (cached),
+    not run at each error: a full collection over a large heap takes a good part of a second, which
+    every refused command would pay (the test suite's hundred refusals in one process did)."""
+    atexit.register(gc.collect)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -180,12 +180,13 @@ def longest_seq_len(tracer: BatchTracer, budget_bytes: int) -> tuple[int, bool, 
         if seq_len not in fit_bytes:
             raise_if_interrupted()
             tracer.report(f"tracing sequence length {seq_len} (trace {len(tracer.simulations) + len(fit_bytes)})")
-            traced = trace_step(tracer.spec, settings.replace(seq_len=seq_len), tracer.setup)
+            # The sequence length cannot change the optimizer step: replay it (memplan.estimator.replay).
+            replay = tracer.first.optimizer_recording if tracer.first else None
+            traced = trace_step(tracer.spec, settings.replace(seq_len=seq_len), tracer.setup, replay)
             fit_bytes[seq_len] = simulate(traced).fit_bytes
         return fit_bytes[seq_len] <= budget_bytes
 
     found = largest_fitting(settings.seq_len, fits, limit)
-    tracer.setup.state.settings = settings  # the setup serves the settings' own sequence length again
     return found, found == limit, len(fit_bytes) - 1
 
 

@@ -18,8 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
-from memplan.estimator.cuda.cudnn import CUDNN_WORKSPACE
-from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, reserved_peak_bytes
+from memplan.estimator.timeline import (
+    MemoryTimeline,
+    TimelineAllocation,
+    reserved_peak_bytes,
+    without_cudnn_workspaces,
+)
 from memplan.settings import TrainingSettings
 
 
@@ -91,10 +95,9 @@ def fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> int:
     if settings.device != "cuda":
         return max(timeline.total_bytes())
     reserved = reserved_peak_bytes(timeline, settings.allocator_config)
-    without = tuple(a for a in timeline.allocations if not a.op.startswith(CUDNN_WORKSPACE))
-    if len(without) == len(timeline.allocations):
+    workspace_free = without_cudnn_workspaces(timeline)
+    if workspace_free is timeline:
         return reserved
-    workspace_free = replace(timeline, allocations=without)
     return max(reserved, reserved_peak_bytes(workspace_free, settings.allocator_config))
 
 

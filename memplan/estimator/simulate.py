@@ -33,6 +33,7 @@ from memplan.estimator.timeline import (
     MemoryTimeline,
     TimelineAllocation,
     reserved_peak_bytes,
+    without_cudnn_workspaces,
 )
 from memplan.estimator.trace import TracedStep
 from memplan.gpus import DEFAULT_GPU, gpu_named
@@ -316,7 +317,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     low_peak = low_reserved = None  # only where there are convolutions on cuda
     if conv:
         low_peak = _live_bytes(traced, lifetimes, sum(workspaces), _rounded(exact, traced.settings))[1]
-        low_reserved = reserved_peak_bytes(memory_timeline(traced, lifetimes, workspaces, exact), config)
+        low_reserved = reserved_peak_bytes(without_cudnn_workspaces(timeline), config)
     rounded = _rounded(transients, traced.settings)
     live_bytes, peak_bytes, peak_node, phase_peaks = _live_bytes(traced, lifetimes, sum(workspaces), rounded)
 

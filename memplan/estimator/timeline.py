@@ -9,7 +9,7 @@ batch, and the gradients until zero_grad).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from memplan.estimator.cuda.allocator import (
@@ -19,6 +19,7 @@ from memplan.estimator.cuda.allocator import (
     CachingAllocator,
     OutOfMemory,
 )
+from memplan.estimator.cuda.cudnn import CUDNN_WORKSPACE
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
 PHASES = ("forward", "backward", "optimizer")
@@ -131,6 +132,12 @@ def replay_steady_state(
                 allocator.free(handle)
                 if last and on_event is not None:
                     on_event("free", handle, allocation)
+
+
+def without_cudnn_workspaces(timeline: MemoryTimeline) -> MemoryTimeline:
+    """The same iteration with every cuDNN convolution workspace at 0 bytes: the band's low end."""
+    kept = tuple(a for a in timeline.allocations if not a.op.startswith(CUDNN_WORKSPACE))
+    return timeline if len(kept) == len(timeline.allocations) else replace(timeline, allocations=kept)
 
 
 def reserved_peak_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
