@@ -624,3 +624,66 @@ def test_oversize_release_boundaries() -> None:
     device = cached(40, 120, [60, 40, 10])
     device.malloc(90 * MiB)
     assert (device.reserved_bytes, device.segments) == (100 * MiB, 2)
+
+
+# Out of memory on the expandable path (CUDACachingAllocator.cpp, torch 2.11-2.14): a mapping that
+# fails makes release_cached_blocks unmap every page wholly inside a cached free block, wherever it
+# lies; find_expandable_block then takes the lowest-address unmapped range whose run of free and
+# unmapped blocks holds the request. Positions below are MiB from the segment's start, by hand.
+
+
+def _expandable_device(capacity_mib: int) -> CachingAllocator:
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    return CachingAllocator(AllocatorConfig(expandable_segments=True), capacity_bytes=capacity_mib * MiB)
+
+
+def test_a_full_expandable_segment_unmaps_its_free_pages_and_maps_again_where_there_is_room() -> None:
+    device = _expandable_device(120)
+    a, b, c, x = (device.malloc(20 * MiB) for _ in range(4))  # pages [0, 80), one block each
+    base = device.block(a)[0]
+    device.free(a)
+    device.free(c)  # two free blocks with b between them: they do not merge
+    # 50 MiB: no free block holds it; three new pages after x would make 140 MiB. The retry unmaps
+    # a's and c's pages (reserved 40 MiB: b and x); neither hole holds 50 MiB, so it goes after x,
+    # on three fresh pages: [80, 130) taken, [130, 140) free, reserved 100 MiB.
+    d = device.malloc(50 * MiB)
+    assert device.block(d) == (base + 80 * MiB, 50 * MiB)
+    assert (device.reserved_bytes, device.max_reserved_bytes) == (100 * MiB, 100 * MiB)
+    # 15 MiB: the free 10 MiB at [130, 140) is too small; the lowest unmapped range that holds it
+    # is the hole at [0, 20), ahead of the segment's end: one page there, reserved 120 MiB.
+    p = device.malloc(15 * MiB)
+    assert device.block(p) == (base, 15 * MiB) and device.reserved_bytes == 120 * MiB
+    assert [(address - base, size) for address, size, _, _ in device.segment_layout()] == [
+        (0, 40 * MiB),
+        (60 * MiB, 80 * MiB),
+    ]  # two runs of mapped memory around the hole at [40, 60), as torch's snapshot reports them
+    unlimited = _expandable_device(1 << 20)
+    a, _, c, _ = (unlimited.malloc(20 * MiB) for _ in range(4))
+    unlimited.free(a)
+    unlimited.free(c)
+    unlimited.malloc(50 * MiB)  # without the retry: three new pages, 140 MiB
+    assert unlimited.reserved_bytes == 140 * MiB
+
+
+def test_expandable_pages_partly_in_use_stay_mapped_and_can_run_a_device_out_of_memory() -> None:
+    import pytest
+
+    from memplan.estimator.cuda.allocator import OutOfMemory
+
+    device = _expandable_device(60)
+    a = device.malloc(30 * MiB)  # pages [0, 40): a at [0, 30), free [30, 40)
+    device.malloc(25 * MiB)  # the free 10 MiB + one more page: [30, 55), free [55, 60); 60 MiB
+    device.free(a)
+    # 35 MiB: 60 MiB live at most, yet no layout of whole pages holds it. The retry unmaps only
+    # [0, 20) of a's [0, 30) (the page [20, 40) is shared with the live block) and nothing of
+    # [55, 60); [0, 30) is then 30 MiB of room, short of 35; the end needs two more pages (80 MiB).
+    with pytest.raises(OutOfMemory):
+        device.malloc(35 * MiB)
+    assert device.reserved_bytes == 40 * MiB
+    roomy = _expandable_device(80)
+    a = roomy.malloc(30 * MiB)
+    roomy.malloc(25 * MiB)
+    roomy.free(a)
+    roomy.malloc(35 * MiB)  # after the same retry: [55, 90) on two new pages, 40 + 40 MiB
+    assert roomy.reserved_bytes == 80 * MiB

@@ -12,7 +12,6 @@ from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requ
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
-from memplan.estimator.timeline import smallest_device_bytes
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
 from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
@@ -29,8 +28,9 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False) -> list[s
         notes.append(
             f"cuda target ({settings.gpu or DEFAULT_GPU}): CUDA's autocast lists, SDPA backend, fused dropout, "
             "cuBLAS workspaces and the caching allocator are emulated; cuDNN convolution workspaces are a band "
-            "(memplan cannot know the algorithm cuDNN picks): its top is what is reported, and fits take the "
-            "larger reserved figure of its two ends"
+            "(memplan cannot know the algorithm cuDNN picks): its top is what is reported; fits compare the least "
+            "memory the step completes in (the allocator frees cached memory and retries when short), at the "
+            "band's more demanding end"
         )
         if settings.cuda_context is None:
             notes.append(
@@ -245,11 +245,7 @@ def run_estimate(
         device_peak_bytes=main.reserved_peak_bytes + settings.context_bytes
         if main.reserved_peak_bytes is not None
         else None,
-        smallest_device_bytes=smallest_device_bytes(
-            main.timeline, main.peak_bytes, main.reserved_peak_bytes, settings.allocator_config
-        )
-        if main.reserved_peak_bytes is not None
-        else None,
+        smallest_device_bytes=main.smallest_device_bytes,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,
         parameter_count=traced.parameter_count,

@@ -18,12 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
-from memplan.estimator.timeline import (
-    MemoryTimeline,
-    TimelineAllocation,
-    reserved_peak_bytes,
-    without_cudnn_workspaces,
-)
+from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, device_fit_bytes
 from memplan.settings import TrainingSettings
 
 
@@ -90,21 +85,17 @@ def same_requests(first: MemoryTimeline, second: MemoryTimeline) -> bool:
 
 
 def fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> int:
-    """What a budget must hold, as Simulation.fit_bytes: the reserved peak on cuda (the larger of
-    the timeline's and the same without its cuDNN workspaces), else the peak."""
+    """What a budget must hold, as Simulation.fit_bytes: on cuda the least device memory the
+    iteration completes in across the cuDNN workspace band (device_fit_bytes), else the peak."""
     if settings.device != "cuda":
         return max(timeline.total_bytes())
-    reserved = reserved_peak_bytes(timeline, settings.allocator_config)
-    workspace_free = without_cudnn_workspaces(timeline)
-    if workspace_free is timeline:
-        return reserved
-    return max(reserved, reserved_peak_bytes(workspace_free, settings.allocator_config))
+    return device_fit_bytes(timeline, settings.allocator_config)
 
 
 def phase_fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> dict[str, int]:
-    """As Simulation.fit_phase_peaks: one "reserved" figure on cuda, else each phase's peak."""
+    """As Simulation.fit_phase_peaks: one "device" figure on cuda, else each phase's peak."""
     if settings.device == "cuda":
-        return {"reserved": fit_bytes(timeline, settings)}
+        return {"device": fit_bytes(timeline, settings)}
     totals = timeline.total_bytes()
     starts = timeline.phase_starts()
     ends = [starts["backward"], starts["optimizer"], timeline.node_count]

@@ -48,8 +48,10 @@ class EstimateResult:
     seconds: float
     reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved, from the allocator simulator
     device_peak_bytes: int | None = None  # cuda: reserved + the CUDA context, what nvidia-smi shows
-    # cuda, default allocator: the least memory (for torch) the iteration completes in, the allocator
-    # freeing its cached segments and retrying when a cudaMalloc fails (memplan.estimator.timeline)
+    # cuda: the least memory (for torch) the iteration completes in, the allocator freeing its cached
+    # segments (or, with expandable segments, unmapping free pages) and retrying when memory runs
+    # out; with convolutions, the larger of the workspace band's two ends. `fits`, the largest batch
+    # and the planner compare this with the budget (memplan.estimator.timeline.device_fit_bytes).
     smallest_device_bytes: int | None = None
     # cuda, models with convolutions: the same peaks if cuDNN picks plans that need no workspace, the
     # low end of the band whose top is peak_bytes / reserved_peak_bytes (memplan.estimator.cuda.cudnn)
@@ -72,11 +74,12 @@ class EstimateResult:
 
     @property
     def fit_bytes(self) -> int:
-        """What a budget must hold: the reserved peak on cuda (the larger end of a convolution
-        workspace band), the peak on cpu (as Simulation.fit_bytes)."""
-        if self.reserved_peak_bytes is None:
+        """What a budget must hold: on cuda the least device memory the step completes in, the
+        allocator retrying after freeing its cached segments (smallest_device_bytes, across a
+        convolution workspace band), the peak on cpu (as Simulation.fit_bytes)."""
+        if self.smallest_device_bytes is None:
             return self.peak_bytes
-        return max(self.reserved_peak_bytes, self.conv_workspace_free_reserved_peak_bytes or 0)
+        return self.smallest_device_bytes
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the CLI's report and the timeline plot (memplan.render.notebook)."""

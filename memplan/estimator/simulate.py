@@ -32,6 +32,7 @@ from memplan.estimator.timeline import (
     PHASES,
     MemoryTimeline,
     TimelineAllocation,
+    device_fit_bytes,
     reserved_peak_bytes,
     without_cudnn_workspaces,
 )
@@ -84,23 +85,28 @@ class Simulation:
     # reserved_peak_bytes are the high end; memplan.estimator.cuda.cudnn)
     conv_workspace_free_peak_bytes: int | None = None
     conv_workspace_free_reserved_peak_bytes: int | None = None
+    # cuda: the least device memory (for torch) the iteration completes in, the allocator freeing
+    # its cached segments and retrying when a cudaMalloc fails; the larger of the band's two ends
+    # (memplan.estimator.timeline.device_fit_bytes)
+    smallest_device_bytes: int | None = None
 
     @property
     def fit_bytes(self) -> int:
-        """What a memory budget must hold: on cuda the allocator's segments (reserved), else the allocated peak.
+        """What a memory budget must hold: on cuda the least device memory the step completes in
+        (smallest_device_bytes, at most the reserved peak), else the allocated peak.
 
         With convolutions, the larger of the workspace band's two ends: without workspaces the
-        segments fall differently and can reserve more (ResNet-50 b64 on an H100: 6,284 MiB with
-        none, 6,188 MiB with the largest), and cuDNN may pick either kind of plan."""
-        if self.reserved_peak_bytes is None:
+        segments fall differently and can need more (ResNet-50 b64 on an H100 reserves 6,284 MiB
+        with none, 6,188 MiB with the largest), and cuDNN may pick either kind of plan."""
+        if self.smallest_device_bytes is None:
             return self.peak_bytes
-        return max(self.reserved_peak_bytes, self.conv_workspace_free_reserved_peak_bytes or 0)
+        return self.smallest_device_bytes
 
     @property
     def fit_phase_peaks(self) -> dict[str, int]:
-        """fit_bytes by phase, for the largest-batch search (reserved has no phases: one line)."""
-        if self.reserved_peak_bytes is not None:
-            return {"reserved": self.fit_bytes}
+        """fit_bytes by phase, for the largest-batch search (the device figure has no phases: one line)."""
+        if self.smallest_device_bytes is not None:
+            return {"device": self.fit_bytes}
         return dict(self.phase_peak_bytes)
 
 
@@ -340,6 +346,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         reserved_peak_bytes=reserved,
         conv_workspace_free_peak_bytes=low_peak,
         conv_workspace_free_reserved_peak_bytes=low_reserved,
+        smallest_device_bytes=device_fit_bytes(timeline, config) if reserved is not None else None,
     )
 
 

@@ -162,17 +162,14 @@ def smallest_device_bytes(
     allocated_peak_bytes: int,
     reserved_peak_bytes: int,
     config: AllocatorConfig = DEFAULT_CONFIG,
-) -> int | None:
+) -> int:
     """The least device memory (for torch, so without the CUDA context) in which the iteration
     completes, found by bisection between its allocated and its reserved peak (the simulation's
-    own figures) in the 2 MiB steps segments come in; None for expandable segments (their retry is
-    not simulated).
+    own figures) in the 2 MiB steps segments and pages come in.
 
     Less memory means fewer cached segments to reuse, never more room, so a capacity that works
     is taken to leave every larger one working too.
     """
-    if config.expandable_segments:
-        return None
     step = ROUND_LARGE_BYTES
     low = -(-allocated_peak_bytes // step)  # in steps; below the allocated peak nothing runs
     high = -(-reserved_peak_bytes // step)
@@ -183,3 +180,17 @@ def smallest_device_bytes(
         else:
             low = middle + 1
     return high * step
+
+
+def device_fit_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
+    """What a device must hold for torch for the iteration to complete, whichever plans cuDNN picks:
+    the larger of smallest_device_bytes for the timeline and for the same without its cuDNN
+    workspaces (without them the segments fall differently and can need more)."""
+    ends = [timeline]
+    workspace_free = without_cudnn_workspaces(timeline)
+    if workspace_free is not timeline:
+        ends.append(workspace_free)
+    return max(
+        smallest_device_bytes(end, max(end.total_bytes(), default=0), reserved_peak_bytes(end, config), config)
+        for end in ends
+    )

@@ -81,6 +81,7 @@ class CompareRow:
             "settings": e.settings.to_dict(),
             "peak_bytes": e.peak_bytes,
             "reserved_peak_bytes": e.reserved_peak_bytes,
+            "smallest_device_bytes": e.smallest_device_bytes,
             "breakdown": e.breakdown.to_dict(),
             "fits": self.fits,
             "effective_batch_size": self.effective_batch_size,

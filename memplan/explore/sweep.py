@@ -29,6 +29,7 @@ class SweepPoint:
     peak_bytes: int
     reserved_peak_bytes: int | None
     fits: bool | None
+    smallest_device_bytes: int | None = None  # cuda: the least memory the step completes in, what fits compare
 
     def to_dict(self) -> dict[str, Any]:
         return fields_dict(self)
@@ -108,7 +109,15 @@ def run_sweep(
             for batch in sorted(set(batch_sizes)):
                 simulation = tracer.simulate(batch)
                 fits = simulation.fit_bytes <= budget_bytes if budget_bytes is not None else None
-                points.append(SweepPoint(batch, simulation.peak_bytes, simulation.reserved_peak_bytes, fits))
+                points.append(
+                    SweepPoint(
+                        batch,
+                        simulation.peak_bytes,
+                        simulation.reserved_peak_bytes,
+                        fits,
+                        simulation.smallest_device_bytes,
+                    )
+                )
             max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
         except KeyboardInterrupt:
             if not series:

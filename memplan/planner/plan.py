@@ -51,7 +51,8 @@ class PlanOption:
     predicted_peak_bytes: int
     recompute_flops: int
     recompute_seconds: float | None = None  # cuda: roofline time the recomputation adds to the step
-    reserved_peak_bytes: int | None = None  # cuda: what the budget is compared with
+    reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved of the layout's step
+    smallest_device_bytes: int | None = None  # cuda: what the budget is compared with (Simulation.fit_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -77,7 +78,8 @@ class PlanResult:
     suggestions: tuple[str, ...]
     traces: int
     seconds: float
-    reserved_peak_bytes: int | None = None  # cuda: the planned step's reserved peak, what the budget holds
+    reserved_peak_bytes: int | None = None  # cuda: the planned step's reserved peak
+    smallest_device_bytes: int | None = None  # cuda: the least memory it completes in, what the budget holds
     step_seconds: float | None = None  # cuda: roofline time of the planned step on the card (a lower bound)
     recompute_seconds: float | None = None  # cuda: what the recomputation adds to it
 
@@ -195,10 +197,12 @@ class _Tracer:
             recompute_flops,
             self.recompute_seconds(layout),
             simulation.reserved_peak_bytes,
+            simulation.smallest_device_bytes,
         )
 
     def fit_bytes(self, layout: CheckpointLayout) -> int:
-        """What the budget must hold: reserved on cuda, the allocated peak on cpu (Simulation.fit_bytes)."""
+        """What the budget must hold: on cuda the least memory the step completes in, the allocated
+        peak on cpu (Simulation.fit_bytes)."""
         return self.simulation(layout).fit_bytes
 
 
@@ -319,6 +323,7 @@ def make_plan(
         traces=tracer.traces,
         seconds=time.perf_counter() - started,
         reserved_peak_bytes=tracer.simulation(layout).reserved_peak_bytes,
+        smallest_device_bytes=tracer.simulation(layout).smallest_device_bytes,
         step_seconds=tracer.step_seconds[layout],
         recompute_seconds=tracer.recompute_seconds(layout),
     )

@@ -87,19 +87,15 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             f"device total with {context} CUDA context (nvidia-smi)", format_bytes(result.device_peak_bytes), ""
         )
     console.print(table)
-    if result.smallest_device_bytes is not None and result.smallest_device_bytes < (result.reserved_peak_bytes or 0):
-        console.print(
-            f"completes in {format_bytes(result.smallest_device_bytes)} for torch: short of memory, the allocator "
-            "frees its cached segments and retries; fits and the largest batch use the reserved peak"
-        )
     if result.conv_workspace_free_reserved_peak_bytes is not None:
         without, top = result.conv_workspace_free_reserved_peak_bytes, result.reserved_peak_bytes or 0
         console.print(
             f"cuDNN convolution workspaces: reserved {format_bytes(top)} with the largest workspaces, "
-            f"{format_bytes(without)} with none, depending on the algorithms cuDNN picks; fits and the largest "
-            "batch use the larger"
+            f"{format_bytes(without)} with none, depending on the algorithms cuDNN picks"
             + (" (the allocator's segments fall differently: here none reserves more)" if without > top else "")
         )
+    if result.smallest_device_bytes is not None:
+        console.print(f"completes in {format_bytes(result.smallest_device_bytes)} for torch: {_completes(result)}")
     where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")
     console.print(f"peak in the {result.phase} pass at {where}")
     phases = ", ".join(f"{phase} {format_bytes(value)}" for phase, value in result.phase_peak_bytes.items())
@@ -115,7 +111,7 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         )
     if result.budget_bytes is not None:
         verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
-        measure = "the reserved peak" if result.reserved_peak_bytes is not None else "the peak"
+        measure = "the memory it completes in" if result.smallest_device_bytes is not None else "the peak"
         console.print(f"budget {format_bytes(result.budget_bytes)}: {verdict} ({measure} is compared)")
         if result.max_batch_size_is_limit:
             console.print(
@@ -149,3 +145,16 @@ def _longest_sequence(result: EstimateResult) -> str:
         limit = "the most memplan searches" if result.max_seq_len == MAX_COUNT else "the model's own maximum"
         return f"longest sequence that fits at batch size {batch}: {result.max_seq_len:,}, {limit}"
     return f"longest sequence that fits at batch size {batch}: {result.max_seq_len:,}"
+
+
+def _completes(result: EstimateResult) -> str:
+    """Why the device figure fits and the largest batch use can be below the reserved peak."""
+    retry = (
+        "short of memory, the allocator unmaps its free pages and retries"
+        if result.settings.allocator_config.expandable_segments
+        else "short of memory, the allocator frees its cached segments and retries"
+    )
+    below = (result.reserved_peak_bytes or 0) > (result.smallest_device_bytes or 0)
+    band = result.conv_workspace_free_reserved_peak_bytes is not None
+    what = "the budget is compared with this" + (", whichever plans cuDNN picks" if band else "")
+    return f"{retry}; {what}" if below else what

@@ -22,8 +22,8 @@ def _peak_cell(peak_bytes: int, fits: bool | None) -> str:
 
 def _sweep_cell(point: SweepPoint) -> str:
     text = format_bytes(point.peak_bytes)
-    if point.reserved_peak_bytes is not None:
-        text += f" ({format_bytes(point.reserved_peak_bytes)})"
+    if point.smallest_device_bytes is not None:
+        text += f" ({format_bytes(point.smallest_device_bytes)})"
     if point.fits is None:
         return text
     return f"[green]{text}[/green]" if point.fits else f"[red]{text}{OVER}[/red]"
@@ -36,7 +36,7 @@ def render_sweep(result: SweepResult, console: Console) -> None:
         described = ", ".join(part for part in described.split(", ") if part != base.precision)
     console.print(f"[bold]{result.model}[/bold]: {described}")
     reserved = result.settings.device == "cuda"
-    table = Table(title="predicted peak" + (" (reserved peak)" if reserved else ""), title_justify="left")
+    table = Table(title="predicted peak" + (" (memory it completes in)" if reserved else ""), title_justify="left")
     table.add_column("batch", justify="right")
     for series in result.series:
         table.add_column(series.label, justify="right")
@@ -50,9 +50,9 @@ def render_sweep(result: SweepResult, console: Console) -> None:
         )
     console.print(table)
     if result.budget_bytes is not None:
-        fit = "reserved peak" if result.settings.device == "cuda" else "peak"
+        fit = "the memory each step completes in" if result.settings.device == "cuda" else "each peak"
         console.print(
-            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits, red and ✗ "
+            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with {fit}: green fits, red and ✗ "
             "do not; 'largest' is the largest batch size that fits[/dim]"
         )
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
@@ -95,10 +95,9 @@ def render_compare(result: CompareResult, console: Console) -> None:
         + "[/dim]"
     )
     if result.budget_bytes is not None:
-        fit = "reserved peak" if result.settings.device == "cuda" else "peak"
+        fit = "the memory each step completes in" if result.settings.device == "cuda" else "each peak"
         console.print(
-            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with each {fit}: green fits, red and ✗ "
-            "do not[/dim]"
+            f"[dim]budget {format_bytes(result.budget_bytes)}, compared with {fit}: green fits, red and ✗ do not[/dim]"
         )
     for reason in result.skipped:
         console.print(f"[dim]skipped {reason}[/dim]")

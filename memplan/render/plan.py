@@ -37,6 +37,7 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
     reserved = result.reserved_peak_bytes is not None
     if reserved:
         table.add_column("reserved", justify="right")
+        table.add_column("completes in", justify="right")
     table.add_column("fits")
     table.add_column("recompute", justify="right")
     table.add_column("of the step", justify="right")
@@ -47,7 +48,7 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
         (
             f"[bold]plan[/bold] ({result.layout.describe()})",
             result.predicted_peak_bytes,
-            result.reserved_peak_bytes,
+            (result.reserved_peak_bytes, result.smallest_device_bytes),
             result.fits,
             result.recompute_flops,
             result.recompute_seconds,
@@ -57,18 +58,18 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
         (
             option.name,
             option.predicted_peak_bytes,
-            option.reserved_peak_bytes,
+            (option.reserved_peak_bytes, option.smallest_device_bytes),
             option.fits,
             option.recompute_flops,
             option.recompute_seconds,
         )
         for option in result.baselines
     ]
-    for name, peak, reserved_peak, fits, flops, seconds in rows:
+    for name, peak, device_figures, fits, flops, seconds in rows:
         share = flops / result.step_flops if result.step_flops else 0.0
         cells = [name, format_bytes(peak)]
         if reserved:
-            cells.append(format_bytes(reserved_peak) if reserved_peak is not None else "")
+            cells += [format_bytes(value) if value is not None else "" for value in device_figures]
         cells += ["[green]yes[/green]" if fits else "[red]no[/red]", format_flops(flops)]
         cells.append(f"+{share:.1%}")
         if timed:
@@ -76,16 +77,19 @@ def render_plan(result: PlanResult, console: Console, output: str | None = None)
         table.add_row(*cells)
     console.print(table)
     if reserved:
-        console.print("[dim]fits: the reserved peak (the caching allocator's segments) within the budget[/dim]")
+        console.print(
+            "[dim]fits: the memory the step completes in within the budget (at most the reserved peak: short of "
+            "memory the caching allocator frees its cached segments and retries)[/dim]"
+        )
     if result.fits and not result.layout.segments:
         console.print("[green]plan[/green]: no checkpointing needed, the step fits as it is")
     elif result.fits:
         console.print(f"[green]plan[/green]: checkpoint {describe_layout(result.layout)}")
     else:
-        reserved = result.reserved_peak_bytes
+        device = result.smallest_device_bytes
         least = format_bytes(result.predicted_peak_bytes)
-        if reserved is not None:
-            least += f" allocated, {format_bytes(reserved)} reserved (what the budget must hold)"
+        if device is not None:
+            least += f" allocated, completing in {format_bytes(device)} (what the budget must hold)"
         console.print(
             f"[red]nothing fits[/red]: the least memory found is {least} "
             f"({describe_layout(result.layout)}), {format_bytes(result.over_budget_bytes)} over budget"
@@ -112,7 +116,7 @@ def render_batch_options(result: MaximizeResult, console: Console, output: str |
     table.add_column("batch", justify="right")
     table.add_column("checkpointed", justify="right")
     table.add_column("peak", justify="right")
-    table.add_column("reserved", justify="right")
+    table.add_column("completes in", justify="right")
     table.add_column("recompute", justify="right")
     table.add_column("roofline step", justify="right")
     table.add_column("samples/s", justify="right")
@@ -123,7 +127,7 @@ def render_batch_options(result: MaximizeResult, console: Console, output: str |
             str(option.batch_size),
             f"{len(plan.layout.modules)} of {result.candidates}",
             format_bytes(plan.predicted_peak_bytes),
-            format_bytes(plan.reserved_peak_bytes) if plan.reserved_peak_bytes is not None else "",
+            format_bytes(plan.smallest_device_bytes) if plan.smallest_device_bytes is not None else "",
             format_flops(plan.recompute_flops),
             format_seconds(plan.step_seconds) if plan.step_seconds is not None else "",
             f"{option.samples_per_second:,.1f}",

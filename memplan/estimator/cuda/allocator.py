@@ -49,8 +49,17 @@ is simulated too (DeviceCachingAllocator::malloc): release_available_cached_bloc
 oversize segments (the smallest one that holds the request, else the largest ones until enough
 is freed; nothing without max_split_size_mb) and the cudaMalloc is tried again; then
 release_cached_blocks frees every cached segment that is wholly free, and it is tried once more;
-if that fails too, the step runs out of memory (OutOfMemory). The expandable path's answer
-(unmapping free pages anywhere in the segment) is not simulated.
+if that fails too, the step runs out of memory (OutOfMemory).
+
+On the expandable path a failed mapping (ExpandableSegment::map, cuMemCreate short of memory)
+makes release_cached_blocks unmap every page that lies wholly inside a cached free block
+(release_blocks, unmap_block), wherever it is in the segment, which leaves unmapped holes. Later
+requests are placed as try_allocate_expandable_block places them: find_expandable_block takes the
+lowest-address unmapped range (with the free block just before it) whose run of free and unmapped
+blocks holds the request, and maps pages there; get_free_block counts a free block as large as
+itself plus the unmapped range after it. torch gives each segment 1.125 times the device's memory
+of addresses and starts a second segment when no range has room; memplan's segment has addresses
+without end, so that second segment never appears (the pages mapped, hence reserved, are the same).
 """
 
 from __future__ import annotations
@@ -113,6 +122,12 @@ class _Block:
     allocated: bool = False
     prev: _Block | None = None
     next: _Block | None = None
+    mapped: bool = True  # expandable segments: False for a range of addresses with no memory behind it
+
+    def expandable_size(self) -> int:
+        """get_free_block's expandable_size: the block plus the unmapped range right after it."""
+        following = self.next
+        return self.size + (following.size if following is not None and not following.mapped else 0)
 
 
 @dataclass
@@ -130,25 +145,52 @@ class _Pool:
         del self.free[bisect.bisect_left(self.free, key)]
         del self.by_key[key]
 
-    def best_fit(self, size: int, last: _Block | None = None) -> _Block | None:
+    def best_fit(self, size: int, expandable: bool = False) -> _Block | None:
         """The smallest free block that holds `size`, the lowest address among equals (left in the
-        pool). `last`: an expandable segment's end block, which counts as large as it could grow
-        (taken only alone)."""
+        pool). `expandable`: get_free_block's walk on the expandable path, which moves on to the
+        next block in size order while that one's expandable_size is smaller, so a block before an
+        unmapped range (such as the segment's free end) is taken only when nothing else holds it."""
         index = bisect.bisect_left(self.free, (size, -1))
         if index == len(self.free):
             return None
         block = self.by_key[self.free[index]]
-        if block is last and index + 1 < len(self.free):
-            block = self.by_key[self.free[index + 1]]
+        if expandable:
+            for following_index in range(index + 1, len(self.free)):
+                following = self.by_key[self.free[following_index]]
+                if following.expandable_size() >= block.expandable_size():
+                    break
+                block = following
         return block
+
+
+@dataclass
+class _Unmapped:
+    """An expandable pool's unmapped ranges in address order (the BlockPool's `unmapped` set)."""
+
+    addresses: list[int] = field(default_factory=list)
+    by_address: dict[int, _Block] = field(default_factory=dict)
+
+    def add(self, block: _Block) -> None:
+        bisect.insort(self.addresses, block.address)
+        self.by_address[block.address] = block
+
+    def remove(self, block: _Block) -> None:
+        del self.addresses[bisect.bisect_left(self.addresses, block.address)]
+        del self.by_address[block.address]
+
+    def in_address_order(self) -> list[_Block]:
+        return [self.by_address[address] for address in self.addresses]
 
 
 class OutOfMemory(Exception):
     """A cudaMalloc failed even after the cached free segments were released."""
 
 
-# Where each pool's expandable segment starts: far apart, so addresses never meet.
-_EXPANDABLE_BASE = {True: 0, False: 1 << 50}
+# Where each pool's expandable segment starts (a multiple of both page sizes), and how many
+# addresses it has: far more than any device, so the two never meet and one segment per pool serves
+# (torch's segments have 1.125 times the device's memory; see the module docstring).
+_EXPANDABLE_BASE = {True: 0, False: 5 << 48}
+_EXPANDABLE_ADDRESSES = 5 << 46
 
 
 class CachingAllocator:
@@ -157,12 +199,12 @@ class CachingAllocator:
     def __init__(self, config: AllocatorConfig = DEFAULT_CONFIG, capacity_bytes: int | None = None) -> None:
         self.config = config
         self.capacity_bytes = capacity_bytes  # None: as much memory as the step asks for
-        self._last: dict[bool, _Block | None] = {True: None, False: None}  # expandable: each pool's end block
         self._pools = {True: _Pool(), False: _Pool()}
+        self._unmapped = {True: _Unmapped(), False: _Unmapped()}  # expandable segments only
         self._next_address = 0
         self._handles: dict[int, _Block] = {}
         self._next_handle = 0
-        self._segment_heads: list[_Block] = []
+        self._segment_heads: list[_Block] = []  # each segment's first block (its address never changes)
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.segments = 0
@@ -174,7 +216,7 @@ class CachingAllocator:
         size = round_size(num_bytes, config)
         small = size <= SMALL_REQUEST_BYTES
         pool = self._pools[small]
-        block = pool.best_fit(size, last=self._last[small] if config.expandable_segments else None)
+        block = pool.best_fit(size, expandable=config.expandable_segments)
         if block is not None and config.oversize(block.size):
             # get_free_block: no oversize block for a request below the limit, nor one more than
             # max_non_split_rounding larger than a request at or above it.
@@ -183,7 +225,7 @@ class CachingAllocator:
         if block is not None:
             pool.remove(block)
         elif config.expandable_segments:
-            block = self._grow(size, small)
+            block = self._expandable_block(size, small)
         else:
             block = self._new_segment(size, small)
         remaining = block.size - size
@@ -195,8 +237,6 @@ class CachingAllocator:
             rest = _Block(block.address + size, remaining, small, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
-            elif self.config.expandable_segments:
-                self._last[small] = rest
             block.next = rest
             block.size = size
             pool.add(rest)
@@ -212,48 +252,130 @@ class CachingAllocator:
         block = self._handles.pop(handle)
         block.allocated = False
         self.allocated_bytes -= block.size
-        pool = self._pools[block.small]
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                pool.remove(neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
-        if self.config.expandable_segments and block.next is None:
-            self._last[block.small] = block
-        pool.add(block)
+        self._pools[block.small].add(self._merge_free_neighbours(block))
 
-    def _grow(self, size: int, small: bool) -> _Block:
-        """Map pages at the end of the pool's expandable segment until its end block holds `size`."""
-        page = SMALL_SEGMENT_BYTES if small else LARGE_SEGMENT_BYTES
-        last = self._last[small]
-        if last is not None and not last.allocated:
-            self._pools[small].remove(last)
-            block, needed = last, size - last.size
-        else:
-            block, needed = None, size
-        mapped = -(-needed // page) * page
-        if block is None:
-            mapped_end = last.address + last.size if last is not None else _EXPANDABLE_BASE[small]
-            block = _Block(mapped_end, 0, small, prev=last)
-            if last is None:
-                self._segment_heads.append(block)
-                self.segments += 1
+    def _merge_free_neighbours(self, block: _Block) -> _Block:
+        """try_merge_blocks with both neighbours: free ones of the same kind (mapped or not) join
+        it; they leave their pool, the merged block is returned to be put back in its own."""
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
+                continue
+            if neighbour.mapped:
+                self._pools[block.small].remove(neighbour)
             else:
-                last.next = block
-            self._last[small] = block
-        block.size += mapped
+                self._unmapped[block.small].remove(neighbour)
+            if neighbour is block.prev:
+                neighbour.size += block.size
+                neighbour.next = block.next
+                if block.next is not None:
+                    block.next.prev = neighbour
+                block = neighbour
+            else:
+                block.size += neighbour.size
+                block.next = neighbour.next
+                if neighbour.next is not None:
+                    neighbour.next.prev = block
+        return block
+
+    def _expandable_block(self, size: int, small: bool) -> _Block:
+        """alloc_block on the expandable path, with malloc's retry: when a page cannot be mapped,
+        release_cached_blocks unmaps the cached free pages and the request is placed again.
+        (release_available_cached_blocks frees only non-expandable oversize blocks: nothing here.)"""
+        block = self._try_allocate_expandable(size, small)
+        if block is None:
+            self._release_cached_segments()
+            block = self._try_allocate_expandable(size, small)
+            if block is None:
+                raise OutOfMemory(f"no room to map {size:,} B on a {self.capacity_bytes:,} B device")
+        return block
+
+    def _try_allocate_expandable(self, size: int, small: bool) -> _Block | None:
+        """try_allocate_expandable_block: map pages from the range find_expandable_block chose until
+        one free block there holds `size` (taken out of the pool); None when a mapping fails (the
+        pages mapped before it stay mapped, as free memory)."""
+        candidate = self._find_expandable(size, small)
+        if not candidate.mapped:
+            mapped = self._map(candidate, min(candidate.size, size))
+            if mapped is None:
+                return None
+            candidate = mapped
+        while candidate.size < size:
+            following = candidate.next
+            assert following is not None and not following.mapped
+            mapped = self._map(following, min(size - candidate.size, following.size))
+            if mapped is None:
+                return None
+            candidate = mapped
+        self._pools[small].remove(candidate)
+        return candidate
+
+    def _find_expandable(self, size: int, small: bool) -> _Block:
+        """find_expandable_block: the lowest-address unmapped range, taken from the free block just
+        before it where there is one, whose run of free and unmapped blocks holds `size`."""
+        for unmapped in self._unmapped[small].in_address_order():
+            start = unmapped.prev if unmapped.prev is not None and not unmapped.prev.allocated else unmapped
+            room, block = 0, start
+            while room < size and block is not None and not block.allocated:
+                room += block.size
+                block = block.next
+            if room >= size:
+                return start
+        # The pool's first request: its segment, all addresses and no memory yet.
+        segment = _Block(_EXPANDABLE_BASE[small], _EXPANDABLE_ADDRESSES, small, mapped=False)
+        self._unmapped[small].add(segment)
+        self._segment_heads.append(segment)
+        self.segments += 1
+        return segment
+
+    def _map(self, block: _Block, size: int) -> _Block | None:
+        """map_block: back the front of an unmapped range with whole pages (20 MiB large, 2 MiB
+        small) covering `size`, merged with free neighbours; None when the device has no room."""
+        page = SMALL_SEGMENT_BYTES if block.small else LARGE_SEGMENT_BYTES
+        mapped = -(-size // page) * page
+        if not self._room_for(mapped):
+            return None
+        self._unmapped[block.small].remove(block)
+        if mapped < block.size:
+            rest = _Block(block.address + mapped, block.size - mapped, block.small, prev=block, next=block.next)
+            rest.mapped = False
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = mapped
+            self._unmapped[block.small].add(rest)
+        block.mapped = True
         self.reserved_bytes += mapped
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
-        return block
+        merged = self._merge_free_neighbours(block)
+        self._pools[block.small].add(merged)
+        return merged
+
+    def _unmap(self, block: _Block) -> None:
+        """unmap_block: unmap the pages wholly inside a cached free block; what is left of the block
+        before and after them stays mapped and free."""
+        page = SMALL_SEGMENT_BYTES if block.small else LARGE_SEGMENT_BYTES
+        base = _EXPANDABLE_BASE[block.small]
+        begin = base + -(-(block.address - base) // page) * page
+        end = base + (block.address + block.size - base) // page * page
+        if begin >= end:
+            return
+        pool = self._pools[block.small]
+        pool.remove(block)
+        if begin > block.address:
+            before = _Block(block.address, begin - block.address, block.small, prev=block.prev, next=block)
+            if block.prev is not None:
+                block.prev.next = before
+            block.prev = before
+            pool.add(before)
+        if end < block.address + block.size:
+            after = _Block(end, block.address + block.size - end, block.small, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = after
+            block.next = after
+            pool.add(after)
+        block.address, block.size, block.mapped = begin, end - begin, False
+        self.reserved_bytes -= end - begin
+        self._unmapped[block.small].add(self._merge_free_neighbours(block))
 
     def _new_segment(self, request: int, small: bool) -> _Block:
         size = segment_size(request)
@@ -294,7 +416,14 @@ class CachingAllocator:
         return released >= wanted
 
     def _release_cached_segments(self) -> None:
-        """release_cached_blocks(): cudaFree every segment that is one free block."""
+        """release_cached_blocks(): cudaFree every segment that is one free block; on the expandable
+        path, unmap the free pages of every cached block (release_blocks), large pool first."""
+        if self.config.expandable_segments:
+            for small in (False, True):
+                pool = self._pools[small]
+                for block in [pool.by_key[key] for key in pool.free]:
+                    self._unmap(block)
+            return
         for head in [head for head in self._segment_heads if not head.allocated and head.next is None]:
             self._release(head)
 
@@ -311,16 +440,22 @@ class CachingAllocator:
         return block.address, block.size
 
     def segment_layout(self) -> list[tuple[int, int, bool, list[tuple[int, int, int | None]]]]:
-        """Every segment as (address, size, small, blocks), each block (address, size, live handle or None)."""
+        """Every segment as (address, size, small, blocks), each block (address, size, live handle or
+        None); an expandable segment as one entry per run of mapped memory, as torch's snapshot does."""
         handle_of = {id(block): handle for handle, block in self._handles.items()}
         result = []
         for head in self._segment_heads:
-            blocks = []
+            runs: list[list[tuple[int, int, int | None]]] = [[]]
             block: _Block | None = head
             while block is not None:
-                blocks.append((block.address, block.size, handle_of.get(id(block))))
+                if block.mapped:
+                    runs[-1].append((block.address, block.size, handle_of.get(id(block))))
+                elif runs[-1]:
+                    runs.append([])
                 block = block.next
-            result.append((head.address, sum(size for _, size, _ in blocks), head.small, blocks))
+            for blocks in runs:
+                if blocks:
+                    result.append((blocks[0][0], sum(size for _, size, _ in blocks), head.small, blocks))
         return result
 
     def reset_peak_stats(self) -> None:
