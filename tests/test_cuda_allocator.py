@@ -687,3 +687,58 @@ def test_expandable_pages_partly_in_use_stay_mapped_and_can_run_a_device_out_of_
     roomy.free(a)
     roomy.malloc(35 * MiB)  # after the same retry: [55, 90) on two new pages, 40 + 40 MiB
     assert roomy.reserved_bytes == 80 * MiB
+
+
+# Streams (CUDACachingAllocator.cpp: BlockPool orders blocks by stream first and get_free_block stops
+# at a block of another stream; release_available_cached_blocks looks only at the requesting
+# stream's blocks; release_cached_blocks frees what every stream has cached). Numbers by hand.
+
+
+def test_a_block_freed_on_one_stream_is_cached_for_that_stream_only() -> None:
+    allocator = CachingAllocator()
+    side = allocator.malloc(8 * MiB, stream=1)  # a 20 MiB segment for stream 1
+    allocator.free(side)
+    allocator.malloc(8 * MiB)  # the default stream cannot use it: a second 20 MiB segment
+    assert (allocator.segments, allocator.reserved_bytes) == (2, 40 * MiB)
+    allocator.malloc(8 * MiB, stream=1)  # stream 1 reuses its own cached block
+    assert allocator.reserved_bytes == 40 * MiB
+    small = CachingAllocator()
+    small.free(small.malloc(100 * KiB, stream=1))
+    small.malloc(100 * KiB)  # the small pool is per stream too: two 2 MiB segments
+    assert small.reserved_bytes == 4 * MiB
+    expandable = _expandable()
+    expandable.malloc(6 * MiB)
+    expandable.malloc(6 * MiB, stream=1)  # each stream's pool has its own segment: two 20 MiB pages
+    assert (expandable.segments, expandable.reserved_bytes) == (2, 40 * MiB)
+
+
+def test_out_of_memory_releases_every_streams_cache_but_oversize_blocks_of_its_own_stream_first() -> None:
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    device = CachingAllocator(capacity_bytes=40 * MiB)
+    device.free(device.malloc(20 * MiB, stream=1))
+    device.malloc(30 * MiB)  # 20 + 30 > 40: stream 1's cached segment is released, then 30 MiB fit
+    assert device.reserved_bytes == 30 * MiB
+    limited = CachingAllocator(AllocatorConfig(max_split_size_bytes=20 * MiB), capacity_bytes=100 * MiB)
+    limited.free(limited.malloc(40 * MiB, stream=1))  # an oversize cached segment of stream 1
+    limited.free(limited.malloc(30 * MiB))  # and one of the default stream: 70 MiB reserved
+    # 35 MiB (a 36 MiB segment): 106 > 100. release_available_cached_blocks looks at the default
+    # stream only: its 30 MiB segment is released, short of the 35 wanted, so release_cached_blocks
+    # follows and frees stream 1's 40 MiB too; the request then gets its segment alone. Had stream
+    # 1's 40 MiB block been eligible, it alone would have gone (66 MiB reserved).
+    limited.malloc(35 * MiB)
+    assert limited.reserved_bytes == 36 * MiB
+
+
+def test_the_timeline_replay_allocates_each_request_on_its_stream() -> None:
+    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, reserved_peak_bytes
+
+    def timeline(second_stream: int) -> MemoryTimeline:
+        first = TimelineAllocation(0, 0, 8 * MiB, "temporaries", "aten.empty", None)
+        second = TimelineAllocation(1, 1, 8 * MiB, "temporaries", "aten.empty", None, stream=second_stream)
+        return MemoryTimeline(node_count=2, forward_end=1, backward_end=2, allocations=(first, second))
+
+    # One stream: the second request reuses the first's freed block (one 20 MiB segment); on
+    # another stream it cannot, and opens a segment of its own.
+    assert reserved_peak_bytes(timeline(0)) == 20 * MiB
+    assert reserved_peak_bytes(timeline(1)) == 40 * MiB

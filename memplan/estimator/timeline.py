@@ -37,6 +37,10 @@ class TimelineAllocation:
     op: str  # the aten op (or placeholder / get_attr) that produced it
     module: str | None  # the module running when it was produced, if any
     requested_bytes: int | None = None  # before the allocator's rounding, where it differs from size_bytes
+    # The CUDA stream it is allocated on, whose pool caches it when freed: 0, the default stream,
+    # for everything a single-GPU step allocates (the autograd engine's device thread runs on the
+    # same current stream); other numbers for side streams such as collective communication's.
+    stream: int = 0
 
     def persists(self, node_count: int) -> bool:
         """Alive before the iteration starts and after it ends: parameters, state, the batch, workspaces."""
@@ -103,7 +107,7 @@ def replay_steady_state(
             if allocation.category == "optimizer_state":
                 first_step_state.append(allocation)
                 continue
-            handle = allocator.malloc(allocation.size_bytes)
+            handle = allocator.malloc(allocation.size_bytes, allocation.stream)
             if on_event is not None:
                 on_event("persistent", handle, allocation)
             continue
@@ -119,11 +123,11 @@ def replay_steady_state(
         for index in range(end + 1):
             if iteration == 0 and index == min(timeline.backward_end, end):
                 for allocation in first_step_state:
-                    handle = allocator.malloc(allocation.size_bytes)
+                    handle = allocator.malloc(allocation.size_bytes, allocation.stream)
                     if on_event is not None:
                         on_event("persistent", handle, allocation)
             for allocation in by_start[index] if index < end else ():
-                handle = allocator.malloc(allocation.size_bytes)
+                handle = allocator.malloc(allocation.size_bytes, allocation.stream)
                 handles[id(allocation)] = handle
                 if last and on_event is not None:
                     on_event("alloc", handle, allocation)

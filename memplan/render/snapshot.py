@@ -57,14 +57,16 @@ def predicted_snapshot(timeline: MemoryTimeline, metadata: dict[str, Any] | None
         elif action == "alloc":
             if allocator.segments > segments_seen:  # this request made the allocator cudaMalloc
                 for address, size, _, _ in allocator.segment_layout()[segments_seen:]:
-                    events.append(_event("segment_alloc", address, size, []))
+                    events.append(_event("segment_alloc", address, size, [], allocation.stream))
                 segments_seen = allocator.segments
             live[handle] = (allocator.block(handle)[0], allocation)
-            events.append(_event("alloc", live[handle][0], allocation.size_bytes, _frames(allocation)))
+            events.append(
+                _event("alloc", live[handle][0], allocation.size_bytes, _frames(allocation), allocation.stream)
+            )
         else:
             address, allocation = live.pop(handle)
             for freed in ("free_requested", "free_completed"):
-                events.append(_event(freed, address, allocation.size_bytes, _frames(allocation)))
+                events.append(_event(freed, address, allocation.size_bytes, _frames(allocation), allocation.stream))
 
     replay_steady_state(timeline, allocator, on_event, on_last_iteration)
     return {
@@ -75,8 +77,8 @@ def predicted_snapshot(timeline: MemoryTimeline, metadata: dict[str, Any] | None
     }
 
 
-def _event(action: str, address: int, size: int, frames: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"action": action, "addr": BASE_ADDRESS + address, "size": size, "stream": 0, "frames": frames}
+def _event(action: str, address: int, size: int, frames: list[dict[str, Any]], stream: int) -> dict[str, Any]:
+    return {"action": action, "addr": BASE_ADDRESS + address, "size": size, "stream": stream, "frames": frames}
 
 
 def _segment(

@@ -18,7 +18,7 @@ PYTORCH_CUDA_ALLOC_CONF, so no max_split_size, no expandable segments, no garbag
 
 With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (`AllocatorConfig`), the same file's
 expandable-segment path instead:
-- gives each pool (of the one stream) one segment: a range of virtual addresses mapped to memory
+- gives each pool (of each stream) one segment: a range of virtual addresses mapped to memory
   in pages of kLargeBuffer = 20 MiB (large pool) or kSmallBuffer = 2 MiB (small pool), from the
   start, as requests need them (find_expandable_block, map_block);
 - takes the best-fitting free block as before, except that the free block at the end of the
@@ -123,6 +123,11 @@ class _Block:
     prev: _Block | None = None
     next: _Block | None = None
     mapped: bool = True  # expandable segments: False for a range of addresses with no memory behind it
+    stream: int = 0  # the stream it was allocated on (0: the default stream)
+
+    @property
+    def pool_key(self) -> PoolKey:
+        return self.stream, self.small
 
     def expandable_size(self) -> int:
         """get_free_block's expandable_size: the block plus the unmapped range right after it."""
@@ -186,21 +191,32 @@ class OutOfMemory(Exception):
     """A cudaMalloc failed even after the cached free segments were released."""
 
 
-# Where each pool's expandable segment starts (a multiple of both page sizes), and how many
-# addresses it has: far more than any device, so the two never meet and one segment per pool serves
-# (torch's segments have 1.125 times the device's memory; see the module docstring).
-_EXPANDABLE_BASE = {True: 0, False: 5 << 48}
+# How many addresses each pool's expandable segment has: far more than any device, so one segment
+# per pool serves (torch's segments have 1.125 times the device's memory; see the module docstring).
+# Segments lie one after another, each starting at a multiple of both page sizes.
 _EXPANDABLE_ADDRESSES = 5 << 46
+
+# A pool: (stream, small). Cached blocks serve only requests of their own stream and size class
+# (BlockPool's ordering puts the stream first, and get_free_block stops at another stream's block).
+PoolKey = tuple[int, bool]
+
+
+def _expandable_base(key: PoolKey) -> int:
+    stream, small = key
+    return (2 * stream + small) * _EXPANDABLE_ADDRESSES
 
 
 class CachingAllocator:
-    """One device, one stream. `malloc` returns a handle for `free`; statistics as torch.cuda names them."""
+    """One device. `malloc` returns a handle for `free`; statistics as torch.cuda names them.
+
+    Each stream has its own pools (a block freed on one stream is cached for that stream only);
+    running out of memory releases what every stream has cached, as release_cached_blocks does."""
 
     def __init__(self, config: AllocatorConfig = DEFAULT_CONFIG, capacity_bytes: int | None = None) -> None:
         self.config = config
         self.capacity_bytes = capacity_bytes  # None: as much memory as the step asks for
-        self._pools = {True: _Pool(), False: _Pool()}
-        self._unmapped = {True: _Unmapped(), False: _Unmapped()}  # expandable segments only
+        self._pools: dict[PoolKey, _Pool] = {}
+        self._unmapped: dict[PoolKey, _Unmapped] = {}  # expandable segments only
         self._next_address = 0
         self._handles: dict[int, _Block] = {}
         self._next_handle = 0
@@ -211,11 +227,18 @@ class CachingAllocator:
         self.max_allocated_bytes = 0
         self.max_reserved_bytes = 0
 
-    def malloc(self, num_bytes: int) -> int:
+    def _pool(self, key: PoolKey) -> _Pool:
+        return self._pools.setdefault(key, _Pool())
+
+    def _unmapped_of(self, key: PoolKey) -> _Unmapped:
+        return self._unmapped.setdefault(key, _Unmapped())
+
+    def malloc(self, num_bytes: int, stream: int = 0) -> int:
         config = self.config
         size = round_size(num_bytes, config)
         small = size <= SMALL_REQUEST_BYTES
-        pool = self._pools[small]
+        key = (stream, small)
+        pool = self._pool(key)
         block = pool.best_fit(size, expandable=config.expandable_segments)
         if block is not None and config.oversize(block.size):
             # get_free_block: no oversize block for a request below the limit, nor one more than
@@ -225,16 +248,16 @@ class CachingAllocator:
         if block is not None:
             pool.remove(block)
         elif config.expandable_segments:
-            block = self._expandable_block(size, small)
+            block = self._expandable_block(size, key)
         else:
-            block = self._new_segment(size, small)
+            block = self._new_segment(size, key)
         remaining = block.size - size
         if small or config.expandable_segments:
             split = remaining >= MIN_BLOCK_BYTES
         else:
             split = not config.oversize(size) and remaining > SMALL_REQUEST_BYTES
         if split:
-            rest = _Block(block.address + size, remaining, small, prev=block, next=block.next)
+            rest = _Block(block.address + size, remaining, small, prev=block, next=block.next, stream=stream)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
@@ -252,7 +275,7 @@ class CachingAllocator:
         block = self._handles.pop(handle)
         block.allocated = False
         self.allocated_bytes -= block.size
-        self._pools[block.small].add(self._merge_free_neighbours(block))
+        self._pool(block.pool_key).add(self._merge_free_neighbours(block))
 
     def _merge_free_neighbours(self, block: _Block) -> _Block:
         """try_merge_blocks with both neighbours: free ones of the same kind (mapped or not) join
@@ -261,9 +284,9 @@ class CachingAllocator:
             if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
                 continue
             if neighbour.mapped:
-                self._pools[block.small].remove(neighbour)
+                self._pool(block.pool_key).remove(neighbour)
             else:
-                self._unmapped[block.small].remove(neighbour)
+                self._unmapped_of(block.pool_key).remove(neighbour)
             if neighbour is block.prev:
                 neighbour.size += block.size
                 neighbour.next = block.next
@@ -277,23 +300,23 @@ class CachingAllocator:
                     neighbour.next.prev = block
         return block
 
-    def _expandable_block(self, size: int, small: bool) -> _Block:
+    def _expandable_block(self, size: int, key: PoolKey) -> _Block:
         """alloc_block on the expandable path, with malloc's retry: when a page cannot be mapped,
         release_cached_blocks unmaps the cached free pages and the request is placed again.
         (release_available_cached_blocks frees only non-expandable oversize blocks: nothing here.)"""
-        block = self._try_allocate_expandable(size, small)
+        block = self._try_allocate_expandable(size, key)
         if block is None:
             self._release_cached_segments()
-            block = self._try_allocate_expandable(size, small)
+            block = self._try_allocate_expandable(size, key)
             if block is None:
                 raise OutOfMemory(f"no room to map {size:,} B on a {self.capacity_bytes:,} B device")
         return block
 
-    def _try_allocate_expandable(self, size: int, small: bool) -> _Block | None:
+    def _try_allocate_expandable(self, size: int, key: PoolKey) -> _Block | None:
         """try_allocate_expandable_block: map pages from the range find_expandable_block chose until
         one free block there holds `size` (taken out of the pool); None when a mapping fails (the
         pages mapped before it stay mapped, as free memory)."""
-        candidate = self._find_expandable(size, small)
+        candidate = self._find_expandable(size, key)
         if not candidate.mapped:
             mapped = self._map(candidate, min(candidate.size, size))
             if mapped is None:
@@ -306,13 +329,13 @@ class CachingAllocator:
             if mapped is None:
                 return None
             candidate = mapped
-        self._pools[small].remove(candidate)
+        self._pool(key).remove(candidate)
         return candidate
 
-    def _find_expandable(self, size: int, small: bool) -> _Block:
+    def _find_expandable(self, size: int, key: PoolKey) -> _Block:
         """find_expandable_block: the lowest-address unmapped range, taken from the free block just
         before it where there is one, whose run of free and unmapped blocks holds `size`."""
-        for unmapped in self._unmapped[small].in_address_order():
+        for unmapped in self._unmapped_of(key).in_address_order():
             start = unmapped.prev if unmapped.prev is not None and not unmapped.prev.allocated else unmapped
             room, block = 0, start
             while room < size and block is not None and not block.allocated:
@@ -321,8 +344,9 @@ class CachingAllocator:
             if room >= size:
                 return start
         # The pool's first request: its segment, all addresses and no memory yet.
-        segment = _Block(_EXPANDABLE_BASE[small], _EXPANDABLE_ADDRESSES, small, mapped=False)
-        self._unmapped[small].add(segment)
+        stream, small = key
+        segment = _Block(_expandable_base(key), _EXPANDABLE_ADDRESSES, small, mapped=False, stream=stream)
+        self._unmapped_of(key).add(segment)
         self._segment_heads.append(segment)
         self.segments += 1
         return segment
@@ -334,57 +358,69 @@ class CachingAllocator:
         mapped = -(-size // page) * page
         if not self._room_for(mapped):
             return None
-        self._unmapped[block.small].remove(block)
+        self._unmapped_of(block.pool_key).remove(block)
         if mapped < block.size:
-            rest = _Block(block.address + mapped, block.size - mapped, block.small, prev=block, next=block.next)
-            rest.mapped = False
+            rest = _Block(
+                block.address + mapped,
+                block.size - mapped,
+                block.small,
+                prev=block,
+                next=block.next,
+                mapped=False,
+                stream=block.stream,
+            )
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
             block.size = mapped
-            self._unmapped[block.small].add(rest)
+            self._unmapped_of(block.pool_key).add(rest)
         block.mapped = True
         self.reserved_bytes += mapped
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
         merged = self._merge_free_neighbours(block)
-        self._pools[block.small].add(merged)
+        self._pool(block.pool_key).add(merged)
         return merged
 
     def _unmap(self, block: _Block) -> None:
         """unmap_block: unmap the pages wholly inside a cached free block; what is left of the block
         before and after them stays mapped and free."""
         page = SMALL_SEGMENT_BYTES if block.small else LARGE_SEGMENT_BYTES
-        base = _EXPANDABLE_BASE[block.small]
+        base = _expandable_base(block.pool_key)
         begin = base + -(-(block.address - base) // page) * page
         end = base + (block.address + block.size - base) // page * page
         if begin >= end:
             return
-        pool = self._pools[block.small]
+        pool = self._pool(block.pool_key)
         pool.remove(block)
         if begin > block.address:
-            before = _Block(block.address, begin - block.address, block.small, prev=block.prev, next=block)
+            before = _Block(
+                block.address, begin - block.address, block.small, prev=block.prev, next=block, stream=block.stream
+            )
             if block.prev is not None:
                 block.prev.next = before
             block.prev = before
             pool.add(before)
         if end < block.address + block.size:
-            after = _Block(end, block.address + block.size - end, block.small, prev=block, next=block.next)
+            after = _Block(
+                end, block.address + block.size - end, block.small, prev=block, next=block.next, stream=block.stream
+            )
             if block.next is not None:
                 block.next.prev = after
             block.next = after
             pool.add(after)
         block.address, block.size, block.mapped = begin, end - begin, False
         self.reserved_bytes -= end - begin
-        self._unmapped[block.small].add(self._merge_free_neighbours(block))
+        self._unmapped_of(block.pool_key).add(self._merge_free_neighbours(block))
 
-    def _new_segment(self, request: int, small: bool) -> _Block:
+    def _new_segment(self, request: int, key: PoolKey) -> _Block:
         size = segment_size(request)
         if not self._room_for(size):
-            if not (self._release_oversize_segments(request, small) and self._room_for(size)):
+            if not (self._release_oversize_segments(request, key) and self._room_for(size)):
                 self._release_cached_segments()
                 if not self._room_for(size):
                     raise OutOfMemory(f"{size:,} B more than the {self.capacity_bytes:,} B device holds")
-        block = _Block(self._next_address, size, small)
+        stream, small = key
+        block = _Block(self._next_address, size, small, stream=stream)
         self._segment_heads.append(block)
         self._next_address += size
         self.reserved_bytes += size
@@ -395,14 +431,14 @@ class CachingAllocator:
     def _room_for(self, size: int) -> bool:
         return self.capacity_bytes is None or self.reserved_bytes + size <= self.capacity_bytes
 
-    def _release_oversize_segments(self, request: int, small: bool) -> bool:
+    def _release_oversize_segments(self, request: int, key: PoolKey) -> bool:
         """release_available_cached_blocks(): with max_split_size_mb, cudaFree the smallest cached
         oversize segment that holds the request (at least the limit), else the largest ones, down
         to the limit, until that much is freed; whether enough was."""
         limit = self.config.max_split_size_bytes
         if limit is None:
             return False
-        pool, wanted = self._pools[small], max(request, limit)
+        pool, wanted = self._pool(key), max(request, limit)
         index = bisect.bisect_left(pool.free, (wanted, -1))
         if index < len(pool.free):
             self._release(pool.by_key[pool.free[index]])
@@ -419,9 +455,9 @@ class CachingAllocator:
         """release_cached_blocks(): cudaFree every segment that is one free block; on the expandable
         path, unmap the free pages of every cached block (release_blocks), large pool first."""
         if self.config.expandable_segments:
-            for small in (False, True):
-                pool = self._pools[small]
-                for block in [pool.by_key[key] for key in pool.free]:
+            for key in sorted(self._pools, key=lambda key: (key[1], key[0])):  # the large pool first
+                pool = self._pools[key]
+                for block in [pool.by_key[free] for free in pool.free]:
                     self._unmap(block)
             return
         for head in [head for head in self._segment_heads if not head.allocated and head.next is None]:
@@ -429,7 +465,7 @@ class CachingAllocator:
 
     def _release(self, head: _Block) -> None:
         """cudaFree of a cached segment that is one free block."""
-        self._pools[head.small].remove(head)
+        self._pool(head.pool_key).remove(head)
         self._segment_heads.remove(head)
         self.reserved_bytes -= head.size
         self.segments -= 1
