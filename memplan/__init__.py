@@ -23,6 +23,7 @@ _EXPORTS = {
     "sweep": "memplan.api",
     "validate": "memplan.api",
     "validate_suite": "memplan.api",
+    "which_gpu": "memplan.api",
     "Breakdown": "memplan.estimator.result",
     "EstimateResult": "memplan.estimator.result",
     "read_training_args": "memplan.hf_args",

@@ -16,6 +16,7 @@ from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.explore.compare import CompareResult, run_compare
+from memplan.explore.gpus import GpuChoiceResult, run_gpu_choice
 from memplan.explore.sweep import DEFAULT_BATCH_SIZES, SweepResult, run_sweep
 from memplan.gpus import gpu_named
 from memplan.models.objects import batch_size_of, is_model_object, object_spec
@@ -279,6 +280,33 @@ def sweep(
         budget_bytes=_budget(budget, settings),
         progress=_progress(progress),
     )
+
+
+def which_gpu(
+    model: Any,
+    gpus: str | list[str] | tuple[str, ...],
+    settings: TrainingSettings | None = None,
+    *,
+    inputs: Any = None,
+    loss: str | None = None,
+    task: str | None = None,
+    progress: Progress | None = None,
+    **setting_overrides: Any,
+) -> GpuChoiceResult:
+    """The same configuration estimated on each card of `gpus` (names, or one comma-separated
+    string): whether it fits the card's usable memory, the largest batch that does, and the card's
+    listed price per hour where memplan.prices has one. `result.cheapest` is the fitting card with
+    the lowest listed price. Each card is its own trace: it picks the CUDA kernels."""
+    names = _names(gpus, "gpus")
+    if not names:
+        raise SettingsError("gpus must name at least one card, e.g. 'T4,L4,A100-40GB'")
+    if "gpu" in setting_overrides or (settings is not None and settings.gpu is not None):
+        raise SettingsError("which_gpu takes the cards as gpus; leave gpu out of the settings")
+    if "budget" in setting_overrides:
+        raise SettingsError("which_gpu compares each card's own memory; leave out budget")
+    settings, _ = _settings(settings, setting_overrides, inputs)
+    spec = _source(model, inputs, loss, task)
+    return run_gpu_choice(spec, settings, list(names), progress=_progress(progress))
 
 
 def compare(

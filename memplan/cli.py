@@ -176,7 +176,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "--gpu",
             metavar="NAME",
             help="The card: its compute capability picks CUDA kernels, and its usable memory is the budget "
-            "unless --budget is given (H100-80GB, H200, A100-40GB, A100-80GB, L4, A10G, RTX-4090, T4, ...).",
+            "unless --budget is given (H100-80GB, H200, A100-40GB, A100-80GB, L4, A10G, RTX-4090, T4, ...). "
+            "`estimate` takes a comma-separated list: which of the cards it fits, and the cheapest that it does.",
         ),
         click.option(
             "--attn-impl",
@@ -464,6 +465,9 @@ def estimate(
         from memplan.api import estimate as run_estimate
         from memplan.render.estimate import render_estimate, to_json
 
+        if "," in (settings.get("gpu") or ""):
+            _which_gpu(model, settings, as_json, budget=budget, maximize=maximize, plot=plot, snapshot=snapshot)
+            return
         if snapshot is not None and settings["device"] != "cuda":
             raise UsageError("--snapshot writes the CUDA caching allocator's view; use it with --device cuda")
         if snapshot is not None and _expandable(settings.get("cuda_alloc_conf")):
@@ -481,6 +485,23 @@ def estimate(
             render_estimate(result, _stdout_console())
 
     _run(debug, action)
+
+
+def _which_gpu(model: str, settings: dict[str, Any], as_json: bool, **refused: Any) -> None:
+    """`estimate --gpu A,B,C`: the configuration on each card, and the cheapest that fits."""
+    from memplan.api import which_gpu
+    from memplan.render.explore import render_gpu_choice
+
+    for option, value in refused.items():
+        if value is not None:
+            raise UsageError(
+                f"--{option} with several --gpu cards: each card's own memory is its budget and there is one "
+                f"estimate per card; name one card to use --{option}"
+            )
+    gpus = settings.pop("gpu")
+    _quiet_transformers()
+    result = _call(which_gpu, model, settings, as_json, gpus=gpus)
+    _emit(result, as_json, render_gpu_choice)
 
 
 def _plan_batch(call: Callable[..., Any], output: str | None, as_json: bool) -> None:

@@ -144,3 +144,47 @@ def test_ctrl_c_in_the_cli_sweep_shows_the_finished_table_and_exits_130(tiny_mod
     assert result.exit_code == 130, result.output
     assert "fp32" in result.output and "amp-bf16" not in result.output.split("predicted peak")[1]
     assert result.output.strip().endswith("memplan: interrupted; shown: what finished before it")
+
+
+def test_which_gpu_fits_each_cards_usable_memory_and_names_the_cheapest_listed_card_that_fits():
+    """tiny-gpt2 at batch 6,000 completes in about 15.7 GiB: more than a T4's 14.5 GiB usable (15,360 MiB
+    less the 512 MiB context), less than an L4's or an H200's. The T4 is cheaper but does not fit; the
+    H200 has no listed price; so the L4 is the cheapest that fits (prices: memplan.prices' table)."""
+    from memplan.api import which_gpu
+    from memplan.gpus import CONTEXT_BYTES, GPUS
+
+    result = which_gpu("tiny-gpt2", "t4, L4,h200", batch_size=6000, seq_len=128)
+    assert [option.gpu for option in result.options] == ["T4", "L4", "H200"]
+    for option in result.options:
+        e = option.estimate
+        assert e.settings.gpu == option.gpu
+        assert e.budget_bytes == GPUS[option.gpu].total_bytes - CONTEXT_BYTES
+        assert e.fits == (e.smallest_device_bytes <= e.budget_bytes)
+    assert [option.estimate.fits for option in result.options] == [False, True, True]
+    assert [option.price.usd_per_hour if option.price else None for option in result.options] == [0.5904, 0.7992, None]
+    assert result.cheapest is result.options[1]
+    alone = estimate("tiny-gpt2", batch_size=6000, seq_len=128, gpu="T4")
+    t4 = result.options[0].estimate
+    assert (t4.peak_bytes, t4.smallest_device_bytes, t4.max_batch_size) == (
+        alone.peak_bytes,
+        alone.smallest_device_bytes,
+        alone.max_batch_size,
+    )
+    data = result.to_dict()
+    assert (data["fitting"], data["cheapest"]) == (["L4", "H200"], "L4")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--gpu", "T4,L4", "--budget", "1GiB"], "--budget with several --gpu cards"),
+        (["--gpu", "T4,L4", "--maximize", "seq-len"], "--maximize with several --gpu cards"),
+        (["--gpu", "T4,t4"], "T4 is named more than once"),
+        (["--gpu", "T4,X9"], "unknown GPU 'X9'"),
+        (["--gpu", "T4,L4", "--device", "cpu"], "choosing a GPU needs the cuda target"),
+    ],
+)
+def test_estimate_with_several_cards_refuses_what_needs_one(arguments, message):
+    outcome = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--seq-len", "32", *arguments])
+    assert outcome.exit_code == 2, outcome.output
+    assert message in outcome.output and "Traceback" not in outcome.output

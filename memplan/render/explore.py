@@ -1,4 +1,4 @@
-"""Render sweeps and technique comparisons as rich tables; JSON through their to_dict()."""
+"""Render sweeps, technique comparisons and card choices as rich tables; JSON through their to_dict()."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.explore.compare import CompareResult
+from memplan.explore.gpus import GpuChoiceResult
 from memplan.explore.sweep import SweepPoint, SweepResult
 from memplan.render.estimate import describe_settings
 from memplan.render.units import format_flops
@@ -101,4 +102,43 @@ def render_compare(result: CompareResult, console: Console) -> None:
         )
     for reason in result.skipped:
         console.print(f"[dim]skipped {reason}[/dim]")
+    console.print(f"[dim]{result.seconds:.1f} s[/dim]")
+
+
+def render_gpu_choice(result: GpuChoiceResult, console: Console) -> None:
+    console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings)}")
+    table = Table(title="on each card, its usable memory the budget", title_justify="left")
+    for column in ("card", "usable", "peak", "completes in", "fits", "largest batch", "$ per hour"):
+        table.add_column(column, justify="left" if column == "card" else "right")
+    for option in result.options:
+        e = option.estimate
+        fits = "[green]yes[/green]" if e.fits else f"[red]no{OVER}[/red]"
+        largest = f"≥ {e.max_batch_size:,}" if e.max_batch_size_is_limit else f"{e.max_batch_size or 0:,}"
+        price = f"{option.price.usd_per_hour:.2f} ({option.price.provider})" if option.price else "–"
+        table.add_row(
+            option.gpu,
+            format_bytes(e.budget_bytes or 0),
+            format_bytes(e.peak_bytes),
+            format_bytes(e.fit_bytes),
+            fits,
+            largest,
+            price,
+        )
+    console.print(table)
+    cheapest = result.cheapest
+    if not result.fitting:
+        console.print("[red]it fits none of these cards[/red]: `memplan compare` shows what each technique saves")
+    elif cheapest is not None and cheapest.price is not None:
+        console.print(
+            f"cheapest that fits: [bold]{cheapest.gpu}[/bold], ${cheapest.price.usd_per_hour:.2f} per hour "
+            f"({cheapest.price.provider}, as listed {cheapest.price.checked})"
+        )
+    else:
+        names = ", ".join(option.gpu for option in result.fitting)
+        console.print(f"fits {names}; memplan has no listed price for these cards")
+    console.print(
+        "[dim]usable: the card's memory less the CUDA context; completes in: the least memory the step runs in, "
+        "what is compared. Prices: one hour of one card on demand, from memplan.prices (its source and date); "
+        "they change often[/dim]"
+    )
     console.print(f"[dim]{result.seconds:.1f} s[/dim]")
