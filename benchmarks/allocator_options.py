@@ -8,6 +8,10 @@ peak and `smallest_device_bytes`: the least memory (for torch) the step complete
 allocator, short of memory, frees its cached segments (or unmaps its free pages) and retries.
 Percentages are against the default allocator's reserved peak. These are replays of memplan's
 simulator, not GPU measurements; the table in docs/validation.md comes from this script.
+
+The last column replays the same request sequences through tests/reference_allocator.py, an
+independent implementation of CUDACachingAllocator.cpp's rules, and says whether its reserved
+peaks and smallest devices (bisected the same way) equal memplan's, or by how much they differ.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers.utils import logging  # noqa: E402
 
 import memplan  # noqa: E402
+from memplan.estimator.result import EstimateResult  # noqa: E402
+from tests.reference_replay import recorded_requests, reference_replay, reference_smallest_device  # noqa: E402
 
 CASES = [
     ("gpt2", "gpt2 b8 × 1024", {"batch_size": 8, "seq_len": 1024}),
@@ -33,14 +39,39 @@ def _cell(value: int, reference: int) -> str:
     return f"{value / GIB:.2f} GiB ({(value - reference) / reference:+.1%})"
 
 
+def _reference_check(result: EstimateResult, expandable: bool) -> str:
+    """'equal', or how the reference's reserved peak and smallest device differ from memplan's."""
+    assert result.timeline is not None and result.reserved_peak_bytes is not None
+    calls = recorded_requests(result.timeline)
+    reserved = reference_replay(calls, expandable, None).max_reserved_bytes
+    allocated = max(result.timeline.total_bytes())
+    smallest = reference_smallest_device(calls, expandable, allocated, reserved)
+    # memplan's smallest device is the larger of its cuDNN band's ends: compare the band's top with
+    # the reference where a band exists (the same requests).
+    ours = result.reserved_peak_bytes, _top_end_smallest(result, expandable)
+    if (reserved, smallest) == ours:
+        return "equal"
+    return f"reference {reserved / GIB:.3f} / {smallest / GIB:.3f} GiB"
+
+
+def _top_end_smallest(result: EstimateResult, expandable: bool) -> int:
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+    from memplan.estimator.timeline import smallest_device_bytes
+
+    assert result.timeline is not None and result.reserved_peak_bytes is not None
+    config = AllocatorConfig(expandable_segments=expandable)
+    allocated = max(result.timeline.total_bytes())
+    return smallest_device_bytes(result.timeline, allocated, result.reserved_peak_bytes, config)
+
+
 def main() -> None:
     logging.set_verbosity_error()
     skip_qwen = "--skip-qwen" in sys.argv
     print(
         "| model | allocated | reserved, default | smallest device, default | reserved, expandable segments "
-        "| smallest device, expandable segments |"
+        "| smallest device, expandable segments | independent replay (default; expandable) |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for model, label, settings in CASES:
         if skip_qwen and model.startswith("qwen"):
             continue
@@ -52,7 +83,8 @@ def main() -> None:
         print(
             f"| {label} | {default.peak_bytes / GIB:.2f} GiB | {reserved / GIB:.2f} GiB | "
             f"{_cell(default.smallest_device_bytes, reserved)} | {_cell(expandable.reserved_peak_bytes, reserved)} | "
-            f"{_cell(expandable.smallest_device_bytes, reserved)} |",
+            f"{_cell(expandable.smallest_device_bytes, reserved)} | "
+            f"{_reference_check(default, False)}; {_reference_check(expandable, True)} |",
             flush=True,
         )
 
