@@ -90,6 +90,8 @@ def test_the_main_suite_is_broad_enough() -> None:
     assert {"adamw", "sgd", "adafactor"} <= {config.settings.get("optimizer", "adamw") for config in MAIN}
     assert any(config.settings.get("grad_accum", 1) > 1 for config in MAIN)
     assert any(config.settings.get("checkpoint") == "all" for config in MAIN)
+    configured = {config.settings.get("cuda_alloc_conf") for config in MAIN} - {None}
+    assert configured == {"expandable_segments:True", "max_split_size_mb:64"}
 
 
 @needs_gpu

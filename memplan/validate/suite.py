@@ -63,6 +63,18 @@ MAIN = (
     _c("resnet-50-amp-fp16", "resnet-50", batch_size=64, precision="amp-fp16"),
     _c("resnet-101-accum2", "resnet-101", batch_size=32, grad_accum=2),
     _c("resnet-101-bf16-sgd", "resnet-101", batch_size=50, precision="bf16", optimizer="sgd"),
+    # The allocator as people configure it (PYTORCH_CUDA_ALLOC_CONF, set in the measured process):
+    # the reserved peaks the expandable path and max_split_size_mb predict.
+    _c("gpt2-expandable-segments", "gpt2", batch_size=8, seq_len=1024, cuda_alloc_conf="expandable_segments:True"),
+    _c(
+        "qwen2.5-0.5b-expandable-segments",
+        "qwen2.5-0.5b",
+        batch_size=2,
+        seq_len=2048,
+        cuda_alloc_conf="expandable_segments:True",
+    ),
+    _c("resnet-50-expandable-segments", "resnet-50", batch_size=64, cuda_alloc_conf="expandable_segments:True"),
+    _c("resnet-50-max-split-size", "resnet-50", batch_size=64, cuda_alloc_conf="max_split_size_mb:64"),
 )
 
 # Two-layer models that measure in seconds on a CPU: `memplan validate --suite smoke --device cpu`.
