@@ -12,7 +12,7 @@ from memplan.compat import require_supported_torch
 
 require_supported_torch()  # before the imports below, which need a torch memplan knows
 
-from memplan.errors import SettingsError, UsageError
+from memplan.errors import MemplanError, SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.explore.compare import CompareResult, run_compare
@@ -136,6 +136,8 @@ def _settings(
             f"unknown setting(s) {', '.join(sorted(unknown))}; "
             f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
         )
+    if callable(overrides.get("step")):
+        overrides = {**overrides, "step": _step_path(overrides["step"])}
     overrides = _check_types(overrides)
     checkpoint = overrides.get("checkpoint")
     plan = None
@@ -150,6 +152,24 @@ def _settings(
             f"got {checkpoint!r}"
         )
     return (settings or TrainingSettings()).replace(**overrides), plan
+
+
+def _step_path(function: Any) -> str:
+    """A step given as a function: its `module:name`, which settings (and plan files) keep, when
+    importing that name gives the same function back."""
+    from memplan.models.imports import import_object
+
+    path = f"{getattr(function, '__module__', '')}:{getattr(function, '__qualname__', '')}"
+    try:
+        same = import_object(path, "step") is function
+    except MemplanError:
+        same = False
+    if not same:
+        raise SettingsError(
+            f"step {function!r} cannot be imported by name; define it at the top level of an importable "
+            "module (not a lambda, a nested function or __main__) and pass it, or its package.module:function"
+        )
+    return path
 
 
 def _budget(budget: str | int | None, settings: TrainingSettings) -> int | None:

@@ -257,6 +257,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "--hf-args picks hf-trainer.",
         ),
         click.option(
+            "--step",
+            metavar="MODULE:FN",
+            help="Your own training iteration instead of the loop: fn(model, batch, optimizer) runs one "
+            "(forward passes, losses, backward, optimizer step, zero_grad as you write them; docs/usage.md).",
+        ),
+        click.option(
             "--task",
             help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
             "image-classification.",

@@ -171,6 +171,9 @@ class TrainingSettings:
     lora_alpha: float | None = None  # lora_alpha; None: peft's default
     lora_targets: str | None = None  # comma-separated target_modules; None: peft's default for the architecture
     lora_dropout: float = 0.0  # lora_dropout
+    # The user's own training iteration, `package.module:function` called as fn(model, batch,
+    # optimizer) in place of the canonical loop (memplan.estimator.loop.custom_step); None: the loop.
+    step: str | None = None
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -196,6 +199,7 @@ class TrainingSettings:
                 raise SettingsError(f"CUDA context must be 0 or more bytes, got {self.cuda_context}")
         self._check_cuda_libraries()
         self._check_lora()
+        self._check_step()
         if self.gpu is not None:
             if self.device != "cuda":
                 raise SettingsError(
@@ -237,6 +241,25 @@ class TrainingSettings:
         if config is not None and config_bytes(config) is None:
             raise SettingsError(
                 f"cannot read CUBLAS_WORKSPACE_CONFIG {config!r}: it is :SIZE:COUNT pairs in KiB, e.g. :4096:8 or :16:8"
+            )
+
+    def _check_step(self) -> None:
+        if self.step is None:
+            return
+        from memplan.models.imports import is_import_path
+
+        if not isinstance(self.step, str) or not is_import_path(self.step):
+            raise SettingsError(f"--step {self.step!r} must name a function as package.module:function")
+        if self.loop != "canonical":
+            raise SettingsError("--step runs your own iteration in place of the loop; leave out --loop")
+        if self.grad_accum != 1:
+            raise SettingsError(
+                "--step runs your whole iteration: accumulate inside your function and leave --grad-accum at 1"
+            )
+        if self.is_amp:
+            raise SettingsError(
+                f"--precision {self.precision} with --step: memplan does not emulate an autocast your function "
+                "opens; use fp32, bf16 or fp16 storage with --step, or the canonical loop for autocast"
             )
 
     def _check_lora(self) -> None:

@@ -3,15 +3,16 @@ in plain PyTorch and run for real on the CPU (memplan's own loop code is on neit
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
-from memplan.measure.collector import collector_held
-from memplan.measure.cpu import LiveStorageCounter
 from memplan.models.source import resolve_model
 from memplan.settings import LOOPS, TrainingSettings
+from tests.hand_measure import measured_step_peak
 from tests.zoo_models import tied_lm, token_inputs
 
 BATCH = 8
@@ -50,21 +51,8 @@ def _step(loop: str, model: torch.nn.Module, batch: dict, optimizer: torch.optim
 def _measured_peak(loop: str) -> int:
     torch.manual_seed(0)
     model = tied_lm()
-    batch = token_inputs(BATCH)
     optimizer = torch.optim.AdamW(model.parameters())
-    _step(loop, model, batch, optimizer)  # the optimizer state exists from the first step on
-    counter = LiveStorageCounter()
-    for tensor in [*model.parameters(), *model.buffers(), *batch.values()]:
-        counter.add_static(tensor)
-    for state in optimizer.state.values():
-        for value in state.values():
-            counter.add_static(value)
-    for param in model.parameters():
-        if param.grad is not None:
-            counter.add_live(param.grad)  # the previous step's gradients, where the loop kept them
-    with collector_held(), counter:
-        _step(loop, model, batch, optimizer)
-    return counter.peak_bytes
+    return measured_step_peak(functools.partial(_step, loop), model, token_inputs(BATCH), optimizer)
 
 
 def _predicted_peak(loop: str) -> int:

@@ -20,11 +20,19 @@ The variants people write (settings.LOOPS), each differing only where noted:
   `model.zero_grad()` (set_to_none=True).
 - keep-output: `out = model(...)`, `loss_of(out).backward()`: the model output (logits) stays
   alive through the backward.
+
+A custom step (`--step package.module:fn`, settings.step) replaces the loop: memplan calls
+`fn(model, batch, optimizer)` once per iteration, with the model, batch and optimizer built as for
+the loop (storage precision, LoRA and checkpointing applied; `optimizer` None with `--optimizer
+none`). Whatever fn does is what runs: its forward passes, losses, backward calls, optimizer step
+and zero_grad. The phases are where it calls them: the forward ends at its first backward, the
+backward at its first optimizer.step().
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +44,7 @@ from torch.optim import Optimizer
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import with_lora
+from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
 from memplan.settings import TrainingSettings
 
@@ -206,8 +215,68 @@ def _accumulating(state: TrainingState) -> bool:
     return state.micro_batches_done % state.settings.grad_accum != 0
 
 
+StepFunction = Callable[[nn.Module, Batch, Optimizer | None], Any]
+
+
+def step_function(settings: TrainingSettings) -> StepFunction:
+    assert settings.step is not None
+    return import_object(settings.step, "--step")
+
+
+GradientsSeen = Callable[[list[torch.Tensor]], None]
+
+
+@contextlib.contextmanager
+def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | None) -> Iterator[None]:
+    """Mark the forward's end at the first backward call and the backward's end at the first
+    optimizer.step(), showing `on_step` the gradients that step finds (or, without a step, those the
+    function leaves). `on_step` must not keep them: the step's own zero_grad frees them."""
+    marked: set[str] = set()
+    original_backward = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if not marked:
+            marked.add("forward")
+            marker("forward")
+        return original_backward(*args, **kwargs)
+
+    optimizer = state.optimizer
+    original_step = optimizer.step if optimizer is not None else None
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if "backward" not in marked:
+            marked.update(("forward", "backward"))
+            if on_step is not None:
+                on_step(current_grads(state))
+            marker("backward")
+        assert original_step is not None
+        return original_step(*args, **kwargs)
+
+    torch.autograd.backward = backward  # Tensor.backward looks it up as torch.autograd.backward
+    if optimizer is not None:
+        optimizer.step = step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original_backward
+        if optimizer is not None:
+            del optimizer.step  # back to the class's own method
+    if "backward" not in marked and on_step is not None:
+        on_step(current_grads(state))
+
+
+def custom_step(state: TrainingState, marker: Marker = _no_marker, on_step: GradientsSeen | None = None) -> None:
+    """The user's iteration, `fn(model, batch, optimizer)`, with its phases marked."""
+    function = step_function(state.settings)
+    with _step_phases(state, marker, on_step):
+        function(state.model, state.batch, state.optimizer)
+
+
 def iteration(state: TrainingState, marker: Marker = _no_marker) -> None:
     """One whole iteration of the training loop (used by real runs)."""
+    if state.settings.step is not None:
+        custom_step(state, marker)
+        return
     for _ in range(state.settings.grad_accum):
         micro_batch(state, marker)
         state.micro_batches_done += 1

@@ -41,6 +41,7 @@ from memplan.estimator.loop import (
     STORAGE_DTYPES,
     TrainingState,
     current_grads,
+    custom_step,
     drop_grads,
     gradients_outlive_the_step,
     micro_batch,
@@ -385,6 +386,116 @@ def _warm_up_optimizer(state: TrainingState) -> None:
     state.optimizer.zero_grad(set_to_none=True)
 
 
+def _trace_custom_step(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    state: TrainingState,
+    fake_mode: FakeTensorMode,
+    recorder: GraphRecorder,
+    previous_grads: list[tuple[StorageWeakRef, int]],
+    started: float,
+) -> TracedStep:
+    """trace_step for `--step`: the user's whole iteration, recorded as it runs.
+
+    Gradients the iteration starts with (what the step left last time) that it frees count until
+    the op where they went; the gradients its optimizer step finds are gradients; those it leaves
+    allocated outlive the iteration."""
+    boundaries: dict[str, int] = {}
+    freed_at: dict[StorageWeakRef, int] = {}
+    _note_when_freed(current_grads(state), freed_at, recorder.node_count)  # holding none of them
+    seen: list[tuple[StorageWeakRef, int]] = []
+
+    def marker(phase: str) -> None:
+        boundaries[phase] = recorder.node_count()
+
+    def on_step(grads: list[torch.Tensor]) -> None:
+        seen.extend((storage_key(grad), grad.untyped_storage().nbytes()) for grad in grads)
+
+    eager_lifetimes = _EagerLifetimes(recorder.node_count)
+    tracker = _ModuleTracker(state.model, recorder.node_count)
+    try:
+        target_kernels = _target_kernels(settings)
+        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder:
+            with _lifetimes_tracked(eager_lifetimes), constant_item():
+                custom_step(state, marker, on_step)
+            eager_lifetimes.finish()
+    except MemplanError:
+        raise
+    except Exception as error:
+        raise _trace_failure(error, tracker.current(), spec, state.batch) from error
+    left = current_grads(state)
+    graph = recorder.finish(left)
+    categories, sizes = _categorize(state, left)
+    for key, nbytes in seen:
+        categories[key], sizes[key] = "gradients", nbytes
+    released_early = []
+    for key, nbytes in previous_grads:
+        if key in freed_at:
+            categories[key] = "gradients"
+            released_early.append((key, nbytes, max(freed_at[key] - 1, 0)))
+    stored = (categories, sizes)
+    return _traced_step(
+        graph, settings, state, boundaries, stored, tracker, eager_lifetimes, started, None, unknown_ops, released_early
+    )
+
+
+@contextlib.contextmanager
+def _lifetimes_tracked(eager_lifetimes: _EagerLifetimes) -> Iterator[None]:
+    """How long Python, the autocast cache and checkpoint inputs keep each tensor, while the step runs."""
+    with (
+        eager_lifetimes,
+        _selective_cache_lifetimes(eager_lifetimes),
+        _checkpoint_input_lifetimes(eager_lifetimes),
+    ):
+        yield
+
+
+def _traced_step(
+    graph: OpGraph,
+    settings: TrainingSettings,
+    state: TrainingState,
+    boundaries: dict[str, int],
+    stored: tuple[dict[StorageWeakRef, str], dict[StorageWeakRef, int]],
+    tracker: _ModuleTracker,
+    eager_lifetimes: _EagerLifetimes,
+    started: float,
+    recording: OptimizerRecording | None,
+    unknown_ops: set[str],
+    released_early: list[tuple[StorageWeakRef, int, int]],
+) -> TracedStep:
+    """The TracedStep of a finished recording: phases from `boundaries` (the whole graph where a
+    phase never ended), storages from `stored` (categories, sizes)."""
+    node_count = len(graph.nodes)
+    return TracedStep(
+        graph=graph,
+        settings=settings,
+        forward_end=boundaries.get("forward", node_count),
+        backward_end=boundaries.get("backward", node_count),
+        storage_categories=stored[0],
+        storage_bytes=stored[1],
+        node_modules=tracker.per_node(node_count),
+        parameter_count=sum(p.numel() for p in state.model.parameters()),
+        trainable_parameter_count=sum(p.numel() for p in state.trainable),
+        checkpointed_blocks=state.checkpointed_blocks,
+        python_lifetimes=eager_lifetimes.local_lifetimes,
+        backward_node_ops=eager_lifetimes.backward_node_ops,
+        seconds=time.perf_counter() - started,
+        optimizer_recording=recording,
+        unknown_target_ops=tuple(sorted(unknown_ops)),
+        released_early=tuple(released_early),
+    )
+
+
+def _note_when_freed(
+    tensors: list[torch.Tensor], freed_at: dict[StorageWeakRef, int], node_count: Callable[[], int]
+) -> None:
+    """Record in `freed_at` the node count at which each tensor is freed (a function of its own, so
+    no loop variable outlives the loop and keeps the last one alive)."""
+    for tensor in tensors:
+        key = storage_key(tensor)
+        weakref.finalize(tensor, lambda key=key: freed_at.setdefault(key, node_count()))
+
+
 def _categorize(
     state: TrainingState, grads: list[torch.Tensor]
 ) -> tuple[dict[StorageWeakRef, str], dict[StorageWeakRef, int]]:
@@ -467,8 +578,26 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
         state = prepare(spec, settings)
-        _warm_up_optimizer(state)
+        if settings.step is None:
+            _warm_up_optimizer(state)
+    if settings.step is not None:
+        # The state a steady-state iteration finds is what the user's own step leaves: run it once.
+        try:
+            with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
+                custom_step(state)
+        except MemplanError:
+            raise
+        except Exception as error:
+            raise _step_failure(error, settings) from error
     return FakeSetup(fake_mode=fake_mode, state=state)
+
+
+def _step_failure(error: Exception, settings: TrainingSettings) -> TraceError:
+    return TraceError(
+        f"--step {settings.step} failed under fake tensors ({type(error).__name__}: {error}); it is called as "
+        "fn(model, batch, optimizer) and must run on tensors without values (no data-dependent Python control "
+        "flow); use --debug for the traceback"
+    )
 
 
 def trace_step(
@@ -499,6 +628,8 @@ def trace_step(
     inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
     recorder = GraphRecorder(inputs)
+    if settings.step is not None:
+        return _trace_custom_step(spec, settings, state, fake_mode, recorder, previous_grads, started)
 
     def marker(phase: str) -> None:
         boundaries[phase] = recorder.node_count()
@@ -510,11 +641,7 @@ def trace_step(
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).
         target_kernels = _target_kernels(settings)
         with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder:
-            with (
-                eager_lifetimes,
-                _selective_cache_lifetimes(eager_lifetimes),
-                _checkpoint_input_lifetimes(eager_lifetimes),
-            ):
+            with _lifetimes_tracked(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()
             grads = current_grads(state)
@@ -535,28 +662,23 @@ def trace_step(
     except Exception as error:  # any failure inside the user's model becomes one clear message
         raise _trace_failure(error, tracker.current(), spec, state.batch) from error
     graph = recorder.finish(grads)
-    node_count = len(graph.nodes)
     categories, sizes = _categorize(state, grads)
     released_early = []
     if "zero_grad" in boundaries:  # the previous gradients were dropped after the forward
         for key, nbytes in previous_grads:
             categories[key] = "gradients"
             released_early.append((key, nbytes, boundaries["zero_grad"] - 1))
-    return TracedStep(
-        graph=graph,
-        settings=settings,
-        forward_end=boundaries.get("forward", node_count),
-        backward_end=boundaries.get("backward", node_count),
-        storage_categories=categories,
-        storage_bytes=sizes,
-        node_modules=tracker.per_node(node_count),
-        parameter_count=sum(p.numel() for p in state.model.parameters()),
-        trainable_parameter_count=sum(p.numel() for p in state.trainable),
-        checkpointed_blocks=state.checkpointed_blocks,
-        python_lifetimes=eager_lifetimes.local_lifetimes,
-        backward_node_ops=eager_lifetimes.backward_node_ops,
-        seconds=time.perf_counter() - started,
-        optimizer_recording=recording,
-        unknown_target_ops=tuple(sorted(unknown_ops)),
-        released_early=tuple(released_early),
+    stored = (categories, sizes)
+    return _traced_step(
+        graph,
+        settings,
+        state,
+        boundaries,
+        stored,
+        tracker,
+        eager_lifetimes,
+        started,
+        recording,
+        unknown_ops,
+        released_early,
     )

@@ -133,7 +133,11 @@ def run_compare(
     listed = techniques(settings)
     interrupted = False
     for number, technique in enumerate(listed, start=1):
-        variant = settings.replace(**technique.changes)
+        try:
+            variant = settings.replace(**technique.changes)
+        except SettingsError as error:  # e.g. autocast or accumulation rows with --step
+            skipped.append(f"{technique.name}: {error}")
+            continue
         label = f"[{number}/{len(listed)}] {technique.name}"
         try:
             result = run_estimate(spec, variant, progress=lambda message, label=label: report(f"{label}: {message}"))

@@ -1,0 +1,42 @@
+"""Training steps users write themselves, for `--step tests.custom_steps:NAME` (tests/test_custom_step.py).
+
+Each is `fn(model, batch, optimizer)`, one iteration, written in plain PyTorch as a user would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def two_views(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Two forward passes of the batch, both graphs alive until one backward of the summed losses
+    (a consistency loss's shape), then the step."""
+    first = model(**batch)["loss"]
+    second = model(**batch)["loss"]
+    (first + second).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def zero_grad_first_and_log(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """zero_grad at the start (the previous gradients live until then), the loss read for logging."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(**batch)["loss"]
+    loss.backward()
+    optimizer.step()
+    _logged = float(loss.item())
+
+
+def accumulate_halves(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The batch in two halves, each half's loss backward (accumulating), one step."""
+    rows = next(iter(batch.values())).shape[0]
+    for half in (slice(0, rows // 2), slice(rows // 2, rows)):
+        loss = model(**{name: value[half] for name, value in batch.items()})["loss"]
+        (loss / 2).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def no_backward(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """A broken step for the error test: it indexes a Python list past its end."""
+    [][0]

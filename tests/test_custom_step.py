@@ -1,0 +1,120 @@
+"""`--step module:fn`: the user's own iteration, predicted against the same function run for real on
+the CPU, measured by hand in plain PyTorch (memplan's loop code is on neither side)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import tests.custom_steps as custom_steps
+from memplan.cli import main
+from memplan.errors import SettingsError
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
+from tests.hand_measure import measured_step_peak
+from tests.zoo_models import tied_lm, token_inputs
+
+BATCH = 8
+STEPS = ("two_views", "zero_grad_first_and_log", "accumulate_halves")
+
+
+def _measured_peak(name: str) -> int:
+    torch.manual_seed(0)
+    model = tied_lm()
+    optimizer = torch.optim.AdamW(model.parameters())
+    return measured_step_peak(getattr(custom_steps, name), model, token_inputs(BATCH), optimizer)
+
+
+def _predicted(name: str):
+    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    settings = spec.settings_for(
+        TrainingSettings(batch_size=BATCH, device="cpu", optimizer="adamw", step=f"tests.custom_steps:{name}")
+    )
+    return simulate(trace_step(spec, settings))
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_a_custom_step_is_predicted_as_measured(name):
+    assert _predicted(name).peak_bytes == pytest.approx(_measured_peak(name), rel=0.005, abs=16)
+
+
+def test_the_steps_differ_as_they_should():
+    """Measured, not predicted: two live graphs cost more than one; half batches cost less."""
+    canonical_like = _measured_peak("zero_grad_first_and_log")
+    assert _measured_peak("two_views") > canonical_like > _measured_peak("accumulate_halves")
+
+
+def test_the_phases_are_where_the_function_calls_backward_and_step():
+    simulation = _predicted("two_views")
+    phases = simulation.phase_peak_bytes
+    assert set(phases) == {"forward", "backward", "optimizer"} and all(value > 0 for value in phases.values())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"precision": "amp-bf16"}, "does not emulate an autocast"),
+        ({"grad_accum": 2}, "accumulate inside your function"),
+        ({"loop": "hf-trainer"}, "leave out --loop"),
+        ({"step": "not a path"}, "package.module:function"),
+    ],
+)
+def test_step_settings_that_cannot_hold_are_refused(changes, message):
+    with pytest.raises(SettingsError, match=message):
+        TrainingSettings(**{"step": "tests.custom_steps:two_views", **changes})
+
+
+def test_the_cli_runs_a_step_and_says_what_failed_in_one():
+    common = ["estimate", "tests.zoo_models:tied_lm", "--inputs", "tests.zoo_models:token_inputs", "--device", "cpu"]
+    ok = CliRunner().invoke(main, [*common, "--step", "tests.custom_steps:two_views", "--json"])
+    assert ok.exit_code == 0, ok.output
+    broken = CliRunner().invoke(main, [*common, "--step", "tests.custom_steps:no_backward"])
+    assert broken.exit_code == 1 and "--step tests.custom_steps:no_backward failed" in broken.output
+    assert "Traceback" not in broken.output
+    missing = CliRunner().invoke(main, [*common, "--step", "tests.custom_steps:absent"])
+    assert missing.exit_code == 2 and "has no attribute 'absent'" in missing.output
+
+
+def test_a_step_that_zeroes_gradients_first_starts_with_the_previous_ones():
+    """Its peak falls after zero_grad; what differs from the canonical loop is the start, which holds
+    the previous step's gradients (one float32 gradient per parameter) until the step drops them."""
+    gradient_bytes = sum(param.numel() * 4 for param in tied_lm().parameters())
+    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    canonical = simulate(trace_step(spec, TrainingSettings(batch_size=BATCH, device="cpu")))
+    custom = _predicted("zero_grad_first_and_log")
+    assert custom.timeline_bytes[0] - canonical.timeline_bytes[0] == gradient_bytes
+    # ...and they are gone once it has run its forward: by then it holds no more than the loop.
+    forward_end = custom.timeline.forward_end
+    assert custom.timeline_bytes[forward_end] <= canonical.timeline_bytes[canonical.timeline.forward_end]
+
+
+def test_the_api_takes_the_step_as_a_function_or_its_path():
+    import memplan
+
+    common = {"inputs": "tests.zoo_models:token_inputs", "batch_size": BATCH, "device": "cpu"}
+    by_function = memplan.estimate("tests.zoo_models:tied_lm", step=custom_steps.two_views, **common)
+    by_path = memplan.estimate("tests.zoo_models:tied_lm", step="tests.custom_steps:two_views", **common)
+    assert by_function.settings.step == "tests.custom_steps:two_views"
+    assert by_function.peak_bytes == by_path.peak_bytes == _measured_peak("two_views")
+    with pytest.raises(SettingsError, match="cannot be imported by name"):
+        memplan.estimate("tests.zoo_models:tied_lm", step=lambda model, batch, optimizer: None, **common)
+
+
+def test_compare_skips_the_techniques_a_custom_step_cannot_take_and_says_why():
+    import memplan
+
+    result = memplan.compare(
+        "tests.zoo_models:tied_lm",
+        inputs="tests.zoo_models:token_inputs",
+        batch_size=BATCH,
+        device="cpu",
+        step="tests.custom_steps:two_views",
+    )
+    names = [row.name for row in result.rows]
+    assert names[0] == "as given" and "pure bf16" in names and "AMP bf16" not in names
+    assert any(reason.startswith("AMP bf16: --precision amp-bf16 with --step") for reason in result.skipped)
+    assert any(reason.startswith("grad accumulation ×2: --step runs your whole iteration") for reason in result.skipped)
+    assert result.rows[0].estimate.peak_bytes == _measured_peak("two_views")
