@@ -21,13 +21,32 @@ from memplan.settings import PRECISIONS, TrainingSettings
 from tests.zoo import tiny_preset_config
 
 GPUS = ("H100-80GB", "A100-80GB", "T4")
-# One preset per distinct shrunk config (gpt2 and gpt2-large shrink alike).
+
+
+def _kernel_key(preset) -> str:
+    """What decides the kernels a preset's step runs: its architecture and task, the query to
+    key/value head grouping, an explicit head size, the kind of rotary scaling, sliding windows and
+    logit soft-capping. Presets alike in all of these (Qwen2.5 sizes with the same grouping, Llama 3
+    and Llama 3.1 aside from their rope scaling) are one case; sizes and epsilons do not pick kernels."""
+    tiny = tiny_preset_config(preset)
+    scaling = tiny.get("rope_scaling")
+    return json.dumps(
+        {
+            "model_type": preset.model_type,
+            "task": preset.task,
+            "heads": [tiny.get(key) for key in ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")],
+            "head_dim": "head_dim" in tiny,
+            "rope": (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else None,
+            "window": tiny.get("sliding_window") is not None,
+            "softcap": tiny.get("attn_logit_softcapping") is not None,
+        },
+        sort_keys=True,
+    )
+
+
+# One preset per kernel key (gpt2 and gpt2-large alike).
 ARCHITECTURES = sorted(
-    {
-        json.dumps(tiny_preset_config(preset), sort_keys=True): name
-        for name, preset in all_presets().items()
-        if not name.startswith("tiny-")
-    }.values()
+    {_kernel_key(preset): name for name, preset in all_presets().items() if not name.startswith("tiny-")}.values()
 )
 # Every (architecture, precision) once; the GPU rotates and checkpointing alternates, so each
 # architecture meets every GPU and both checkpoint settings.

@@ -255,4 +255,13 @@ def tiny_preset_config(preset: Any, layers: int = 2) -> dict[str, Any]:
             config[key] = 4
     if "num_key_value_heads" in config:
         config["num_key_value_heads"] = 4 if queries_per_kv == 1 else 2 if queries_per_kv <= 4 else 1
+    if preset.model_type == "phi3":
+        config["pad_token_id"] = 0  # Phi3Config's default, 32000, is past the tiny vocabulary
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and any(isinstance(value, list) for value in scaling.values()):
+        # Per-frequency factors (Phi-3's longrope) come one per pair of a head's dimensions.
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        config["rope_scaling"] = {
+            key: value[: head_dim // 2] if isinstance(value, list) else value for key, value in scaling.items()
+        }
     return config

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.models.batches import TASKS
-from memplan.models.presets import get_preset
+from memplan.models.presets import get_preset, preset_for_hub_id
 
 # Which transformers auto class builds each task head.
 _AUTO_CLASS_BY_TASK = {
@@ -77,7 +77,9 @@ def _load_config(name: str) -> Any | None:
         try:
             return AutoConfig.from_pretrained(name, local_files_only=True)
         except (OSError, ValueError):
-            return None
+            # Not in the local hub cache: the preset made from that hub id's config, offline.
+            by_hub_id = preset_for_hub_id(name)
+            return AutoConfig.for_model(by_hub_id.model_type, **by_hub_id.config) if by_hub_id else None
     return None
 
 
@@ -115,7 +117,7 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
     config = _load_config(name)
     if config is None:
         return None
-    preset = get_preset(name)
+    preset = get_preset(name) or preset_for_hub_id(name)
     chosen = task or (preset.task if preset else None) or _guess_task(config)
     if chosen is None:
         from memplan.errors import UsageError

@@ -32,3 +32,9 @@ def all_presets() -> dict[str, Preset]:
 
 def get_preset(name: str) -> Preset | None:
     return all_presets().get(name.lower())
+
+
+def preset_for_hub_id(hub_id: str) -> Preset | None:
+    """The preset whose config is that of the hub model `hub_id` (`meta-llama/Llama-3.1-8B`), if any."""
+    wanted = hub_id.lower()
+    return next((preset for preset in all_presets().values() if preset.hub_id.lower() == wanted), None)

@@ -197,13 +197,7 @@ def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
 
 
 def _suggest(name: str) -> str:
-    """A preset made from this hub id (works offline), else close spellings of presets and model types."""
-    same_hub_id = [preset.name for preset in all_presets().values() if preset.hub_id.lower() == name.lower()]
-    if same_hub_id:
-        return (
-            f"it is not in the local hub cache; the preset {same_hub_id[0]} is its config, offline "
-            f"(`memplan estimate {same_hub_id[0]} ...`), or give the path of a downloaded config.json. "
-        )
+    """Close spellings of presets and model types (a hub id that is a preset's resolves to it)."""
     candidates = list(all_presets()) + model_types()
     close = difflib.get_close_matches(name.lower(), candidates, n=3, cutoff=0.6)
     if "/" in name and not close:  # a hub id: try its last part against the preset names

@@ -1,0 +1,48 @@
+"""The shipped presets are the models they name: each config, built by transformers on the meta
+device (memplan's tracer not involved), has the parameter count the model's own hub page lists
+(the total of its safetensors files, e.g. Llama-3.1-8B's 16,060,522,496 bytes of bf16 = 8,030,261,248
+parameters). A wrong width, head count, vocabulary or tie setting in a preset changes that count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memplan.models.presets import all_presets, preset_for_hub_id
+
+PUBLISHED_PARAMETERS = {
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-14b": 14_770_033_664,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "phi-3.5-mini": 3_821_079_552,
+    "mistral-nemo-12b": 12_247_782_400,
+    "smollm2-1.7b": 1_711_376_384,
+    "vit-large-patch16-224": 304_326_632,
+}
+
+
+@pytest.mark.parametrize(("name", "published"), sorted(PUBLISHED_PARAMETERS.items()))
+def test_a_presets_config_has_its_models_parameter_count(name, published):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
+
+    preset = all_presets()[name]
+    config = AutoConfig.for_model(preset.model_type, **preset.config)
+    kind = AutoModelForImageClassification if preset.task == "image-classification" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = kind.from_config(config)
+    assert sum(param.numel() for param in model.parameters()) == published
+
+
+def test_a_hub_id_not_in_the_cache_resolves_to_its_preset_offline():
+    import memplan
+
+    assert preset_for_hub_id("META-LLAMA/Llama-3.1-8B").name == "llama-3.1-8b"
+    result = memplan.estimate("meta-llama/Llama-3.2-1B", batch_size=1, seq_len=64, device="cpu")
+    assert result.model == "meta-llama/Llama-3.2-1B"
+    assert result.parameter_count == PUBLISHED_PARAMETERS["llama-3.2-1b"]
