@@ -1,5 +1,7 @@
 """The caching-allocator simulator on hand-written allocation traces, with hand-computed segments."""
 
+import pytest
+
 from memplan.estimator.cuda.allocator import CachingAllocator, round_size, segment_size
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -632,14 +634,20 @@ def test_oversize_release_boundaries() -> None:
 # unmapped blocks holds the request. Positions below are MiB from the segment's start, by hand.
 
 
-def _expandable_device(capacity_mib: int) -> CachingAllocator:
+def _expandable_device(capacity_mib: int, stream: int = 0) -> CachingAllocator:
+    """An expandable-segment allocator on a device of `capacity_mib`, every request on `stream`
+    (a stream's pools behave as the default stream's: the same numbers)."""
     from memplan.estimator.cuda.allocator import AllocatorConfig
 
-    return CachingAllocator(AllocatorConfig(expandable_segments=True), capacity_bytes=capacity_mib * MiB)
+    device = CachingAllocator(AllocatorConfig(expandable_segments=True), capacity_bytes=capacity_mib * MiB)
+    on_stream = device.malloc
+    device.malloc = lambda num_bytes: on_stream(num_bytes, stream)  # type: ignore[method-assign]
+    return device
 
 
-def test_a_full_expandable_segment_unmaps_its_free_pages_and_maps_again_where_there_is_room() -> None:
-    device = _expandable_device(120)
+@pytest.mark.parametrize("stream", [0, 1])
+def test_a_full_expandable_segment_unmaps_its_free_pages_and_maps_again_where_there_is_room(stream) -> None:
+    device = _expandable_device(120, stream)
     a, b, c, x = (device.malloc(20 * MiB) for _ in range(4))  # pages [0, 80), one block each
     base = device.block(a)[0]
     device.free(a)
@@ -666,22 +674,28 @@ def test_a_full_expandable_segment_unmaps_its_free_pages_and_maps_again_where_th
     assert unlimited.reserved_bytes == 140 * MiB
 
 
-def test_expandable_pages_partly_in_use_stay_mapped_and_can_run_a_device_out_of_memory() -> None:
-    import pytest
-
+@pytest.mark.parametrize("stream", [0, 1])
+def test_expandable_pages_partly_in_use_stay_mapped_and_can_run_a_device_out_of_memory(stream) -> None:
     from memplan.estimator.cuda.allocator import OutOfMemory
 
-    device = _expandable_device(60)
+    device = _expandable_device(60, stream)
     a = device.malloc(30 * MiB)  # pages [0, 40): a at [0, 30), free [30, 40)
     device.malloc(25 * MiB)  # the free 10 MiB + one more page: [30, 55), free [55, 60); 60 MiB
     device.free(a)
     # 35 MiB: 60 MiB live at most, yet no layout of whole pages holds it. The retry unmaps only
     # [0, 20) of a's [0, 30) (the page [20, 40) is shared with the live block) and nothing of
     # [55, 60); [0, 30) is then 30 MiB of room, short of 35; the end needs two more pages (80 MiB).
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(OutOfMemory, match="no room to map 36,700,160 B on a 62,914,560 B device"):
         device.malloc(35 * MiB)
     assert device.reserved_bytes == 40 * MiB
-    roomy = _expandable_device(80)
+    # What the retry left mapped of a's pages, [20, 30), is a free block of this stream's pool:
+    # 10 MiB land there, and again once freed, with no page mapped.
+    first = device.malloc(10 * MiB)
+    base = device.block(first)[0] - 20 * MiB
+    device.free(first)
+    again = device.malloc(10 * MiB)
+    assert device.block(again) == (base + 20 * MiB, 10 * MiB) and device.reserved_bytes == 40 * MiB
+    roomy = _expandable_device(80, stream)
     a = roomy.malloc(30 * MiB)
     roomy.malloc(25 * MiB)
     roomy.free(a)
@@ -702,6 +716,12 @@ def test_a_block_freed_on_one_stream_is_cached_for_that_stream_only() -> None:
     assert (allocator.segments, allocator.reserved_bytes) == (2, 40 * MiB)
     allocator.malloc(8 * MiB, stream=1)  # stream 1 reuses its own cached block
     assert allocator.reserved_bytes == 40 * MiB
+    split = CachingAllocator()
+    first, second = split.malloc(2 * MiB, stream=1), split.malloc(4 * MiB, stream=1)  # splits of one segment
+    split.free(second)
+    split.free(first)  # the pieces merge back into stream 1's one free 20 MiB block
+    split.malloc(20 * MiB, stream=1)
+    assert split.reserved_bytes == 20 * MiB
     small = CachingAllocator()
     small.free(small.malloc(100 * KiB, stream=1))
     small.malloc(100 * KiB)  # the small pool is per stream too: two 2 MiB segments
