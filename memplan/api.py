@@ -324,7 +324,9 @@ def which_gpu(
         raise SettingsError("which_gpu takes the cards as gpus; leave gpu out of the settings")
     if "budget" in setting_overrides:
         raise SettingsError("which_gpu compares each card's own memory; leave out budget")
-    settings, _ = _settings(settings, setting_overrides, inputs)
+    settings, plan = _settings(settings, setting_overrides, inputs)
+    if plan is not None:
+        raise SettingsError("a plan file is made for one card's settings: estimate it with that one gpu")
     spec = _source(model, inputs, loss, task)
     return run_gpu_choice(spec, settings, list(names), progress=_progress(progress))
 

@@ -721,9 +721,9 @@ def sweep(
             from memplan.render.estimate import describe_settings
             from memplan.render.plot import plot_sweep
 
-            reserved = result.settings.device == "cuda"  # the budget holds the reserved peak there
+            device = result.settings.device == "cuda"  # what the budget is compared with there
             series = {
-                s.label: [(p.batch_size, p.reserved_peak_bytes if reserved else p.peak_bytes) for p in s.points]
+                s.label: [(p.batch_size, p.smallest_device_bytes if device else p.peak_bytes) for p in s.points]
                 for s in result.series
             }
             base = result.settings.replace(checkpoint="none")
@@ -733,7 +733,7 @@ def sweep(
                 title=f"{result.model}: {describe_settings(base, with_batch=False)}",
                 budget_bytes=result.budget_bytes,
                 max_batch_sizes={s.label: s.max_batch_size for s in result.series},
-                measure="predicted reserved peak" if reserved else "predicted peak",
+                measure="predicted memory the step completes in" if device else "predicted peak",
             )
             _stderr_console().print(f"[dim]plot: {plot}[/dim]")
         from memplan.render.explore import render_sweep

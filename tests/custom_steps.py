@@ -40,3 +40,21 @@ def accumulate_halves(model: torch.nn.Module, batch: dict, optimizer: torch.opti
 def no_backward(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
     """A broken step for the error test: it indexes a Python list past its end."""
     [][0]
+
+
+def with_lr_schedule(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The canonical step with a learning-rate schedule kept on the optimizer (LR schedulers wrap
+    optimizer.step as a bound method)."""
+    if not hasattr(optimizer, "memplan_test_schedule"):
+        optimizer.memplan_test_schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    model(**batch)["loss"].backward()
+    optimizer.step()
+    optimizer.memplan_test_schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def keep_gradients(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Gradients zeroed in place, never freed (zero_grad(set_to_none=False))."""
+    model(**batch)["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)

@@ -102,3 +102,29 @@ def test_a_traced_steps_reserved_peak_and_smallest_device_equal_the_references(e
     allocated = max(timeline.total_bytes())
     smallest = smallest_device_bytes(timeline, allocated, reserved, config)
     assert smallest == reference_smallest_device(calls, expandable, allocated, reserved) < reserved
+
+
+def test_a_fit_is_decided_at_the_budget_because_the_retry_is_not_monotone_in_capacity():
+    """Seven requests (MiB, live from node to node) that complete on a 136 MiB device, run out on
+    138 MiB (the larger device keeps a segment the smaller one had to free, and the next request
+    no longer finds room) and complete again on 140: the reference says so, and memplan's fit at a
+    budget replays that budget instead of comparing it with the least capacity found."""
+    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, device_fit_bytes, fits_within
+
+    requests = ((1, 3, 45), (2, 3, 16), (3, 4, 16), (4, 6, 60), (5, 6, 60), (6, 6, 8))
+    allocations = tuple(
+        TimelineAllocation(start, end, size * MiB, "activations", "op", None) for start, end, size in requests
+    )
+    timeline = MemoryTimeline(node_count=7, forward_end=3, backward_end=6, allocations=allocations)
+    calls = recorded_requests(timeline)
+
+    def reference_completes(capacity_mib: int) -> bool:
+        try:
+            reference_replay(calls, False, capacity_mib * MiB)
+        except OutOfMemoryError:
+            return False
+        return True
+
+    assert [reference_completes(mib) for mib in (134, 136, 138, 140)] == [False, True, False, True]
+    assert [fits_within(timeline, mib * MiB) for mib in (134, 136, 138, 140)] == [False, True, False, True]
+    assert device_fit_bytes(timeline) == 136 * MiB  # the figure shown: the least capacity bisection found

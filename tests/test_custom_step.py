@@ -18,7 +18,7 @@ from tests.hand_measure import measured_step_peak
 from tests.zoo_models import tied_lm, token_inputs
 
 BATCH = 8
-STEPS = ("two_views", "zero_grad_first_and_log", "accumulate_halves")
+STEPS = ("two_views", "zero_grad_first_and_log", "accumulate_halves", "with_lr_schedule")
 
 
 def _measured_peak(name: str) -> int:
@@ -118,3 +118,35 @@ def test_compare_skips_the_techniques_a_custom_step_cannot_take_and_says_why():
     assert any(reason.startswith("AMP bf16: --precision amp-bf16 with --step") for reason in result.skipped)
     assert any(reason.startswith("grad accumulation ×2: --step runs your whole iteration") for reason in result.skipped)
     assert result.rows[0].estimate.peak_bytes == _measured_peak("two_views")
+
+
+def test_a_step_that_keeps_its_gradients_leaves_no_recording_alive():
+    """Finalizers on the gradients a step starts with must not keep each trace's recorder alive when
+    the step never frees them (zero_grad(set_to_none=False) keeps them for ever)."""
+    import gc
+    import weakref
+
+    from memplan.estimator.recorder import GraphRecorder
+
+    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    settings = spec.settings_for(
+        TrainingSettings(batch_size=BATCH, device="cpu", step="tests.custom_steps:keep_gradients")
+    )
+    recorders: list[weakref.ref] = []
+    original_init = GraphRecorder.__init__
+
+    def remembered(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        recorders.append(weakref.ref(self))
+
+    GraphRecorder.__init__ = remembered
+    try:
+        from memplan.estimator.trace import build_fake_setup
+
+        setup = build_fake_setup(spec, settings)
+        for _ in range(3):
+            trace_step(spec, settings, setup)
+    finally:
+        GraphRecorder.__init__ = original_init
+    gc.collect()
+    assert len(recorders) == 3 and all(recorder() is None for recorder in recorders)

@@ -12,6 +12,7 @@ from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requ
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
+from memplan.estimator.timeline import MemoryTimeline, fits_within
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
 from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
@@ -28,9 +29,8 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False) -> list[s
         notes.append(
             f"cuda target ({settings.gpu or DEFAULT_GPU}): CUDA's autocast lists, SDPA backend, fused dropout, "
             "cuBLAS workspaces and the caching allocator are emulated; cuDNN convolution workspaces are a band "
-            "(memplan cannot know the algorithm cuDNN picks): its top is what is reported; fits compare the least "
-            "memory the step completes in (the allocator frees cached memory and retries when short), at the "
-            "band's more demanding end"
+            "(memplan cannot know the algorithm cuDNN picks): its top is what is reported; a fit replays the step "
+            "at the budget with both ends (the allocator frees cached memory and retries when short)"
         )
         if settings.cuda_context is None:
             notes.append(
@@ -111,6 +111,7 @@ class BatchTracer:
         self.first: TracedStep | None = None
         self.lines: BatchLines | None = None  # set once a third trace confirmed them
         self.interpolated: dict[int, dict[str, int]] = {}  # batch size -> fit_phase_peaks, from the lines
+        self.interpolated_timelines: dict[int, MemoryTimeline] = {}  # batch size -> its timeline, from the lines
 
     def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
         if batch_size in self.simulations or self.lines is None or batch_size == 1:
@@ -121,7 +122,19 @@ class BatchTracer:
             if timeline is None:
                 return self.simulate(batch_size).fit_phase_peaks
             self.interpolated[batch_size] = phase_fit_bytes(timeline, self.settings)
+            self.interpolated_timelines[batch_size] = timeline
         return self.interpolated[batch_size]
+
+    def fits(self, batch_size: int, budget_bytes: int) -> bool:
+        """Whether this batch size fits the budget, decided at the budget itself (Simulation.fits_within),
+        from the confirmed lines where they answered it."""
+        self.fit_phase_peaks(batch_size)
+        timeline = self.interpolated_timelines.get(batch_size)
+        if timeline is None or self.settings.device != "cuda":
+            if timeline is not None:
+                return max(timeline.total_bytes()) <= budget_bytes
+            return self.simulate(batch_size).fits_within(budget_bytes)
+        return fits_within(timeline, budget_bytes, self.settings.allocator_config)
 
     def fit_bytes(self, batch_size: int) -> int:
         return max(self.fit_phase_peaks(batch_size).values())
@@ -152,21 +165,23 @@ class BatchTracer:
             self.lines = lines
 
     def max_batch_size(self, budget_bytes: int) -> int:
-        """The largest batch size whose fit_bytes (reserved on cuda) is within the budget."""
+        """The largest batch size that fits the budget: the search runs on fit_bytes (on cuda the
+        least memory each step completes in), the answer is checked at the budget itself (fits)."""
         for batch in (self.settings.batch_size, second_batch_size(self.settings.batch_size)):
             if len(self.simulations) < 2:
                 self.simulate(batch)  # the search starts from two traced batch sizes
         known = {batch: simulation.fit_phase_peaks for batch, simulation in self.simulations.items()}
         found = find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
-        # The search may stop on a fitted line's word that found + 1 is over budget; the reserved
-        # peak moves in allocator-segment steps, so confirm above it (logarithmically), from the
+        # The search may stop on a fitted line's word that found + 1 is over budget; the device
+        # figure moves in allocator-segment steps, so confirm above it (logarithmically), from the
         # confirmed lines where there are some, else by tracing.
-        return last_fitting_from(found, lambda batch: self.fit_bytes(batch) <= budget_bytes)
+        return last_fitting_from(found, lambda batch: self.fits(batch, budget_bytes))
 
 
 def longest_seq_len(tracer: BatchTracer, budget_bytes: int) -> tuple[int, bool, int]:
-    """The longest sequence length whose fit_bytes, at the settings' batch size, is within the
-    budget; whether it is the limit (the model's maximum, else memplan's MAX_COUNT); the traces run.
+    """The longest sequence length that fits the budget at the settings' batch size
+    (Simulation.fits_within); whether it is the limit (the model's maximum, else memplan's
+    MAX_COUNT); the traces run.
 
     Each length asked about is one trace on the tracer's fake model: memory is no line in the
     sequence length (attention's scores grow with its square; the kernels change with it), so it is
@@ -174,20 +189,20 @@ def longest_seq_len(tracer: BatchTracer, budget_bytes: int) -> tuple[int, bool, 
     settings = tracer.settings
     assert settings.seq_len is not None, "run_estimate refuses --maximize seq-len for models without one"
     limit = tracer.spec.max_seq_len or MAX_COUNT
-    fit_bytes = {settings.seq_len: tracer.simulate(settings.batch_size).fit_bytes}
+    fit = {settings.seq_len: tracer.simulate(settings.batch_size).fits_within(budget_bytes)}
 
     def fits(seq_len: int) -> bool:
-        if seq_len not in fit_bytes:
+        if seq_len not in fit:
             raise_if_interrupted()
-            tracer.report(f"tracing sequence length {seq_len} (trace {len(tracer.simulations) + len(fit_bytes)})")
+            tracer.report(f"tracing sequence length {seq_len} (trace {len(tracer.simulations) + len(fit)})")
             # The sequence length cannot change the optimizer step: replay it (memplan.estimator.replay).
             replay = tracer.first.optimizer_recording if tracer.first else None
             traced = trace_step(tracer.spec, settings.replace(seq_len=seq_len), tracer.setup, replay)
-            fit_bytes[seq_len] = simulate(traced).fit_bytes
-        return fit_bytes[seq_len] <= budget_bytes
+            fit[seq_len] = simulate(traced).fits_within(budget_bytes)
+        return fit[seq_len]
 
     found = largest_fitting(settings.seq_len, fits, limit)
-    return found, found == limit, len(fit_bytes) - 1
+    return found, found == limit, len(fit) - 1
 
 
 def step_flops(traced: TracedStep) -> int:
@@ -223,7 +238,7 @@ def run_estimate(
     slope = (main.peak_bytes - tracer.simulate(other).phase_peak_bytes[main.phase]) // (batch_size - other)
     max_batch = fits = None
     if budget_bytes is not None:
-        fits = main.fit_bytes <= budget_bytes
+        fits = tracer.fits(settings.batch_size, budget_bytes)
         max_batch = tracer.max_batch_size(budget_bytes)
     max_seq_len, max_seq_len_is_limit, seq_len_traces = None, False, 0
     if maximize_seq_len and budget_bytes is not None:

@@ -2,7 +2,12 @@
 
 transformers checks tensor *values* in a few places and, seeing a fake tensor, assumes the worst:
 `find_packed_sequence_indices` keeps a packed-sequence mask (a real run of an unpacked batch gets
-None and SDPA's is_causal path), which changed Llama's attention path and its memory.
+None and SDPA's is_causal path), which changed Llama's attention path and its memory. And rotary
+embeddings whose frequencies depend on the sequence (`dynamic_rope_update`: longrope, as Phi-3's,
+and the dynamic types) compare the largest position with a length in Python on some transformers
+releases (5.17: `if seq_len > original_max_position_embeddings`), which a fake tensor cannot
+answer; under fake tensors they run without that update, which picks between frequency tables of
+the same size, so memory is unchanged.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -17,10 +23,63 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 @contextlib.contextmanager
 def real_run_paths() -> Iterator[None]:
-    masking = sys.modules.get("transformers.masking_utils")
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+    with _rope_without_frequency_updates():
+        masking = sys.modules.get("transformers.masking_utils")
+        if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+            yield
+            return
+        with _unpacked_sequences(masking):
+            yield
+
+
+@contextlib.contextmanager
+def _rope_without_frequency_updates() -> Iterator[None]:
+    """In every loaded rotary-embedding class that transformers' dynamic_rope_update decorates, the
+    frequency updates its wrapper calls (closure cells `longrope_frequency_update`,
+    `dynamic_frequency_update`) are skipped for fake positions."""
+    replaced: list[tuple[Any, Any]] = []  # (closure cell, original update)
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            wrapper = _rope_update_wrapper(getattr(value, "forward", None) if isinstance(value, type) else None)
+            if wrapper is None or id(wrapper) in seen:
+                continue
+            seen.add(id(wrapper))
+            for variable, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=True):
+                if variable in ("longrope_frequency_update", "dynamic_frequency_update"):
+                    replaced.append((cell, cell.cell_contents))
+                    cell.cell_contents = _skipped_for_fake_positions(cell.cell_contents)
+    try:
         yield
-        return
+    finally:
+        for cell, update in replaced:
+            cell.cell_contents = update
+
+
+def _rope_update_wrapper(function: Any) -> Any:
+    """dynamic_rope_update's wrapper in a chain of decorators (torch.no_grad's among them), or None;
+    functools.wraps gives it the forward's own names, its code keeps where it was defined."""
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None and code.co_name == "wrapper" and code.co_filename.endswith("modeling_rope_utils.py"):
+            return function
+        function = getattr(function, "__wrapped__", None)
+    return None
+
+
+def _skipped_for_fake_positions(update: Any) -> Any:
+    def maybe_update(self: Any, position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if isinstance(position_ids, FakeTensor):
+            return None  # picks between frequency tables of one size: no memory to predict
+        return update(self, position_ids, *args, **kwargs)
+
+    return maybe_update
+
+
+@contextlib.contextmanager
+def _unpacked_sequences(masking: Any) -> Iterator[None]:
     original = masking.find_packed_sequence_indices
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:

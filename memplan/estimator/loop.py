@@ -32,6 +32,7 @@ backward at its first optimizer.step().
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -253,14 +254,19 @@ def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | 
         return original_step(*args, **kwargs)
 
     torch.autograd.backward = backward  # Tensor.backward looks it up as torch.autograd.backward
+    own_step = optimizer.__dict__.get("step") if optimizer is not None else None  # e.g. an LR scheduler's
     if optimizer is not None:
-        optimizer.step = step  # type: ignore[method-assign]
+        # A bound method, as LR schedulers expect of optimizer.step (they wrap its __func__).
+        optimizer.step = types.MethodType(lambda _optimizer, *args, **kwargs: step(*args, **kwargs), optimizer)
     try:
         yield
     finally:
         torch.autograd.backward = original_backward
         if optimizer is not None:
-            del optimizer.step  # back to the class's own method
+            if own_step is None:
+                del optimizer.step  # back to the class's own method
+            else:
+                optimizer.step = own_step
     if "backward" not in marked and on_step is not None:
         on_step(current_grads(state))
 

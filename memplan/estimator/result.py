@@ -81,6 +81,15 @@ class EstimateResult:
             return self.peak_bytes
         return self.smallest_device_bytes
 
+    def fits_within(self, budget_bytes: int) -> bool:
+        """Whether the step fits `budget_bytes`: on cuda it completes on a device of that size,
+        replayed at that size (memplan.estimator.timeline.fits_within), else its peak is within it."""
+        if self.smallest_device_bytes is None or self.timeline is None:
+            return self.peak_bytes <= budget_bytes
+        from memplan.estimator.timeline import fits_within
+
+        return fits_within(self.timeline, budget_bytes, self.settings.allocator_config)
+
     def _repr_html_(self) -> str:
         """Jupyter's view: the CLI's report and the timeline plot (memplan.render.notebook)."""
         from memplan.render.notebook import estimate_html

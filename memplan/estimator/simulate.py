@@ -9,12 +9,12 @@ gradients) and graph outputs (gradients, freed by zero_grad at the iteration's e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memplan.estimator.cuda.allocator import round_size
+from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
 from memplan.estimator.cuda.attention_scratch import FLASH_BACKWARD, attention_backward_scratch
 from memplan.estimator.cuda.cublas import cublas_workspace_bytes
 from memplan.estimator.cuda.cudnn import (
@@ -33,6 +33,7 @@ from memplan.estimator.timeline import (
     MemoryTimeline,
     TimelineAllocation,
     device_fit_bytes,
+    fits_within,
     reserved_peak_bytes,
     without_cudnn_workspaces,
 )
@@ -89,6 +90,7 @@ class Simulation:
     # its cached segments and retrying when a cudaMalloc fails; the larger of the band's two ends
     # (memplan.estimator.timeline.device_fit_bytes)
     smallest_device_bytes: int | None = None
+    allocator_config: AllocatorConfig | None = field(default=None, compare=False, repr=False)  # cuda
 
     @property
     def fit_bytes(self) -> int:
@@ -101,6 +103,13 @@ class Simulation:
         if self.smallest_device_bytes is None:
             return self.peak_bytes
         return self.smallest_device_bytes
+
+    def fits_within(self, budget_bytes: int) -> bool:
+        """Whether the step fits `budget_bytes`: on cuda it completes on a device of that size
+        (memplan.estimator.timeline.fits_within), else its peak is within it."""
+        if self.smallest_device_bytes is None or self.allocator_config is None:
+            return self.peak_bytes <= budget_bytes
+        return fits_within(self.timeline, budget_bytes, self.allocator_config)
 
     @property
     def fit_phase_peaks(self) -> dict[str, int]:
@@ -347,6 +356,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         conv_workspace_free_peak_bytes=low_peak,
         conv_workspace_free_reserved_peak_bytes=low_reserved,
         smallest_device_bytes=device_fit_bytes(timeline, config) if reserved is not None else None,
+        allocator_config=config if reserved is not None else None,
     )
 
 

@@ -171,8 +171,8 @@ def smallest_device_bytes(
     completes, found by bisection between its allocated and its reserved peak (the simulation's
     own figures) in the 2 MiB steps segments and pages come in.
 
-    Less memory means fewer cached segments to reuse, never more room, so a capacity that works
-    is taken to leave every larger one working too.
+    The bisection takes a capacity that works to leave every larger one working too, which holds
+    almost always but not always (fits_within, which answers for one capacity, does not assume it).
     """
     step = ROUND_LARGE_BYTES
     low = -(-allocated_peak_bytes // step)  # in steps; below the allocated peak nothing runs
@@ -186,10 +186,24 @@ def smallest_device_bytes(
     return high * step
 
 
+def fits_within(timeline: MemoryTimeline, capacity_bytes: int, config: AllocatorConfig = DEFAULT_CONFIG) -> bool:
+    """Whether the iteration completes on a device with `capacity_bytes` for torch whichever plans
+    cuDNN picks (both ends of a workspace band), replayed at that capacity itself: the allocator's
+    retry is not monotone in capacity (a step that completes in c bytes can run out in c + 2 MiB,
+    its segments falling differently), so a fit is never inferred from a smaller capacity."""
+    ends = [timeline]
+    workspace_free = without_cudnn_workspaces(timeline)
+    if workspace_free is not timeline:
+        ends.append(workspace_free)
+    return all(completes_within(end, capacity_bytes, config) for end in ends)
+
+
 def device_fit_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
     """What a device must hold for torch for the iteration to complete, whichever plans cuDNN picks:
     the larger of smallest_device_bytes for the timeline and for the same without its cuDNN
-    workspaces (without them the segments fall differently and can need more)."""
+    workspaces (without them the segments fall differently and can need more). The figure shown
+    and the one the batch search draws its lines through; whether a given budget fits is
+    fits_within's answer at that budget."""
     ends = [timeline]
     workspace_free = without_cudnn_workspaces(timeline)
     if workspace_free is not timeline:

@@ -402,7 +402,7 @@ def _trace_custom_step(
     allocated outlive the iteration."""
     boundaries: dict[str, int] = {}
     freed_at: dict[StorageWeakRef, int] = {}
-    _note_when_freed(current_grads(state), freed_at, recorder.node_count)  # holding none of them
+    finalizers = _note_when_freed(current_grads(state), freed_at, recorder.node_count)  # holding none of them
     seen: list[tuple[StorageWeakRef, int]] = []
 
     def marker(phase: str) -> None:
@@ -423,6 +423,9 @@ def _trace_custom_step(
         raise
     except Exception as error:
         raise _trace_failure(error, tracker.current(), spec, state.batch) from error
+    finally:
+        for finalizer in finalizers:  # gradients the step keeps must not keep this recorder alive
+            finalizer.detach()
     left = current_grads(state)
     graph = recorder.finish(left)
     categories, sizes = _categorize(state, left)
@@ -488,12 +491,15 @@ def _traced_step(
 
 def _note_when_freed(
     tensors: list[torch.Tensor], freed_at: dict[StorageWeakRef, int], node_count: Callable[[], int]
-) -> None:
+) -> list[weakref.finalize]:
     """Record in `freed_at` the node count at which each tensor is freed (a function of its own, so
-    no loop variable outlives the loop and keeps the last one alive)."""
+    no loop variable outlives the loop and keeps the last one alive); the finalizers, to detach
+    once the recording ends."""
+    finalizers = []
     for tensor in tensors:
         key = storage_key(tensor)
-        weakref.finalize(tensor, lambda key=key: freed_at.setdefault(key, node_count()))
+        finalizers.append(weakref.finalize(tensor, lambda key=key: freed_at.setdefault(key, node_count())))
+    return finalizers
 
 
 def _categorize(

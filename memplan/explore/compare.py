@@ -157,7 +157,7 @@ def run_compare(
             break
         results[technique.name] = result
         effective = variant.batch_size * variant.grad_accum * gpus
-        fits = result.fit_bytes <= budget_bytes if budget_bytes is not None else None
+        fits = result.fits_within(budget_bytes) if budget_bytes is not None else None
         rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute, fits))
     seconds = time.perf_counter() - started
     return CompareResult(spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), seconds, interrupted)

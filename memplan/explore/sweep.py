@@ -108,7 +108,7 @@ def run_sweep(
             points = []
             for batch in sorted(set(batch_sizes)):
                 simulation = tracer.simulate(batch)
-                fits = simulation.fit_bytes <= budget_bytes if budget_bytes is not None else None
+                fits = simulation.fits_within(budget_bytes) if budget_bytes is not None else None
                 points.append(
                     SweepPoint(
                         batch,

@@ -18,6 +18,7 @@ from typing import Any
 
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names, layout_applied
+from memplan.estimator.cuda.allocator import ROUND_LARGE_BYTES
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.estimate import step_flops
 from memplan.estimator.replay import OptimizerRecording
@@ -192,7 +193,7 @@ class _Tracer:
         return PlanOption(
             name,
             layout,
-            simulation.fit_bytes <= budget_bytes,
+            simulation.fits_within(budget_bytes),
             simulation.peak_bytes,
             recompute_flops,
             self.recompute_seconds(layout),
@@ -200,10 +201,21 @@ class _Tracer:
             simulation.smallest_device_bytes,
         )
 
+    def fits(self, layout: CheckpointLayout, budget_bytes: int) -> bool:
+        """Whether the layout's step fits the budget, decided at the budget (Simulation.fits_within)."""
+        return self.simulation(layout).fits_within(budget_bytes)
+
     def fit_bytes(self, layout: CheckpointLayout) -> int:
         """What the budget must hold: on cuda the least memory the step completes in, the allocated
         peak on cpu (Simulation.fit_bytes)."""
         return self.simulation(layout).fit_bytes
+
+
+def _overshoot(fit_bytes: int, budget_bytes: int) -> int:
+    """How far a step that does not fit is over the budget: its figure's excess, or, where the
+    figure is within the budget but the replay at the budget ran out (the retry is not monotone in
+    capacity), one 2 MiB segment step."""
+    return fit_bytes - budget_bytes if fit_bytes > budget_bytes else ROUND_LARGE_BYTES
 
 
 def _solve_verified(
@@ -215,10 +227,11 @@ def _solve_verified(
         if solution is None:
             return None
         layout = layout_of(costs, solution.segments)
-        fit = tracer.fit_bytes(layout)
-        if fit <= budget_bytes:
+        if tracer.fits(layout, budget_bytes):
             return solution, tracer.peak(layout)
-        target -= fit - budget_bytes  # the model was optimistic here by at least this much
+        # The model was optimistic here by at least this much (a segment step where the figure
+        # itself is within the budget but the budget's own replay runs out).
+        target -= _overshoot(tracer.fit_bytes(layout), budget_bytes)
     return None
 
 
@@ -309,7 +322,7 @@ def make_plan(
         fingerprint=model_fingerprint(model),
         settings=settings.replace(checkpoint=layout),
         budget_bytes=budget_bytes,
-        fits=tracer.fit_bytes(layout) <= budget_bytes,
+        fits=tracer.fits(layout, budget_bytes),
         layout=layout,
         predicted_peak_bytes=peak,
         model_peak_bytes=solution_for(costs, segments).model_peak_bytes,
@@ -318,7 +331,9 @@ def make_plan(
         solver=chosen_solver,
         candidates=costs.names,
         baselines=tuple(baselines),
-        over_budget_bytes=max(0, tracer.fit_bytes(layout) - budget_bytes),
+        over_budget_bytes=0
+        if tracer.fits(layout, budget_bytes)
+        else _overshoot(tracer.fit_bytes(layout), budget_bytes),
         suggestions=suggestions,
         traces=tracer.traces,
         seconds=time.perf_counter() - started,

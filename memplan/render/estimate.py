@@ -95,7 +95,7 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             + (" (the allocator's segments fall differently: here none reserves more)" if without > top else "")
         )
     if result.smallest_device_bytes is not None:
-        console.print(f"completes in {format_bytes(result.smallest_device_bytes)} for torch: {_completes(result)}")
+        console.print(f"completes in {format_bytes(result.smallest_device_bytes)} for torch{_completes(result)}")
     where = f"{result.peak_op}" + (f" in {result.peak_module}" if result.peak_module else "")
     console.print(f"peak in the {result.phase} pass at {where}")
     phases = ", ".join(f"{phase} {format_bytes(value)}" for phase, value in result.phase_peak_bytes.items())
@@ -111,8 +111,12 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         )
     if result.budget_bytes is not None:
         verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
-        measure = "the memory it completes in" if result.smallest_device_bytes is not None else "the peak"
-        console.print(f"budget {format_bytes(result.budget_bytes)}: {verdict} ({measure} is compared)")
+        measure = (
+            "the step replayed on a device of that size"
+            if result.smallest_device_bytes is not None
+            else "the peak compared with it"
+        )
+        console.print(f"budget {format_bytes(result.budget_bytes)}: {verdict} ({measure})")
         if result.max_batch_size_is_limit:
             console.print(
                 f"largest batch size that fits: at least {result.max_batch_size:,} (memplan searches no further)"
@@ -148,13 +152,12 @@ def _longest_sequence(result: EstimateResult) -> str:
 
 
 def _completes(result: EstimateResult) -> str:
-    """Why the device figure fits and the largest batch use can be below the reserved peak."""
+    """Why the least memory the step completes in can be below the reserved peak."""
     retry = (
-        "short of memory, the allocator unmaps its free pages and retries"
+        ": short of memory, the allocator unmaps its free pages and retries"
         if result.settings.allocator_config.expandable_segments
-        else "short of memory, the allocator frees its cached segments and retries"
+        else ": short of memory, the allocator frees its cached segments and retries"
     )
     below = (result.reserved_peak_bytes or 0) > (result.smallest_device_bytes or 0)
     band = result.conv_workspace_free_reserved_peak_bytes is not None
-    what = "the budget is compared with this" + (", whichever plans cuDNN picks" if band else "")
-    return f"{retry}; {what}" if below else what
+    return (retry if below else "") + (", whichever plans cuDNN picks" if band else "")

@@ -82,7 +82,8 @@ def plot_timeline(
 ) -> None:
     """A stacked area of each category's live bytes across the iteration, phases marked, peak annotated.
 
-    On cuda the reserved peak is drawn as a line too: it, not the allocated peak, is what a budget holds.
+    On cuda the reserved peak is drawn as a line too: what the caching allocator holds when memory is
+    plentiful (a budget holds the least memory the step completes in, between the two).
     """
     plt = _figure()
     per_category = timeline.category_bytes()
