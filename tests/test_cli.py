@@ -192,20 +192,22 @@ def test_plan_json_and_plan_file_round_trip(tmp_path):
     assert refused.exit_code == 2 and "not a memplan checkpoint plan" in refused.output
 
 
-def test_cuda_budgets_hold_the_reserved_peak():
-    """Between the allocated and the reserved peak the step does not fit: the allocator needs its segments."""
+def test_cuda_budgets_hold_the_memory_the_step_completes_in():
+    """Between the allocated peak and the least memory the step completes in it does not fit: the
+    allocator needs its segments, even after freeing every cached one. The largest batch is the
+    last one whose step, replayed on a device of the budget's size, completes."""
     from memplan.api import estimate
 
     settings = {"batch_size": 4, "seq_len": 64}
     unbounded = estimate("tiny-gpt2", **settings)
-    assert unbounded.reserved_peak_bytes > unbounded.peak_bytes
-    between = (unbounded.peak_bytes + unbounded.reserved_peak_bytes) // 2
+    assert unbounded.reserved_peak_bytes >= unbounded.smallest_device_bytes > unbounded.peak_bytes
+    between = (unbounded.peak_bytes + unbounded.smallest_device_bytes) // 2
     result = estimate("tiny-gpt2", budget=between, **settings)
     assert result.fits is False
     largest = result.max_batch_size
-    assert estimate("tiny-gpt2", **{**settings, "batch_size": largest}).reserved_peak_bytes <= between
-    assert estimate("tiny-gpt2", **{**settings, "batch_size": largest + 1}).reserved_peak_bytes > between
-    assert estimate("tiny-gpt2", budget=unbounded.reserved_peak_bytes, **settings).fits is True
+    assert estimate("tiny-gpt2", **{**settings, "batch_size": largest}).fits_within(between)
+    assert not estimate("tiny-gpt2", **{**settings, "batch_size": largest + 1}).fits_within(between)
+    assert estimate("tiny-gpt2", budget=unbounded.smallest_device_bytes, **settings).fits is True
 
 
 def test_cuda_context_is_the_users_when_given(tiny_model_dirs):

@@ -23,11 +23,18 @@ from tests.zoo import tiny_preset_config
 GPUS = ("H100-80GB", "A100-80GB", "T4")
 
 
+def _rope_kind(scaling) -> str | None:
+    """Rotary scaling that runs code of its own in the forward (longrope, the dynamic kinds); the
+    others (llama3, linear, yarn) only change the frequencies' values."""
+    kind = (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else None
+    return kind if kind is not None and (kind == "longrope" or "dynamic" in kind) else None
+
+
 def _kernel_key(preset) -> str:
     """What decides the kernels a preset's step runs: its architecture and task, the query to
-    key/value head grouping, an explicit head size, the kind of rotary scaling, sliding windows and
-    logit soft-capping. Presets alike in all of these (Qwen2.5 sizes with the same grouping, Llama 3
-    and Llama 3.1 aside from their rope scaling) are one case; sizes and epsilons do not pick kernels."""
+    key/value head grouping, an explicit head size, rotary scaling that runs code of its own, sliding
+    windows and logit soft-capping. Presets alike in all of these (Qwen2.5 sizes with the same
+    grouping, Llama 3 and 3.1) are one case; sizes, epsilons and frequency values pick no kernels."""
     tiny = tiny_preset_config(preset)
     scaling = tiny.get("rope_scaling")
     return json.dumps(
@@ -36,7 +43,7 @@ def _kernel_key(preset) -> str:
             "task": preset.task,
             "heads": [tiny.get(key) for key in ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")],
             "head_dim": "head_dim" in tiny,
-            "rope": (scaling.get("rope_type") or scaling.get("type")) if isinstance(scaling, dict) else None,
+            "rope": _rope_kind(scaling),
             "window": tiny.get("sliding_window") is not None,
             "softcap": tiny.get("attn_logit_softcapping") is not None,
         },
