@@ -9,10 +9,11 @@ from memplan.errors import SettingsError
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
+from memplan.estimator.interpolate import fits as timeline_fits
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
-from memplan.estimator.timeline import MemoryTimeline, fits_within
+from memplan.estimator.timeline import MemoryTimeline
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
 from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
@@ -130,11 +131,9 @@ class BatchTracer:
         from the confirmed lines where they answered it."""
         self.fit_phase_peaks(batch_size)
         timeline = self.interpolated_timelines.get(batch_size)
-        if timeline is None or self.settings.device != "cuda":
-            if timeline is not None:
-                return max(timeline.total_bytes()) <= budget_bytes
+        if timeline is None:
             return self.simulate(batch_size).fits_within(budget_bytes)
-        return fits_within(timeline, budget_bytes, self.settings.allocator_config)
+        return timeline_fits(timeline, self.settings, budget_bytes)
 
     def fit_bytes(self, batch_size: int) -> int:
         return max(self.fit_phase_peaks(batch_size).values())

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
-from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, device_fit_bytes
+from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, device_fit_bytes, fits_within
 from memplan.settings import TrainingSettings
 
 
@@ -90,6 +90,13 @@ def fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> int:
     if settings.device != "cuda":
         return max(timeline.total_bytes())
     return device_fit_bytes(timeline, settings.allocator_config)
+
+
+def fits(timeline: MemoryTimeline, settings: TrainingSettings, budget_bytes: int) -> bool:
+    """As Simulation.fits_within: on cuda the step completes on a device of the budget's size, else its peak fits."""
+    if settings.device != "cuda":
+        return max(timeline.total_bytes()) <= budget_bytes
+    return fits_within(timeline, budget_bytes, settings.allocator_config)
 
 
 def phase_fit_bytes(timeline: MemoryTimeline, settings: TrainingSettings) -> dict[str, int]:

@@ -191,11 +191,13 @@ def fits_within(timeline: MemoryTimeline, capacity_bytes: int, config: Allocator
     cuDNN picks (both ends of a workspace band), replayed at that capacity itself: the allocator's
     retry is not monotone in capacity (a step that completes in c bytes can run out in c + 2 MiB,
     its segments falling differently), so a fit is never inferred from a smaller capacity."""
-    ends = [timeline]
+    return all(completes_within(end, capacity_bytes, config) for end in band_ends(timeline))
+
+
+def band_ends(timeline: MemoryTimeline) -> list[MemoryTimeline]:
+    """The timeline and, where it has cuDNN workspaces, the same without them: the workspace band's two ends."""
     workspace_free = without_cudnn_workspaces(timeline)
-    if workspace_free is not timeline:
-        ends.append(workspace_free)
-    return all(completes_within(end, capacity_bytes, config) for end in ends)
+    return [timeline] if workspace_free is timeline else [timeline, workspace_free]
 
 
 def device_fit_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
@@ -204,11 +206,7 @@ def device_fit_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT
     workspaces (without them the segments fall differently and can need more). The figure shown
     and the one the batch search draws its lines through; whether a given budget fits is
     fits_within's answer at that budget."""
-    ends = [timeline]
-    workspace_free = without_cudnn_workspaces(timeline)
-    if workspace_free is not timeline:
-        ends.append(workspace_free)
     return max(
         smallest_device_bytes(end, max(end.total_bytes(), default=0), reserved_peak_bytes(end, config), config)
-        for end in ends
+        for end in band_ends(timeline)
     )
