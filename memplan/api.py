@@ -526,7 +526,9 @@ def validate_suite(
         raise SettingsError(f"device must be a string, got {device!r} ({type(device).__name__})")
 
     def measure(config: SuiteConfig) -> ValidationResult:
-        return validate(config.model, warmup=warmup, timeout_s=timeout_s, device=device, **config.settings)
+        return validate(
+            config.model, inputs=config.inputs, warmup=warmup, timeout_s=timeout_s, device=device, **config.settings
+        )
 
     return run_suite(name, configs, path, measure, device=device, resume=resume)
 

@@ -94,6 +94,37 @@ def test_the_main_suite_is_broad_enough() -> None:
     assert configured == {"expandable_segments:True", "max_split_size_mb:64"}
 
 
+def test_every_extended_configuration_is_a_valid_setting_of_a_model_memplan_resolves() -> None:
+    from memplan.api import _settings
+    from memplan.models.source import resolve_model
+    from memplan.validate.suite import EXTENDED, MAIN
+
+    assert len(MAIN) + len(EXTENDED) >= 40
+    assert len({config.id for config in MAIN + EXTENDED}) == len(MAIN) + len(EXTENDED)
+    loops = set()
+    for config in EXTENDED:
+        settings, plan = _settings(None, {**config.settings, "device": "cuda"}, config.inputs)
+        spec = resolve_model(config.model, inputs=config.inputs)
+        spec.settings_for(settings)
+        loops.add(settings.loop)
+        if plan is not None:  # the planned configuration carries the plan's own layout
+            assert settings.checkpoint == plan.layout and plan.settings["batch_size"] == settings.batch_size
+    assert loops == {"canonical", "zero-grad-before-backward", "set-to-none-false", "hf-trainer", "keep-output"}
+
+
+def test_the_attention_recorder_names_the_kernel_scaled_dot_product_attention_ran() -> None:
+    import torch
+
+    from memplan.validate.measure import _AttentionOps
+
+    query = torch.randn(1, 2, 8, 16, requires_grad=True)
+    recorder = _AttentionOps()
+    with recorder:
+        torch.nn.functional.scaled_dot_product_attention(query, query, query).sum().backward()
+        torch.ones(3).add(1)
+    assert recorder.seen and all("scaled_dot_product" in name for name in recorder.seen)
+
+
 @needs_gpu
 def test_cuda_prediction_matches_max_memory_allocated() -> None:
     result = run("validate", "tiny-gpt2", "-b", "4", "--seq-len", "64", "--precision", "amp-bf16", "--json")

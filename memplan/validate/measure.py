@@ -8,11 +8,14 @@ includes the CUDA context). CPU: the live-storage counter of memplan.measure.cpu
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import MeasurementError
 from memplan.estimator.loop import iteration, prepare
@@ -41,16 +44,50 @@ class Measurement:
     out_of_memory: bool = False
     message: str | None = None
     seconds: float = 0.0
+    # cuda: the steady-state iteration's wall time (the last warm-up, synchronized), the attention
+    # kernels it ran (aten ops whose name says attention: which SDPA backend torch chose), the
+    # software it ran on, and the cap set with set_per_process_memory_fraction, if any.
+    step_seconds: float | None = None
+    attention_ops: tuple[str, ...] = ()
+    cuda_version: str | None = None
+    cudnn_version: int | None = None
+    capacity_bytes: int | None = None
+    allocator_trace: str | None = field(default=None, repr=False)  # where the compact trace went
 
 
-def measure(spec: ModelSpec, settings: TrainingSettings, *, warmup: int, snapshot: str | None = None) -> Measurement:
+class _AttentionOps(TorchDispatchMode):
+    """Notes the attention kernels an iteration dispatches (allocates nothing itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.name()
+        if "attention" in name:
+            self.seen.add(name.split("::", 1)[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def measure(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    *,
+    warmup: int,
+    snapshot: str | None = None,
+    capacity_bytes: int | None = None,
+    allocator_trace: str | None = None,
+) -> Measurement:
+    """One steady-state iteration measured; cuda: optionally under a cap of `capacity_bytes` for
+    torch (set_per_process_memory_fraction), and with the measured iteration's allocator events
+    written to `allocator_trace` as JSON (action, address, size, stream; no stacks)."""
     started = time.perf_counter()
     if settings.device == "cpu":
         result = measure_cpu(spec, settings, warmup_iterations=warmup)
         return Measurement(device="cpu", peak_bytes=result.peak_bytes, seconds=time.perf_counter() - started)
     if not torch.cuda.is_available():
         raise MeasurementError(NO_CUDA_MESSAGE)
-    return _measure_cuda(spec, settings, warmup, snapshot, started)
+    return _measure_cuda(spec, settings, warmup, snapshot, started, capacity_bytes, allocator_trace)
 
 
 def configure_cuda_libraries(settings: TrainingSettings) -> None:
@@ -73,37 +110,86 @@ def configure_cuda_libraries(settings: TrainingSettings) -> None:
     torch.use_deterministic_algorithms(settings.deterministic)
 
 
+def _cap_memory(capacity_bytes: int) -> None:
+    """Let torch's caching allocator hold at most `capacity_bytes` (what a smaller card leaves it)."""
+    _, total = torch.cuda.mem_get_info()
+    if capacity_bytes > total:
+        raise MeasurementError(f"cannot cap at {capacity_bytes} bytes: the GPU has {total}")
+    torch.cuda.set_per_process_memory_fraction(capacity_bytes / total)
+
+
+def _write_allocator_trace(path: str) -> None:
+    """The measured iteration's allocator events and the segments at its end, without stacks."""
+    snapshot = torch.cuda.memory._snapshot()
+    events = [
+        [entry["action"], entry["addr"], entry["size"], entry["stream"]]
+        for entry in snapshot["device_traces"][torch.cuda.current_device()]
+    ]
+    segments = [
+        [segment["total_size"], segment["allocated_size"], segment["stream"]] for segment in snapshot["segments"]
+    ]
+    with open(path, "w") as file:
+        json.dump({"events": events, "segments": segments}, file)
+
+
 def _measure_cuda(
-    spec: ModelSpec, settings: TrainingSettings, warmup: int, snapshot: str | None, started: float
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    warmup: int,
+    snapshot: str | None,
+    started: float,
+    capacity_bytes: int | None = None,
+    allocator_trace: str | None = None,
 ) -> Measurement:
     configure_cuda_libraries(settings)
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
+    if capacity_bytes is not None:
+        _cap_memory(capacity_bytes)
+    versions = {
+        "device_name": name,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version(),
+        "capacity_bytes": capacity_bytes,
+    }
+    attention = _AttentionOps()
+    step_seconds = None
     try:
         with torch.device("cuda"):
             state = prepare(spec, settings)
         state.autocast_device = "cuda"
-        for _ in range(warmup):
-            iteration(state)
-        torch.cuda.synchronize()
+        for index in range(warmup):
+            torch.cuda.synchronize()
+            step_started = time.perf_counter()
+            with attention if index == 0 else nullcontext():
+                iteration(state)
+            torch.cuda.synchronize()
+            step_seconds = time.perf_counter() - step_started
         with collector_held():
             torch.cuda.reset_peak_memory_stats()
             if snapshot is not None:
                 torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
+            elif allocator_trace is not None:
+                torch.cuda.memory._record_memory_history(context=None, max_entries=SNAPSHOT_MAX_ENTRIES)
             iteration(state)
             torch.cuda.synchronize()
         if snapshot is not None:
             torch.cuda.memory._dump_snapshot(snapshot)
+        if allocator_trace is not None:
+            _write_allocator_trace(allocator_trace)
+        if snapshot is not None or allocator_trace is not None:
             torch.cuda.memory._record_memory_history(enabled=None)
     except torch.OutOfMemoryError as error:
         return Measurement(
             device="cuda",
             peak_bytes=torch.cuda.max_memory_allocated(),
             reserved_bytes=torch.cuda.max_memory_reserved(),
-            device_name=name,
             out_of_memory=True,
             message=str(error).splitlines()[0],
             seconds=time.perf_counter() - started,
+            step_seconds=step_seconds,
+            attention_ops=tuple(sorted(attention.seen)),
+            **versions,
         )
     free, total = torch.cuda.mem_get_info()
     return Measurement(
@@ -111,6 +197,9 @@ def _measure_cuda(
         peak_bytes=torch.cuda.max_memory_allocated(),
         reserved_bytes=torch.cuda.max_memory_reserved(),
         device_used_bytes=total - free,
-        device_name=name,
         seconds=time.perf_counter() - started,
+        step_seconds=step_seconds,
+        attention_ops=tuple(sorted(attention.seen)),
+        allocator_trace=allocator_trace,
+        **versions,
     )

@@ -24,10 +24,18 @@ class SuiteConfig:
     id: str
     model: str
     settings: dict[str, Any] = field(default_factory=dict)  # TrainingSettings fields besides the device
+    inputs: str | None = None  # a custom model's batch (package.module:fn)
 
 
 def _c(id: str, model: str, **settings: Any) -> SuiteConfig:
     return SuiteConfig(id, model, settings)
+
+
+UNET = "memplan.validate.zoo:unet"
+
+
+def _unet(id: str, **settings: Any) -> SuiteConfig:
+    return SuiteConfig(id, UNET, settings, inputs="memplan.validate.zoo:unet_inputs")
 
 
 # Sized for one 80 GB GPU; every architecture memplan's presets cover except the 7-8B models,
@@ -77,6 +85,78 @@ MAIN = (
     _c("resnet-50-max-split-size", "resnet-50", batch_size=64, cuda_alloc_conf="max_split_size_mb:64"),
 )
 
+# Beyond the main suite, on the same 80 GB GPU: ViT-L/16, grouped-query attention (Llama-3.2-1B,
+# Qwen2.5-0.5B), conv nets with cuDNN's benchmark mode on and off (and without TF32), a U-Net,
+# BERT-large under the HF Trainer loop, every --loop variant, selective and planned checkpointing,
+# fp16 autocast with checkpointing and accumulation, Adafactor, a cuBLAS workspace setting.
+EXTENDED = (
+    _c("vit-large-amp-bf16-accum2", "vit-large-patch16-224", batch_size=32, precision="amp-bf16", grad_accum=2),
+    _c("vit-large-fp32-checkpoint", "vit-large-patch16-224", batch_size=32, checkpoint="all"),
+    _c("llama-3.2-1b-amp-bf16", "llama-3.2-1b", batch_size=4, seq_len=1024, precision="amp-bf16"),
+    _c("llama-3.2-1b-bf16-checkpoint", "llama-3.2-1b", batch_size=8, seq_len=2048, precision="bf16", checkpoint="all"),
+    _c("llama-3.2-1b-fp32", "llama-3.2-1b", batch_size=2, seq_len=1024),
+    _c(
+        "llama-3.2-1b-adafactor",
+        "llama-3.2-1b",
+        batch_size=4,
+        seq_len=1024,
+        precision="amp-bf16",
+        optimizer="adafactor",
+    ),
+    _c(
+        "qwen2.5-0.5b-selective",
+        "qwen2.5-0.5b",
+        batch_size=8,
+        seq_len=1024,
+        precision="amp-bf16",
+        checkpoint="selective",
+    ),
+    _c(
+        "qwen2.5-0.5b-eager-attention",
+        "qwen2.5-0.5b",
+        batch_size=4,
+        seq_len=1024,
+        precision="amp-bf16",
+        attn_impl="eager",
+    ),
+    _c("resnet-50-cudnn-benchmark", "resnet-50", batch_size=64, cudnn_benchmark=True),
+    _c("resnet-101-amp-bf16-benchmark", "resnet-101", batch_size=64, precision="amp-bf16", cudnn_benchmark=True),
+    _c("resnet-50-no-tf32", "resnet-50", batch_size=64, cudnn_allow_tf32=False),
+    _unet("unet-fp32", batch_size=8),
+    _unet("unet-fp32-benchmark", batch_size=8, cudnn_benchmark=True),
+    _unet("unet-amp-bf16", batch_size=16, precision="amp-bf16"),
+    _c(
+        "bert-large-hf-trainer",
+        "bert-large-uncased",
+        batch_size=16,
+        seq_len=512,
+        precision="amp-bf16",
+        loop="hf-trainer",
+    ),
+    _c("gpt2-zero-grad-before-backward", "gpt2", batch_size=8, seq_len=1024, loop="zero-grad-before-backward"),
+    _c("gpt2-set-to-none-false", "gpt2", batch_size=8, seq_len=1024, loop="set-to-none-false"),
+    _c("gpt2-keep-output", "gpt2", batch_size=8, seq_len=1024, loop="keep-output"),
+    _c(
+        "gpt2-medium-amp-fp16-checkpoint-accum2",
+        "gpt2-medium",
+        batch_size=8,
+        seq_len=1024,
+        precision="amp-fp16",
+        checkpoint="all",
+        grad_accum=2,
+    ),
+    _c(
+        "gpt2-medium-planned",
+        "gpt2-medium",
+        batch_size=16,
+        seq_len=1024,
+        precision="amp-bf16",
+        checkpoint="docs/validation/plans/gpt2-medium-b16-amp-bf16-20GiB.json",
+    ),
+    _c("t5-base-selective-long", "t5-base", batch_size=8, seq_len=1024, checkpoint="selective"),
+    _c("gpt2-cublas-workspace", "gpt2", batch_size=8, seq_len=1024, cublas_workspace_config=":4096:8"),
+)
+
 # Two-layer models that measure in seconds on a CPU: `memplan validate --suite smoke --device cpu`.
 SMOKE = (
     _c("tiny-gpt2-fp32", "tiny-gpt2", batch_size=2, seq_len=64),
@@ -84,7 +164,7 @@ SMOKE = (
     _c("tiny-llama-amp-bf16", "tiny-llama", batch_size=2, seq_len=64, precision="amp-bf16", optimizer="sgd"),
 )
 
-SUITES = {"main": MAIN, "smoke": SMOKE}
+SUITES = {"main": MAIN, "extended": EXTENDED, "smoke": SMOKE}
 
 
 def suite_named(name: str) -> tuple[SuiteConfig, ...]:

@@ -1,0 +1,280 @@
+"""Measure validation suites on a GPU cheaply, predict them elsewhere, and merge the two.
+
+GPU time is short, so the three halves of `memplan validate --suite` run apart:
+
+    # on the GPU machine, from the source tree (no prediction there: measuring only)
+    PYTHONPATH=. python3 benchmarks/gpu_evidence.py environment --out $OUT/environment.json
+    PYTHONPATH=. python3 benchmarks/gpu_evidence.py measure main --out $OUT
+    PYTHONPATH=. python3 benchmarks/gpu_evidence.py measure extended --out $OUT --only id,id
+    PYTHONPATH=. python3 benchmarks/gpu_evidence.py capped --out $OUT       # the fit promises
+    # anywhere with the same torch (predictions do not need the GPU)
+    python benchmarks/gpu_evidence.py predict main --gpu H100-80GB --out docs/validation/predicted-main.json
+    python benchmarks/gpu_evidence.py merge main --gpu H100-80GB ...
+
+`measure` imports torch, transformers and memplan once and forks a fresh child per configuration
+before CUDA starts (the parent never touches CUDA), so each configuration gets a new CUDA context
+and caching allocator, as `validate`'s worker subprocess gives it, without paying the imports
+each time. Results are rewritten after every configuration, so a run stopped at its time limit
+keeps what it measured. Each measured iteration's allocator events (no stacks) go into one
+tar.gz beside the results, for studying misses against memplan's own timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from memplan.validate.suite import SuiteConfig, suite_named  # noqa: E402
+
+WARMUP = 2
+TIMEOUT_SECONDS = 240
+
+
+def _settings_for(config: SuiteConfig, device: str) -> tuple[Any, Any]:
+    from memplan.api import _settings
+    from memplan.models.source import resolve_model
+
+    settings, _ = _settings(None, {**config.settings, "device": device}, config.inputs)
+    spec = resolve_model(config.model, inputs=config.inputs)
+    return spec, spec.settings_for(settings)
+
+
+def _child(config: SuiteConfig, trace_path: str | None, capacity_bytes: int | None, connection: Any) -> None:
+    try:
+        from memplan.validate.measure import measure
+
+        spec, settings = _settings_for(config, "cuda")
+        result = measure(spec, settings, warmup=WARMUP, capacity_bytes=capacity_bytes, allocator_trace=trace_path)
+        connection.send({"measurement": dataclasses.asdict(result), "settings": settings.to_dict()})
+    except BaseException as error:  # noqa: BLE001 - the parent records any failure as this config's result
+        connection.send({"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-2000:]})
+
+
+def _run_forked(config: SuiteConfig, trace_path: str | None, capacity_bytes: int | None, timeout: float) -> dict:
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_child, args=(config, trace_path, capacity_bytes, sender))
+    started = time.perf_counter()
+    process.start()
+    sender.close()
+    if receiver.poll(timeout):
+        try:
+            answer = receiver.recv()
+        except EOFError:
+            answer = {"error": "the measuring process died without an answer"}
+    else:
+        answer = {"error": f"ran past {timeout:.0f} s and was stopped"}
+        process.kill()
+    process.join(30)
+    if process.exitcode not in (0, None) and "error" not in answer and "measurement" not in answer:
+        answer = {"error": f"the measuring process exited with {process.exitcode}"}
+    answer["wall_seconds"] = round(time.perf_counter() - started, 2)
+    return answer
+
+
+def _write(path: Path, document: dict) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(document, indent=1) + "\n")
+    temporary.replace(path)
+
+
+def _pack(trace_dir: Path, archive: Path) -> None:
+    with tarfile.open(archive, "w:gz") as tar:
+        for file in sorted(trace_dir.glob("*.json")):
+            tar.add(file, arcname=file.name)
+
+
+def measure_suite(name: str, out: Path, only: set[str] | None, timeout: float) -> None:
+    import torch  # noqa: F401 - imported once, before the fork, never initialising CUDA here
+    import transformers  # noqa: F401
+
+    import memplan.validate.measure  # noqa: F401
+
+    results = out / f"measured-{name}.json"
+    document = json.loads(results.read_text()) if results.exists() else {"suite": name, "configs": []}
+    done = {entry["id"] for entry in document["configs"]}
+    trace_dir = Path(f"/tmp/memplan-traces-{name}")
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for config in suite_named(name):
+        if (only and config.id not in only) or config.id in done:
+            continue
+        answer = _run_forked(config, str(trace_dir / f"{config.id}.json"), None, timeout)
+        document["configs"].append({"id": config.id, "model": config.model, **answer})
+        _write(results, document)
+        _pack(trace_dir, out / f"traces-{name}.tar.gz")
+        measured = answer.get("measurement") or {}
+        print(
+            f"{config.id}: allocated {measured.get('peak_bytes')} reserved {measured.get('reserved_bytes')} "
+            f"device {measured.get('device_used_bytes')} step {measured.get('step_seconds')} "
+            f"{answer.get('error', '')} ({answer['wall_seconds']} s)",
+            flush=True,
+        )
+
+
+def _environment_child(connection: Any) -> None:
+    import subprocess
+
+    import torch
+
+    facts: dict[str, Any] = {
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version(),
+    }
+    try:
+        facts["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:
+        facts["nvidia_smi"] = f"unavailable: {error}"
+    facts["cuda_module_loading"] = os.environ.get("CUDA_MODULE_LOADING", "(unset: torch sets LAZY)")
+
+    def used() -> dict[str, int]:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return {
+            "device_used_bytes": total - free,
+            "total_bytes": total,
+            "reserved_bytes": torch.cuda.memory_reserved(),
+        }
+
+    torch.cuda.init()
+    facts["device_name"] = torch.cuda.get_device_name()
+    facts["compute_capability"] = list(torch.cuda.get_device_capability())
+    # The context on its own: a one-element tensor makes CUDA create its primary context.
+    torch.empty(1, device="cuda")
+    facts["after_first_tensor"] = used()
+    a = torch.randn(1024, 1024, device="cuda")
+    (a @ a).sum().item()
+    facts["after_fp32_matmul"] = used()
+    b = a.bfloat16()
+    (b @ b).float().sum().item()
+    facts["after_bf16_matmul"] = used()
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda()
+    conv(torch.randn(8, 64, 56, 56, device="cuda")).sum().backward()
+    facts["after_cudnn_conv"] = used()
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    facts["after_sdpa"] = used()
+    connection.send(facts)
+
+
+def environment(out: Path) -> None:
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_environment_child, args=(sender,))
+    process.start()
+    sender.close()
+    facts = receiver.recv() if receiver.poll(120) else {"error": "timed out"}
+    process.join(30)
+    import transformers
+
+    facts["transformers_version"] = transformers.__version__
+    facts["python"] = sys.version.split()[0]
+    out.write_text(json.dumps(facts, indent=1) + "\n")
+    print(json.dumps(facts, indent=1))
+
+
+# The fit promises: (id, model, settings, cap for torch). Filled from `memplan estimate --budget`
+# predictions made beforehand (docs/validation.md says which); the cap is the same budget.
+CAPPED_FILE = Path(__file__).resolve().parent.parent / "docs" / "validation" / "capped-runs.json"
+
+
+def capped(out: Path, timeout: float) -> None:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import memplan.validate.measure  # noqa: F401
+
+    runs = json.loads(CAPPED_FILE.read_text())["runs"]
+    results = out / "measured-capped.json"
+    document = {"runs": []}
+    for run in runs:
+        config = SuiteConfig(run["id"], run["model"], run["settings"], run.get("inputs"))
+        answer = _run_forked(config, None, run["capacity_bytes"], timeout)
+        document["runs"].append({**run, **answer})
+        _write(results, document)
+        measured = answer.get("measurement") or {}
+        print(
+            f"{run['id']}: oom {measured.get('out_of_memory')} allocated {measured.get('peak_bytes')} "
+            f"reserved {measured.get('reserved_bytes')} {answer.get('error', '')} ({answer['wall_seconds']} s)",
+            flush=True,
+        )
+
+
+def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
+    """memplan's predictions for a suite's configurations on `gpu` (no GPU needed), appended to `out`."""
+    import memplan
+
+    document = json.loads(out.read_text()) if out.exists() else {"suite": name, "gpu": gpu, "configs": []}
+    done = {entry["id"] for entry in document["configs"]}
+    for config in suite_named(name):
+        if (only and config.id not in only) or config.id in done:
+            continue
+        started = time.perf_counter()
+        try:
+            result = memplan.estimate(config.model, inputs=config.inputs, device="cuda", gpu=gpu, **config.settings)
+            entry = {
+                "predicted_peak_bytes": result.peak_bytes,
+                "predicted_reserved_bytes": result.reserved_peak_bytes,
+                "predicted_device_bytes": result.device_peak_bytes,
+                "predicted_smallest_device_bytes": result.smallest_device_bytes,
+                "predicted_conv_band_low_reserved_bytes": result.conv_workspace_free_reserved_peak_bytes,
+                "settings": result.settings.to_dict(),
+                "notes": list(getattr(result, "notes", ()) or ()),
+            }
+        except Exception as error:  # noqa: BLE001 - recorded as this configuration's result
+            entry = {"error": f"{type(error).__name__}: {error}"}
+        entry["predict_seconds"] = round(time.perf_counter() - started, 2)
+        document["configs"].append({"id": config.id, "model": config.model, **entry})
+        _write(out, document)
+        print(f"{config.id}: {entry.get('predicted_peak_bytes')} {entry.get('error', '')}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    env = commands.add_parser("environment")
+    env.add_argument("--out", type=Path, required=True)
+    run = commands.add_parser("measure")
+    run.add_argument("suite")
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--only", help="comma-separated configuration ids")
+    run.add_argument("--timeout", type=float, default=TIMEOUT_SECONDS)
+    cap = commands.add_parser("capped")
+    cap.add_argument("--out", type=Path, required=True)
+    cap.add_argument("--timeout", type=float, default=TIMEOUT_SECONDS)
+    guess = commands.add_parser("predict")
+    guess.add_argument("suite")
+    guess.add_argument("--gpu", required=True)
+    guess.add_argument("--out", type=Path, required=True)
+    guess.add_argument("--only", help="comma-separated configuration ids")
+    arguments = parser.parse_args()
+    if arguments.command == "environment":
+        environment(arguments.out)
+    elif arguments.command == "measure":
+        only = set(arguments.only.split(",")) if arguments.only else None
+        measure_suite(arguments.suite, arguments.out, only, arguments.timeout)
+    elif arguments.command == "predict":
+        only = set(arguments.only.split(",")) if arguments.only else None
+        predict(arguments.suite, arguments.gpu, arguments.out, only)
+    else:
+        capped(arguments.out, arguments.timeout)
+
+
+if __name__ == "__main__":
+    main()
