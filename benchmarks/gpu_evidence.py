@@ -218,9 +218,13 @@ def capped(out: Path, timeout: float) -> None:
 
 def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
     """memplan's predictions for a suite's configurations on `gpu` (no GPU needed), appended to `out`."""
+    import torch
+
     import memplan
+    from memplan.version import __version__
 
     document = json.loads(out.read_text()) if out.exists() else {"suite": name, "gpu": gpu, "configs": []}
+    document["predicted_with"] = f"memplan {__version__}, torch {torch.__version__}, on a CPU (no GPU)"
     done = {entry["id"] for entry in document["configs"]}
     for config in suite_named(name):
         if (only and config.id not in only) or config.id in done:
@@ -245,6 +249,112 @@ def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
         print(f"{config.id}: {entry.get('predicted_peak_bytes')} {entry.get('error', '')}", flush=True)
 
 
+def _error(predicted: int | None, measured: int | None) -> float | None:
+    return None if predicted is None or not measured else (predicted - measured) / measured
+
+
+def merge(predicted_path: Path, measured_path: Path, environment_path: Path, out: Path) -> dict:
+    """One results document per suite and GPU: the issue's fields, prediction beside measurement."""
+    predictions = json.loads(predicted_path.read_text())
+    measured = json.loads(measured_path.read_text())
+    facts = json.loads(environment_path.read_text())
+    by_id = {entry["id"]: entry for entry in predictions["configs"]}
+    configs = []
+    for entry in measured["configs"]:
+        guess = by_id.get(entry["id"], {})
+        real = entry.get("measurement") or {}
+        row = {
+            "id": entry["id"],
+            "model": entry["model"],
+            "settings": guess.get("settings") or entry.get("settings"),
+            "predicted_peak_bytes": guess.get("predicted_peak_bytes"),
+            "measured_peak_bytes": real.get("peak_bytes"),
+            "predicted_reserved_bytes": guess.get("predicted_reserved_bytes"),
+            "measured_reserved_bytes": real.get("reserved_bytes"),
+            "predicted_device_bytes": guess.get("predicted_device_bytes"),
+            "measured_device_bytes": real.get("device_used_bytes"),
+            "step_seconds": real.get("step_seconds"),
+            "attention_ops": real.get("attention_ops"),
+            "out_of_memory": real.get("out_of_memory", False),
+            "error": entry.get("error") or guess.get("error"),
+        }
+        row["relative_error"] = _error(row["predicted_peak_bytes"], row["measured_peak_bytes"])
+        row["reserved_relative_error"] = _error(row["predicted_reserved_bytes"], row["measured_reserved_bytes"])
+        row["device_relative_error"] = _error(row["predicted_device_bytes"], row["measured_device_bytes"])
+        configs.append(row)
+    driver = facts.get("nvidia_smi", "").split(", ")
+    document = {
+        "suite": measured["suite"],
+        "device_name": facts.get("device_name"),
+        "torch_version": facts.get("torch_version"),
+        "cuda_version": facts.get("cuda_version"),
+        "cudnn_version": facts.get("cudnn_version"),
+        "driver_version": driver[1] if len(driver) > 1 else None,
+        "transformers_version": facts.get("transformers_version"),
+        "predicted_with": predictions.get("predicted_with"),
+        "gpu_setting": predictions.get("gpu"),
+        "configs": configs,
+    }
+    _write(out, document)
+    return document
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:+.2f}%"
+
+
+def _gib(value: int | None) -> str:
+    return "—" if value is None else f"{value / 2**30:.3f}"
+
+
+def table(results: Path) -> str:
+    """The markdown table of one merged results document, and its summary line."""
+    import statistics
+
+    document = json.loads(results.read_text())
+    lines = [
+        "| configuration | allocated GiB | error | reserved GiB | error | device GiB | error | step ms | attention |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in document["configs"]:
+        kernels = sorted(
+            {name.split("_scaled_dot_product_")[-1].removesuffix("_backward") for name in row["attention_ops"] or ()}
+        )
+        lines.append(
+            f"| {row['id']} | {_gib(row['measured_peak_bytes'])} | {_percent(row['relative_error'])} "
+            f"| {_gib(row['measured_reserved_bytes'])} | {_percent(row['reserved_relative_error'])} "
+            f"| {_gib(row['measured_device_bytes'])} | {_percent(row['device_relative_error'])} "
+            f"| {row['step_seconds'] * 1000:.0f} | {', '.join(kernels) or 'none (math or eager)'} |"
+        )
+    summary = []
+    for key, name in (
+        ("relative_error", "allocated"),
+        ("reserved_relative_error", "reserved"),
+        ("device_relative_error", "device"),
+    ):
+        errors = [abs(row[key]) for row in document["configs"] if row[key] is not None]
+        worst = max(document["configs"], key=lambda row: abs(row[key] or 0))
+        summary.append(
+            f"{name}: median |error| {statistics.median(errors) * 100:.2f}%, "
+            f"worst {worst[key] * 100:+.2f}% ({worst['id']})"
+        )
+    lines.append("")
+    lines.append(f"{len(document['configs'])} configurations; " + "; ".join(summary) + ".")
+    return "\n".join(lines)
+
+
+def write_table(results: Path, markdown: Path) -> None:
+    """Replace the block between `<!-- NAME:begin -->` and `<!-- NAME:end -->` (NAME: the results
+    file's stem) in `markdown` with the table."""
+    begin, end = f"<!-- {results.stem}:begin -->", f"<!-- {results.stem}:end -->"
+    text = markdown.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{markdown} has no {begin} ... {end} block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    markdown.write_text(f"{head}{begin}\n{table(results)}\n{end}{tail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -263,12 +373,27 @@ def main() -> None:
     guess.add_argument("--gpu", required=True)
     guess.add_argument("--out", type=Path, required=True)
     guess.add_argument("--only", help="comma-separated configuration ids")
+    join = commands.add_parser("merge")
+    join.add_argument("predicted", type=Path)
+    join.add_argument("measured", type=Path)
+    join.add_argument("environment", type=Path)
+    join.add_argument("--out", type=Path, required=True)
+    render = commands.add_parser("table")
+    render.add_argument("results", type=Path)
+    render.add_argument("--write", type=Path, help="the markdown file whose marked block gets the table")
     arguments = parser.parse_args()
     if arguments.command == "environment":
         environment(arguments.out)
     elif arguments.command == "measure":
         only = set(arguments.only.split(",")) if arguments.only else None
         measure_suite(arguments.suite, arguments.out, only, arguments.timeout)
+    elif arguments.command == "table":
+        if arguments.write:
+            write_table(arguments.results, arguments.write)
+        else:
+            print(table(arguments.results))
+    elif arguments.command == "merge":
+        merge(arguments.predicted, arguments.measured, arguments.environment, arguments.out)
     elif arguments.command == "predict":
         only = set(arguments.only.split(",")) if arguments.only else None
         predict(arguments.suite, arguments.gpu, arguments.out, only)

@@ -205,7 +205,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "--cuda-context",
             type=SizeType(),
             help="The CUDA context nvidia-smi shows beyond what torch reserves (e.g. 600MiB), counted in the "
-            "device total and taken off --gpu's memory [default: 512 MiB, memplan's estimate].",
+            "device total and taken off --gpu's memory [default: 767 MiB, measured on an H100 with CUDA 13].",
         ),
         click.option(
             "--cudnn-benchmark",

@@ -13,9 +13,14 @@ FP32 accumulation, T4, V100 SXM2). None of them is measured by memplan. A10G is 
 of the A10, whose own peaks are unpublished; the A10's are used.
 
 `usable_bytes` subtracts the CUDA context, which nvidia-smi counts but torch.cuda never sees.
-CONTEXT_BYTES is an estimate, not a measurement: the CUDA 12/13 context with lazy module loading
-plus the kernels torch loads for a training step is typically reported at 300-600 MiB; memplan
-assumes 512 MiB until `memplan validate` on a GPU measures it (device_peak_bytes - reserved).
+CONTEXT_BYTES is measured on one machine: the lent H100 (driver 580.159.04, torch 2.11.0+cu130,
+CUDA 13.0, cuDNN 9.19, lazy module loading), as cudaMemGetInfo's total - free less
+max_memory_reserved after a training step, over the 27 configurations of the main suite: 750.8 to
+770.8 MiB, median 766.8 MiB (docs/validation/h100/measured-main.json). Of that, the context alone
+(one tensor allocated) was 526.8 MiB (docs/validation/h100/environment.json); the rest is the
+kernels cuBLAS, cuDNN and torch load lazily on first use (fp32 transformers 751 MiB, cuDNN
+attention 767, cuDNN convolutions 769-771). Other GPUs and CUDA versions are not measured: CUDA
+11 without lazy loading was reported at 1.3-1.4 GiB. Give yours with --cuda-context.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from memplan.errors import SettingsError
 
 MiB = 1 << 20
-CONTEXT_BYTES = 512 * MiB
+CONTEXT_BYTES = 767 * MiB  # the main suite's median on the lent H100, rounded up to whole MiB
 
 
 TERA = 1e12

@@ -219,7 +219,8 @@ def test_cuda_context_is_the_users_when_given(tiny_model_dirs):
     settings = TrainingSettings(gpu="A10G", cuda_context=700 * 2**20)
     assert api_budget(None, settings) == 23028 * 2**20 - 700 * 2**20
     default = json.loads(run(*common).stdout)
-    assert default["device_peak_bytes"] - default["reserved_peak_bytes"] == 512 * 2**20
+    # 767 MiB: the main suite's median of device - reserved on the lent H100 (measured-main.json).
+    assert default["device_peak_bytes"] - default["reserved_peak_bytes"] == 767 * 2**20
     assert any("--cuda-context" in note for note in default["notes"])
     refused = run("estimate", model, "--device", "cpu", "--cuda-context", "1GiB")
     assert refused.exit_code == 2 and "no meaning with --device cpu" in refused.output

@@ -95,7 +95,7 @@ def _spec() -> ModelSpec:
 
 
 def test_the_flash_backward_node_requests_its_scratch_after_its_gradients() -> None:
-    settings = TrainingSettings(batch_size=2, optimizer="sgd", precision="amp-bf16", gpu="H100-80GB")
+    settings = TrainingSettings(batch_size=2, optimizer="sgd", precision="amp-bf16", gpu="A100-80GB")
     simulation = simulate(trace_step(_spec(), settings))
     scratch = [a for a in simulation.timeline.allocations if "attention backward scratch" in a.op]
     assert [a.op for a in scratch] == ["flash attention backward scratch"] * 2
@@ -104,6 +104,26 @@ def test_the_flash_backward_node_requests_its_scratch_after_its_gradients() -> N
     assert all(a.allocated_at == a.freed_at == scratch[0].allocated_at for a in scratch)
     same_node = [a for a in simulation.timeline.allocations if a.allocated_at == scratch[0].allocated_at]
     assert same_node[-2:] == scratch
+
+
+def test_the_cudnn_backward_node_requests_the_workspace_measured_on_an_h100_after_its_gradients() -> None:
+    """The lent H100 (cuDNN 9.19) requested, after dq/dk/dv, float32 [batch, heads, seq, head_dim]
+    plus float32 [batch, heads, seq] plus 256 bytes: 51,118,336 bytes for GPT-2 at batch 16, 12
+    heads, 1,024 tokens, head dim 64 (docs/validation/h100, gpt2-bf16's allocator trace)."""
+    from memplan.estimator.cuda.attention_scratch import cudnn_backward_scratch
+
+    gpt2 = torch.empty(16, 12, 1024, 64, dtype=torch.bfloat16)
+    assert cudnn_backward_scratch(gpt2, gpt2) == (51_118_336,)
+    # Qwen2.5-0.5B, batch 4: 14 query heads over 2 key/value heads requested 29,589,760 bytes.
+    query, key = torch.empty(4, 14, 1024, 64, dtype=torch.bfloat16), torch.empty(4, 2, 1024, 64, dtype=torch.bfloat16)
+    assert cudnn_backward_scratch(query, key) == (29_589_760,)
+    settings = TrainingSettings(batch_size=2, optimizer="sgd", precision="amp-bf16", gpu="H100-80GB")
+    simulation = simulate(trace_step(_spec(), settings))
+    scratch = [a for a in simulation.timeline.allocations if "attention backward scratch" in a.op]
+    assert [a.op for a in scratch] == ["cuDNN attention backward scratch"]
+    assert [a.requested_bytes for a in scratch] == [2 * 4 * 200 * 64 * 4 + 2 * 4 * 200 * 4 + 256]
+    same_node = [a for a in simulation.timeline.allocations if a.allocated_at == scratch[0].allocated_at]
+    assert same_node[-1:] == scratch
 
 
 def test_no_attention_scratch_on_the_cpu_or_for_the_math_kernel() -> None:

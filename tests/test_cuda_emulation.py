@@ -233,7 +233,8 @@ def _graph_ops(model_dir: str, **settings: object) -> set[str]:
 @pytest.mark.parametrize(
     ("settings", "attention_op"),
     [
-        ({"precision": "amp-bf16"}, "aten._scaled_dot_product_flash_attention.default"),
+        ({"precision": "amp-bf16"}, "aten._scaled_dot_product_cudnn_attention.default"),  # H100: cuDNN first
+        ({"precision": "amp-bf16", "gpu": "A100-80GB"}, "aten._scaled_dot_product_flash_attention.default"),
         ({"precision": "fp32"}, "aten._scaled_dot_product_efficient_attention.default"),
         ({"precision": "amp-bf16", "gpu": "T4"}, "aten.bmm.default"),  # sm75 has no bf16 kernel: math
         ({"precision": "amp-fp16", "gpu": "T4"}, "aten._scaled_dot_product_efficient_attention.default"),
@@ -275,6 +276,11 @@ class _CallRecorder(TorchDispatchMode):
         return found[0]
 
 
+# sm80: cuDNN attention stays last in torch's order there (check_prefer_cudnn_attention), so these
+# tests see flash and memory-efficient chosen as on any GPU without that preference.
+FLASH_FIRST_GPU = "A100-80GB"
+
+
 def _attend(gpu: str | None, make, *, autocast: bool = False, **kwargs: object):  # type: ignore[no-untyped-def]
     """SDPA as the cuda target runs it; `make()` builds (q, k, v, extra kwargs) inside the fake mode."""
     with FakeTensorMode(), cuda_kernels(gpu):
@@ -291,23 +297,23 @@ def _grad(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def test_flash_gets_head_dims_padded_to_8_the_original_scale_and_returns_the_original_width() -> None:
     """attention.cpp: pad_last_dim<8> before the kernel, the scale of the unpadded head dim, slice back."""
-    out, recorder = _attend("H100", lambda: (*_grad(_qkv(head_dim=60)), {}), is_causal=True, dropout_p=0.1)
+    out, recorder = _attend(FLASH_FIRST_GPU, lambda: (*_grad(_qkv(head_dim=60)), {}), is_causal=True, dropout_p=0.1)
     args, kwargs = recorder.call("aten._scaled_dot_product_flash_attention.default")
     assert [tuple(t.shape) for t in args[:3]] == [(2, 4, 128, 64)] * 3
     assert args[3:5] == (0.1, True) and kwargs["scale"] == pytest.approx(60**-0.5)  # dropout, causal
     assert tuple(out.shape) == (2, 4, 128, 60)
-    _, recorder = _attend("H100", lambda: (*_qkv(head_dim=64), {}), scale=0.5)
+    _, recorder = _attend(FLASH_FIRST_GPU, lambda: (*_qkv(head_dim=64), {}), scale=0.5)
     args, kwargs = recorder.call("aten._scaled_dot_product_flash_attention.default")
     assert tuple(args[0].shape) == (2, 4, 128, 64) and kwargs["scale"] == 0.5  # no padding, the caller's scale
     assert [op for op, _, _ in recorder.calls if "pad" in op or "slice" in op] == []  # no copies made
 
 
 def test_autocast_casts_inputs_and_a_float_mask_before_the_kernel_is_chosen() -> None:
-    _, recorder = _attend("H100", lambda: (*_qkv(dtype=F32), {}), autocast=True)
+    _, recorder = _attend(FLASH_FIRST_GPU, lambda: (*_qkv(dtype=F32), {}), autocast=True)
     args, _ = recorder.call("aten._scaled_dot_product_flash_attention.default")  # bf16 now: flash
     assert [t.dtype for t in args[:3]] == [BF16] * 3
     masked = lambda: (*_qkv(dtype=F32), {"attn_mask": torch.zeros(2, 1, 128, 128)})  # noqa: E731
-    _, recorder = _attend("H100", masked, autocast=True)
+    _, recorder = _attend(FLASH_FIRST_GPU, masked, autocast=True)
     args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
     assert [t.dtype for t in args[:4]] == [BF16] * 4
 
@@ -466,12 +472,12 @@ def test_flash_is_called_as_attention_cpp_calls_it() -> None:
     return_debug_mask=false, scale)`, q/k/v padded to the next multiple of 8 (58 -> 64, not 60).
     The dispatcher drops trailing arguments equal to their defaults, so a debug mask asked for
     shows as a sixth argument."""
-    out, recorder = _attend("H100", lambda: (*_grad(_qkv(head_dim=58)), {}))
+    out, recorder = _attend(FLASH_FIRST_GPU, lambda: (*_grad(_qkv(head_dim=58)), {}))
     args, _ = recorder.call("aten._scaled_dot_product_flash_attention.default")
     assert [tuple(t.shape) for t in args[:3]] == [(2, 4, 128, 64)] * 3
     assert args[3:] == ()  # no dropout, not causal, no debug mask
     assert tuple(out.shape) == (2, 4, 128, 58)
-    _, recorder = _attend("H100", lambda: (*_grad(_qkv()), {}), is_causal=True, dropout_p=0.1)
+    _, recorder = _attend(FLASH_FIRST_GPU, lambda: (*_grad(_qkv()), {}), is_causal=True, dropout_p=0.1)
     args, _ = recorder.call("aten._scaled_dot_product_flash_attention.default")
     assert args[3:] == (0.1, True)
 
@@ -480,24 +486,24 @@ def test_the_callers_flags_reach_the_backend_choice() -> None:
     """A causal call with more keys than queries is not flash's (its causal mask is top-left), and
     grouped heads reach flash only with enable_gqa."""
     longer_keys = lambda: (*_tensors(kv_seq=256), {})  # noqa: E731
-    _, recorder = _attend("H100", longer_keys, is_causal=True)
+    _, recorder = _attend(FLASH_FIRST_GPU, longer_keys, is_causal=True)
     args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
     assert args[6] is True  # is_causal reaches the memory-efficient kernel too
     grouped = lambda: (*_tensors(q_heads=8, kv_heads=2), {})  # noqa: E731
-    _, recorder = _attend("H100", grouped, enable_gqa=True)
+    _, recorder = _attend(FLASH_FIRST_GPU, grouped, enable_gqa=True)
     recorder.call("aten._scaled_dot_product_flash_attention.default")
     with pytest.raises(RuntimeError):  # as on CUDA: unequal heads without the flag do not broadcast
-        _attend("H100", grouped)
+        _attend(FLASH_FIRST_GPU, grouped)
 
 
 def test_autocast_casts_every_floating_input_but_float64() -> None:
     """autocast_mode.h cached_cast/is_eligible: float16 inputs are cast to bfloat16 under bfloat16
     autocast (and then run flash), float64 ones are left alone (and run the math backend)."""
     half = lambda: (*_qkv(dtype=torch.float16), {"attn_mask": torch.zeros(2, 1, 128, 128, dtype=torch.float16)})  # noqa: E731
-    _, recorder = _attend("H100", half, autocast=True)
+    _, recorder = _attend(FLASH_FIRST_GPU, half, autocast=True)
     args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
     assert [t.dtype for t in args[:4]] == [BF16] * 4
-    out, recorder = _attend("H100", lambda: (*_qkv(dtype=torch.float64), {}), autocast=True)
+    out, recorder = _attend(FLASH_FIRST_GPU, lambda: (*_qkv(dtype=torch.float64), {}), autocast=True)
     assert out.dtype == torch.float64
     assert not [
         op for op, _, _ in recorder.calls if "flash" in op or "efficient" in op or op.startswith("aten._to_copy")
@@ -506,7 +512,7 @@ def test_autocast_casts_every_floating_input_but_float64() -> None:
 
 def test_a_bool_mask_becomes_additive_in_the_querys_own_dtype() -> None:
     masked = lambda: (*_qkv(dtype=BF16), {"attn_mask": torch.ones(2, 1, 128, 128, dtype=torch.bool)})  # noqa: E731
-    _, recorder = _attend("H100", masked)
+    _, recorder = _attend(FLASH_FIRST_GPU, masked)
     args, _ = recorder.call("aten._scaled_dot_product_efficient_attention.default")
     assert args[3].dtype == BF16 and tuple(args[3].shape) == (2, 4, 128, 128)
 
@@ -545,3 +551,61 @@ def test_dropout_edges_follow_dropout_cpp() -> None:
         assert dropped is not x and dropped.dtype == BF16
         args, _ = recorder.call("aten.mul.Tensor")
         assert args[0] is x and args[1].dtype == BF16 and tuple(args[1].shape) == ()
+
+
+@pytest.mark.parametrize(
+    ("capability", "cudnn_version", "cuda_major", "preferred"),
+    [
+        ((9, 0), 91900, 13, True),  # the lent H100's torch 2.11.0+cu130 (docs/validation/h100/environment.json)
+        ((9, 0), 91500, 13, False),  # "cudnn_version > 91500"
+        ((9, 0), 91501, 13, True),
+        ((10, 0), 91900, 13, True),
+        ((10, 1), 91900, 13, True),  # CUDA 13 builds: any sm10x minor
+        ((10, 1), 91900, 12, False),  # CUDA 12 builds: minor 0 or 3 only
+        ((10, 3), 91900, 12, True),
+        ((8, 0), 91900, 13, False),
+        ((12, 0), 91900, 13, False),
+    ],
+)
+def test_cudnn_attention_comes_first_as_check_prefer_cudnn_attention_says(
+    capability, cudnn_version, cuda_major, preferred, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from memplan.estimator.cuda.kernels import cudnn_attention_preferred
+
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    assert cudnn_attention_preferred(capability, cudnn_version, cuda_major) is preferred
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert cudnn_attention_preferred(capability, cudnn_version, cuda_major) is False
+
+
+def test_cudnn_attention_takes_what_can_use_cudnn_attention_accepts() -> None:
+    q, k, v = _qkv(head_dim=64, dtype=BF16)
+    assert select_sdpa_backend(q, k, v, None, True, False, (9, 0), True) == "cudnn"
+    assert select_sdpa_backend(q, k, v, None, True, False, (9, 0), False) == "flash"  # not preferred
+    assert select_sdpa_backend(q, k, v, None, True, False, (9, 0), True, deterministic=True) == "flash"
+    mask = torch.zeros(2, 1, 128, 128, dtype=BF16)
+    assert select_sdpa_backend(q, k, v, mask, False, False, (9, 0), True) == "cudnn"  # a mask is a bias
+    assert select_sdpa_backend(q, k, v, mask.requires_grad_(), False, False, (9, 0), True) == "efficient"
+    wide = _qkv(head_dim=160, dtype=BF16)  # above 128 on cuDNN 9.19: flash takes up to 256
+    assert select_sdpa_backend(*wide, None, True, False, (9, 0), True) == "flash"
+    odd = _qkv(head_dim=60, dtype=BF16)  # not a multiple of 8
+    assert select_sdpa_backend(*odd, None, True, False, (9, 0), True) == "flash"
+    q32, k32, v32 = _qkv(head_dim=64, dtype=F32)
+    assert select_sdpa_backend(q32, k32, v32, None, True, False, (9, 0), True) == "efficient"
+    grouped_q, grouped_kv = torch.empty(2, 8, 128, 64, dtype=BF16), torch.empty(2, 2, 128, 64, dtype=BF16)
+    assert select_sdpa_backend(grouped_q, grouped_kv, grouped_kv, None, True, True, (9, 0), True) == "cudnn"
+    assert select_sdpa_backend(grouped_q, grouped_kv, grouped_kv, None, True, False, (9, 0), True) == "math"
+
+
+def test_cudnn_attention_is_called_as_attention_cpp_calls_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`_scaled_dot_product_cudnn_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p,
+    is_causal, return_debug_mask=false, scale)`; a bool mask arrives additive in the query's dtype."""
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    out, recorder = _attend("H100", lambda: (*_grad(_qkv(dtype=BF16)), {}), is_causal=True, dropout_p=0.1, scale=0.5)
+    args, kwargs = recorder.call("aten._scaled_dot_product_cudnn_attention.default")
+    assert args[3] is None and args[4:7] == (True, 0.1, True) and kwargs["scale"] == 0.5
+    assert tuple(out.shape) == (2, 4, 128, 64)
+    masked = lambda: (*_qkv(dtype=BF16), {"attn_mask": torch.ones(2, 1, 128, 128, dtype=torch.bool)})  # noqa: E731
+    _, recorder = _attend("H100", masked)
+    args, _ = recorder.call("aten._scaled_dot_product_cudnn_attention.default")
+    assert args[3].dtype == BF16 and tuple(args[3].shape) == (2, 1, 128, 128) and args[4] is False

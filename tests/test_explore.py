@@ -148,7 +148,7 @@ def test_ctrl_c_in_the_cli_sweep_shows_the_finished_table_and_exits_130(tiny_mod
 
 def test_which_gpu_fits_each_cards_usable_memory_and_names_the_cheapest_listed_card_that_fits():
     """tiny-gpt2 at batch 6,000 completes in about 15.7 GiB: more than a T4's 14.5 GiB usable (15,360 MiB
-    less the 512 MiB context), less than an L4's or an H200's. The T4 is cheaper but does not fit; the
+    less the 767 MiB context), less than an L4's or an H200's. The T4 is cheaper but does not fit; the
     H200 has no listed price; so the L4 is the cheapest that fits (prices: memplan.prices' table)."""
     from memplan.api import which_gpu
     from memplan.gpus import CONTEXT_BYTES, GPUS

@@ -15,7 +15,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
-from memplan.estimator.cuda.attention_scratch import FLASH_BACKWARD, attention_backward_scratch
+from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
 from memplan.estimator.cuda.cublas import cublas_workspace_bytes
 from memplan.estimator.cuda.cudnn import (
     CONV_OPS,
@@ -58,6 +58,7 @@ CUBLAS_OPS = {
 ATTENTION_BACKWARD_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
     torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default,
 }
 
 
@@ -286,7 +287,7 @@ def _conv_workspace(node: OpNode, args: tuple, settings: TrainingSettings) -> tu
 def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
     """What an attention backward node allocates besides its gradients (memplan.estimator.cuda.attention_scratch)."""
     gpu = gpu_named(settings.gpu or DEFAULT_GPU)
-    kernel = "flash" if node.target == FLASH_BACKWARD else "memory-efficient"
+    kernel = {FLASH_BACKWARD: "flash", CUDNN_BACKWARD: "cuDNN"}.get(node.target, "memory-efficient")
     splits_over = gpu.multiprocessors if settings.deterministic else None
     requests = attention_backward_scratch(node.target, args, gpu.compute_capability, splits_over)
     return tuple((f"{kernel} attention backward scratch", nbytes) for nbytes in requests)

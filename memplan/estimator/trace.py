@@ -568,7 +568,7 @@ def _target_kernels(settings: TrainingSettings) -> Iterator[set[str]]:
     if settings.device != "cuda":
         yield set()
         return
-    with cuda_autocast_policy() as unknown_autocast_ops, cuda_kernels(settings.gpu):
+    with cuda_autocast_policy() as unknown_autocast_ops, cuda_kernels(settings.gpu, settings.deterministic):
         yield unknown_autocast_ops
 
 

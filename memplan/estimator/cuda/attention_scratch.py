@@ -15,6 +15,16 @@ flash_attn/flash_api.cpp `mha_bwd`; the tensors arrive as [batch, seq, heads, he
 - grouped-query attention (fewer key/value heads): `dk_expanded` and `dv_expanded`, [batch,
   seq_k, heads, head_dim] in the input's dtype, summed into dk and dv after the kernel.
 
+cuDNN (attention_backward.cu `_scaled_dot_product_cudnn_attention_backward_cuda`, cudnn/MHA.cpp
+`run_cudnn_SDP_bprop`): after dq, dk and dv, one workspace for the cuDNN graph, sized by cuDNN and
+freed when the call returns. Measured on the lent H100 (cuDNN 9.19; docs/validation/h100, the
+allocator traces of six 16-bit configurations), it is float32 [batch, heads, seq_q, head_dim] (the
+grad-query accumulator) plus float32 [batch, heads, seq_q] (softmax statistics) plus 256 bytes,
+to the byte in GPT-2, DistilBERT, T5-small, BERT-large and ViT-base; with grouped-query attention
+(Qwen2.5-0.5B: 14 query heads, 2 key/value heads) one more float32 [batch, heads, seq_q,
+head_dim]. That second term rests on one measured architecture, and the 256 bytes on cuDNN's
+own sizing, which no source memplan can read states.
+
 Memory-efficient (attention_backward.cu `_efficient_attention_backward`, the cutlass kernel of
 mem_eff_attention/kernel_backward.h):
 - `delta`: float32 [batch, heads, seq_q]. 16-bit kernels compute it in the kernel
@@ -34,6 +44,8 @@ import torch
 aten = torch.ops.aten
 
 FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_backward.default
+CUDNN_BACKWARD = aten._scaled_dot_product_cudnn_attention_backward.default
+CUDNN_WORKSPACE_EXTRA_BYTES = 256  # measured beyond the two float32 terms (see the module docstring)
 EFFICIENT_BACKWARD = aten._scaled_dot_product_efficient_attention_backward.default
 FLOAT32_BYTES = 4
 
@@ -104,6 +116,17 @@ def efficient_backward_scratch(
     return during_kernel
 
 
+def cudnn_backward_scratch(query: torch.Tensor, key: torch.Tensor) -> tuple[int, ...]:
+    """Bytes of the workspace one cuDNN attention backward call requests besides its gradients."""
+    batch, heads, seq_q, head_dim = query.shape
+    accumulators = 2 if key.shape[1] != heads else 1
+    return (
+        accumulators * batch * heads * seq_q * head_dim * FLOAT32_BYTES
+        + batch * heads * seq_q * FLOAT32_BYTES
+        + CUDNN_WORKSPACE_EXTRA_BYTES,
+    )
+
+
 def attention_backward_scratch(
     target: object, args: tuple, compute_capability: tuple[int, int], deterministic_multiprocessors: int | None = None
 ) -> tuple[int, ...]:
@@ -114,4 +137,6 @@ def attention_backward_scratch(
     if target == EFFICIENT_BACKWARD:
         grad_out, query = args[0], args[1]
         return efficient_backward_scratch(grad_out, query, compute_capability)
+    if target == CUDNN_BACKWARD:
+        return cudnn_backward_scratch(args[1], args[2])
     return ()
