@@ -24,6 +24,7 @@ from memplan.estimator.cuda.cudnn import (
     conv_calls,
     workspace_band_bytes,
 )
+from memplan.estimator.cuda.reductions import reduction_staging
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
@@ -293,6 +294,31 @@ def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) ->
     return tuple((f"{kernel} attention backward scratch", nbytes) for nbytes in requests)
 
 
+REDUCTION_OPS = {
+    torch.ops.aten.sum.dim_IntList,
+    torch.ops.aten.sum.default,
+    torch.ops.aten.mean.dim,
+    torch.ops.aten.mean.default,
+}
+
+
+def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
+    """The global-memory staging of a CUDA sum or mean (memplan.estimator.cuda.reductions)."""
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor) or not source.is_contiguous() or source.dim() == 0:
+        return ()
+    dims = (
+        args[1] if len(args) > 1 and node.target in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim) else None
+    )
+    reduced = set(range(source.dim())) if not dims else {d % source.dim() for d in dims}
+    gpu = gpu_named(settings.gpu or DEFAULT_GPU)
+    requests = reduction_staging(
+        tuple(source.shape), reduced, source.dtype, gpu.compute_capability, gpu.multiprocessors
+    )
+    name = _op_name(node)
+    return tuple((f"reduction staging ({name})", nbytes) for nbytes in requests)
+
+
 def _live_bytes(
     traced: TracedStep, lifetimes: Liveness, persistent_bytes: int, transient: dict[int, int]
 ) -> tuple[list[int], int, int, dict[str, int]]:
@@ -324,7 +350,10 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     lifetimes = lifetimes or liveness(traced)
     nodes, size, born, last_use = lifetimes.nodes, lifetimes.size, lifetimes.born, lifetimes.last_use
     workspaces = cublas_workspaces(traced)
-    exact = _kernel_transients(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch)  # in both ends of the band
+    exact = {
+        **_kernel_transients(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch),
+        **_kernel_transients(traced, nodes, REDUCTION_OPS, _reduction_staging),
+    }  # in both ends of the band
     conv = _kernel_transients(traced, nodes, CONV_OPS, _conv_workspace)  # the band's top
     transients = {**exact, **conv}
     timeline = memory_timeline(traced, lifetimes, workspaces, transients)

@@ -118,18 +118,30 @@ def _cap_memory(capacity_bytes: int) -> None:
     torch.cuda.set_per_process_memory_fraction(capacity_bytes / total)
 
 
-def _write_allocator_trace(path: str) -> None:
-    """The measured iteration's allocator events and the segments at its end, without stacks."""
+def _trace_entries() -> list[dict]:
+    return torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+
+
+def _write_allocator_trace(path: str, measured_from: int) -> None:
+    """Every allocator event of the run (model built, warm-ups, the measured iteration from event
+    `measured_from` on) and the segments at its end, without stacks: what the warm-ups laid out is
+    what the measured iteration's reserved peak depends on."""
     snapshot = torch.cuda.memory._snapshot()
-    events = [
-        [entry["action"], entry["addr"], entry["size"], entry["stream"]]
-        for entry in snapshot["device_traces"][torch.cuda.current_device()]
-    ]
+    entries = snapshot["device_traces"][torch.cuda.current_device()]
+    events = [[entry["action"], entry["addr"], entry["size"], entry["stream"]] for entry in entries]
     segments = [
         [segment["total_size"], segment["allocated_size"], segment["stream"]] for segment in snapshot["segments"]
     ]
     with open(path, "w") as file:
-        json.dump({"events": events, "segments": segments}, file)
+        json.dump(
+            {
+                "events": events[measured_from:],
+                "run_events": events,
+                "measured_from": measured_from,
+                "segments": segments,
+            },
+            file,
+        )
 
 
 def _measure_cuda(
@@ -154,6 +166,9 @@ def _measure_cuda(
     }
     attention = _AttentionOps()
     step_seconds = None
+    measured_from = 0
+    if allocator_trace is not None and snapshot is None:  # from the start: the warm-ups lay out the segments
+        torch.cuda.memory._record_memory_history(context=None, max_entries=SNAPSHOT_MAX_ENTRIES)
     try:
         with torch.device("cuda"):
             state = prepare(spec, settings)
@@ -170,13 +185,13 @@ def _measure_cuda(
             if snapshot is not None:
                 torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
             elif allocator_trace is not None:
-                torch.cuda.memory._record_memory_history(context=None, max_entries=SNAPSHOT_MAX_ENTRIES)
+                measured_from = len(_trace_entries())
             iteration(state)
             torch.cuda.synchronize()
         if snapshot is not None:
             torch.cuda.memory._dump_snapshot(snapshot)
-        if allocator_trace is not None:
-            _write_allocator_trace(allocator_trace)
+        if allocator_trace is not None and snapshot is None:
+            _write_allocator_trace(allocator_trace, measured_from)
         if snapshot is not None or allocator_trace is not None:
             torch.cuda.memory._record_memory_history(enabled=None)
     except torch.OutOfMemoryError as error:

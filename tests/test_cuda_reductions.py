@@ -1,0 +1,88 @@
+"""The staging buffer of CUDA's global reductions (memplan/estimator/cuda/reductions.py).
+
+Expected sizes are what the lent H100 requested (docs/validation/h100/traces-main.tar.gz), not
+values computed by memplan: each is a Linear bias gradient, a sum over the tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.estimator.cuda.reductions import reduction_staging
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.models.source import ModelRef, ModelSpec
+from memplan.settings import TrainingSettings
+
+H100 = ((9, 0), 132)
+MiB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduced", "dtype", "measured_bytes", "where"),
+    [
+        ((16384, 3072), {0}, torch.bfloat16, 138_412_032, "gpt2-bf16, MLP c_fc bias (132.0 MiB)"),
+        ((16384, 2304), {0}, torch.bfloat16, 139_198_464, "gpt2-bf16, c_attn bias (132.75 MiB)"),
+        ((16384, 768), {0}, torch.bfloat16, 100_663_296, "gpt2-bf16, c_proj bias (96 MiB)"),
+        ((8192, 768), {0}, torch.float32, 50_331_648, "gpt2-fp32-adamw, c_proj bias (48 MiB)"),
+        ((8192, 768), {0}, torch.bfloat16, 50_331_648, "gpt2-amp-bf16, c_proj bias (48 MiB)"),
+        ((64, 197, 768), {0, 1}, torch.bfloat16, 77_463_552, "vit-base-amp-bf16, attention output bias"),
+        ((64, 197, 3072), {0, 1}, torch.bfloat16, 138_412_032, "vit-base-amp-bf16, MLP fc1 bias"),
+    ],
+)
+def test_the_staging_buffer_is_what_the_h100_requested(shape, reduced, dtype, measured_bytes, where) -> None:  # type: ignore[no-untyped-def]
+    buffer, semaphores = reduction_staging(shape, reduced, dtype, *H100)
+    assert buffer == measured_bytes, where
+    assert 0 < semaphores < 512  # 4 bytes per block of the grid: one 512-byte block
+
+
+def test_reductions_that_stay_within_a_block_request_nothing() -> None:
+    assert reduction_staging((4, 1024, 50257), {2}, torch.float32, *H100) == ()  # a row-wise sum
+    assert reduction_staging((8, 3072), {0}, torch.float32, *H100) == ()  # few inputs per output
+    assert reduction_staging((16, 8, 16), {0, 2}, torch.float32, *H100) == ()  # not one outer/inner block
+    full = reduction_staging((8 * 2**20,), {0}, torch.float32, *H100)  # a full sum: small partials
+    assert full and full[0] < 64 * 1024
+
+
+def test_the_buffer_follows_the_gpus_multiprocessors() -> None:
+    """ctas_per_output = ceil(target grid / grid) where that is the smaller term: a GPU with half
+    the multiprocessors gets about half the blocks per output, so about half the buffer."""
+    h100 = reduction_staging((16384, 3072), {0}, torch.bfloat16, (9, 0), 132)[0]
+    smaller = reduction_staging((16384, 3072), {0}, torch.bfloat16, (9, 0), 66)[0]
+    assert smaller == 4 * 3072 * 44 * 32 * 4  # ceil(66 * 16 / 24) = 44 blocks per output, block.x 32, vec 4
+    assert smaller < h100
+
+
+class _BiasedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).square().mean()
+
+
+def _spec() -> ModelSpec:
+    return ModelSpec(
+        ModelRef("biased-linear"),
+        lambda settings: _BiasedLinear(),
+        lambda settings, dtype: torch.randn(settings.batch_size, 4096, 256),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+
+
+def test_a_bias_gradient_requests_its_staging_after_its_output_on_cuda_only() -> None:
+    cuda = simulate(trace_step(_spec(), TrainingSettings(batch_size=2, optimizer="sgd", gpu="H100-80GB")))
+    staging = [a for a in cuda.timeline.allocations if a.op.startswith("reduction staging")]
+    # [8192 tokens, 512 features] summed over the tokens: 512 / 4 = 128 vectors in 4 blocks of 32;
+    # 2048 values per thread after 4 warps: ceil(132 * 16 / 4) = 528 vs ceil(2048 / 16) = 128.
+    bias = [a for a in staging if a.allocated_at >= cuda.timeline.forward_end]
+    assert [a.requested_bytes for a in bias][:1] == [4 * 512 * 128 * 32 * 4]
+    assert all(a.allocated_at == a.freed_at for a in staging)
+    # The forward's full mean: partial sums only, a few KiB.
+    assert [a.requested_bytes < 64 * 1024 for a in staging if a.allocated_at < cuda.timeline.forward_end] == [True, True]
+    cpu = simulate(trace_step(_spec(), TrainingSettings(batch_size=2, optimizer="sgd", device="cpu")))
+    assert not [a for a in cpu.timeline.allocations if a.op.startswith("reduction staging")]
