@@ -83,6 +83,9 @@ def test_a_bias_gradient_requests_its_staging_after_its_output_on_cuda_only() ->
     assert [a.requested_bytes for a in bias][:1] == [4 * 512 * 128 * 32 * 4]
     assert all(a.allocated_at == a.freed_at for a in staging)
     # The forward's full mean: partial sums only, a few KiB.
-    assert [a.requested_bytes < 64 * 1024 for a in staging if a.allocated_at < cuda.timeline.forward_end] == [True, True]
+    assert [a.requested_bytes < 64 * 1024 for a in staging if a.allocated_at < cuda.timeline.forward_end] == [
+        True,
+        True,
+    ]
     cpu = simulate(trace_step(_spec(), TrainingSettings(batch_size=2, optimizer="sgd", device="cpu")))
     assert not [a for a in cpu.timeline.allocations if a.op.startswith("reduction staging")]

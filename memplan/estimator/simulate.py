@@ -9,7 +9,7 @@ gradients) and graph outputs (gradients, freed by zero_grad at the iteration's e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -24,7 +24,7 @@ from memplan.estimator.cuda.cudnn import (
     conv_calls,
     workspace_band_bytes,
 )
-from memplan.estimator.cuda.reductions import reduction_staging
+from memplan.estimator.cuda.reductions import Reduction, reduction_of
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
@@ -255,7 +255,8 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
 
 
 # A transient request a CUDA kernel makes and frees within its op: (what it is, bytes requested).
-Scratch = tuple[str, int]
+# A reduction's staging also carries its Reduction, to be sized anew at other batch sizes.
+Scratch = tuple[str, int] | tuple[str, int, Reduction]
 
 
 def _kernel_transients(
@@ -307,16 +308,18 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
     source = args[0] if args else None
     if not isinstance(source, torch.Tensor) or not source.is_contiguous() or source.dim() == 0:
         return ()
-    dims = (
-        args[1] if len(args) > 1 and node.target in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim) else None
-    )
+    with_dims = node.target in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim)
+    dims = args[1] if len(args) > 1 and with_dims else None
     reduced = set(range(source.dim())) if not dims else {d % source.dim() for d in dims}
     gpu = gpu_named(settings.gpu or DEFAULT_GPU)
-    requests = reduction_staging(
-        tuple(source.shape), reduced, source.dtype, gpu.compute_capability, gpu.multiprocessors
-    )
-    name = _op_name(node)
-    return tuple((f"reduction staging ({name})", nbytes) for nbytes in requests)
+    reduction = reduction_of(tuple(source.shape), reduced, source.dtype, gpu.compute_capability, gpu.multiprocessors)
+    if reduction is None:
+        return ()
+    name = f"reduction staging ({_op_name(node)})"
+    # Both parts always, 0 bytes where this size reduces within blocks (the replay skips 0-byte
+    # requests): the same requests at every batch size, so batch lines can size them anew.
+    parts = (replace(reduction, part=0), replace(reduction, part=1))
+    return tuple((name, part.bytes(), part) for part in parts)
 
 
 def _live_bytes(
@@ -393,7 +396,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
 def _rounded(transients: dict[int, tuple[Scratch, ...]], settings: TrainingSettings) -> dict[int, int]:
     """Bytes each node's transients add to memory_allocated while it runs."""
     return {
-        index: sum(round_for_device(nbytes, settings) for _, nbytes in requests)
+        index: sum(round_for_device(request[1], settings) for request in requests)
         for index, requests in transients.items()
     }
 
@@ -425,9 +428,13 @@ def memory_timeline(
             )
         )
     for index, requests in (transients or {}).items():  # after the storages: the sort below is stable
-        for op, nbytes in requests:
+        for request in requests:
+            op, nbytes = request[0], request[1]
             size = round_for_device(nbytes, traced.settings)
-            allocations.append(TimelineAllocation(index, index, size, "workspaces", op, None, nbytes))
+            reduction = request[2] if len(request) > 2 else None
+            allocations.append(
+                TimelineAllocation(index, index, size, "workspaces", op, None, nbytes, reduction=reduction)
+            )
     allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
     return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))
 

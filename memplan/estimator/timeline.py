@@ -20,6 +20,7 @@ from memplan.estimator.cuda.allocator import (
     OutOfMemory,
 )
 from memplan.estimator.cuda.cudnn import CUDNN_WORKSPACE
+from memplan.estimator.cuda.reductions import Reduction
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
 PHASES = ("forward", "backward", "optimizer")
@@ -41,6 +42,9 @@ class TimelineAllocation:
     # for everything a single-GPU step allocates (the autograd engine's device thread runs on the
     # same current stream); other numbers for side streams such as collective communication's.
     stream: int = 0
+    # A CUDA reduction's staging request: how to size it at another batch size (memplan.estimator.
+    # interpolate), since Reduce.cuh's plan is not affine in the batch.
+    reduction: Reduction | None = None
 
     def persists(self, node_count: int) -> bool:
         """Alive before the iteration starts and after it ends: parameters, state, the batch, workspaces."""

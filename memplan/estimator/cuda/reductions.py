@@ -111,6 +111,49 @@ def _two_dims(shape: tuple[int, ...], reduced: set[int]) -> tuple[int, int, bool
     return outputs, inputs, flags[-1]
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """One CUDA reduction as Reduce.cuh sizes its staging: the part of it the timeline keeps, so a
+    timeline interpolated to another batch size can size the staging anew (memplan.estimator.
+    interpolate): `inputs_per_output` (or `outputs`) is what the batch scales, the rest stays."""
+
+    outputs: int
+    inputs_per_output: int
+    inner: bool  # the reduced dimensions are the innermost ones (reduction_on_fastest_striding_dimension)
+    acc_bytes: int  # sizeof(acc_type): 4 for float and the 16-bit types, 8 for double
+    compute_capability: tuple[int, int]
+    multiprocessors: int
+    part: int = 0  # 0: the buffer, 1: the semaphores
+
+    def bytes(self) -> int:
+        requests = staging_bytes(
+            self.outputs,
+            self.inputs_per_output,
+            self.inner,
+            self.acc_bytes,
+            self.compute_capability,
+            self.multiprocessors,
+        )
+        return requests[self.part] if requests else 0
+
+
+def reduction_of(
+    shape: tuple[int, ...],
+    reduced_dims: set[int],
+    dtype: torch.dtype,
+    compute_capability: tuple[int, int],
+    multiprocessors: int,
+) -> Reduction | None:
+    """The reduction a sum or mean of a contiguous `shape` over `reduced_dims` is; None where the
+    layout is not covered."""
+    layout = _two_dims(shape, reduced_dims)
+    if layout is None:
+        return None
+    outputs, inputs_per_output, inner = layout
+    acc_bytes = 8 if dtype in (torch.float64, torch.complex128) else 4  # acc_type: float for 16-bit too
+    return Reduction(outputs, inputs_per_output, inner, acc_bytes, compute_capability, multiprocessors)
+
+
 def reduction_staging(
     shape: tuple[int, ...],
     reduced_dims: set[int],
@@ -120,11 +163,28 @@ def reduction_staging(
 ) -> tuple[int, ...]:
     """Bytes of (buffer, semaphores) a sum or mean of a contiguous `shape` over `reduced_dims`
     requests on CUDA; () when it reduces without global memory (or the layout is not covered)."""
-    layout = _two_dims(shape, reduced_dims)
-    if layout is None:
+    reduction = reduction_of(shape, reduced_dims, dtype, compute_capability, multiprocessors)
+    if reduction is None:
         return ()
-    num_outputs, inputs_per_output, inner = layout
-    acc_bytes = 8 if dtype in (torch.float64, torch.complex128) else 4  # acc_type: float for 16-bit too
+    return staging_bytes(
+        reduction.outputs,
+        reduction.inputs_per_output,
+        reduction.inner,
+        reduction.acc_bytes,
+        compute_capability,
+        multiprocessors,
+    )
+
+
+def staging_bytes(
+    num_outputs: int,
+    inputs_per_output: int,
+    inner: bool,
+    acc_bytes: int,
+    compute_capability: tuple[int, int],
+    multiprocessors: int,
+) -> tuple[int, ...]:
+    """(buffer, semaphores) bytes of setReductionConfig's plan; () without a global reduction."""
     config = _Config(num_outputs, inputs_per_output)
     if inner:  # reduction_on_fastest_striding_dimension: block.x along the reduced inputs
         dim0, dim1 = inputs_per_output, num_outputs

@@ -1,0 +1,103 @@
+"""Each convolution call's cuDNN workspace: memplan's band top beside what a GPU run requested.
+
+    python benchmarks/conv_workspaces.py docs/validation/h100/traces-main.tar.gz CONFIG_ID [...] \
+        [--gpu H100-80GB] [--json OUT]
+
+The measured side has no labels: an allocator trace is sizes in order. This script lines the
+run's request sizes up with memplan's predicted requests for the same configuration
+(difflib.SequenceMatcher over the sizes), and reports, for every stretch that differs, the
+convolution call(s) memplan predicted there (direction, input and weight shapes, stride,
+padding, dtype) and the sizes the run requested instead. Where the rest of the step matches
+request for request (as in ResNet's forward), the unmatched measured requests next to a
+convolution are its workspaces; elsewhere the pairing is a guess, and the output says which
+stretches were replaced, deleted or inserted so a reader can judge. Evidence for modelling
+cuDNN's choice; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MiB = 2**20
+
+
+def conv_rows(archive: Path, config_id: str, gpu: str) -> list[dict]:
+    import torch
+    from trace_diff import measured_events, predicted
+
+    import memplan.estimator.simulate as simulate_module
+
+    described: list[tuple] = []
+    original = simulate_module._conv_workspace
+
+    def describing(node, args, settings):  # type: ignore[no-untyped-def]
+        requests = original(node, args, settings)
+        if node.target == torch.ops.aten.convolution.default:
+            x, weight, stride, padding = args[0], args[1], args[3], args[4]
+            call = ("forward", tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), str(x.dtype))
+        else:
+            x, weight, stride, padding = args[1], args[2], args[4], args[5]
+            call = ("backward", tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), str(x.dtype))
+        described.append(call)
+        return tuple((f"{name}|{len(described) - 1}", nbytes) for name, nbytes in requests)
+
+    simulate_module._conv_workspace = describing
+    try:
+        real = measured_events(archive, config_id)
+        _, _, result = predicted(config_id, gpu)
+    finally:
+        simulate_module._conv_workspace = original
+    timeline = result.timeline
+    ours = sorted(
+        (a for a in timeline.allocations if not a.persists(timeline.node_count) and a.size_bytes),
+        key=lambda a: a.allocated_at,
+    )
+    theirs = [size for action, _, size, _ in real["events"] if action == "alloc"]
+    matcher = difflib.SequenceMatcher(a=[a.requested_bytes or a.size_bytes for a in ours], b=theirs, autojunk=False)
+    rows = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        workspaces = [a for a in ours[i1:i2] if "|" in a.op]
+        rows.append(
+            {
+                "stretch": tag,
+                "calls": [described[int(a.op.rsplit("|", 1)[1])] for a in workspaces],
+                "predicted_workspace_bytes": [a.requested_bytes or a.size_bytes for a in workspaces],
+                "other_predicted": [(a.op, a.requested_bytes or a.size_bytes) for a in ours[i1:i2] if "|" not in a.op],
+                "measured_bytes": theirs[j1:j2],
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("archive", type=Path)
+    parser.add_argument("configs", nargs="+")
+    parser.add_argument("--gpu", default="H100-80GB")
+    parser.add_argument("--json", type=Path)
+    arguments = parser.parse_args()
+    everything = {}
+    for config_id in arguments.configs:
+        rows = conv_rows(arguments.archive, config_id, arguments.gpu)
+        everything[config_id] = rows
+        print(f"# {config_id}")
+        for row in rows:
+            call = row["calls"][0] if row["calls"] else "-"
+            predicted = [round(n / MiB, 3) for n in row["predicted_workspace_bytes"]]
+            measured = [round(n / MiB, 4) for n in row["measured_bytes"]]
+            print(f"{row['stretch']:8s} {call} predicted {predicted} MiB, measured {measured} MiB")
+    if arguments.json:
+        arguments.json.write_text(json.dumps(everything, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
