@@ -89,3 +89,37 @@ def test_a_bias_gradient_requests_its_staging_after_its_output_on_cuda_only() ->
     ]
     cpu = simulate(trace_step(_spec(), TrainingSettings(batch_size=2, optimizer="sgd", device="cpu")))
     assert not [a for a in cpu.timeline.allocations if a.op.startswith("reduction staging")]
+
+
+def test_the_semaphores_are_four_bytes_per_block_of_the_grid_as_measured() -> None:
+    """The H100 requested 96, 72 and 24 bytes right after the 132.0, 132.75 and 96 MiB buffers."""
+    assert reduction_staging((16384, 3072), {0}, torch.bfloat16, *H100)[1] == 96
+    assert reduction_staging((16384, 2304), {0}, torch.bfloat16, *H100)[1] == 72
+    assert reduction_staging((16384, 768), {0}, torch.bfloat16, *H100)[1] == 24
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduced", "dtype", "gpu", "expected"),
+    [
+        # Worked by hand from Reduce.cuh. A100 (sm80, 108 SMs, 2048 threads per SM): 128-thread
+        # blocks, 16 per SM, target grid 1728; grid.x = 3072 / 4 / 32 = 24; min(ceil(1728 / 24),
+        # ceil(4096 / 16)) = 72 blocks per output; 4 * 3072 * 72 * 32 * 4.
+        ((16384, 3072), {0}, torch.bfloat16, ((8, 0), 108), (113_246_208, 96)),
+        # RTX 4090 (sm89, 128 SMs, 1536 threads per SM): 12 blocks per SM, target 1536, 64 per output.
+        ((16384, 3072), {0}, torch.bfloat16, ((8, 9), 128), (100_663_296, 96)),
+        # 770 outputs: vectors of 2, so 256 threads (32 x 8); grid.x = ceil(385 / 32) = 13; target
+        # 132 * 8 = 1056; min(ceil(1056 / 13) = 82, ceil(2048 / 16) = 128) = 82; 4 * 770 * 82 * 32 * 2.
+        ((16384, 770), {0}, torch.float32, H100, (16_163_840, 52)),
+        # float64 accumulates in 8 bytes: twice the float32 buffer of the same shape.
+        ((8192, 768), {0}, torch.float64, H100, (100_663_296, 24)),
+        # Outer dimensions merge, size-1 ones drop out: the same reduction as (8192, 768).
+        ((8, 1024, 768), {0, 1}, torch.float32, H100, (50_331_648, 24)),
+        ((1, 8192, 1, 768), {0, 1, 2}, torch.float32, H100, (50_331_648, 24)),
+        # Four long rows summed along them (inner): 512-thread blocks of 128 x 4, reducing along x;
+        # 2048 values per thread; grid.x 4; min(ceil(528 / 4) = 132, 128) = 128 blocks per output;
+        # the buffer holds one float per output and block: 4 * 4 * 128.
+        ((4, 2**20), {1}, torch.float32, H100, (2048, 16)),
+    ],
+)
+def test_the_plan_follows_set_reduction_config_worked_by_hand(shape, reduced, dtype, gpu, expected) -> None:  # type: ignore[no-untyped-def]
+    assert reduction_staging(shape, reduced, dtype, *gpu) == expected
