@@ -514,7 +514,7 @@ def validate_suite(
     resumed run finds already in the file.
     """
     if not isinstance(name, str):
-        raise UsageError(f"name must be a suite name (main, smoke), got {name!r}")
+        raise UsageError(f"name must be a suite name (main, extended, smoke), got {name!r}")
     configs = suite_named(name)
     if not isinstance(results, str | os.PathLike):
         raise UsageError(f"results must be a file path, got {results!r}")

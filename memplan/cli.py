@@ -781,7 +781,7 @@ def compare(
     show_default=True,
     help="none; all = every repeated block; or a plan file from `memplan plan`.",
 )
-@click.option("--suite", help="Run a built-in suite instead of one MODEL: main (a GPU with 80 GB) or smoke (CPU).")
+@click.option("--suite", help="Run a built-in suite instead of one MODEL: main or extended (a GPU with 80 GB), or smoke (CPU).")
 @click.option(
     "--results",
     type=click.Path(dir_okay=False),
@@ -833,7 +833,7 @@ def validate(
             _validate_suite(suite, results, resume, settings["device"], warmup, timeout, as_json)
             return
         if model is None:
-            raise UsageError("name a MODEL to validate, or a built-in --suite (main, smoke)")
+            raise UsageError("name a MODEL to validate, or a built-in --suite (main, extended, smoke)")
         for flag, given in (("--results", results is not None), ("--resume", resume)):
             if given:
                 raise UsageError(
