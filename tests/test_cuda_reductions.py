@@ -123,3 +123,35 @@ def test_the_semaphores_are_four_bytes_per_block_of_the_grid_as_measured() -> No
 )
 def test_the_plan_follows_set_reduction_config_worked_by_hand(shape, reduced, dtype, gpu, expected) -> None:  # type: ignore[no-untyped-def]
     assert reduction_staging(shape, reduced, dtype, *gpu) == expected
+
+
+@pytest.mark.parametrize(
+    ("shape", "reduced", "expected"),
+    [
+        # 64 outputs (16 vectors of 4): 16 x 8 threads; 8192 values per thread; grid.x 1;
+        # min(2112, 512) = 512 blocks per output; 4 * 64 * 512 * 16 * 4.
+        ((65536, 64), {0}, (8_388_608, 4)),
+        # A full sum of 8 Mi floats: one 512-thread block row reducing along x, 528 blocks.
+        ((8 * 2**20,), {0}, (2112, 4)),
+        # Two kept dimensions (4 x 192) are 768 outputs; a size-2 reduced one still counts.
+        ((8192, 4, 192), {0}, (50_331_648, 24)),
+        ((2, 4096, 768), {0, 1}, (50_331_648, 24)),
+        # grid.x 1056, half the target grid, and 256 values per thread: 2 blocks per output.
+        ((1024, 135_168), {0}, (138_412_032, 4224)),
+        # grid.x equal to the target grid: one block per output is no global reduction at 256
+        # values per thread, but 4 at 1,024 (ceil(1024 / 256)).
+        ((1024, 270_336), {0}, ()),
+        ((4096, 270_336), {0}, (553_648_128, 8448)),
+    ],
+)
+def test_the_edges_of_the_plan_worked_by_hand(shape, reduced, expected) -> None:  # type: ignore[no-untyped-def]
+    assert reduction_staging(shape, reduced, torch.float32, *H100) == expected
+
+
+def test_a_kept_reduction_sizes_its_staging_on_its_own_gpu() -> None:
+    from memplan.estimator.cuda.reductions import reduction_of
+
+    rtx_4090 = reduction_of((16384, 3072), {0}, torch.bfloat16, (8, 9), 128)
+    assert rtx_4090 is not None and rtx_4090.bytes() == 100_663_296
+    rows = reduction_of((4, 2**20), {1}, torch.float32, *H100)
+    assert rows is not None and rows.bytes() == 2048
