@@ -142,6 +142,13 @@ def test_the_plan_follows_set_reduction_config_worked_by_hand(shape, reduced, dt
         # values per thread, but 4 at 1,024 (ceil(1024 / 256)).
         ((1024, 270_336), {0}, ()),
         ((4096, 270_336), {0}, (553_648_128, 8448)),
+        # More blocks than the target grid (grid.x 4224): each output stays within its block.
+        ((4096, 540_672), {0}, ()),
+        # 32 inputs per output: too few to split over the block's warps, so no global reduction.
+        ((32, 3072), {0}, ()),
+        # 769 outputs allow no vectors: 512 threads (32 x 16); 1,024 values per thread; grid.x 25;
+        # target 132 * 4 = 528; min(ceil(528 / 25) = 22, 64) = 22; 4 * 769 * 22 * 32.
+        ((16384, 769), {0}, (2_165_504, 100)),
     ],
 )
 def test_the_edges_of_the_plan_worked_by_hand(shape, reduced, expected) -> None:  # type: ignore[no-untyped-def]
@@ -155,3 +162,9 @@ def test_a_kept_reduction_sizes_its_staging_on_its_own_gpu() -> None:
     assert rtx_4090 is not None and rtx_4090.bytes() == 100_663_296
     rows = reduction_of((4, 2**20), {1}, torch.float32, *H100)
     assert rows is not None and rows.bytes() == 2048
+
+
+def test_a_gpu_generation_without_a_listed_thread_limit_gets_2048_threads_per_multiprocessor() -> None:
+    assert reduction_staging((16384, 3072), {0}, torch.bfloat16, (11, 0), 132) == reduction_staging(
+        (16384, 3072), {0}, torch.bfloat16, *H100
+    )
