@@ -149,6 +149,9 @@ def test_the_plan_follows_set_reduction_config_worked_by_hand(shape, reduced, dt
         # 769 outputs allow no vectors: 512 threads (32 x 16); 1,024 values per thread; grid.x 25;
         # target 132 * 4 = 528; min(ceil(528 / 25) = 22, 64) = 22; 4 * 769 * 22 * 32.
         ((16384, 769), {0}, (2_165_504, 100)),
+        # Rows of 1,024 summed along them: vectors of 4 make 256 columns for 32 x 16 threads; 32
+        # values per thread after the block's x, too few to split over warps: no global reduction.
+        ((4096, 1024), {1}, ()),
     ],
 )
 def test_the_edges_of_the_plan_worked_by_hand(shape, reduced, expected) -> None:  # type: ignore[no-untyped-def]
