@@ -781,7 +781,9 @@ def compare(
     show_default=True,
     help="none; all = every repeated block; or a plan file from `memplan plan`.",
 )
-@click.option("--suite", help="Run a built-in suite instead of one MODEL: main or extended (a GPU with 80 GB), or smoke (CPU).")
+@click.option(
+    "--suite", help="Run a built-in suite instead of one MODEL: main or extended (a GPU with 80 GB), or smoke (CPU)."
+)
 @click.option(
     "--results",
     type=click.Path(dir_okay=False),

@@ -153,8 +153,8 @@ def test_plan_jobs_one_process_gives_the_same_plan(tmp_path):
     alone = runner.invoke(main, [*common, "--jobs", "1", "--json"])
     default = runner.invoke(main, [*common, "--json"])
     assert alone.exit_code == 0 and default.exit_code == 0, alone.output + default.output
-    assert json.loads(alone.output)["layout"] == json.loads(default.output)["layout"]
-    assert json.loads(alone.output)["baselines"] == json.loads(default.output)["baselines"]
+    assert json.loads(alone.stdout)["layout"] == json.loads(default.stdout)["layout"]
+    assert json.loads(alone.stdout)["baselines"] == json.loads(default.stdout)["baselines"]
     zero = runner.invoke(main, [*common, "--jobs", "0"])
     assert zero.exit_code == 2 and "--jobs" in zero.output
 
@@ -166,19 +166,19 @@ def test_plan_json_and_plan_file_round_trip(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["plan", *common, "--budget", "9MiB", "--json", "-o", str(plan_path)])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert {"fits", "predicted_peak_bytes", "recompute_flops", "baselines"} <= set(data)
     assert {b["name"] for b in data["baselines"]} == {"none", "all blocks", "sqrt(n) segments", "every 2nd block"}
     assert all({"name", "fits", "predicted_peak_bytes", "recompute_flops"} <= set(b) for b in data["baselines"])
 
     estimated = runner.invoke(main, ["estimate", *common, "--checkpoint", str(plan_path), "--json"])
     assert estimated.exit_code == 0, estimated.output
-    assert json.loads(estimated.output)["peak_bytes"] == data["predicted_peak_bytes"]
+    assert json.loads(estimated.stdout)["peak_bytes"] == data["predicted_peak_bytes"]
 
     # validate --checkpoint plan.json: the plan applied to a real run, measured within budget.
     validated = runner.invoke(main, ["validate", *common, "--checkpoint", str(plan_path), "--json"])
     assert validated.exit_code == 0, validated.output
-    measured = json.loads(validated.output)
+    measured = json.loads(validated.stdout)
     assert measured["predicted_peak_bytes"] == data["predicted_peak_bytes"]
     assert measured["measured_peak_bytes"] <= 9 * 2**20 and abs(measured["relative_error"]) <= 0.005
 
