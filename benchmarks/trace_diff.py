@@ -67,8 +67,10 @@ def main() -> None:
     print("sizes only measured (MiB x count):", [(round(s / MiB, 3), n) for s, n in sorted(only_real.items())][-25:])
     print("sizes only predicted (MiB x count):", [(round(s / MiB, 3), n) for s, n in sorted(only_ours.items())][-25:])
     real_segments = sorted(segment[0] for segment in real["segments"])
-    print(f"segments: measured {len(real_segments)} = {sum(real_segments) / MiB:.0f} MiB; "
-          f"predicted {len(our_segments)} = {sum(our_segments) / MiB:.0f} MiB")
+    print(
+        f"segments: measured {len(real_segments)} = {sum(real_segments) / MiB:.0f} MiB; "
+        f"predicted {len(our_segments)} = {sum(our_segments) / MiB:.0f} MiB"
+    )
     print("largest measured:", [round(s / MiB, 1) for s in real_segments[-12:]])
     print("largest predicted:", [round(s / MiB, 1) for s in sorted(our_segments)[-12:]])
     other = collections.Counter(a for a, *_ in real["events"])
