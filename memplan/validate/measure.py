@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +44,7 @@ class Measurement:
     message: str | None = None
     seconds: float = 0.0
     # cuda: the steady-state iteration's wall time (the last warm-up, synchronized), the attention
-    # kernels it ran (aten ops whose name says attention: which SDPA backend torch chose), the
+    # kernels a further iteration ran (aten ops whose name says attention: the SDPA backend torch chose), the
     # software it ran on, and the cap set with set_per_process_memory_fraction, if any.
     step_seconds: float | None = None
     attention_ops: tuple[str, ...] = ()
@@ -173,11 +172,10 @@ def _measure_cuda(
         with torch.device("cuda"):
             state = prepare(spec, settings)
         state.autocast_device = "cuda"
-        for index in range(warmup):
+        for _ in range(warmup):
             torch.cuda.synchronize()
             step_started = time.perf_counter()
-            with attention if index == 0 else nullcontext():
-                iteration(state)
+            iteration(state)
             torch.cuda.synchronize()
             step_seconds = time.perf_counter() - step_started
         with collector_held():
@@ -207,12 +205,22 @@ def _measure_cuda(
             **versions,
         )
     free, total = torch.cuda.mem_get_info()
+    peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    seconds = time.perf_counter() - started
+    # Which attention kernels ran, from one more iteration after everything is read: under a Python
+    # dispatch mode the autograd engine adds gradients out of place and tensors are held
+    # differently, so an iteration under one must not lay out the segments the measurement reads.
+    try:
+        with attention:
+            iteration(state)
+    except torch.OutOfMemoryError:
+        pass  # the measurement stands; only the kernel names are missing
     return Measurement(
         device="cuda",
-        peak_bytes=torch.cuda.max_memory_allocated(),
-        reserved_bytes=torch.cuda.max_memory_reserved(),
+        peak_bytes=peak,
+        reserved_bytes=reserved,
         device_used_bytes=total - free,
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
         step_seconds=step_seconds,
         attention_ops=tuple(sorted(attention.seen)),
         allocator_trace=allocator_trace,
