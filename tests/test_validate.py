@@ -95,7 +95,7 @@ def test_the_main_suite_is_broad_enough() -> None:
 
 
 def test_every_extended_configuration_is_a_valid_setting_of_a_model_memplan_resolves() -> None:
-    from memplan.api import _settings
+    from memplan.api import _checked_against_plan, _settings
     from memplan.models.source import resolve_model
     from memplan.validate.suite import EXTENDED, MAIN
 
@@ -106,6 +106,7 @@ def test_every_extended_configuration_is_a_valid_setting_of_a_model_memplan_reso
         settings, plan = _settings(None, {**config.settings, "device": "cuda"}, config.inputs)
         spec = resolve_model(config.model, inputs=config.inputs)
         spec.settings_for(settings)
+        _checked_against_plan(spec, settings, plan)  # what `validate` checks before predicting
         loops.add(settings.loop)
         if plan is not None:  # the planned configuration carries the plan's own layout
             assert settings.checkpoint == plan.layout and plan.settings["batch_size"] == settings.batch_size

@@ -152,6 +152,7 @@ EXTENDED = (
         seq_len=1024,
         precision="amp-bf16",
         checkpoint="docs/validation/plans/gpt2-medium-b16-amp-bf16-20GiB.json",
+        gpu="H100-80GB",  # the plan was made for it; a plan refuses other settings
     ),
     _c("t5-base-selective-long", "t5-base", batch_size=8, seq_len=1024, checkpoint="selective"),
     _c("gpt2-cublas-workspace", "gpt2", batch_size=8, seq_len=1024, cublas_workspace_config=":4096:8"),
