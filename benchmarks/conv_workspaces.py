@@ -17,6 +17,7 @@ cuDNN's choice; not a test.
 from __future__ import annotations
 
 import argparse
+import collections
 import difflib
 import json
 import sys
@@ -46,7 +47,7 @@ def conv_rows(archive: Path, config_id: str, gpu: str) -> list[dict]:
             x, weight, stride, padding = args[1], args[2], args[4], args[5]
             call = ("backward", tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), str(x.dtype))
         described.append(call)
-        return tuple((f"{name}|{len(described) - 1}", nbytes) for name, nbytes in requests)
+        return tuple((f"{name}|{len(described) - 1}", nbytes, extra) for name, nbytes, extra in requests)
 
     simulate_module._conv_workspace = describing
     try:
@@ -78,6 +79,28 @@ def conv_rows(archive: Path, config_id: str, gpu: str) -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict]) -> dict[str, int]:
+    """Counts per (direction, kernel, outcome): a lone predicted workspace against a lone measured
+    request ("under 1 MiB", "the top" within 0.01 MiB, "above the top", "below the top"), and
+    predicted workspaces the run did not request at all ("none")."""
+    counts: collections.Counter[str] = collections.Counter()
+    for row in rows:
+        for call in row["calls"] if row["stretch"] == "delete" else ():
+            counts[f"{call[0]} {'1x1' if call[2][2] == 1 else 'kxk'} none"] += 1
+        lone = len(row["calls"]) == 1 and len(row["measured_bytes"]) == 1 and not row["other_predicted"]
+        if row["stretch"] != "replace" or not lone:
+            continue
+        call, predicted, measured = row["calls"][0], row["predicted_workspace_bytes"][0], row["measured_bytes"][0]
+        if measured < MiB:
+            outcome = "under 1 MiB"
+        elif abs(measured - predicted) < 0.01 * MiB:
+            outcome = "the top"
+        else:
+            outcome = "above the top" if measured > predicted else "below the top"
+        counts[f"{call[0]} {'1x1' if call[2][2] == 1 else 'kxk'} {outcome}"] += 1
+    return dict(sorted(counts.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("archive", type=Path)
@@ -95,6 +118,7 @@ def main() -> None:
             predicted = [round(n / MiB, 3) for n in row["predicted_workspace_bytes"]]
             measured = [round(n / MiB, 4) for n in row["measured_bytes"]]
             print(f"{row['stretch']:8s} {call} predicted {predicted} MiB, measured {measured} MiB")
+        print(f"summary: {summary(rows)}")
     if arguments.json:
         arguments.json.write_text(json.dumps(everything, indent=1) + "\n")
 

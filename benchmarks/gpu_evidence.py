@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from memplan.outputs import write_atomically  # noqa: E402
+from memplan.validate.result import relative_error  # noqa: E402
 from memplan.validate.suite import SuiteConfig, suite_named  # noqa: E402
 
 WARMUP = 2
@@ -84,9 +86,8 @@ def _run_forked(config: SuiteConfig, trace_path: str | None, capacity_bytes: int
 
 
 def _write(path: Path, document: dict) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(document, indent=1) + "\n")
-    temporary.replace(path)
+    text = (json.dumps(document, indent=1) + "\n").encode()
+    write_atomically(path, lambda file: file.write(text), "results")
 
 
 def _pack(trace_dir: Path, archive: Path) -> None:
@@ -249,10 +250,6 @@ def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
         print(f"{config.id}: {entry.get('predicted_peak_bytes')} {entry.get('error', '')}", flush=True)
 
 
-def _error(predicted: int | None, measured: int | None) -> float | None:
-    return None if predicted is None or not measured else (predicted - measured) / measured
-
-
 def merge(predicted_path: Path, measured_path: Path, environment_path: Path, out: Path) -> dict:
     """One results document per suite and GPU: the issue's fields, prediction beside measurement."""
     predictions = json.loads(predicted_path.read_text())
@@ -278,9 +275,9 @@ def merge(predicted_path: Path, measured_path: Path, environment_path: Path, out
             "out_of_memory": real.get("out_of_memory", False),
             "error": entry.get("error") or guess.get("error"),
         }
-        row["relative_error"] = _error(row["predicted_peak_bytes"], row["measured_peak_bytes"])
-        row["reserved_relative_error"] = _error(row["predicted_reserved_bytes"], row["measured_reserved_bytes"])
-        row["device_relative_error"] = _error(row["predicted_device_bytes"], row["measured_device_bytes"])
+        row["relative_error"] = relative_error(row["predicted_peak_bytes"], row["measured_peak_bytes"])
+        row["reserved_relative_error"] = relative_error(row["predicted_reserved_bytes"], row["measured_reserved_bytes"])
+        row["device_relative_error"] = relative_error(row["predicted_device_bytes"], row["measured_device_bytes"])
         configs.append(row)
     driver = facts.get("nvidia_smi", "").split(", ")
     document = {
@@ -340,6 +337,16 @@ def table(results: Path) -> str:
         )
     lines.append("")
     lines.append(f"{len(document['configs'])} configurations; " + "; ".join(summary) + ".")
+    beyond = [
+        (row["measured_device_bytes"] - row["measured_reserved_bytes"]) / 2**20
+        for row in document["configs"]
+        if row["measured_device_bytes"] is not None and row["measured_reserved_bytes"] is not None
+    ]
+    if beyond:
+        lines.append(
+            f"Measured device − reserved (the CUDA context and the kernels loaded lazily): {min(beyond):.1f} to "
+            f"{max(beyond):.1f} MiB, median {statistics.median(beyond):.1f} MiB."
+        )
     return "\n".join(lines)
 
 

@@ -7,6 +7,12 @@ measured iteration's alloc/free events, no stacks, and the segments at its end);
 side is memplan's replay of the same configuration's timeline (the last steady-state iteration).
 Printed: how many requests each made, the request sizes only one side made (by size, with
 counts), and the segments each side holds. What differs is where a reserved-peak miss comes from.
+
+`--replay` also feeds the run's own requests to memplan's allocator simulator: memplan's
+persistent allocations (parameters, buffers, the batch, workspaces) first, the optimizer state at
+the first iteration's optimizer step, then the measured iteration's allocs and frees three times,
+as memplan replays its own. Beside memplan's reserved peak and the run's, it tells a miss in the
+requests (the run's requests replay close to the run) from one in the layout the warm-ups left.
 """
 
 from __future__ import annotations
@@ -48,11 +54,40 @@ def predicted(config_id: str, gpu: str) -> tuple[list[tuple[str, int]], list[int
     return events, segments, result
 
 
+def replay_measured(real: dict, result: object) -> int:
+    """memplan's simulator's reserved peak over the run's measured-iteration requests (see --replay)."""
+    from memplan.estimator.cuda.allocator import CachingAllocator
+    from memplan.estimator.timeline import STEADY_STATE_ITERATIONS
+
+    timeline = result.timeline  # type: ignore[attr-defined]
+    allocator = CachingAllocator(result.settings.allocator_config)  # type: ignore[attr-defined]
+    persistent = [a for a in timeline.allocations if a.persists(timeline.node_count) and a.size_bytes]
+    for allocation in persistent:
+        if allocation.category != "optimizer_state":
+            allocator.malloc(allocation.size_bytes, allocation.stream)
+    events = [(action, address, size) for action, address, size, _ in real["events"]]
+    handles: dict[int, int] = {}
+    for iteration in range(STEADY_STATE_ITERATIONS):
+        if iteration == STEADY_STATE_ITERATIONS - 1:
+            allocator.reset_peak_stats()
+        for action, address, size in events:
+            if action == "alloc":
+                handles[address] = allocator.malloc(max(size, 1))
+            elif action == "free_completed" and address in handles:
+                allocator.free(handles.pop(address))
+        if iteration == 0:
+            for allocation in persistent:
+                if allocation.category == "optimizer_state":
+                    allocator.malloc(allocation.size_bytes, allocation.stream)
+    return allocator.max_reserved_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("archive", type=Path)
     parser.add_argument("config")
     parser.add_argument("--gpu", default="H100-80GB")
+    parser.add_argument("--replay", action="store_true", help="replay the run's own requests (docstring)")
     arguments = parser.parse_args()
     real = measured_events(arguments.archive, arguments.config)
     real_allocs = [size for action, _, size, _ in real["events"] if action == "alloc"]
@@ -75,6 +110,13 @@ def main() -> None:
     print("largest predicted:", [round(s / MiB, 1) for s in sorted(our_segments)[-12:]])
     other = collections.Counter(a for a, *_ in real["events"])
     print("measured actions:", dict(other))
+    if arguments.replay:
+        GiB = 2**30
+        print(
+            f"reserved: the run's segments {sum(real_segments) / GiB:.2f} GiB; memplan's requests "
+            f"{result.reserved_peak_bytes / GiB:.2f} GiB; the run's requests through memplan's simulator "
+            f"{replay_measured(real, result) / GiB:.2f} GiB"
+        )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ from memplan.estimator.cuda.attention_scratch import (
 )
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
-from memplan.models.source import ModelRef, ModelSpec
+from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
+from tests.module_specs import loss_returning_spec
 
 H100, V100, P100 = (9, 0), (7, 0), (6, 0)
 
@@ -85,13 +86,7 @@ class _Attention(nn.Module):
 
 
 def _spec() -> ModelSpec:
-    return ModelSpec(
-        ModelRef("one-attention"),
-        lambda settings: _Attention(),
-        lambda settings, dtype: torch.randn(settings.batch_size, 200, 256),
-        lambda output, batch: output,
-        lambda settings: settings,
-    )
+    return loss_returning_spec("one-attention", _Attention, (200, 256))
 
 
 def test_the_flash_backward_node_requests_its_scratch_after_its_gradients() -> None:

@@ -10,8 +10,9 @@ from torch import nn
 from memplan.estimator.cuda.cudnn import ConvOperands, conv_calls, workspace_band_bytes
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
-from memplan.models.source import ModelRef, ModelSpec
+from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
+from tests.module_specs import loss_returning_spec
 
 A100, H100, V100, T4 = (8, 0), (9, 0), (7, 0), (7, 5)
 aten = torch.ops.aten
@@ -87,13 +88,7 @@ class _TwoConvs(nn.Module):
 
 
 def _spec() -> ModelSpec:
-    return ModelSpec(
-        ModelRef("two-convs"),
-        lambda settings: _TwoConvs(),
-        lambda settings, dtype: torch.randn(settings.batch_size, 3, 32, 32),
-        lambda output, batch: output,
-        lambda settings: settings,
-    )
+    return loss_returning_spec("two-convs", _TwoConvs, (3, 32, 32))
 
 
 def test_each_convolution_requests_its_workspace_after_its_output_and_frees_it_at_once() -> None:

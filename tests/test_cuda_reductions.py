@@ -13,8 +13,9 @@ from torch import nn
 from memplan.estimator.cuda.reductions import reduction_staging
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
-from memplan.models.source import ModelRef, ModelSpec
+from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
+from tests.module_specs import loss_returning_spec
 
 H100 = ((9, 0), 132)
 MiB = 2**20
@@ -65,13 +66,7 @@ class _BiasedLinear(nn.Module):
 
 
 def _spec() -> ModelSpec:
-    return ModelSpec(
-        ModelRef("biased-linear"),
-        lambda settings: _BiasedLinear(),
-        lambda settings, dtype: torch.randn(settings.batch_size, 4096, 256),
-        lambda output, batch: output,
-        lambda settings: settings,
-    )
+    return loss_returning_spec("biased-linear", _BiasedLinear, (4096, 256))
 
 
 def test_a_bias_gradient_requests_its_staging_after_its_output_on_cuda_only() -> None:
@@ -168,6 +163,6 @@ def test_a_kept_reduction_sizes_its_staging_on_its_own_gpu() -> None:
 
 
 def test_a_gpu_generation_without_a_listed_thread_limit_gets_2048_threads_per_multiprocessor() -> None:
-    assert reduction_staging((16384, 3072), {0}, torch.bfloat16, (11, 0), 132) == reduction_staging(
-        (16384, 3072), {0}, torch.bfloat16, *H100
-    )
+    """With 2048 threads per multiprocessor and 132 of them, as the H100: the H100's measured
+    132.0 MiB buffer and 96 bytes of semaphores for GPT-2's MLP bias."""
+    assert reduction_staging((16384, 3072), {0}, torch.bfloat16, (11, 0), 132) == (138_412_032, 96)

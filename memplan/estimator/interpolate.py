@@ -66,41 +66,37 @@ class BatchLines:
 
     def timeline_at(self, batch: int) -> MemoryTimeline | None:
         """None where some request would not be a whole, non-negative number of bytes."""
-        span = self.second_batch - self.first_batch
         allocations = []
         for a, b in zip(self.first.allocations, self.second.allocations, strict=True):
+            reduction = None
             if a.reduction is not None and b.reduction is not None:
                 # A reduction's staging is not affine in the batch; what it reduces is: size it anew.
                 reduction = self._reduction_at(a.reduction, b.reduction, batch)
-                if reduction is None:
-                    return None
-                scaled = reduction.bytes()
-                size = round_size(scaled, self.allocator) if self.allocator is not None and scaled else scaled
-                allocations.append(replace(a, size_bytes=size, requested_bytes=scaled, reduction=reduction))
-                continue
-            low, high = _requested(a), _requested(b)
-            scaled, remainder = divmod(low * span + (high - low) * (batch - self.first_batch), span)
-            if remainder or scaled < 0:
+                scaled = None if reduction is None else reduction.bytes()
+            else:
+                scaled = self._on_line(_requested(a), _requested(b), batch)
+            if scaled is None:
                 return None
             size = round_size(scaled, self.allocator) if self.allocator is not None and scaled else scaled
-            allocations.append(replace(a, size_bytes=size, requested_bytes=scaled))
+            allocations.append(replace(a, size_bytes=size, requested_bytes=scaled, reduction=reduction))
         return replace(self.first, allocations=tuple(allocations))
+
+    def _on_line(self, low: int, high: int, batch: int) -> int | None:
+        """The value at `batch` on the line through (first_batch, low) and (second_batch, high);
+        None where that is not a whole, non-negative number."""
+        span = self.second_batch - self.first_batch
+        value, remainder = divmod(low * span + (high - low) * (batch - self.first_batch), span)
+        return None if remainder or value < 0 else value
 
     def _reduction_at(self, first: Reduction, second: Reduction, batch: int) -> Reduction | None:
         """The reduction at `batch`: outputs and inputs per output on their lines, the rest as traced."""
         if replace(first, outputs=0, inputs_per_output=0) != replace(second, outputs=0, inputs_per_output=0):
             return None
-        span, offset = self.second_batch - self.first_batch, batch - self.first_batch
-        outputs = _on_line(first.outputs, second.outputs, span, offset)
-        inputs = _on_line(first.inputs_per_output, second.inputs_per_output, span, offset)
-        if outputs is None or inputs is None:
+        outputs = self._on_line(first.outputs, second.outputs, batch)
+        inputs = self._on_line(first.inputs_per_output, second.inputs_per_output, batch)
+        if not outputs or not inputs:
             return None
         return replace(first, outputs=outputs, inputs_per_output=inputs)
-
-
-def _on_line(low: int, high: int, span: int, offset: int) -> int | None:
-    value, remainder = divmod(low * span + (high - low) * offset, span)
-    return None if remainder or value <= 0 else value
 
 
 def same_requests(first: MemoryTimeline, second: MemoryTimeline) -> bool:

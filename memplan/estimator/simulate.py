@@ -254,9 +254,9 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]
 
 
-# A transient request a CUDA kernel makes and frees within its op: (what it is, bytes requested).
-# A reduction's staging also carries its Reduction, to be sized anew at other batch sizes.
-Scratch = tuple[str, int] | tuple[str, int, Reduction]
+# A transient request a CUDA kernel makes and frees within its op: (what it is, bytes requested,
+# and for a reduction's staging its Reduction, to be sized anew at other batch sizes).
+Scratch = tuple[str, int, Reduction | None]
 
 
 def _kernel_transients(
@@ -283,7 +283,7 @@ def _conv_workspace(node: OpNode, args: tuple, settings: TrainingSettings) -> tu
     switches = CudnnSwitches(settings.cudnn_allow_tf32, None if cap is None else cap * 2**20)
     calls = conv_calls(node.target, args, node.meta.get("val"))
     high = max((workspace_band_bytes(call, capability, switches)[1] for call in calls), default=0)
-    return ((f"{CUDNN_WORKSPACE} ({_op_name(node)})", high),) if high else ()
+    return ((f"{CUDNN_WORKSPACE} ({_op_name(node)})", high, None),) if high else ()
 
 
 def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
@@ -292,7 +292,7 @@ def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) ->
     kernel = {FLASH_BACKWARD: "flash", CUDNN_BACKWARD: "cuDNN"}.get(node.target, "memory-efficient")
     splits_over = gpu.multiprocessors if settings.deterministic else None
     requests = attention_backward_scratch(node.target, args, gpu.compute_capability, splits_over)
-    return tuple((f"{kernel} attention backward scratch", nbytes) for nbytes in requests)
+    return tuple((f"{kernel} attention backward scratch", nbytes, None) for nbytes in requests)
 
 
 REDUCTION_OPS = {
@@ -396,7 +396,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
 def _rounded(transients: dict[int, tuple[Scratch, ...]], settings: TrainingSettings) -> dict[int, int]:
     """Bytes each node's transients add to memory_allocated while it runs."""
     return {
-        index: sum(round_for_device(request[1], settings) for request in requests)
+        index: sum(round_for_device(nbytes, settings) for _, nbytes, _ in requests)
         for index, requests in transients.items()
     }
 
@@ -428,10 +428,8 @@ def memory_timeline(
             )
         )
     for index, requests in (transients or {}).items():  # after the storages: the sort below is stable
-        for request in requests:
-            op, nbytes = request[0], request[1]
+        for op, nbytes, reduction in requests:
             size = round_for_device(nbytes, traced.settings)
-            reduction = request[2] if len(request) > 2 else None
             allocations.append(
                 TimelineAllocation(index, index, size, "workspaces", op, None, nbytes, reduction=reduction)
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,14 +44,12 @@ class Measurement:
     message: str | None = None
     seconds: float = 0.0
     # cuda: the steady-state iteration's wall time (the last warm-up, synchronized), the attention
-    # kernels a further iteration ran (aten ops whose name says attention: the SDPA backend torch chose), the
-    # software it ran on, and the cap set with set_per_process_memory_fraction, if any.
+    # kernels a further iteration ran (aten ops whose name says attention: the SDPA backend torch
+    # chose), and the software it ran on.
     step_seconds: float | None = None
     attention_ops: tuple[str, ...] = ()
     cuda_version: str | None = None
     cudnn_version: int | None = None
-    capacity_bytes: int | None = None
-    allocator_trace: str | None = field(default=None, repr=False)  # where the compact trace went
 
 
 class _AttentionOps(TorchDispatchMode):
@@ -161,7 +159,6 @@ def _measure_cuda(
         "device_name": name,
         "cuda_version": torch.version.cuda,
         "cudnn_version": torch.backends.cudnn.version(),
-        "capacity_bytes": capacity_bytes,
     }
     attention = _AttentionOps()
     step_seconds = None
@@ -223,6 +220,5 @@ def _measure_cuda(
         seconds=seconds,
         step_seconds=step_seconds,
         attention_ops=tuple(sorted(attention.seen)),
-        allocator_trace=allocator_trace,
         **versions,
     )

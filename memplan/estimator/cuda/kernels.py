@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import warnings
@@ -68,6 +69,7 @@ def cudnn_attention_preferred(
     return cuda_major >= 13 or minor in (0, 3)
 
 
+@functools.cache  # loading cuDNN to ask costs time; the installed library does not change
 def _installed_cudnn_version() -> int | None:
     try:
         return torch.backends.cudnn.version() if torch.version.cuda else None

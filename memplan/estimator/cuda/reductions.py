@@ -125,8 +125,9 @@ class Reduction:
     multiprocessors: int
     part: int = 0  # 0: the buffer, 1: the semaphores
 
-    def bytes(self) -> int:
-        requests = staging_bytes(
+    def requests(self) -> tuple[int, ...]:
+        """(buffer, semaphores) bytes, or () where it reduces without global memory."""
+        return staging_bytes(
             self.outputs,
             self.inputs_per_output,
             self.inner,
@@ -134,6 +135,10 @@ class Reduction:
             self.compute_capability,
             self.multiprocessors,
         )
+
+    def bytes(self) -> int:
+        """This part's bytes: 0 where there is no global reduction."""
+        requests = self.requests()
         return requests[self.part] if requests else 0
 
 
@@ -164,16 +169,7 @@ def reduction_staging(
     """Bytes of (buffer, semaphores) a sum or mean of a contiguous `shape` over `reduced_dims`
     requests on CUDA; () when it reduces without global memory (or the layout is not covered)."""
     reduction = reduction_of(shape, reduced_dims, dtype, compute_capability, multiprocessors)
-    if reduction is None:
-        return ()
-    return staging_bytes(
-        reduction.outputs,
-        reduction.inputs_per_output,
-        reduction.inner,
-        reduction.acc_bytes,
-        compute_capability,
-        multiprocessors,
-    )
+    return () if reduction is None else reduction.requests()
 
 
 def staging_bytes(
