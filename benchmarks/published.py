@@ -11,15 +11,22 @@ The one number taken from a source is a CUDA context the same source measured (t
 
 Prints one markdown row per measurement and the median and worst error per figure.
 
-A second column replays the rows whose source ran an older torch that kept more for backward
-than the installed one (a row's "source_torch_differences"), with that older behaviour put back
-into the trace; see SOURCE_TORCH_DIFFERENCES. memplan itself models the installed torch: the first
-column is its answer, the second tells a version difference from a modelling miss.
+A second column replays the rows whose source ran an older torch that kept more memory than the
+installed one (a row's "source_torch_differences"), with that older behaviour put back into the
+trace; see SOURCE_TORCH_DIFFERENCES. memplan itself models the installed torch: the first column
+is its answer, the second tells a version difference from a modelling miss.
+
+Most rows name a transformers model (a hub id, or a "config" written to a folder). The rasbt-vit-*
+rows trace torchvision's own vit_l_16 / vit_b_16 as the source's scripts build them: their "model",
+"inputs" and "loss" are import paths into benchmarks/published_models.py, given to memplan as
+--model/--inputs/--loss would be. Those rows need torchvision (matching the installed torch), which
+memplan itself does not depend on: `pip install torchvision`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -40,6 +47,7 @@ from memplan.settings import TrainingSettings  # noqa: E402
 
 MiB = 1 << 20
 DATA = Path(__file__).with_name("published.json")
+OWN_MODELS = "benchmarks.published_models:"  # rows whose model is a factory in published_models.py
 
 
 class _SoftmaxSavingInput(torch.autograd.Function):
@@ -82,8 +90,75 @@ def _softmax_saves_input() -> Iterator[None]:
         torch.nn.functional.softmax = plain
 
 
+@contextlib.contextmanager
+def _foreach_adam_two_intermediates() -> Iterator[None]:
+    """torch before July 2023: foreach Adam kept two parameter-sized intermediates alive at once.
+
+    torch 2.0.x and the nightlies until July 2023, `_multi_tensor_adam` in torch/optim/adam.py
+    (non-capturable, no amsgrad):
+
+        exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)
+        torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
+        denom = torch._foreach_add(exp_avg_sq_sqrt, eps)
+        torch._foreach_addcdiv_(device_params, device_exp_avgs, denom, step_size)
+
+    so `exp_avg_sq_sqrt` and `denom` (each the size of all the parameters of the group) were both
+    alive at the `_foreach_addcdiv_` and until the function returned (pytorch/pytorch#97712
+    "Foreach optimizers use higher memory due to intermediates"; fixed by janeyx99's stack from
+    #104898, AdamW, 2023-07-10, to #105193, all landed by 2023-07-31). The installed torch
+    computes the same in place, one intermediate:
+
+        exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)
+        torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
+        torch._foreach_add_(exp_avg_sq_sqrt, eps)
+        torch._foreach_addcdiv_(device_params, device_exp_avgs, exp_avg_sq_sqrt, step_size)
+
+    While `_multi_tensor_adam` runs, the in-place add on the list `_foreach_sqrt` returned becomes
+    the old out-of-place `_foreach_add`, and the `_foreach_addcdiv_` that divides by that list
+    divides by the new one instead: the old code's ops, allocations and lifetimes, nothing else."""
+    adam_module = importlib.import_module("torch.optim.adam")
+    plain_adam, plain_sqrt = adam_module._multi_tensor_adam, torch._foreach_sqrt
+    plain_add_, plain_addcdiv_ = torch._foreach_add_, torch._foreach_addcdiv_
+    denominators: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def sqrt(tensors: Any) -> Any:
+        result = plain_sqrt(tensors)
+        denominators[id(result)] = (result, [])  # keyed by the list object adam.py holds
+        return result
+
+    def add_(tensors: Any, other: Any, **kwargs: Any) -> Any:
+        held = denominators.get(id(tensors))
+        if held is None or held[0] is not tensors or not isinstance(other, float) or kwargs:
+            return plain_add_(tensors, other, **kwargs)
+        held[1].extend(torch._foreach_add(tensors, other))  # denom = torch._foreach_add(exp_avg_sq_sqrt, eps)
+        return None
+
+    def addcdiv_(tensors: Any, tensor1: Any, tensor2: Any, *args: Any, **kwargs: Any) -> Any:
+        held = denominators.get(id(tensor2))
+        if held is not None and held[0] is tensor2 and held[1]:
+            tensor2 = held[1]
+        return plain_addcdiv_(tensors, tensor1, tensor2, *args, **kwargs)
+
+    def multi_tensor_adam(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("capturable") or kwargs.get("amsgrad"):
+            return plain_adam(*args, **kwargs)  # the old code's other branches: not reproduced
+        torch._foreach_sqrt, torch._foreach_add_, torch._foreach_addcdiv_ = sqrt, add_, addcdiv_
+        try:
+            return plain_adam(*args, **kwargs)
+        finally:
+            torch._foreach_sqrt, torch._foreach_add_, torch._foreach_addcdiv_ = plain_sqrt, plain_add_, plain_addcdiv_
+            denominators.clear()  # both intermediates die when the function returns, as before
+
+    adam_module._multi_tensor_adam = multi_tensor_adam
+    try:
+        yield
+    finally:
+        adam_module._multi_tensor_adam = plain_adam
+
+
 SOURCE_TORCH_DIFFERENCES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "softmax-saves-input": _softmax_saves_input,
+    "foreach-adam-two-intermediates": _foreach_adam_two_intermediates,
 }
 
 
@@ -96,11 +171,13 @@ def predict(row: dict, folder: Path, source_torch: bool = False) -> dict[str, fl
         (folder / row["id"]).mkdir()
         (folder / row["id"] / "config.json").write_text(json.dumps(config))
         model = str(folder / row["id"])
-    task = memplan.pop("task")
+    task = memplan.pop("task", None)
+    inputs = memplan.pop("inputs", None)
+    loss = memplan.pop("loss", None)
     context_mib = memplan.pop("cuda_context_mib", None)
     if context_mib is not None:
         memplan["cuda_context"] = int(context_mib * MiB)
-    spec = resolve_model(model, task=task)
+    spec = resolve_model(model, inputs=inputs, loss=loss, task=task)
     settings = spec.settings_for(TrainingSettings(**memplan))
     with contextlib.ExitStack() as differences:
         for name in row.get("source_torch_differences", []) if source_torch else []:
@@ -113,18 +190,32 @@ def predict(row: dict, folder: Path, source_torch: bool = False) -> dict[str, fl
     }
 
 
+def _check_torchvision(rows: list[dict]) -> None:
+    """The rows tracing torchvision's models need it importable: say so in one line, not a traceback."""
+    if not any(str(row["memplan"].get("model", "")).startswith(OWN_MODELS) for row in rows):
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # missing, or a build that does not load with the installed torch
+        ids = " ".join(row["id"] for row in rows if str(row["memplan"].get("model", "")).startswith(OWN_MODELS))
+        sys.exit(
+            f"published.py: the rows {ids} trace torchvision's models and need torchvision matching torch "
+            f"{torch.__version__} (import failed: {type(error).__name__}: {error}); pip install torchvision, "
+            "or name only other rows"
+        )
+
+
 def main() -> None:
     logging.set_verbosity_error()
-    rows = json.loads(DATA.read_text())
     wanted = set(sys.argv[1:])
+    rows = [row for row in json.loads(DATA.read_text()) if not wanted or row["id"] in wanted]
+    _check_torchvision(rows)
     folder = Path(tempfile.mkdtemp())
     errors: dict[str, list[float]] = {}
     source_errors: dict[str, list[float]] = {}
     print("| id | GPU | figure | measured (MiB) | predicted (MiB) | error | with the source's torch |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for row in rows:
-        if wanted and row["id"] not in wanted:
-            continue
         measured = row["measured_mib"]
         predicted = predict(row, folder)[row["figure"]]
         error = (predicted - measured) / measured
