@@ -25,6 +25,7 @@ from memplan.settings import (
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
+    QUANT_TYPES,
     parse_size,
 )
 from memplan.version import __version__
@@ -201,6 +202,19 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="Comma-separated module names the adapters go on [default: peft's for the architecture].",
         ),
         click.option("--lora-dropout", type=float, default=0.0, show_default=True, help="LoRA's lora_dropout."),
+        click.option(
+            "--quantize",
+            type=click.Choice(QUANT_TYPES),
+            help="QLoRA: the base model's linear layers in bitsandbytes' 4-bit layout (double-quantized, computed "
+            "in the precision's 16-bit dtype); needs --lora (pip install 'memplan[qlora]').",
+        ),
+        click.option(
+            "--kbit-upcast/--no-kbit-upcast",
+            default=True,
+            show_default=True,
+            help="With --quantize: peft's prepare_model_for_kbit_training casts the layers left in 16 bits "
+            "(embeddings, norms, LM head) to float32.",
+        ),
         click.option(
             "--cuda-context",
             type=SizeType(),

@@ -13,6 +13,8 @@ from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.gpus import CONTEXT_BYTES, gpu_named
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
+# bitsandbytes' 4-bit data types (bnb_4bit_quant_type).
+QUANT_TYPES = ("nf4", "fp4")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "none")
 OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
 # Training loops people write, each a different steady state (memplan.estimator.loop, docs/concepts.md).
@@ -171,6 +173,10 @@ class TrainingSettings:
     lora_alpha: float | None = None  # lora_alpha; None: peft's default
     lora_targets: str | None = None  # comma-separated target_modules; None: peft's default for the architecture
     lora_dropout: float = 0.0  # lora_dropout
+    # QLoRA: the base model's linear layers in bitsandbytes' 4-bit layout (memplan.finetune.quantize);
+    # None: the base weights stay in the precision's dtype.
+    quantize: str | None = None  # one of QUANT_TYPES: bnb_4bit_quant_type
+    kbit_upcast: bool = True  # peft's prepare_model_for_kbit_training casts the 16-bit rest to float32
     # The user's own training iteration, `package.module:function` called as fn(model, batch,
     # optimizer) in place of the canonical loop (memplan.estimator.loop.custom_step); None: the loop.
     step: str | None = None
@@ -199,6 +205,7 @@ class TrainingSettings:
                 raise SettingsError(f"CUDA context must be 0 or more bytes, got {self.cuda_context}")
         self._check_cuda_libraries()
         self._check_lora()
+        self._check_quantize()
         self._check_step()
         if self.gpu is not None:
             if self.device != "cuda":
@@ -283,6 +290,17 @@ class TrainingSettings:
             raise SettingsError(f"--lora-dropout is a probability below 1, got {self.lora_dropout}")
         if self.lora_targets is not None and not [name for name in self.lora_targets.split(",") if name.strip()]:
             raise SettingsError("--lora-targets names no module: give names such as q_proj,v_proj")
+
+    def _check_quantize(self) -> None:
+        if self.quantize is None:
+            if not self.kbit_upcast:
+                raise SettingsError("--no-kbit-upcast configures a quantized model: give --quantize nf4 or fp4")
+            return
+        _check_choice("quantization", self.quantize, QUANT_TYPES)
+        if self.lora_rank is None:
+            raise SettingsError(
+                "--quantize freezes the base weights in 4 bits; train adapters on them with --lora RANK (QLoRA)"
+            )
 
     @functools.cached_property
     def allocator_config(self) -> AllocatorConfig:

@@ -42,6 +42,17 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False) -> list[s
     notes += _library_notes(settings, has_convolutions)
     if settings.optimizer == "adam8bit":
         notes.append("adam8bit: bitsandbytes' state layout (uint8 moments + blockwise absmax), in-place update")
+    if settings.quantize is not None:
+        notes.append(
+            f"{settings.quantize}: bitsandbytes' 4-bit layout (double-quantized, blocks of 64) on every linear layer "
+            "but the LM head; each 4-bit matmul is counted with the whole weight dequantized, as bitsandbytes does on "
+            "the CPU, in the backward, and on CUDA above 1536 rows"
+            + (
+                " (with fewer rows CUDA may pick its fused kernel, which does not: then less)"
+                if settings.device == "cuda"
+                else ""
+            )
+        )
     return notes
 
 

@@ -48,13 +48,17 @@ def _apply_replacing(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tenso
 
 
 def _stay_on_this_device(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def to(self: torch.Tensor, *args: Any, copy: bool = False, **kwargs: Any) -> torch.Tensor:
+        # _parse_to does not take `copy`; a copy is a new tensor wherever it is made
+        # (bitsandbytes copies its quantization code table per layer: `code.to(device, copy=True)`).
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is None and (device is None or device == self.device):
-            return self if memory_format is None else original(self, memory_format=memory_format)
-        options = {"dtype": dtype} if dtype is not None else {}
+        options: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
         if memory_format is not None:
             options["memory_format"] = memory_format
+        if copy:
+            return original(self, copy=True, **options)
+        if dtype is None and (device is None or device == self.device):
+            return self if memory_format is None else original(self, memory_format=memory_format)
         return original(self, **options) if options else self
 
     return to

@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import with_lora
+from memplan.finetune.quantize import quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
 from memplan.settings import TrainingSettings
@@ -110,6 +111,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     dtype = STORAGE_DTYPES[settings.precision]
     if dtype != torch.float32:
         cast_floating_point(model, dtype)
+    model = quantized(model, settings)  # QLoRA: the base layers in 4 bits, before peft wraps them
     model = with_lora(model, settings)  # after the cast: peft keeps a 16-bit model's adapters in float32
     checkpointed = apply_checkpointing(model, settings.checkpoint)
     batch = spec.make_batch(settings, dtype)

@@ -39,6 +39,7 @@ from memplan.estimator.timeline import (
     without_cudnn_workspaces,
 )
 from memplan.estimator.trace import TracedStep
+from memplan.finetune.bnb_kernels import gemm_4bit_scratch, is_gemm_4bit
 from memplan.gpus import DEFAULT_GPU, gpu_named
 from memplan.settings import TrainingSettings
 
@@ -322,6 +323,17 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
     return tuple((name, part.bytes(), part) for part in parts)
 
 
+def _library_transients(nodes: list[OpNode]) -> dict[int, tuple[Scratch, ...]]:
+    """What library kernels allocate inside one op on every target: bitsandbytes' 4-bit matmul
+    dequantizes its weight there (memplan.finetune.bnb_kernels)."""
+    transients = {}
+    for index, node in enumerate(nodes):
+        if node.op == "call_function" and is_gemm_4bit(node.target):
+            args, kwargs = _fake_args(node)
+            transients[index] = tuple((name, nbytes, None) for name, nbytes in gemm_4bit_scratch(args, kwargs))
+    return transients
+
+
 def _live_bytes(
     traced: TracedStep, lifetimes: Liveness, persistent_bytes: int, transient: dict[int, int]
 ) -> tuple[list[int], int, int, dict[str, int]]:
@@ -356,6 +368,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     exact = {
         **_kernel_transients(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch),
         **_kernel_transients(traced, nodes, REDUCTION_OPS, _reduction_staging),
+        **_library_transients(nodes),
     }  # in both ends of the band
     conv = _kernel_transients(traced, nodes, CONV_OPS, _conv_workspace)  # the band's top
     transients = {**exact, **conv}

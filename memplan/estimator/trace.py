@@ -53,6 +53,7 @@ from memplan.estimator.loop import (
 from memplan.estimator.opgraph import OpGraph
 from memplan.estimator.recorder import GraphRecorder, fake_device_query
 from memplan.estimator.replay import OptimizerRecording
+from memplan.finetune.quantize import logical_numel
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -477,7 +478,7 @@ def _traced_step(
         storage_categories=stored[0],
         storage_bytes=stored[1],
         node_modules=tracker.per_node(node_count),
-        parameter_count=sum(p.numel() for p in state.model.parameters()),
+        parameter_count=sum(logical_numel(p) for p in state.model.parameters()),
         trainable_parameter_count=sum(p.numel() for p in state.trainable),
         checkpointed_blocks=state.checkpointed_blocks,
         python_lifetimes=eager_lifetimes.local_lifetimes,

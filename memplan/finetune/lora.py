@@ -10,29 +10,24 @@ state; the adapters get both.
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 from torch import nn
 
 from memplan.errors import SettingsError, UsageError
+from memplan.finetune.quiet import bitsandbytes_quiet
 from memplan.settings import TrainingSettings
 
 
 def _import_peft():  # type: ignore[no-untyped-def]
-    """peft's LoraConfig and get_peft_model. peft imports bitsandbytes where it is installed, whose CPU
-    backend logs a warning about an optional kernel package on some CPUs: held back while importing."""
-    bitsandbytes_logger = logging.getLogger("bitsandbytes")
-    level = bitsandbytes_logger.level
-    bitsandbytes_logger.setLevel(logging.ERROR)
+    """peft's LoraConfig and get_peft_model (peft imports bitsandbytes where it is installed)."""
     try:
-        from peft import LoraConfig, get_peft_model
+        with bitsandbytes_quiet():
+            from peft import LoraConfig, get_peft_model
     except ImportError:
         raise UsageError(
             "--lora builds the adapters with peft, which is not installed: pip install 'memplan[peft]'"
         ) from None
-    finally:
-        bitsandbytes_logger.setLevel(level)
     return LoraConfig, get_peft_model
 
 

@@ -9,7 +9,9 @@ for the whole iteration.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,6 +26,7 @@ from memplan.estimator.loop import (
     optimizer_tensors,
     prepare,
 )
+from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
@@ -81,7 +84,12 @@ class LiveStorageCounter(TorchDispatchMode):
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
                 self.add_static(leaf)  # existed before the iteration, so live throughout it
-        out = func(*args, **(kwargs or {}))
+        kernel = _python_kernel(func)
+        if kernel is None:
+            out = func(*args, **(kwargs or {}))
+        else:
+            with self:  # the kernel's own ops, and the tensors they make, pass through the counter
+                out = kernel(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self._add_dynamic(leaf)
@@ -91,6 +99,19 @@ class LiveStorageCounter(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         return self.static_bytes + self.dynamic_peak_bytes
+
+
+def _python_kernel(func: object) -> Callable[..., Any] | None:
+    """The CPU kernel of an op whose kernel is Python code making tensors the counter would not see
+    (a dispatch mode is off while the op it intercepted runs), to run under the counter instead:
+    bitsandbytes' 4-bit matmul, whose CPU kernel dequantizes the whole weight before F.linear."""
+    if not is_gemm_4bit(func):
+        return None
+    try:
+        from bitsandbytes.backends.default.ops import _gemm_4bit_default_impl
+    except ImportError:  # a release that keeps it elsewhere: the op's output is still counted
+        return None
+    return _gemm_4bit_default_impl
 
 
 def _static_tensors(state: TrainingState) -> list[torch.Tensor]:

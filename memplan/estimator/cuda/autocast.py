@@ -230,7 +230,31 @@ def cuda_autocast_policy() -> Iterator[set[str]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": intended
             library.impl(name, kernel, "AutocastCPU")
+    with _cuda_state_reads_cpu():
+        try:
+            yield seen
+        finally:
+            library._destroy()
+
+
+@contextlib.contextmanager
+def _cuda_state_reads_cpu() -> Iterator[None]:
+    """Code that asks whether CUDA's autocast is on, and in which dtype, is answered with the CPU
+    autocast that stands in for it: `torch.is_autocast_enabled()` without a device means CUDA's
+    (torch/csrc/autograd/init.cpp), and peft's 4-bit LoRA layer casts its input to the adapter's
+    dtype only where it reads False (peft/tuners/lora/bnb.py)."""
+    enabled, dtype, gpu_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype
+
+    def is_autocast_enabled(device_type: str | None = None) -> bool:
+        return enabled("cpu" if device_type in (None, "cuda") else device_type)
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        return dtype("cpu" if device_type == "cuda" else device_type)
+
+    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
+    torch.get_autocast_dtype = get_autocast_dtype  # type: ignore[assignment]
+    torch.get_autocast_gpu_dtype = lambda: dtype("cpu")  # type: ignore[assignment]
     try:
-        yield seen
+        yield
     finally:
-        library._destroy()
+        torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype = enabled, dtype, gpu_dtype

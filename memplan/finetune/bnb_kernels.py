@@ -1,0 +1,58 @@
+"""What bitsandbytes' 4-bit matmul allocates inside its op, where the trace sees only its output.
+
+`bitsandbytes::gemm_4bit` (bitsandbytes >= 0.50; `MatMul4Bit.forward`) is one op to the trace: its
+fake implementation (bitsandbytes/_ops.py) makes the output and nothing else. Its kernels:
+- `_gemm_4bit_default_impl` (backends/default/ops.py; the CPU's kernel) and CUDA's
+  `_dequant_linear_fallback` (backends/cuda/ops.py) dequantize first. With double quantization
+  the absmax comes back as float32 (`dequantize_blockwise` into one buffer, `+ absmax_offset` into
+  a second; the first is freed at once); then the whole weight is dequantized into an (N, K)
+  tensor in the input's dtype; then `F.linear`. So while the output is made, the float32 absmax
+  and the dequantized weight are live: those are the transients here. Releases before 0.50 always
+  ran `F.linear(A, dequantize_4bit(B).to(A.dtype).t())`: the same requests.
+- CUDA's fused `cgemm_4bit_*` kernel, which reads the packed weight directly, can be chosen only
+  where M (rows of the input) is at most 1536 and K is a multiple of the blocksize
+  (`_gemm_4bit_custom_max_m`); below that bnb picks by GPU architecture and shape
+  (`_gemm_4bit_use_custom_cuda`), which needs a real CUDA device to import. memplan counts the
+  dequantizing kernel there too, the larger of the two, and says so (`fused_kernel_possible`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+GEMM_4BIT = "bitsandbytes.gemm_4bit.default"
+# bitsandbytes/backends/cuda/ops.py: past this M the fused kernel is never used.
+CUDA_FUSED_MAX_M = 1536
+
+
+def is_gemm_4bit(target: object) -> bool:
+    """Whether an FX node's target is bitsandbytes' 4-bit matmul (without importing bitsandbytes)."""
+    return str(target) == GEMM_4BIT
+
+
+def gemm_4bit_scratch(args: Sequence[object], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:
+    """(what, bytes) the dequantizing kernel allocates and frees around its output, for gemm_4bit's
+    arguments (A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, ...)."""
+    names = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit")
+    given = dict(zip(names, args, strict=False))  # the schema's optional arguments may be left out
+    given.update(kwargs)
+    activation = given["A"]
+    assert isinstance(activation, torch.Tensor)
+    rows, columns = (int(size) for size in given["shapeB"])  # type: ignore[union-attr]
+    requests = []
+    absmax_8bit = given.get("absmax_8bit")
+    if isinstance(absmax_8bit, torch.Tensor):  # double quantization: the float32 absmax, rebuilt
+        requests.append(("4-bit absmax, dequantized", absmax_8bit.numel() * 4))
+    requests.append(("4-bit weight, dequantized", rows * columns * activation.element_size()))
+    return tuple(requests)
+
+
+def fused_kernel_possible(args: Sequence[object]) -> bool:
+    """Whether CUDA's bitsandbytes may run this call in its fused kernel instead (M <= 1536, K a
+    multiple of the blocksize), so that the dequantized weight counted here may not be allocated."""
+    activation, blocksize = args[0], args[4]
+    assert isinstance(activation, torch.Tensor) and isinstance(blocksize, int)
+    columns = activation.shape[-1]
+    return activation.numel() // columns <= CUDA_FUSED_MAX_M and columns % blocksize == 0

@@ -1,0 +1,165 @@
+"""4-bit base weights for QLoRA, laid out and run by bitsandbytes itself (`--quantize nf4|fp4`).
+
+What a QLoRA run builds, and where memplan takes it from:
+- transformers' bitsandbytes integration (`BitsAndBytesConfig(load_in_4bit=True)`) replaces every
+  `nn.Linear` (and GPT-2's `Conv1D`) except the output embedding (`get_keys_to_not_convert`: the LM
+  head stays in its dtype) with `bnb.nn.Linear4bit`. memplan does the same on the built model, with
+  the options of the QLoRA recipe (Dettmers et al. 2023; the bnb-4bit-training notebook):
+  `bnb_4bit_use_double_quant=True`, `bnb_4bit_compute_dtype` the precision's 16-bit dtype (float32
+  for fp32), blocksize 64, uint8 storage. The weight is quantized in that dtype, as a model loaded
+  with `torch_dtype=` it is.
+- The layout is bitsandbytes' own: `bitsandbytes.functional.quantize_4bit` runs on the fake weight
+  (its ops have fake implementations, bitsandbytes/_ops.py), giving the packed weight
+  ((N*K+1)//2 bytes) and the QuantState: per 64-weight block one uint8 absmax (double-quantized),
+  per 256 of those one float32, the float32 offset, and a 16-entry and a 256-entry float32 code
+  table per layer (`code.to(device, copy=True)`). The QuantState's tensors are kept as
+  non-persistent buffers of the layer, so they count with the model.
+- The forward and backward are bitsandbytes' (`Linear4bit.forward`, `MatMul4Bit`); the backward
+  dequantizes the whole weight to the compute dtype for the input gradient. What the fused
+  `gemm_4bit` kernel allocates inside is a per-op rule of the CUDA emulation.
+- peft's `prepare_model_for_kbit_training` (which trl's SFTTrainer calls for quantized models, and
+  peft's QLoRA guide) casts every parameter left in 16 bits (embeddings, norms, the LM head) to
+  float32; `--no-kbit-upcast` leaves them in the dtype the model was loaded in, the compute dtype
+  (under amp-bf16 the embeddings and norms stay bfloat16, as `torch_dtype=torch.bfloat16` loads
+  them). It also freezes them, which `--lora` does anyway; its gradient checkpointing is
+  `--checkpoint`'s to choose.
+- peft wraps `Linear4bit` in its own `lora.bnb.Linear4bit` where the model says it is loaded in 4 bit
+  (`is_loaded_in_4bit`), which adds a `result.clone()` to every adapted layer.
+
+bitsandbytes is an optional dependency (`pip install 'memplan[qlora]'`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from memplan.errors import UsageError
+from memplan.finetune.quiet import bitsandbytes_quiet
+from memplan.settings import TrainingSettings
+
+# BitsAndBytesConfig's bnb_4bit_blocksize default and Params4bit's (bitsandbytes/nn/modules.py).
+BLOCK_SIZE = 64
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "amp-bf16": torch.bfloat16, "fp16": torch.float16, "amp-fp16": torch.float16}
+
+
+def _import_bitsandbytes():  # type: ignore[no-untyped-def]
+    try:
+        with bitsandbytes_quiet():
+            import bitsandbytes
+            import bitsandbytes.functional
+    except ImportError:
+        raise UsageError(
+            "--quantize lays the base weights out with bitsandbytes, which is not installed: "
+            "pip install 'memplan[qlora]'"
+        ) from None
+    return bitsandbytes
+
+
+def compute_dtype(settings: TrainingSettings) -> torch.dtype:
+    """bnb_4bit_compute_dtype as the QLoRA recipe sets it for the precision: its 16-bit dtype."""
+    return COMPUTE_DTYPES.get(settings.precision, torch.float32)
+
+
+def _linear_layers(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module, bool]]:
+    """(parent, name, layer, transposed) for every layer transformers' integration quantizes."""
+    from transformers.pytorch_utils import Conv1D
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if child is output:
+                continue
+            if isinstance(child, nn.Linear):
+                yield parent, name, child, False
+            elif isinstance(child, Conv1D):  # GPT-2: weight is (in, out)
+                yield parent, name, child, True
+
+
+def _quantized_layer(bnb, layer: nn.Module, transposed: bool, settings: TrainingSettings) -> nn.Module:  # type: ignore[no-untyped-def]
+    weight = layer.weight.detach()
+    if transposed:
+        weight = weight.t()
+    out_features, in_features = weight.shape
+    dtype = compute_dtype(settings)
+    packed, quant_state = bnb.functional.quantize_4bit(
+        weight.to(dtype).contiguous(),
+        blocksize=BLOCK_SIZE,
+        compress_statistics=True,
+        quant_type=settings.quantize,
+        quant_storage=torch.uint8,
+    )
+    with unset_fake_temporarily():  # built on meta: its own float weight is never allocated
+        quantized = bnb.nn.Linear4bit(
+            in_features,
+            out_features,
+            bias=layer.bias is not None,
+            compute_dtype=dtype,
+            compress_statistics=True,
+            quant_type=settings.quantize,
+            device="meta",
+        )
+    # A Params4bit over a fake tensor cannot be made (Tensor._make_subclass refuses it); a fake
+    # tensor marked as a parameter, carrying the attributes bitsandbytes and peft read, stands in.
+    weight_param = nn.Parameter(packed, requires_grad=False)
+    weight_param.quant_state = quant_state
+    weight_param.compress_statistics = True
+    weight_param.quant_type = settings.quantize
+    weight_param.blocksize = BLOCK_SIZE
+    weight_param.quant_storage = torch.uint8
+    weight_param.bnb_quantized = True
+    weight_param.module = quantized
+    quantized._parameters["weight"] = weight_param
+    quantized._parameters["bias"] = layer.bias
+    for name, tensor in _quant_state_tensors(quant_state):
+        quantized.register_buffer(f"quant_state_{name}", tensor, persistent=False)
+    return quantized
+
+
+def _quant_state_tensors(quant_state) -> list[tuple[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    tensors = [("absmax", quant_state.absmax), ("code", quant_state.code)]
+    if quant_state.nested:
+        tensors += [
+            ("offset", quant_state.offset),
+            ("absmax2", quant_state.state2.absmax),
+            ("code2", quant_state.state2.code),
+        ]
+    return tensors
+
+
+def _cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """The floating-point parameters left unquantized (not buffers), in `dtype`, as peft's
+    prepare_model_for_kbit_training casts them to float32."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module._parameters[name] = replaced[id(param)]
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    """The weights a parameter stands for: a 4-bit layer's packed bytes hold two each."""
+    quant_state = getattr(param, "quant_state", None)
+    return int(torch.Size(quant_state.shape).numel()) if quant_state is not None else param.numel()
+
+
+def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
+    """`model` with its linear layers in bitsandbytes' 4-bit layout where `settings.quantize` asks."""
+    if settings.quantize is None:
+        return model
+    bnb = _import_bitsandbytes()
+    for parent, name, layer, transposed in list(_linear_layers(model)):
+        setattr(parent, name, _quantized_layer(bnb, layer, transposed, settings))
+    model.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit in its own LoRA layer
+    for param in model.parameters():
+        param.requires_grad_(False)
+    # A quantized model is loaded in the compute dtype (`torch_dtype=`), its 4-bit layers quantized
+    # from it; prepare_model_for_kbit_training then casts what is left to float32.
+    _cast_unquantized(model, torch.float32 if settings.kbit_upcast else compute_dtype(settings))
+    return model

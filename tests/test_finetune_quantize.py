@@ -1,0 +1,141 @@
+"""`--quantize nf4|fp4` (memplan.finetune.quantize, memplan.finetune.bnb_kernels): QLoRA.
+
+Truths:
+- the 4-bit layout from bitsandbytes' documented format, worked out by hand (packed weight,
+  double-quantized absmax, the float32 constants), and bitsandbytes' own quantize_4bit run for
+  real on a real weight;
+- a QLoRA step run for real on the CPU through bitsandbytes' CPU kernels (memplan.measure.cpu,
+  which runs the 4-bit matmul's Python kernel under its counter so the weight it dequantizes
+  inside counts);
+- bitsandbytes' dequantizing kernel (backends/default/ops.py) read by hand for the transient.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+bitsandbytes = pytest.importorskip("bitsandbytes")  # in [dev]; the suite's own CI installs it
+
+import memplan  # noqa: E402
+from memplan.cli import main  # noqa: E402
+from memplan.estimator.simulate import simulate  # noqa: E402
+from memplan.estimator.trace import trace_step  # noqa: E402
+from memplan.finetune.bnb_kernels import gemm_4bit_scratch  # noqa: E402
+from memplan.measure.cpu import measure_cpu  # noqa: E402
+from memplan.models.source import resolve_model  # noqa: E402
+from memplan.settings import TrainingSettings  # noqa: E402
+
+# Wide MLPs and a short sequence: the 4-bit matmul's dequantized weight (2048 x 256 in bf16, 1 MiB)
+# is a large share of the peak, so a model that left it out would miss by more than 1%.
+WIDE_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+
+def _layout_bytes(out_features: int, in_features: int) -> int:
+    """bitsandbytes' 4-bit layout with double quantization (bitsandbytes/functional.py quantize_4bit):
+    two weights per byte; one uint8 absmax per 64-weight block; per 256 of those one float32 absmax;
+    a float32 offset; the 16-entry 4-bit code and the 256-entry dynamic code, float32, per layer."""
+    weights = out_features * in_features
+    blocks = math.ceil(weights / 64)
+    return math.ceil(weights / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 + 4 * 16 + 4 * 256
+
+
+@pytest.mark.parametrize("shape", [(384, 128), (64, 96), (2048, 256)])
+def test_the_4bit_layout_is_bitsandbytes_format(shape):
+    """memplan's fake layer holds what bitsandbytes' quantize_4bit makes of a real weight."""
+    from memplan.estimator.fake_conversions import fake_friendly_conversions
+    from memplan.estimator.trace import TracingFakeMode, constant_item
+    from memplan.finetune.quantize import _quantized_layer
+
+    settings = TrainingSettings(batch_size=1, device="cpu", precision="bf16", lora_rank=4, quantize="nf4")
+    layer = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16)
+    with TracingFakeMode(allow_non_fake_inputs=True), constant_item(), fake_friendly_conversions():
+        fake = _quantized_layer(bitsandbytes, layer, False, settings)
+        held = sum(t.untyped_storage().nbytes() for t in [*fake.parameters(), *fake.buffers()])
+    assert held == _layout_bytes(*shape)
+    packed, state = bitsandbytes.functional.quantize_4bit(
+        layer.weight.detach(), blocksize=64, compress_statistics=True, quant_type="nf4"
+    )
+    real = [packed, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
+    assert sum(t.untyped_storage().nbytes() for t in real) == _layout_bytes(*shape)
+
+
+def test_the_dequantizing_kernel_holds_the_weight_and_the_float32_absmax():
+    activation = torch.empty(8, 256, dtype=torch.bfloat16)
+    absmax_8bit = torch.empty(2048 * 256 // 64, dtype=torch.uint8)
+    scratch = gemm_4bit_scratch((activation, None, [2048, 256], None, 64, "nf4", None, absmax_8bit), {})
+    assert sorted(nbytes for _, nbytes in scratch) == [8192 * 4, 2048 * 256 * 2]
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "checkpoint"),
+    [("wide-llama", "bf16", "none"), ("wide-llama", "amp-bf16", "all"), ("gpt2", "fp32", "none")],
+)
+def test_a_qlora_step_is_the_real_cpu_run(tmp_path, tiny_model_dirs, name, precision, checkpoint):
+    folder = tmp_path / "wide-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(WIDE_LLAMA))
+    model = str(folder) if name == "wide-llama" else tiny_model_dirs[name]
+    spec = resolve_model(model)
+    options = {"precision": precision, "checkpoint": checkpoint, "lora_rank": 4, "quantize": "nf4"}
+    settings = spec.settings_for(TrainingSettings(batch_size=1, seq_len=8, device="cpu", **options))
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    measured = measure_cpu(spec, settings).peak_bytes
+    assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)
+
+
+def test_quantizing_keeps_the_parameter_count_and_shrinks_the_weights(tiny_model_dirs):
+    plain = memplan.estimate(tiny_model_dirs["llama"], batch_size=1, seq_len=8, device="cpu", lora_rank=4)
+    quantized = memplan.estimate(
+        tiny_model_dirs["llama"], batch_size=1, seq_len=8, device="cpu", lora_rank=4, quantize="nf4"
+    )
+    assert quantized.parameter_count == plain.parameter_count
+    assert quantized.trainable_parameter_count == plain.trainable_parameter_count
+    assert quantized.breakdown.parameters < plain.breakdown.parameters
+
+
+@pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
+def test_the_kbit_upcast_is_peft_prepare_model_for_kbit_training(tiny_model_dirs, precision):
+    """The model is loaded in bf16 (the compute dtype) for either precision; peft's upcast leaves the
+    quantized layers alone and casts the rest to float32."""
+    from memplan.estimator.loop import prepare
+
+    spec = resolve_model(tiny_model_dirs["llama"])
+    dtypes = {}
+    for upcast in (True, False):
+        options = {"precision": precision, "lora_rank": 4, "quantize": "nf4", "kbit_upcast": upcast}
+        settings = spec.settings_for(TrainingSettings(batch_size=1, seq_len=8, device="cpu", **options))
+        model = prepare(spec, settings).model
+        dtypes[upcast] = {name: p.dtype for name, p in model.named_parameters() if "lora_" not in name}
+    assert {dtype for name, dtype in dtypes[True].items() if "norm" in name or "embed" in name} == {torch.float32}
+    assert {dtype for name, dtype in dtypes[False].items() if "norm" in name or "embed" in name} == {torch.bfloat16}
+    assert {dtype for name, dtype in dtypes[True].items() if "proj" in name} == {torch.uint8}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--quantize", "nf4"], "--lora RANK"),
+        (["--lora", "4", "--no-kbit-upcast"], "--quantize"),
+        (["--lora", "4", "--quantize", "int4"], "'int4' is not one of"),
+    ],
+)
+def test_quantize_mistakes_are_one_line_usage_errors(tiny_model_dirs, arguments, message):
+    result = CliRunner().invoke(main, ["estimate", tiny_model_dirs["llama"], "--device", "cpu", *arguments])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
