@@ -35,6 +35,7 @@ OPTIMS: dict[str, tuple[str, str]] = {
     "adafactor": ("adafactor", "default"),
     "adamw_bnb_8bit": ("adam8bit", "default"),
     "adamw_8bit": ("adam8bit", "default"),  # an alias of adamw_bnb_8bit in OptimizerNames
+    "paged_adamw_8bit": ("paged-adam8bit", "default"),
     "sgd": ("sgd", "default"),
 }
 DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default with torch >= 2.8

@@ -15,7 +15,7 @@ from memplan.gpus import CONTEXT_BYTES, gpu_named
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
 # bitsandbytes' 4-bit data types (bnb_4bit_quant_type).
 QUANT_TYPES = ("nf4", "fp4")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "none")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "paged-adam8bit", "none")
 OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
 # Training loops people write, each a different steady state (memplan.estimator.loop, docs/concepts.md).
 LOOPS = ("canonical", "zero-grad-before-backward", "set-to-none-false", "hf-trainer", "keep-output")

@@ -64,6 +64,7 @@ def test_json_and_yaml_give_the_same_settings(tmp_path):
         ({"optim": "adamw_torch"}, {"optimizer": "adamw", "optimizer_impl": "default"}),
         ({"optim": "adafactor"}, {"optimizer": "adafactor", "optimizer_impl": "default"}),
         ({"optim": "adamw_bnb_8bit"}, {"optimizer": "adam8bit", "optimizer_impl": "default"}),
+        ({"optim": "paged_adamw_8bit"}, {"optimizer": "paged-adam8bit", "optimizer_impl": "default"}),
         ({"optim": "sgd"}, {"optimizer": "sgd", "optimizer_impl": "default"}),
         ({"optim": "sgd", "optim_args": "momentum=0.9"}, {"optimizer": "sgd-momentum", "optimizer_impl": "default"}),
         ({"fp16": True}, {"precision": "amp-fp16"}),

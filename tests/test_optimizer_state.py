@@ -21,6 +21,8 @@ USER_OPTIMIZERS = {
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
     "adam8bit": lambda params: bnb.optim.Adam8bit(params, lr=1e-3),
+    # On the CPU bitsandbytes pages nothing (Optimizer8bit.get_state_buffer falls back to zeros_like).
+    "paged-adam8bit": lambda params: bnb.optim.PagedAdamW8bit(params, lr=1e-3),
 }
 
 
@@ -147,3 +149,26 @@ def test_eight_bit_adam_keeps_float32_statistics_for_16_bit_weights():
         if category == "optimizer_state"
     )
     assert predicted == real
+
+
+def test_the_paged_optimizer_keeps_large_parameters_moments_outside_torchs_allocator():
+    """bitsandbytes' get_state_buffer pages the uint8 moments of parameters of 100,000 elements or
+    more on CUDA: here the 512 x 512 weight (262,144 elements), not the 512 x 8 one or the biases."""
+    import memplan
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8))
+
+    def run(optimizer: str) -> memplan.EstimateResult:
+        return memplan.estimate(
+            model(),
+            inputs=lambda batch: torch.randn(batch, 512),
+            loss=lambda out, _: out.sum(),
+            batch_size=4,
+            optimizer=optimizer,
+        )
+
+    paged, plain = run("paged-adam8bit"), run("adam8bit")
+    assert paged.paged_optimizer_bytes == 2 * 512 * 512
+    assert plain.breakdown.optimizer_state - paged.breakdown.optimizer_state == 2 * 512 * 512
+    assert any("unified memory" in note for note in paged.notes)

@@ -6,6 +6,13 @@ plus float32 `absmax1`/`absmax2` with one entry per 256-element block; smaller p
 float32 `state1`/`state2`. The two 256-entry float32 quantization maps ("dynamic", "udynamic") are
 shared by all parameters. The update is one fused CUDA kernel
 (`optimizer_update_8bit_blockwise`) writing in place, so the step allocates no temporaries.
+
+The paged variant (`PagedAdamW8bit`, HF's `paged_adamw_8bit`, the usual QLoRA optimizer) takes
+each state buffer of a parameter with at least 100,000 elements from `F.get_paged`: CUDA unified
+memory (cudaMallocManaged), outside torch's caching allocator, which the driver moves to host
+memory when the GPU runs short (`Optimizer8bit.get_state_buffer`). Smaller parameters' buffers,
+the absmax and the maps are ordinary tensors; on the CPU nothing is paged (the same function
+falls back to `zeros_like` there).
 """
 
 from __future__ import annotations
@@ -16,6 +23,14 @@ from torch.optim import Optimizer
 MIN_8BIT_SIZE = 4096
 BLOCK_SIZE = 256
 QMAP_ENTRIES = 256
+# Optimizer8bit.get_state_buffer: `if not self.is_paged or p.numel() < 1e5` gives an ordinary tensor.
+PAGED_MIN_NUMEL = 100_000
+
+
+def paged_state_bytes(params: list[torch.Tensor]) -> int:
+    """Bytes of the paged optimizer's state in unified memory: the two uint8 moments of every
+    parameter with at least PAGED_MIN_NUMEL elements (all of which are past MIN_8BIT_SIZE)."""
+    return sum(2 * param.numel() for param in params if param.numel() >= PAGED_MIN_NUMEL)
 
 
 class Adam8bitLayout(Optimizer):
@@ -24,9 +39,10 @@ class Adam8bitLayout(Optimizer):
     The update is not bitsandbytes' quantized arithmetic: memplan needs its memory, not its numbers.
     """
 
-    def __init__(self, params, lr: float = 1e-3) -> None:
+    def __init__(self, params, lr: float = 1e-3, paged: bool = False) -> None:
         super().__init__(params, {"lr": lr})
         self._qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.paged = paged  # moments of large parameters in unified memory: not torch's to count
 
     def _init_state(self, param: torch.Tensor) -> dict:
         state: dict = {"step": 0}
@@ -41,9 +57,10 @@ class Adam8bitLayout(Optimizer):
                 torch.zeros(QMAP_ENTRIES, dtype=torch.float32, device=param.device),
             )
         blocks = numel // BLOCK_SIZE + bool(numel % BLOCK_SIZE)
-        state["state1"] = torch.zeros_like(param, dtype=torch.uint8)
+        if not (self.paged and numel >= PAGED_MIN_NUMEL):  # paged: made outside torch's allocator
+            state["state1"] = torch.zeros_like(param, dtype=torch.uint8)
+            state["state2"] = torch.zeros_like(param, dtype=torch.uint8)
         state["qmap1"] = self._qmaps[0]
-        state["state2"] = torch.zeros_like(param, dtype=torch.uint8)
         state["qmap2"] = self._qmaps[1]
         state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
         state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from memplan.errors import SettingsError
+from memplan.estimator.adam8bit import paged_state_bytes
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
@@ -24,7 +25,7 @@ from memplan.settings import MAX_COUNT, TrainingSettings, format_bytes
 Progress = Callable[[str], None]
 
 
-def _notes(settings: TrainingSettings, has_convolutions: bool = False) -> list[str]:
+def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_bytes: int = 0) -> list[str]:
     notes = []
     if settings.device == "cuda":
         notes.append(
@@ -40,8 +41,14 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False) -> list[s
                 "give yours with --cuda-context"
             )
     notes += _library_notes(settings, has_convolutions)
-    if settings.optimizer == "adam8bit":
+    if settings.optimizer in ("adam8bit", "paged-adam8bit"):
         notes.append("adam8bit: bitsandbytes' state layout (uint8 moments + blockwise absmax), in-place update")
+    if paged_bytes:
+        notes.append(
+            f"paged-adam8bit: {format_bytes(paged_bytes)} of its state (the moments of parameters of 100,000 "
+            "elements or more) is CUDA unified memory outside torch's allocator, in none of these figures: nvidia-smi "
+            "shows it while it is on the GPU, and the driver moves it to host memory when the GPU runs short"
+        )
     if settings.quantize is not None:
         notes.append(
             f"{settings.quantize}: bitsandbytes' 4-bit layout (double-quantized, blocks of 64) on every linear layer "
@@ -255,6 +262,8 @@ def run_estimate(
     if maximize_seq_len and budget_bytes is not None:
         max_seq_len, max_seq_len_is_limit, seq_len_traces = longest_seq_len(tracer, budget_bytes)
     unsupported = sorted({op for simulation in simulations.values() for op in simulation.unsupported_ops})
+    optimizer = tracer.setup.state.optimizer
+    paged = paged_state_bytes(tracer.setup.state.trainable) if getattr(optimizer, "paged", False) else 0
     return EstimateResult(
         model=spec.name,
         settings=settings,
@@ -289,6 +298,7 @@ def run_estimate(
         max_batch_size_is_limit=max_batch == MAX_BATCH_SIZE,
         max_seq_len=max_seq_len,
         max_seq_len_is_limit=max_seq_len_is_limit,
-        notes=tuple(_notes(settings, main.conv_workspace_free_peak_bytes is not None)),
+        paged_optimizer_bytes=paged,
+        notes=tuple(_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)),
         timeline=main.timeline,
     )

@@ -44,8 +44,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], settings: TrainingSett
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9, **kwargs)
     if name == "adafactor":
         return torch.optim.Adafactor(params, lr=1e-2, **kwargs)
-    if name == "adam8bit":
-        return Adam8bitLayout(params, lr=1e-3)
+    if name in ("adam8bit", "paged-adam8bit"):
+        return Adam8bitLayout(params, lr=1e-3, paged=name == "paged-adam8bit" and settings.device == "cuda")
     raise AssertionError(f"unknown optimizer {name}")
 
 

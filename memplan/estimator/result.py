@@ -66,6 +66,9 @@ class EstimateResult:
     # whether that is the model's own maximum (or memplan's limit where the model has none).
     max_seq_len: int | None = None
     max_seq_len_is_limit: bool = False
+    # cuda, --optimizer paged-adam8bit: its state in CUDA unified memory, outside torch's allocator
+    # (in no peak here; the driver moves it to host memory when the GPU runs short)
+    paged_optimizer_bytes: int = 0
     notes: tuple[str, ...] = ()
     # batch sizes the largest-batch search answered from confirmed lines through traces, not traced
     interpolated_batch_sizes: int = 0
