@@ -239,6 +239,7 @@ def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
                 "predicted_device_bytes": result.device_peak_bytes,
                 "predicted_smallest_device_bytes": result.smallest_device_bytes,
                 "predicted_conv_band_low_reserved_bytes": result.conv_workspace_free_reserved_peak_bytes,
+                "predicted_paged_optimizer_bytes": result.paged_optimizer_bytes,
                 "settings": result.settings.to_dict(),
                 "notes": list(getattr(result, "notes", ()) or ()),
             }

@@ -97,12 +97,12 @@ def test_the_main_suite_is_broad_enough() -> None:
 def test_every_extended_configuration_is_a_valid_setting_of_a_model_memplan_resolves() -> None:
     from memplan.api import _checked_against_plan, _settings
     from memplan.models.source import resolve_model
-    from memplan.validate.suite import EXTENDED, MAIN
+    from memplan.validate.suite import EXTENDED, MAIN, QLORA
 
     assert len(MAIN) + len(EXTENDED) >= 40
     assert len({config.id for config in MAIN + EXTENDED}) == len(MAIN) + len(EXTENDED)
     loops = set()
-    for config in EXTENDED:
+    for config in EXTENDED + QLORA:
         settings, plan = _settings(None, {**config.settings, "device": "cuda"}, config.inputs)
         spec = resolve_model(config.model, inputs=config.inputs)
         spec.settings_for(settings)

@@ -158,6 +158,34 @@ EXTENDED = (
     _c("gpt2-cublas-workspace", "gpt2", batch_size=8, seq_len=1024, cublas_workspace_config=":4096:8"),
 )
 
+# QLoRA (memplan.finetune.quantize): needs bitsandbytes on the GPU machine (docs/validation.md says
+# how to carry it). Rows of 4,096 tokens per matmul take bitsandbytes' dequantizing kernel on CUDA;
+# the 512-token one may take its fused kernel, which memplan counts as the dequantizing one.
+_QLORA = {"precision": "amp-bf16", "lora_rank": 16, "quantize": "nf4"}
+QLORA = (
+    _c("llama-3.2-1b-qlora-checkpoint", "llama-3.2-1b", batch_size=4, seq_len=1024, checkpoint="all", **_QLORA),
+    _c("llama-3.2-1b-qlora-short", "llama-3.2-1b", batch_size=1, seq_len=512, **_QLORA),
+    _c(
+        "llama-3.2-1b-qlora-paged",
+        "llama-3.2-1b",
+        batch_size=4,
+        seq_len=1024,
+        optimizer="paged-adam8bit",
+        lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        **_QLORA,
+    ),
+    _c(
+        "qwen2.5-0.5b-qlora-bf16-no-upcast",
+        "qwen2.5-0.5b",
+        batch_size=8,
+        seq_len=1024,
+        precision="bf16",
+        lora_rank=16,
+        quantize="fp4",
+        kbit_upcast=False,
+    ),
+)
+
 # Two-layer models that measure in seconds on a CPU: `memplan validate --suite smoke --device cpu`.
 SMOKE = (
     _c("tiny-gpt2-fp32", "tiny-gpt2", batch_size=2, seq_len=64),
@@ -165,7 +193,7 @@ SMOKE = (
     _c("tiny-llama-amp-bf16", "tiny-llama", batch_size=2, seq_len=64, precision="amp-bf16", optimizer="sgd"),
 )
 
-SUITES = {"main": MAIN, "extended": EXTENDED, "smoke": SMOKE}
+SUITES = {"main": MAIN, "extended": EXTENDED, "qlora": QLORA, "smoke": SMOKE}
 
 
 def suite_named(name: str) -> tuple[SuiteConfig, ...]:
