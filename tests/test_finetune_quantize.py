@@ -15,20 +15,20 @@ from __future__ import annotations
 import json
 import math
 
+import bitsandbytes
 import pytest
 import torch
 from click.testing import CliRunner
 
-bitsandbytes = pytest.importorskip("bitsandbytes")  # in [dev]; the suite's own CI installs it
-
-import memplan  # noqa: E402
-from memplan.cli import main  # noqa: E402
-from memplan.estimator.simulate import simulate  # noqa: E402
-from memplan.estimator.trace import trace_step  # noqa: E402
-from memplan.finetune.bnb_kernels import gemm_4bit_scratch  # noqa: E402
-from memplan.measure.cpu import measure_cpu  # noqa: E402
-from memplan.models.source import resolve_model  # noqa: E402
-from memplan.settings import TrainingSettings  # noqa: E402
+import memplan
+from memplan.cli import main
+from memplan.errors import SettingsError
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.finetune.bnb_kernels import gemm_4bit_scratch
+from memplan.measure.cpu import measure_cpu
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
 
 # Wide MLPs and a short sequence: the 4-bit matmul's dequantized weight (2048 x 256 in bf16, 1 MiB)
 # is a large share of the peak, so a model that left it out would miss by more than 1%.
@@ -55,30 +55,73 @@ def _layout_bytes(out_features: int, in_features: int) -> int:
 
 
 @pytest.mark.parametrize("shape", [(384, 128), (64, 96), (2048, 256)])
-def test_the_4bit_layout_is_bitsandbytes_format(shape):
-    """memplan's fake layer holds what bitsandbytes' quantize_4bit makes of a real weight."""
-    from memplan.estimator.fake_conversions import fake_friendly_conversions
-    from memplan.estimator.trace import TracingFakeMode, constant_item
-    from memplan.finetune.quantize import _quantized_layer
-
-    settings = TrainingSettings(batch_size=1, device="cpu", precision="bf16", lora_rank=4, quantize="nf4")
-    layer = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16)
-    with TracingFakeMode(allow_non_fake_inputs=True), constant_item(), fake_friendly_conversions():
-        fake = _quantized_layer(bitsandbytes, layer, False, settings)
-        held = sum(t.untyped_storage().nbytes() for t in [*fake.parameters(), *fake.buffers()])
-    assert held == _layout_bytes(*shape)
+def test_bitsandbytes_lays_a_real_weight_out_in_the_documented_format(shape):
     packed, state = bitsandbytes.functional.quantize_4bit(
-        layer.weight.detach(), blocksize=64, compress_statistics=True, quant_type="nf4"
+        torch.randn(shape, dtype=torch.bfloat16), blocksize=64, compress_statistics=True, quant_type="nf4"
     )
     real = [packed, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
     assert sum(t.untyped_storage().nbytes() for t in real) == _layout_bytes(*shape)
 
 
-def test_the_dequantizing_kernel_holds_the_weight_and_the_float32_absmax():
+@pytest.mark.parametrize(
+    ("name", "quantized_names", "kept"),
+    [
+        ("llama", {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, "lm_head"),
+        ("gpt2", {"c_attn", "c_proj", "c_fc"}, "lm_head"),  # GPT-2's Conv1D layers too; its tied LM head not
+    ],
+)
+def test_the_traced_model_has_bitsandbytes_layers_where_transformers_puts_them(
+    tiny_model_dirs, name, quantized_names, kept
+):
+    """Every projection becomes a Linear4bit holding the documented layout (uint8 weight, its
+    QuantState as buffers); the LM head stays as it is, as transformers' integration keeps it."""
+    from memplan.estimator.trace import build_fake_setup
+
+    spec = resolve_model(tiny_model_dirs[name])
+    settings = spec.settings_for(
+        TrainingSettings(batch_size=1, seq_len=8, device="cpu", precision="bf16", lora_rank=4, quantize="nf4")
+    )
+    model = build_fake_setup(spec, settings).state.model
+    # peft's adapters wrap the layers they adapt: q_proj.base_layer is the Linear4bit there.
+    names = {
+        module: module_name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+        for module_name, module in model.named_modules()
+    }
+    layers = {short: module for module, short in names.items()}
+    four_bit = [module for module in model.modules() if type(module) is bitsandbytes.nn.Linear4bit]
+    assert {names[module] for module in four_bit} == quantized_names
+    assert not isinstance(layers[kept], bitsandbytes.nn.Linear4bit)
+    for layer in four_bit:
+        held = [layer.weight, *layer.buffers()]
+        assert sum(t.untyped_storage().nbytes() for t in held) == _layout_bytes(layer.out_features, layer.in_features)
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_the_dequantizing_kernel_holds_the_weight_and_the_float32_absmax(as_keyword):
     activation = torch.empty(8, 256, dtype=torch.bfloat16)
     absmax_8bit = torch.empty(2048 * 256 // 64, dtype=torch.uint8)
-    scratch = gemm_4bit_scratch((activation, None, [2048, 256], None, 64, "nf4", None, absmax_8bit), {})
+    args = (activation, None, [2048, 256], None, 64, "nf4", None)
+    if as_keyword:  # MatMul4Bit passes the optional arguments by name
+        scratch = gemm_4bit_scratch(args[:6], {"bias": None, "absmax_8bit": absmax_8bit})
+    else:
+        scratch = gemm_4bit_scratch((*args, absmax_8bit), {})
     assert sorted(nbytes for _, nbytes in scratch) == [8192 * 4, 2048 * 256 * 2]
+    without_double_quant = gemm_4bit_scratch(args[:6], {})
+    assert [nbytes for _, nbytes in without_double_quant] == [2048 * 256 * 2]
+
+
+def test_quantize_is_for_transformers_models():
+    with pytest.raises(SettingsError, match="transformers model"):
+        memplan.estimate(
+            torch.nn.Sequential(torch.nn.Linear(64, 64)),
+            inputs=lambda batch: torch.randn(batch, 64),
+            loss=lambda out, _: out.sum(),
+            batch_size=2,
+            device="cpu",
+            lora_rank=4,
+            lora_targets="0",
+            quantize="nf4",
+        )
 
 
 @pytest.mark.parametrize(

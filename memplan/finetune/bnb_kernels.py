@@ -13,7 +13,7 @@ fake implementation (bitsandbytes/_ops.py) makes the output and nothing else. It
   where M (rows of the input) is at most 1536 and K is a multiple of the blocksize
   (`_gemm_4bit_custom_max_m`); below that bnb picks by GPU architecture and shape
   (`_gemm_4bit_use_custom_cuda`), which needs a real CUDA device to import. memplan counts the
-  dequantizing kernel there too, the larger of the two, and says so (`fused_kernel_possible`).
+  dequantizing kernel there too, the larger of the two, and its estimate's note says so.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from collections.abc import Sequence
 import torch
 
 GEMM_4BIT = "bitsandbytes.gemm_4bit.default"
-# bitsandbytes/backends/cuda/ops.py: past this M the fused kernel is never used.
-CUDA_FUSED_MAX_M = 1536
 
 
 def is_gemm_4bit(target: object) -> bool:
@@ -35,24 +33,11 @@ def is_gemm_4bit(target: object) -> bool:
 def gemm_4bit_scratch(args: Sequence[object], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:
     """(what, bytes) the dequantizing kernel allocates and frees around its output, for gemm_4bit's
     arguments (A, B, shapeB, absmax, blocksize, quant_type, bias, absmax_8bit, ...)."""
-    names = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit")
-    given = dict(zip(names, args, strict=False))  # the schema's optional arguments may be left out
-    given.update(kwargs)
-    activation = given["A"]
+    activation, (rows, columns) = args[0], args[2]
+    absmax_8bit = args[7] if len(args) > 7 else kwargs.get("absmax_8bit")
     assert isinstance(activation, torch.Tensor)
-    rows, columns = (int(size) for size in given["shapeB"])  # type: ignore[union-attr]
     requests = []
-    absmax_8bit = given.get("absmax_8bit")
     if isinstance(absmax_8bit, torch.Tensor):  # double quantization: the float32 absmax, rebuilt
         requests.append(("4-bit absmax, dequantized", absmax_8bit.numel() * 4))
-    requests.append(("4-bit weight, dequantized", rows * columns * activation.element_size()))
+    requests.append(("4-bit weight, dequantized", int(rows) * int(columns) * activation.element_size()))
     return tuple(requests)
-
-
-def fused_kernel_possible(args: Sequence[object]) -> bool:
-    """Whether CUDA's bitsandbytes may run this call in its fused kernel instead (M <= 1536, K a
-    multiple of the blocksize), so that the dequantized weight counted here may not be allocated."""
-    activation, blocksize = args[0], args[4]
-    assert isinstance(activation, torch.Tensor) and isinstance(blocksize, int)
-    columns = activation.shape[-1]
-    return activation.numel() // columns <= CUDA_FUSED_MAX_M and columns % blocksize == 0

@@ -1,9 +1,10 @@
 """4-bit base weights for QLoRA, laid out and run by bitsandbytes itself (`--quantize nf4|fp4`).
 
 What a QLoRA run builds, and where memplan takes it from:
-- transformers' bitsandbytes integration (`BitsAndBytesConfig(load_in_4bit=True)`) replaces every
-  `nn.Linear` (and GPT-2's `Conv1D`) except the output embedding (`get_keys_to_not_convert`: the LM
-  head stays in its dtype) with `bnb.nn.Linear4bit`. memplan does the same on the built model, with
+- Which layers: transformers' own `replace_with_bnb_linear` runs on the built model, as
+  `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` runs it: every
+  `nn.Linear` (exactly that type) and GPT-2 `Conv1D` becomes a `bnb.nn.Linear4bit`, except what
+  `get_keys_to_not_convert` keeps (the output embedding, tied weights, the last layer), with
   the options of the QLoRA recipe (Dettmers et al. 2023; the bnb-4bit-training notebook):
   `bnb_4bit_use_double_quant=True`, `bnb_4bit_compute_dtype` the precision's 16-bit dtype (float32
   for fp32), blocksize 64, uint8 storage. The weight is quantized in that dtype, as a model loaded
@@ -15,8 +16,8 @@ What a QLoRA run builds, and where memplan takes it from:
   table per layer (`code.to(device, copy=True)`). The QuantState's tensors are kept as
   non-persistent buffers of the layer, so they count with the model.
 - The forward and backward are bitsandbytes' (`Linear4bit.forward`, `MatMul4Bit`); the backward
-  dequantizes the whole weight to the compute dtype for the input gradient. What the fused
-  `gemm_4bit` kernel allocates inside is a per-op rule of the CUDA emulation.
+  dequantizes the whole weight to the compute dtype for the input gradient. What the `gemm_4bit`
+  kernel allocates inside is a per-op rule (memplan.finetune.bnb_kernels).
 - peft's `prepare_model_for_kbit_training` (which trl's SFTTrainer calls for quantized models, and
   peft's QLoRA guide) casts every parameter left in 16 bits (embeddings, norms, the LM head) to
   float32; `--no-kbit-upcast` leaves them in the dtype the model was loaded in, the compute dtype
@@ -31,13 +32,11 @@ bitsandbytes is an optional dependency (`pip install 'memplan[qlora]'`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from memplan.errors import UsageError
+from memplan.errors import SettingsError, UsageError
 from memplan.finetune.quiet import bitsandbytes_quiet
 from memplan.settings import TrainingSettings
 
@@ -64,44 +63,21 @@ def compute_dtype(settings: TrainingSettings) -> torch.dtype:
     return COMPUTE_DTYPES.get(settings.precision, torch.float32)
 
 
-def _linear_layers(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module, bool]]:
-    """(parent, name, layer, transposed) for every layer transformers' integration quantizes."""
+def _load_quantized(bnb, layer: nn.Module, source: nn.Module, settings: TrainingSettings) -> None:  # type: ignore[no-untyped-def]
+    """Give `layer`, a Linear4bit transformers made on the meta device, `source`'s weight quantized by
+    bitsandbytes itself (as loading a checkpoint into it does) and `source`'s bias."""
     from transformers.pytorch_utils import Conv1D
 
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if child is output:
-                continue
-            if isinstance(child, nn.Linear):
-                yield parent, name, child, False
-            elif isinstance(child, Conv1D):  # GPT-2: weight is (in, out)
-                yield parent, name, child, True
-
-
-def _quantized_layer(bnb, layer: nn.Module, transposed: bool, settings: TrainingSettings) -> nn.Module:  # type: ignore[no-untyped-def]
-    weight = layer.weight.detach()
-    if transposed:
+    weight = source.weight.detach()
+    if isinstance(source, Conv1D):  # GPT-2 keeps (in, out); transformers transposes before quantizing
         weight = weight.t()
-    out_features, in_features = weight.shape
-    dtype = compute_dtype(settings)
     packed, quant_state = bnb.functional.quantize_4bit(
-        weight.to(dtype).contiguous(),
+        weight.to(compute_dtype(settings)).contiguous(),
         blocksize=BLOCK_SIZE,
         compress_statistics=True,
         quant_type=settings.quantize,
         quant_storage=torch.uint8,
     )
-    with unset_fake_temporarily():  # built on meta: its own float weight is never allocated
-        quantized = bnb.nn.Linear4bit(
-            in_features,
-            out_features,
-            bias=layer.bias is not None,
-            compute_dtype=dtype,
-            compress_statistics=True,
-            quant_type=settings.quantize,
-            device="meta",
-        )
     # A Params4bit over a fake tensor cannot be made (Tensor._make_subclass refuses it); a fake
     # tensor marked as a parameter, carrying the attributes bitsandbytes and peft read, stands in.
     weight_param = nn.Parameter(packed, requires_grad=False)
@@ -111,12 +87,11 @@ def _quantized_layer(bnb, layer: nn.Module, transposed: bool, settings: Training
     weight_param.blocksize = BLOCK_SIZE
     weight_param.quant_storage = torch.uint8
     weight_param.bnb_quantized = True
-    weight_param.module = quantized
-    quantized._parameters["weight"] = weight_param
-    quantized._parameters["bias"] = layer.bias
+    weight_param.module = layer
+    layer._parameters["weight"] = weight_param
+    layer._parameters["bias"] = source.bias
     for name, tensor in _quant_state_tensors(quant_state):
-        quantized.register_buffer(f"quant_state_{name}", tensor, persistent=False)
-    return quantized
+        layer.register_buffer(f"quant_state_{name}", tensor, persistent=False)
 
 
 def _quant_state_tensors(quant_state) -> list[tuple[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
@@ -150,12 +125,33 @@ def logical_numel(param: torch.Tensor) -> int:
 
 
 def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
-    """`model` with its linear layers in bitsandbytes' 4-bit layout where `settings.quantize` asks."""
+    """`model` with its linear layers in bitsandbytes' 4-bit layout where `settings.quantize` asks,
+    chosen and replaced by transformers' own `replace_with_bnb_linear`, skipping what its
+    `get_keys_to_not_convert` keeps (the output embedding, tied weights, the last layer)."""
     if settings.quantize is None:
         return model
     bnb = _import_bitsandbytes()
-    for parent, name, layer, transposed in list(_linear_layers(model)):
-        setattr(parent, name, _quantized_layer(bnb, layer, transposed, settings))
+    from transformers import BitsAndBytesConfig, PreTrainedModel
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    if not isinstance(model, PreTrainedModel):
+        raise SettingsError(
+            f"--quantize quantizes a transformers model as from_pretrained(quantization_config=...) does; "
+            f"{type(model).__name__} is not one: quantize it in your factory, or leave out --quantize"
+        )
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=settings.quantize,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype(settings),
+    )
+    sources = dict(model.named_modules())
+    with unset_fake_temporarily():  # the new layers are made on the meta device: no float weights
+        replace_with_bnb_linear(model, get_keys_to_not_convert(model), config)
+    for name, layer in model.named_modules():
+        if isinstance(layer, bnb.nn.Linear4bit) and sources.get(name) is not layer:
+            _load_quantized(bnb, layer, sources[name], settings)
     model.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit in its own LoRA layer
     for param in model.parameters():
         param.requires_grad_(False)
