@@ -609,3 +609,24 @@ def test_cudnn_attention_is_called_as_attention_cpp_calls_it(monkeypatch) -> Non
     _, recorder = _attend("H100", masked)
     args, _ = recorder.call("aten._scaled_dot_product_cudnn_attention.default")
     assert args[3].dtype == BF16 and tuple(args[3].shape) == (2, 1, 128, 128) and args[4] is False
+
+
+def test_cuda_autocast_state_is_the_cpu_stand_in_read_and_written_and_nothing_leaks():
+    """Under the emulation, asking about CUDA's autocast (peft's 4-bit LoRA layer calls
+    torch.is_autocast_enabled() with no device) answers for the CPU autocast standing in for it;
+    `torch.autocast("cuda", enabled=False)` turns the stand-in off inside it, as on CUDA; the
+    process's real CUDA autocast flags are as they were afterwards."""
+    import warnings
+
+    from memplan.estimator.cuda.autocast import cuda_autocast_policy
+
+    before = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    with cuda_autocast_policy(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled() and torch.get_autocast_gpu_dtype() == torch.bfloat16
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "CUDA is not available": this machine has none
+            with torch.autocast("cuda", enabled=False):
+                assert not torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled()  # outside: CUDA's own flag again
+    assert (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) == before

@@ -97,16 +97,20 @@ def test_the_traced_model_has_bitsandbytes_layers_where_transformers_puts_them(
 
 
 @pytest.mark.parametrize("as_keyword", [False, True])
-def test_the_dequantizing_kernel_holds_the_weight_and_the_float32_absmax(as_keyword):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_dequantizing_kernel_holds_the_weight_and_the_float32_absmax(as_keyword, device):
+    """Read off bitsandbytes' kernels: the CPU's frees the first float32 absmax within one
+    expression, CUDA's keeps it in a local beside the offset one (backends/cuda/ops.py)."""
     activation = torch.empty(8, 256, dtype=torch.bfloat16)
     absmax_8bit = torch.empty(2048 * 256 // 64, dtype=torch.uint8)
     args = (activation, None, [2048, 256], None, 64, "nf4", None)
     if as_keyword:  # MatMul4Bit passes the optional arguments by name
-        scratch = gemm_4bit_scratch(args[:6], {"bias": None, "absmax_8bit": absmax_8bit})
+        scratch = gemm_4bit_scratch(args[:6], {"bias": None, "absmax_8bit": absmax_8bit}, device)
     else:
-        scratch = gemm_4bit_scratch((*args, absmax_8bit), {})
-    assert sorted(nbytes for _, nbytes in scratch) == [8192 * 4, 2048 * 256 * 2]
-    without_double_quant = gemm_4bit_scratch(args[:6], {})
+        scratch = gemm_4bit_scratch((*args, absmax_8bit), {}, device)
+    absmax_copies = {"cpu": 1, "cuda": 2}[device]
+    assert sorted(nbytes for _, nbytes in scratch) == [8192 * 4] * absmax_copies + [2048 * 256 * 2]
+    without_double_quant = gemm_4bit_scratch(args[:6], {}, device)
     assert [nbytes for _, nbytes in without_double_quant] == [2048 * 256 * 2]
 
 
@@ -137,6 +141,43 @@ def test_a_qlora_step_is_the_real_cpu_run(tmp_path, tiny_model_dirs, name, preci
     options = {"precision": precision, "checkpoint": checkpoint, "lora_rank": 4, "quantize": "nf4"}
     settings = spec.settings_for(TrainingSettings(batch_size=1, seq_len=8, device="cpu", **options))
     predicted = simulate(trace_step(spec, settings)).peak_bytes
+    measured = measure_cpu(spec, settings).peak_bytes
+    assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)
+
+
+@pytest.mark.parametrize(
+    ("name", "factory", "precision", "checkpoint"),
+    [
+        ("qwen2", "qwen2_bf16", "amp-bf16", "none"),
+        ("qwen2", "qwen2_bf16", "amp-bf16", "all"),
+        ("gpt2", "gpt2_fp16", "amp-fp16", "all"),
+    ],
+)
+def test_a_qlora_model_users_build_with_transformers_and_peft_is_predicted(
+    tmp_path, name, factory, precision, checkpoint
+):
+    """The truth built without memplan: transformers loads saved weights with a BitsAndBytesConfig,
+    peft prepares them for k-bit training and adds adapters (tests/qlora_models.py), and its step
+    runs for real on the CPU. memplan predicts the same from the config alone."""
+    from tests import qlora_models
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(qlora_models.CONFIGS[name]))
+    predicted = memplan.estimate(
+        str(folder),
+        batch_size=2,
+        seq_len=qlora_models.SEQ_LEN,
+        device="cpu",
+        precision=precision,
+        checkpoint=checkpoint,
+        lora_rank=4,
+        quantize="nf4",
+    ).peak_bytes
+    spec = resolve_model(f"tests.qlora_models:{factory}", inputs="tests.qlora_models:tokens")
+    settings = spec.settings_for(
+        TrainingSettings(batch_size=2, device="cpu", precision=precision, checkpoint=checkpoint)
+    )
     measured = measure_cpu(spec, settings).peak_bytes
     assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)
 

@@ -57,6 +57,40 @@ def block_names(model: nn.Module) -> list[str]:
     ]
 
 
+_recomputing = 0  # recomputations running now (the backward replaying a checkpointed forward)
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed forward is being recomputed in the backward. Its ops run inside the
+    backward formula that unpacked a saved tensor, and those a custom autograd Function's forward
+    runs (bitsandbytes' MatMul4Bit) even with grad mode off, as formula ops do; they are forward
+    ops all the same, whose inputs are freed as eagerly as in the first forward."""
+    return _recomputing > 0
+
+
+@contextlib.contextmanager
+def _counted_as_recomputation() -> Iterator[None]:
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def _recomputable(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward`, counted as a recomputation when the backward calls it (checkpoint's unpack hook)."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_autograd_node() is None:
+            return forward(*args, **kwargs)
+        with _counted_as_recomputation():
+            return forward(*args, **kwargs)
+
+    return run
+
+
 def _context_fn(policy: str) -> Callable[[], Any]:
     return selective_context() if policy == "selective" else noop_context_fn
 
@@ -65,7 +99,7 @@ def checkpoint_module(module: nn.Module, policy: str = "full") -> Callable[[], N
     """Non-reentrant checkpointing of one module's forward (kwargs pass through); returns the undo."""
     forward = module.forward
     module.forward = functools.partial(  # type: ignore[method-assign]
-        checkpoint, forward, use_reentrant=False, context_fn=_context_fn(policy)
+        checkpoint, _recomputable(forward), use_reentrant=False, context_fn=_context_fn(policy)
     )
 
     def undo() -> None:
@@ -151,20 +185,24 @@ class _Segment:
         """Recompute the segment from the first block's inputs (called by checkpoint's unpack hook)."""
         self.replaying = True
         try:
-            first_inputs = tensors_in((args, kwargs))
-            output = self.blocks[0](*args, **kwargs)
-            for block, recorded in zip(self.blocks[1:], self.templates[1:], strict=True):
-                assert recorded is not None, "a segment is replayed only after its forward ran"
-                template, spec = recorded
-                previous = tensors_in(output)
-                leaves = [
-                    (previous if item[0] == "prev" else first_inputs)[item[1]] if _is_source(item) else item
-                    for item in template
-                ]
-                call_args, call_kwargs = tree_unflatten(leaves, spec)
-                output = block(*call_args, **call_kwargs)
+            with _counted_as_recomputation():
+                self._replay_blocks(*args, **kwargs)
         finally:
             self.replaying = False
+
+    def _replay_blocks(self, *args: Any, **kwargs: Any) -> None:
+        first_inputs = tensors_in((args, kwargs))
+        output = self.blocks[0](*args, **kwargs)
+        for block, recorded in zip(self.blocks[1:], self.templates[1:], strict=True):
+            assert recorded is not None, "a segment is replayed only after its forward ran"
+            template, spec = recorded
+            previous = tensors_in(output)
+            leaves = [
+                (previous if item[0] == "prev" else first_inputs)[item[1]] if _is_source(item) else item
+                for item in template
+            ]
+            call_args, call_kwargs = tree_unflatten(leaves, spec)
+            output = block(*call_args, **call_kwargs)
 
 
 class _Source(tuple):

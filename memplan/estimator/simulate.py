@@ -323,14 +323,15 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
     return tuple((name, part.bytes(), part) for part in parts)
 
 
-def _library_transients(nodes: list[OpNode]) -> dict[int, tuple[Scratch, ...]]:
+def _library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scratch, ...]]:
     """What library kernels allocate inside one op on every target: bitsandbytes' 4-bit matmul
     dequantizes its weight there (memplan.finetune.bnb_kernels)."""
     transients = {}
     for index, node in enumerate(nodes):
         if node.op == "call_function" and is_gemm_4bit(node.target):
             args, kwargs = _fake_args(node)
-            transients[index] = tuple((name, nbytes, None) for name, nbytes in gemm_4bit_scratch(args, kwargs))
+            scratch = gemm_4bit_scratch(args, kwargs, device)
+            transients[index] = tuple((name, nbytes, None) for name, nbytes in scratch)
     return transients
 
 
@@ -368,7 +369,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     exact = {
         **_kernel_transients(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch),
         **_kernel_transients(traced, nodes, REDUCTION_OPS, _reduction_staging),
-        **_library_transients(nodes),
+        **_library_transients(nodes, traced.settings.device),
     }  # in both ends of the band
     conv = _kernel_transients(traced, nodes, CONV_OPS, _conv_workspace)  # the band's top
     transients = {**exact, **conv}

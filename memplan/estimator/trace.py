@@ -31,6 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import MemplanError, TraceError
+from memplan.estimator.checkpointing import recomputing
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.fake_conversions import fake_friendly_conversions
@@ -310,7 +311,7 @@ class _EagerLifetimes(TorchDispatchMode):
         end = self.node_count() - 1
         if func is _TO_COPY and _autocast_caches(args[0], out):
             self.held_until_released(out, out)
-        if autograd_node is None or torch.is_grad_enabled():
+        if autograd_node is None or torch.is_grad_enabled() or recomputing():
             return out
         if not self._hooked:
             self._hooked = True

@@ -1,10 +1,12 @@
 """4-bit base weights for QLoRA, laid out and run by bitsandbytes itself (`--quantize nf4|fp4`).
 
 What a QLoRA run builds, and where memplan takes it from:
-- Which layers: transformers' own `replace_with_bnb_linear` runs on the built model, as
-  `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` runs it: every
+- Which layers: transformers' own bitsandbytes quantizer prepares the built model, as
+  `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))` does
+  (`preprocess_model`, which runs `replace_with_bnb_linear`): every
   `nn.Linear` (exactly that type) and GPT-2 `Conv1D` becomes a `bnb.nn.Linear4bit`, except what
-  `get_keys_to_not_convert` keeps (the output embedding, tied weights, the last layer), with
+  `get_modules_to_not_convert` keeps (the output embedding, tied weights, the last layer, the
+  model's `_keep_in_fp32_modules`), with
   the options of the QLoRA recipe (Dettmers et al. 2023; the bnb-4bit-training notebook):
   `bnb_4bit_use_double_quant=True`, `bnb_4bit_compute_dtype` the precision's 16-bit dtype (float32
   for fp32), blocksize 64, uint8 storage. The weight is quantized in that dtype, as a model loaded
@@ -31,6 +33,9 @@ bitsandbytes is an optional dependency (`pip install 'memplan[qlora]'`).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -105,6 +110,21 @@ def _quant_state_tensors(quant_state) -> list[tuple[str, torch.Tensor]]:  # type
     return tensors
 
 
+@contextlib.contextmanager
+def _bitsandbytes_caches_kept() -> Iterator[None]:
+    """quantize_blockwise caches its code table in bitsandbytes' module-level `name2qmap` the first
+    time it runs: made under fake tensors, that would be a fake tensor every later real
+    quantization in the process used. The caches are put back as they were."""
+    from bitsandbytes import functional
+
+    saved = dict(functional.name2qmap)
+    try:
+        yield
+    finally:
+        functional.name2qmap.clear()
+        functional.name2qmap.update(saved)
+
+
 def _cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
     """The floating-point parameters left unquantized (not buffers), in `dtype`, as peft's
     prepare_model_for_kbit_training casts them to float32."""
@@ -132,8 +152,7 @@ def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
         return model
     bnb = _import_bitsandbytes()
     from transformers import BitsAndBytesConfig, PreTrainedModel
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.auto import AutoHfQuantizer
 
     if not isinstance(model, PreTrainedModel):
         raise SettingsError(
@@ -148,14 +167,20 @@ def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     )
     sources = dict(model.named_modules())
     with unset_fake_temporarily():  # the new layers are made on the meta device: no float weights
-        replace_with_bnb_linear(model, get_keys_to_not_convert(model), config)
-    for name, layer in model.named_modules():
-        if isinstance(layer, bnb.nn.Linear4bit) and sources.get(name) is not layer:
-            _load_quantized(bnb, layer, sources[name], settings)
+        AutoHfQuantizer.from_config(config).preprocess_model(model, device_map=None)
+    with _bitsandbytes_caches_kept():
+        for name, layer in model.named_modules():
+            if isinstance(layer, bnb.nn.Linear4bit) and sources.get(name) is not layer:
+                _load_quantized(bnb, layer, sources[name], settings)
     model.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit in its own LoRA layer
     for param in model.parameters():
         param.requires_grad_(False)
     # A quantized model is loaded in the compute dtype (`torch_dtype=`), its 4-bit layers quantized
     # from it; prepare_model_for_kbit_training then casts what is left to float32.
     _cast_unquantized(model, torch.float32 if settings.kbit_upcast else compute_dtype(settings))
+    # Linear4bit.forward casts its bias to the compute dtype in place at the first call
+    # (`bias.data = bias.data.to(x.dtype)`): from then on, the steady state, it is held so.
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit) and layer.bias is not None:
+            layer._parameters["bias"] = nn.Parameter(layer.bias.detach().to(layer.compute_dtype), requires_grad=False)
     return model

@@ -239,22 +239,25 @@ def cuda_autocast_policy() -> Iterator[set[str]]:
 
 @contextlib.contextmanager
 def _cuda_state_reads_cpu() -> Iterator[None]:
-    """Code that asks whether CUDA's autocast is on, and in which dtype, is answered with the CPU
-    autocast that stands in for it: `torch.is_autocast_enabled()` without a device means CUDA's
-    (torch/csrc/autograd/init.cpp), and peft's 4-bit LoRA layer casts its input to the adapter's
-    dtype only where it reads False (peft/tuners/lora/bnb.py)."""
+    """CUDA's autocast state is the CPU autocast that stands in for it, read and written: code that
+    asks whether CUDA autocast is on (`torch.is_autocast_enabled()` without a device means CUDA's;
+    peft's 4-bit LoRA layer casts its input to the adapter's dtype only where it reads False,
+    peft/tuners/lora/bnb.py) gets the stand-in's state, and `torch.autocast("cuda", enabled=False)`
+    (ESMFold, OneFormer) turns the stand-in off inside it and back after, as it does CUDA's. The
+    real CUDA flags are never touched, so nothing outlives the trace."""
     enabled, dtype, gpu_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype
+    set_enabled, set_dtype = torch.set_autocast_enabled, torch.set_autocast_dtype
 
-    def is_autocast_enabled(device_type: str | None = None) -> bool:
-        return enabled("cpu" if device_type in (None, "cuda") else device_type)
+    def stand_in(device_type: str | None) -> str | None:
+        return "cpu" if device_type in (None, "cuda") else device_type
 
-    def get_autocast_dtype(device_type: str) -> torch.dtype:
-        return dtype("cpu" if device_type == "cuda" else device_type)
-
-    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
-    torch.get_autocast_dtype = get_autocast_dtype  # type: ignore[assignment]
+    torch.is_autocast_enabled = lambda device_type=None: enabled(stand_in(device_type))  # type: ignore[assignment]
+    torch.get_autocast_dtype = lambda device_type: dtype(stand_in(device_type))  # type: ignore[assignment]
     torch.get_autocast_gpu_dtype = lambda: dtype("cpu")  # type: ignore[assignment]
+    torch.set_autocast_enabled = lambda device_type, value: set_enabled(stand_in(device_type), value)  # type: ignore[assignment]
+    torch.set_autocast_dtype = lambda device_type, value: set_dtype(stand_in(device_type), value)  # type: ignore[assignment]
     try:
         yield
     finally:
         torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype = enabled, dtype, gpu_dtype
+        torch.set_autocast_enabled, torch.set_autocast_dtype = set_enabled, set_dtype
