@@ -24,6 +24,8 @@ def _state_options(result: EstimateResult) -> list[str]:
         options.append("--optimizer adam8bit or adafactor (less optimizer state)")
     if settings.lora_rank is None and result.trainable_parameter_count:
         options.append("--lora RANK (train adapters: the weights get no gradients or optimizer state)")
+    elif settings.lora_rank is not None and settings.quantize is None:
+        options.append("--quantize nf4 (QLoRA: the frozen weights in 4 bits)")
     if settings.precision in ("fp32", "amp-bf16", "amp-fp16"):
         options.append("--precision bf16 (weights, gradients and state in 16 bits)")
     return options

@@ -45,3 +45,6 @@ def test_lora_advice_does_not_offer_to_shrink_a_sliver_of_optimizer_state(tiny_m
     assert 4 * result.breakdown.optimizer_state < result.breakdown.parameters
     advice = when_nothing_fits(result, result.breakdown.parameters - 1)
     assert "adam8bit" not in advice and "--lora" not in advice and "--precision bf16" in advice
+    assert "--quantize nf4" in advice  # the frozen weights are what is over: QLoRA shrinks them
+    quantized = estimate(tiny_model_dirs["gpt2"], **SETTINGS, lora_rank=4, quantize="nf4")
+    assert "--quantize" not in when_nothing_fits(quantized, quantized.breakdown.parameters - 1)
