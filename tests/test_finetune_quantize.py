@@ -91,6 +91,9 @@ def test_the_traced_model_has_bitsandbytes_layers_where_transformers_puts_them(
     four_bit = [module for module in model.modules() if type(module) is bitsandbytes.nn.Linear4bit]
     assert {names[module] for module in four_bit} == quantized_names
     assert not isinstance(layers[kept], bitsandbytes.nn.Linear4bit)
+    adapted = [module for module in model.modules() if hasattr(module, "lora_A")]
+    assert adapted and {type(module).__qualname__ for module in adapted} == {"Linear4bit"}  # peft's bnb layer
+    assert {type(module).__module__ for module in adapted} == {"peft.tuners.lora.bnb"}
     for layer in four_bit:
         held = [layer.weight, *layer.buffers()]
         assert sum(t.untyped_storage().nbytes() for t in held) == _layout_bytes(layer.out_features, layer.in_features)
@@ -110,8 +113,9 @@ def test_the_dequantizing_kernel_holds_the_weight_and_the_float32_absmax(as_keyw
         scratch = gemm_4bit_scratch((*args, absmax_8bit), {}, device)
     absmax_copies = {"cpu": 1, "cuda": 2}[device]
     assert sorted(nbytes for _, nbytes in scratch) == [8192 * 4] * absmax_copies + [2048 * 256 * 2]
-    without_double_quant = gemm_4bit_scratch(args[:6], {}, device)
-    assert [nbytes for _, nbytes in without_double_quant] == [2048 * 256 * 2]
+    for plain_args in (args[:6], args):  # without double quantization: bias given or left out
+        without_double_quant = gemm_4bit_scratch(plain_args, {}, device)
+        assert [nbytes for _, nbytes in without_double_quant] == [2048 * 256 * 2]
 
 
 def test_quantize_is_for_transformers_models():
