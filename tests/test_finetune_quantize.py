@@ -94,6 +94,10 @@ def test_the_traced_model_has_bitsandbytes_layers_where_transformers_puts_them(
     adapted = [module for module in model.modules() if hasattr(module, "lora_A")]
     assert adapted and {type(module).__qualname__ for module in adapted} == {"Linear4bit"}  # peft's bnb layer
     assert {type(module).__module__ for module in adapted} == {"peft.tuners.lora.bnb"}
+    # GPT-2's Conv1D layers have biases, held in the compute dtype (Linear4bit casts them at its first call).
+    biases = {layer.bias.dtype if layer.bias is not None else None for layer in four_bit}
+    assert biases == ({torch.bfloat16} if name == "gpt2" else {None})
+    assert all(layer.bias is None or layer.bias.numel() == layer.out_features for layer in four_bit)
     for layer in four_bit:
         held = [layer.weight, *layer.buffers()]
         assert sum(t.untyped_storage().nbytes() for t in held) == _layout_bytes(layer.out_features, layer.in_features)
