@@ -188,3 +188,35 @@ def test_estimate_with_several_cards_refuses_what_needs_one(arguments, message):
     outcome = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--seq-len", "32", *arguments])
     assert outcome.exit_code == 2, outcome.output
     assert message in outcome.output and "Traceback" not in outcome.output
+
+
+def test_compare_on_lora_offers_qlora_and_skips_it_where_it_cannot_apply(monkeypatch):
+    from memplan.explore import compare as compare_module
+    from memplan.explore.compare import techniques
+    from memplan.settings import TrainingSettings
+
+    def offered(**settings: object) -> list[dict]:
+        listed = techniques(TrainingSettings(batch_size=2, device="cpu", **settings))
+        return [technique.changes for technique in listed if technique.name == "QLoRA (NF4 base)"]
+
+    assert offered(lora_rank=4) == [{"quantize": "nf4"}]
+    assert offered(lora_rank=4, quantize="nf4") == [] and offered() == []
+    # Only the given row and the QLoRA one, on a model of the user's own: QLoRA cannot apply there.
+    monkeypatch.setattr(
+        compare_module,
+        "techniques",
+        lambda base: [t for t in techniques(base) if not t.changes or "quantize" in t.changes],
+    )
+    own = compare(
+        "tests.zoo_models:linear_stack",
+        inputs="tests.zoo_models:features_inputs",
+        loss="tests.zoo_models:mean_square_loss",
+        batch_size=2,
+        device="cpu",
+        lora_rank=4,
+        lora_targets="out",
+    )
+    assert "QLoRA (NF4 base)" not in {row.name for row in own.rows}
+    assert any(
+        reason.startswith("QLoRA (NF4 base): --quantize quantizes a transformers model") for reason in own.skipped
+    )

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.errors import SettingsError
+from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.models.source import ModelSpec
@@ -55,6 +55,10 @@ def techniques(base: TrainingSettings) -> list[Technique]:
     ):
         if base.optimizer != optimizer:
             found.append(Technique(name, {"optimizer": optimizer, "optimizer_impl": "default"}, cost))
+    if base.lora_rank is not None and base.quantize is None:
+        found.append(
+            Technique("QLoRA (NF4 base)", {"quantize": "nf4"}, "numerics: 4-bit frozen weights (bitsandbytes)")
+        )
     if base.checkpoint == "none":
         found.append(Technique("checkpoint all blocks", {"checkpoint": "all"}, "recompute"))
         if base.precision != "amp-bf16":
@@ -140,7 +144,17 @@ def run_compare(
             continue
         label = f"[{number}/{len(listed)}] {technique.name}"
         try:
-            result = run_estimate(spec, variant, progress=lambda message, label=label: report(f"{label}: {message}"))
+            try:
+                result = run_estimate(
+                    spec, variant, progress=lambda message, label=label: report(f"{label}: {message}")
+                )
+            except (SettingsError, UsageError) as error:
+                if not technique.changes:
+                    raise  # the configuration as given is the user's to fix
+                # A technique this model or installation cannot take (QLoRA without bitsandbytes,
+                # or on a model that is not a transformers model): said, not fatal.
+                skipped.append(f"{technique.name}: {error}")
+                continue
             if technique.changes.get("checkpoint") == "all" and not result.checkpointed_blocks:
                 skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
                 continue
