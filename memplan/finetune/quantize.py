@@ -146,8 +146,9 @@ def logical_numel(param: torch.Tensor) -> int:
 
 def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     """`model` with its linear layers in bitsandbytes' 4-bit layout where `settings.quantize` asks,
-    chosen and replaced by transformers' own `replace_with_bnb_linear`, skipping what its
-    `get_keys_to_not_convert` keeps (the output embedding, tied weights, the last layer)."""
+    chosen and replaced by transformers' own bitsandbytes quantizer (`preprocess_model`), which
+    keeps what `get_modules_to_not_convert` names (the output embedding, tied weights, the last
+    layer, `_keep_in_fp32_modules`)."""
     if settings.quantize is None:
         return model
     bnb = _import_bitsandbytes()
