@@ -47,7 +47,7 @@ def conv_rows(archive: Path, config_id: str, gpu: str) -> list[dict]:
             x, weight, stride, padding = args[1], args[2], args[4], args[5]
             call = ("backward", tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), str(x.dtype))
         described.append(call)
-        return tuple((f"{name}|{len(described) - 1}", nbytes, extra) for name, nbytes, extra in requests)
+        return tuple(request._replace(name=f"{request.name}|{len(described) - 1}") for request in requests)
 
     simulate_module._conv_workspace = describing
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -101,8 +102,8 @@ class Simulation:
         (smallest_device_bytes, at most the reserved peak), else the allocated peak.
 
         With convolutions, the larger of the workspace band's two ends: without workspaces the
-        segments fall differently and can need more (ResNet-50 b64 on an H100 reserves 6,284 MiB
-        with none, 6,188 MiB with the largest), and cuDNN may pick either kind of plan."""
+        segments fall differently and can need more (a workspace's cached segment can hold tensors
+        that would otherwise open segments of their own), and cuDNN may pick either kind of plan."""
         if self.smallest_device_bytes is None:
             return self.peak_bytes
         return self.smallest_device_bytes
@@ -255,9 +256,16 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]
 
 
-# A transient request a CUDA kernel makes and frees within its op: (what it is, bytes requested,
-# and for a reduction's staging its Reduction, to be sized anew at other batch sizes).
-Scratch = tuple[str, int, Reduction | None]
+class Scratch(NamedTuple):
+    """A transient request a CUDA kernel makes and frees within its op."""
+
+    name: str  # what it is
+    nbytes: int  # bytes requested
+    reduction: Reduction | None = None  # a reduction's staging: to be sized anew at other batch sizes
+    # Freed before the op's next request: one of several library calls the op makes in turn (a
+    # convolution backward's backward-data, then backward-weight workspace). Requests that are not
+    # sequential are held together until the op ends (attention backward scratch).
+    sequential: bool = False
 
 
 def _kernel_transients(
@@ -277,14 +285,17 @@ def _kernel_transients(
 
 
 def _conv_workspace(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
-    """The top of a convolution node's cuDNN workspace band. A backward node runs backward-data, then
-    backward-weight, each freeing its workspace before the next starts: the larger of the two."""
+    """The workspaces (the band's top) of a convolution node's cuDNN calls: one forward; a backward
+    node runs backward-data, then backward-weight, each freeing its workspace before the next starts."""
     capability = gpu_named(settings.gpu or DEFAULT_GPU).compute_capability
     cap = settings.cudnn_workspace_cap_mib
     switches = CudnnSwitches(settings.cudnn_allow_tf32, None if cap is None else cap * 2**20)
-    calls = conv_calls(node.target, args, node.meta.get("val"))
-    high = max((workspace_band_bytes(call, capability, switches)[1] for call in calls), default=0)
-    return ((f"{CUDNN_WORKSPACE} ({_op_name(node)})", high, None),) if high else ()
+    name = f"{CUDNN_WORKSPACE} ({_op_name(node)})"
+    highs = (
+        workspace_band_bytes(call, capability, switches)[1]
+        for call in conv_calls(node.target, args, node.meta.get("val"))
+    )
+    return tuple(Scratch(name, high, sequential=True) for high in highs if high)
 
 
 def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
@@ -293,7 +304,7 @@ def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) ->
     kernel = {FLASH_BACKWARD: "flash", CUDNN_BACKWARD: "cuDNN"}.get(node.target, "memory-efficient")
     splits_over = gpu.multiprocessors if settings.deterministic else None
     requests = attention_backward_scratch(node.target, args, gpu.compute_capability, splits_over)
-    return tuple((f"{kernel} attention backward scratch", nbytes, None) for nbytes in requests)
+    return tuple(Scratch(f"{kernel} attention backward scratch", nbytes) for nbytes in requests)
 
 
 REDUCTION_OPS = {
@@ -320,7 +331,7 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
     # Both parts always, 0 bytes where this size reduces within blocks (the replay skips 0-byte
     # requests): the same requests at every batch size, so batch lines can size them anew.
     parts = (replace(reduction, part=0), replace(reduction, part=1))
-    return tuple((name, part.bytes(), part) for part in parts)
+    return tuple(Scratch(name, part.bytes(), part) for part in parts)
 
 
 def _library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scratch, ...]]:
@@ -331,7 +342,7 @@ def _library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scr
         if node.op == "call_function" and is_gemm_4bit(node.target):
             args, kwargs = _fake_args(node)
             scratch = gemm_4bit_scratch(args, kwargs, device)
-            transients[index] = tuple((name, nbytes, None) for name, nbytes in scratch)
+            transients[index] = tuple(Scratch(name, nbytes) for name, nbytes in scratch)
     return transients
 
 
@@ -408,11 +419,15 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
 
 
 def _rounded(transients: dict[int, tuple[Scratch, ...]], settings: TrainingSettings) -> dict[int, int]:
-    """Bytes each node's transients add to memory_allocated while it runs."""
-    return {
-        index: sum(round_for_device(nbytes, settings) for _, nbytes, _ in requests)
-        for index, requests in transients.items()
-    }
+    """Bytes each node's transients add to memory_allocated while it runs: those held together, plus
+    the largest of those requested in turn."""
+    return {index: _node_transient_bytes(requests, settings) for index, requests in transients.items()}
+
+
+def _node_transient_bytes(requests: tuple[Scratch, ...], settings: TrainingSettings) -> int:
+    held = sum(round_for_device(r.nbytes, settings) for r in requests if not r.sequential)
+    in_turn = max((round_for_device(r.nbytes, settings) for r in requests if r.sequential), default=0)
+    return held + in_turn
 
 
 def memory_timeline(
@@ -424,7 +439,8 @@ def memory_timeline(
     """Every storage of the step with its lifetime and category, workspaces first, then in request order.
 
     A kernel's transients (a cuDNN workspace, attention backward scratch) are requested after the
-    node's outputs and freed when it ends.
+    node's outputs and freed when it ends, or, where requested in turn (a convolution backward's
+    two workspaces), each before the next.
     """
     end = len(lifetimes.nodes)
     allocations = [TimelineAllocation(0, end, size, "workspaces", "cublas workspace", None) for size in workspaces]
@@ -442,10 +458,20 @@ def memory_timeline(
             )
         )
     for index, requests in (transients or {}).items():  # after the storages: the sort below is stable
-        for op, nbytes, reduction in requests:
-            size = round_for_device(nbytes, traced.settings)
+        for request in requests:
+            size = round_for_device(request.nbytes, traced.settings)
             allocations.append(
-                TimelineAllocation(index, index, size, "workspaces", op, None, nbytes, reduction=reduction)
+                TimelineAllocation(
+                    index,
+                    index,
+                    size,
+                    "workspaces",
+                    request.name,
+                    None,
+                    request.nbytes,
+                    reduction=request.reduction,
+                    sequential=request.sequential,
+                )
             )
     allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
     return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))

@@ -45,6 +45,10 @@ class TimelineAllocation:
     # A CUDA reduction's staging request: how to size it at another batch size (memplan.estimator.
     # interpolate), since Reduce.cuh's plan is not affine in the batch.
     reduction: Reduction | None = None
+    # A library call's transient that is freed as soon as that call ends, before the op's next
+    # request (allocated_at == freed_at): a convolution backward's backward-data workspace is gone
+    # before its backward-weight workspace is requested.
+    sequential: bool = False
 
     def persists(self, node_count: int) -> bool:
         """Alive before the iteration starts and after it ends: parameters, state, the batch, workspaces."""
@@ -64,7 +68,15 @@ class MemoryTimeline:
     def category_bytes(self) -> dict[str, list[int]]:
         """Live bytes of each category at every node (the same counting as the peak)."""
         deltas = {key: [0] * (self.node_count + 1) for key in BREAKDOWN_KEYS}
+        largest_in_turn: dict[int, TimelineAllocation] = {}
+        for allocation in self.allocations:  # of a node's requests in turn, only the largest is ever live
+            if allocation.sequential:
+                other = largest_in_turn.get(allocation.allocated_at)
+                if other is None or allocation.size_bytes > other.size_bytes:
+                    largest_in_turn[allocation.allocated_at] = allocation
         for allocation in self.allocations:
+            if allocation.sequential and largest_in_turn[allocation.allocated_at] is not allocation:
+                continue
             delta = deltas[allocation.category]
             delta[allocation.allocated_at] += allocation.size_bytes
             if allocation.freed_at < self.node_count:
@@ -116,7 +128,8 @@ def replay_steady_state(
                 on_event("persistent", handle, allocation)
             continue
         by_start[allocation.allocated_at].append(allocation)
-        by_end[allocation.freed_at].append(allocation)
+        if not allocation.sequential:
+            by_end[allocation.freed_at].append(allocation)
     for iteration in range(STEADY_STATE_ITERATIONS):
         last = iteration == STEADY_STATE_ITERATIONS - 1
         if last:
@@ -131,12 +144,27 @@ def replay_steady_state(
                     if on_event is not None:
                         on_event("persistent", handle, allocation)
             for allocation in by_start[index] if index < end else ():
-                handle = allocator.malloc(allocation.size_bytes, allocation.stream)
-                handles[id(allocation)] = handle
+                if allocation.op.startswith(CUDNN_WORKSPACE):
+                    # Conv_v8.cpp try_configs: a plan whose workspace cannot be allocated (after the
+                    # allocator released its cache) is skipped for the next, down to a fallback
+                    # that needs none: the convolution runs without it.
+                    handle = allocator.malloc_or_none(allocation.size_bytes, allocation.stream)
+                    if handle is None:
+                        continue
+                else:
+                    handle = allocator.malloc(allocation.size_bytes, allocation.stream)
                 if last and on_event is not None:
                     on_event("alloc", handle, allocation)
+                if allocation.sequential:  # freed before the node's next request
+                    allocator.free(handle)
+                    if last and on_event is not None:
+                        on_event("free", handle, allocation)
+                else:
+                    handles[id(allocation)] = handle
             for allocation in by_end[index]:
-                handle = handles.pop(id(allocation))
+                handle = handles.pop(id(allocation), None)
+                if handle is None:
+                    continue  # a workspace cuDNN went without
                 allocator.free(handle)
                 if last and on_event is not None:
                     on_event("free", handle, allocation)
@@ -148,9 +176,14 @@ def without_cudnn_workspaces(timeline: MemoryTimeline) -> MemoryTimeline:
     return timeline if len(kept) == len(timeline.allocations) else replace(timeline, allocations=kept)
 
 
-def reserved_peak_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG) -> int:
-    """max_memory_reserved of the steady-state iteration: the timeline replayed through a fresh simulator."""
-    allocator = CachingAllocator(config)
+def reserved_peak_bytes(
+    timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG, capacity_bytes: int | None = None
+) -> int:
+    """max_memory_reserved of the steady-state iteration: the timeline replayed through a fresh
+    simulator, on a device of `capacity_bytes` for torch where given (the allocator then releases
+    its cache and retries where a request does not fit, and cuDNN runs a plan without workspace
+    where its workspace does not; OutOfMemory where the step does not complete)."""
+    allocator = CachingAllocator(config, capacity_bytes)
     replay_steady_state(timeline, allocator)
     return allocator.max_reserved_bytes
 

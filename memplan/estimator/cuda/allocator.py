@@ -271,6 +271,15 @@ class CachingAllocator:
         self._handles[handle] = block
         return handle
 
+    def malloc_or_none(self, num_bytes: int, stream: int = 0) -> int | None:
+        """malloc for a request its caller can do without (a cuDNN workspace: Conv_v8.cpp's
+        try_configs catches the OutOfMemoryError and runs the next plan): None where even after
+        releasing the cache it does not fit."""
+        try:
+            return self.malloc(num_bytes, stream)
+        except OutOfMemory:
+            return None
+
     def free(self, handle: int) -> None:
         block = self._handles.pop(handle)
         block.allocated = False

@@ -23,13 +23,20 @@ What PyTorch does (aten/src/ATen/native/cudnn/Conv_v8.cpp, torch 2.11-2.14, cuDN
 
 So memplan predicts a band per convolution call:
 - low: 0 bytes, an implicit-GEMM plan that needs no workspace (also what the OOM fallback finds);
-- high: every operand of that call transformed once (input + weight + output of the forward;
-  grad_output + weight + grad_input for backward-data; input + grad_output + grad_weight for
-  backward-weight), where a tensor-core path needs a transformation: NCHW operands, and fp32 on
-  TF32 tensor cores (Ampere and later, TF32 allowed for convolutions by default:
-  torch.backends.cudnn.allow_tf32 = True). 16-bit channels-last convolutions run natively: 0.
-The top of the band is what "fits" and the largest batch use (an estimate that is too low is
-worse than none); both ends are reported.
+- high: the workspace of the plan cuDNN 9.19's heuristics ran on an H100, call by call (the main
+  suite's ResNet traces, docs/validation.md "Workspace sizes on the H100"), where a tensor-core path
+  needs a transformation: NCHW operands, and fp32 on TF32 tensor cores (Ampere and later, TF32
+  allowed for convolutions by default: torch.backends.cudnn.allow_tf32 = True). A kxk call
+  transforms its three operands (input + weight + output forward; grad_output + weight +
+  grad_input for backward-data; input + grad_output + grad_weight for backward-weight); a 1x1 call
+  only its activations, or none at stride 1 on maps of 14x14 or more, where it is a GEMM on the
+  NCHW tensors and its weight gradient is summed from a float32 partial per image; an fp32
+  backward-weight adds split-K room (`_plan_workspace_bytes`). 16-bit channels-last convolutions
+  run natively: 0.
+A backward convolution's two calls request and free their workspaces in turn (simulate.py,
+`Scratch.sequential`), and the replay skips a workspace the device cannot hold, as try_configs
+does (timeline.py). The top of the band is what "fits" and the largest batch use (an estimate that
+is too low is worse than none), with the low end where it needs more; both ends are reported.
 
 The user's switches (`CudnnSwitches`, from TrainingSettings):
 - `torch.backends.cudnn.allow_tf32 = False`: fp32 convolutions leave tensor cores (Conv_v8.cpp
@@ -53,6 +60,7 @@ The user's switches (`CudnnSwitches`, from TrainingSettings):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,14 +72,24 @@ CONV_BACKWARD_OPS = frozenset({aten.convolution_backward.default})
 CONV_OPS = CONV_FORWARD_OPS | CONV_BACKWARD_OPS
 
 
+FORWARD, BACKWARD_DATA, BACKWARD_WEIGHT = "forward", "backward-data", "backward-weight"
+
+
 @dataclass(frozen=True)
 class ConvOperands:
-    """The three tensors of one cuDNN convolution call: two it reads, one it writes."""
+    """One cuDNN convolution call: its direction, the two tensors it reads and the one it writes,
+    and the geometry cuDNN's heuristics choose a plan by."""
 
-    read_bytes: tuple[int, int]
-    written_bytes: int
+    read_bytes: tuple[int, int]  # forward: input, weight; backward-data: grad_output, weight;
+    written_bytes: int  # backward-weight: input, grad_output (written: output / grad_input / grad_weight)
     dtype: torch.dtype
     channels_last: bool
+    direction: str = FORWARD
+    pointwise: bool = False  # a 1x1 kernel
+    strided: bool = False
+    output_pixels: int = 0  # height x width of the forward output (= of grad_output)
+    batch: int = 0
+    weight_numel: int = 0
 
 
 def _uses_tensor_cores(dtype: torch.dtype, compute_capability: tuple[int, int]) -> bool:
@@ -95,6 +113,58 @@ class CudnnSwitches:
     workspace_cap_bytes: int | None = None  # CUDNN_CONV_WSCAP_DBG, in bytes
 
 
+# 1x1 stride-1 convolutions with at least this many output pixels (height x width) ran as a GEMM
+# straight on the NCHW tensors on the H100 (cuDNN 9.19, heuristic mode): no workspace forward or
+# backward-data. With 7x7 maps (ResNet's last stage) they ran through the NHWC transformation
+# instead. 14x14 is the smallest map seen as a GEMM; where between 7x7 and 14x14 the heuristics
+# switch is not known. Source: docs/validation/h100/conv-workspaces.json.
+POINTWISE_GEMM_MIN_PIXELS = 14 * 14
+FLOAT32_BYTES = 4
+# On the H100 (cuDNN 9.19), a TF32 (fp32) backward-weight call on a transformed path asked for more
+# than its three operands: 6.75-8.25 MiB more in every such call, and 14 float32 copies of a weight
+# too small to reach that (64x64x3x3: +1.97 MiB; 128x128x3x3: +7.875 MiB): room for the partial sums
+# of a reduction split over thread blocks (split-K). memplan adds up to 16 float32 copies of the
+# weight, at most the largest extra seen, wherever TF32 runs (Ampere on). 16-bit calls showed
+# 0-3.4 MiB, not consistently: not added. Backward-weight's workspace then no longer fits in the
+# block backward-data's freed, and opens a segment of its own where both are large: on the A100
+# runs of benchmarks/gpumemnet_conv.py (cuDNN 9.1) this takes the calibration half's median error
+# from -5.0% to -1.1%, and some of those nets 20-30% over what they reserved.
+# Source: docs/validation/h100/conv-workspaces.json.
+SPLIT_K_WEIGHT_COPIES = 16
+SPLIT_K_MAX_BYTES = 8 * 2**20 + 256 * 2**10
+
+
+def _split_k_bytes(call: ConvOperands) -> int:
+    if call.direction != BACKWARD_WEIGHT or call.dtype != torch.float32:
+        return 0
+    return min(SPLIT_K_WEIGHT_COPIES * call.weight_numel * FLOAT32_BYTES, SPLIT_K_MAX_BYTES)
+
+
+def _plan_workspace_bytes(call: ConvOperands) -> int:
+    """The workspace of the plan cuDNN's heuristics run first, for a call that takes a tensor-core
+    path through transformed operands (see the module docstring and
+    docs/validation.md "Workspace sizes on the H100")."""
+    first, second = call.read_bytes
+    if not call.pointwise:
+        # A kxk kernel: every operand transformed once (41 of 51 fp32 forward calls to the byte).
+        return first + second + call.written_bytes + _split_k_bytes(call)
+    # A 1x1 kernel transforms the activations it reads and writes, not the weight: input + output
+    # forward, grad_output + grad_input for backward-data, input + grad_output for backward-weight
+    # (strided 1x1 shortcuts, and 7x7 maps, on the H100).
+    transformed = first + second if call.direction == BACKWARD_WEIGHT else first + call.written_bytes
+    transformed += _split_k_bytes(call)
+    if call.strided or call.output_pixels < POINTWISE_GEMM_MIN_PIXELS:
+        return transformed
+    # Otherwise a GEMM straight on the NCHW tensors: nothing to transform forward or backward-data.
+    # The weight gradient is summed from one float32 partial result per image (batch x weight
+    # elements x 4 bytes, in every dtype: 4.0 MiB for a 256x64 weight at batch 64, fp32 and fp16
+    # alike; 3.125 MiB at batch 50) unless that is more than the transformed path, which cuDNN then
+    # ran (a 512x1024 weight at batch 64: 81.5 MiB, not 128).
+    if call.direction != BACKWARD_WEIGHT:
+        return 0
+    return min(call.batch * call.weight_numel * FLOAT32_BYTES, transformed)
+
+
 def workspace_band_bytes(
     call: ConvOperands, compute_capability: tuple[int, int], switches: CudnnSwitches = CudnnSwitches()
 ) -> tuple[int, int]:
@@ -106,7 +176,7 @@ def workspace_band_bytes(
     native = call.channels_last and call.dtype != torch.float32  # 16-bit NHWC: no transformation
     if native:
         return 0, 0
-    high = sum(call.read_bytes) + call.written_bytes
+    high = _plan_workspace_bytes(call)
     if switches.workspace_cap_bytes is not None:
         high = min(high, switches.workspace_cap_bytes)
     return 0, high
@@ -125,17 +195,28 @@ def _channels_last(tensor: torch.Tensor) -> bool:
 def conv_calls(target: object, args: tuple, output: object) -> list[ConvOperands]:
     """The cuDNN calls one traced convolution op makes: one forward, or backward-data then backward-weight."""
     if target in CONV_FORWARD_OPS:
-        x, weight = args[0], args[1]
-        layout = _channels_last(x) or _channels_last(weight)
-        return [ConvOperands((_nbytes(x), _nbytes(weight)), _nbytes(output), x.dtype, layout)]
-    if target in CONV_BACKWARD_OPS:
-        grad_output, x, weight = args[0], args[1], args[2]
-        output_mask = args[10]
-        calls = []
-        layout = _channels_last(x) or _channels_last(weight)
-        if output_mask[0]:
-            calls.append(ConvOperands((_nbytes(grad_output), _nbytes(weight)), _nbytes(x), x.dtype, layout))
-        if output_mask[1]:
-            calls.append(ConvOperands((_nbytes(x), _nbytes(grad_output)), _nbytes(weight), x.dtype, layout))
-        return calls
-    return []
+        x, weight, stride = args[0], args[1], args[3] if len(args) > 3 else (1,)
+        grad_output = output
+    elif target in CONV_BACKWARD_OPS:
+        grad_output, x, weight, stride = args[0], args[1], args[2], args[4]
+    else:
+        return []
+    geometry = {
+        "pointwise": all(size == 1 for size in weight.shape[2:]),
+        "strided": any(step != 1 for step in stride),
+        "output_pixels": math.prod(grad_output.shape[2:]) if isinstance(grad_output, torch.Tensor) else 0,
+        "batch": x.shape[0],
+        "weight_numel": weight.numel(),
+    }
+    layout = _channels_last(x) or _channels_last(weight)
+    if target in CONV_FORWARD_OPS:
+        return [ConvOperands((_nbytes(x), _nbytes(weight)), _nbytes(output), x.dtype, layout, FORWARD, **geometry)]
+    output_mask = args[10]
+    calls = []
+    if output_mask[0]:
+        operands = ((_nbytes(grad_output), _nbytes(weight)), _nbytes(x))
+        calls.append(ConvOperands(*operands, x.dtype, layout, BACKWARD_DATA, **geometry))
+    if output_mask[1]:
+        operands = ((_nbytes(x), _nbytes(grad_output)), _nbytes(weight))
+        calls.append(ConvOperands(*operands, x.dtype, layout, BACKWARD_WEIGHT, **geometry))
+    return calls
