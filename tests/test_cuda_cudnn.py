@@ -300,3 +300,40 @@ def test_a_workspace_that_does_not_fit_is_gone_without_and_anything_else_runs_ou
     too_large = replace(timeline, allocations=(weights, without_room, workspace, gradient))
     with pytest.raises(OutOfMemory):
         reserved_peak_bytes(too_large, capacity_bytes=100 * MiB)
+
+
+def test_a_depthwise_convolution_runs_pytorchs_own_kernel_without_workspace() -> None:
+    """Convolution.cpp `_select_conv_backend`: depthwise convolutions (groups == input channels) run
+    CudaDepthwise2d, not cuDNN, unless channels-last or fp16 with at least 32 channels."""
+    forward = aten.convolution.default
+
+    def calls(channels: int, dtype: torch.dtype, groups: int, channels_last: bool = False, dilation: int = 1) -> int:
+        x = torch.empty(8, channels, 28, 28, dtype=dtype, device="meta")
+        weight = torch.empty(channels, channels // groups, 3, 3, dtype=dtype, device="meta")
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        out = torch.empty(8, channels, 28, 28, dtype=dtype, device="meta")
+        args = (x, weight, None, [1, 1], [dilation, dilation], [dilation, dilation], False, [0, 0], groups)
+        backward = (
+            out,
+            x,
+            weight,
+            None,
+            [1, 1],
+            [1, 1],
+            [dilation, dilation],
+            False,
+            [0, 0],
+            groups,
+            [True, True, False],
+        )
+        return len(conv_calls(forward, args, out)) + len(conv_calls(aten.convolution_backward.default, backward, None))
+
+    assert calls(64, torch.float32, groups=64) == 0  # PyTorch's depthwise kernel, forward and backward
+    assert calls(64, torch.bfloat16, groups=64) == 0
+    assert calls(64, torch.float32, groups=1) == 3  # an ordinary convolution: cuDNN, three calls
+    assert calls(64, torch.float32, groups=2) == 3  # grouped, not depthwise
+    assert calls(64, torch.float32, groups=64, channels_last=True) == 3  # channels-last: cuDNN
+    assert calls(64, torch.float16, groups=64) == 3  # fp16, 32 channels or more: cuDNN may take it
+    assert calls(16, torch.float16, groups=16) == 0  # fewer than 32 channels
+    assert calls(64, torch.float16, groups=64, dilation=2) == 0  # dilated

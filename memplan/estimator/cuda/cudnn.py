@@ -33,7 +33,8 @@ So memplan predicts a band per convolution call:
   NCHW tensors and its weight gradient is summed from a float32 partial per image; an fp32
   backward-weight adds split-K room (`_plan_workspace_bytes`). 16-bit channels-last convolutions
   run natively: 0.
-A backward convolution's two calls request and free their workspaces in turn (simulate.py,
+Depthwise convolutions that PyTorch runs with its own kernel make no cuDNN call
+(`_runs_natively_depthwise`). A backward convolution's two calls request and free their workspaces in turn (simulate.py,
 `Scratch.sequential`), and the replay skips a workspace the device cannot hold, as try_configs
 does (timeline.py). The top of the band is what "fits" and the largest batch use (an estimate that
 is too low is worse than none), with the low end where it needs more; both ends are reported.
@@ -192,14 +193,42 @@ def _channels_last(tensor: torch.Tensor) -> bool:
     return tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last) and not tensor.is_contiguous()
 
 
+def _runs_natively_depthwise(
+    x: torch.Tensor, weight: torch.Tensor, stride: list, dilation: list, transposed: bool, groups: int
+) -> bool:
+    """Whether PyTorch runs a convolution with its own depthwise kernel, not cuDNN's: no workspace.
+    Convolution.cpp `_select_conv_backend`: a depthwise convolution (`is_depthwise`: not transposed,
+    4-d or 5-d, groups == input channels > 1, output channels a multiple of them) goes to
+    CudaDepthwise2d/3d unless `use_cudnn_depthwise`: channels-last, or fp16 4-d without dilation, with
+    a square stride and at least 32 channels, where `check_cudnn_depthwise_workload_with_filter`
+    chooses by shape (memplan keeps cuDNN's band there, the safe side)."""
+    channels = x.shape[1]
+    depthwise = not transposed and x.dim() in (4, 5) and groups == channels > 1 and weight.shape[0] % channels == 0
+    if not depthwise or _channels_last(x) or _channels_last(weight):
+        return False
+    may_take_cudnn = (
+        x.dtype == weight.dtype == torch.float16
+        and x.dim() == 4
+        and all(step == 1 for step in dilation)
+        and (stride[0] == stride[1] or x.shape[2] == 1)
+        and channels >= 32
+    )
+    return not may_take_cudnn
+
+
 def conv_calls(target: object, args: tuple, output: object) -> list[ConvOperands]:
-    """The cuDNN calls one traced convolution op makes: one forward, or backward-data then backward-weight."""
+    """The cuDNN calls one traced convolution op makes: one forward, or backward-data then backward-weight
+    (none where PyTorch's own depthwise kernel runs it)."""
     if target in CONV_FORWARD_OPS:
-        x, weight, stride = args[0], args[1], args[3] if len(args) > 3 else (1,)
+        x, weight, stride = args[0], args[1], args[3] if len(args) > 3 else (1, 1)
+        dilation, transposed, groups = (args[5], args[6], args[8]) if len(args) > 8 else ((1, 1), False, 1)
         grad_output = output
     elif target in CONV_BACKWARD_OPS:
         grad_output, x, weight, stride = args[0], args[1], args[2], args[4]
+        dilation, transposed, groups = args[6], args[7], args[9]
     else:
+        return []
+    if _runs_natively_depthwise(x, weight, list(stride), list(dilation), bool(transposed), int(groups)):
         return []
     geometry = {
         "pointwise": all(size == 1 for size in weight.shape[2:]),
