@@ -7,7 +7,9 @@ settings as the source states them, which figure it is (nvidia-smi, max_memory_r
 max_memory_allocated) and memplan's reading of those settings ("memplan"), with the caveats where
 the two cannot match exactly. Nothing in memplan was fitted to these rows: they are all a check.
 The one number taken from a source is a CUDA context the same source measured (the HF docs'
-`torch.ones((1, 1)).to("cuda")` step), passed as --cuda-context would be.
+`torch.ones((1, 1)).to("cuda")` step), passed as --cuda-context would be; for the gpumemnet-* rows,
+the fixed part (context and what cuDNN keeps outside the allocator) fitted on the same lab's other
+runs on the same machine (benchmarks/gpumemnet_conv.py's calibration half), not on these rows.
 
 Prints one markdown row per measurement and the median and worst error per figure.
 
@@ -17,7 +19,7 @@ trace; see SOURCE_TORCH_DIFFERENCES. memplan itself models the installed torch: 
 is its answer, the second tells a version difference from a modelling miss.
 
 Most rows name a transformers model (a hub id, or a "config" written to a folder). The rasbt-vit-*
-rows trace torchvision's own vit_l_16 / vit_b_16 as the source's scripts build them: their "model",
+and gpumemnet-* rows trace torchvision's own models as the sources' scripts build them: their "model",
 "inputs" and "loss" are import paths into benchmarks/published_models.py, given to memplan as
 --model/--inputs/--loss would be. Those rows need torchvision (matching the installed torch), which
 memplan itself does not depend on: `pip install torchvision`.

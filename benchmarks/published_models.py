@@ -1,4 +1,6 @@
-"""torchvision's ViTs as rasbt's scripts train them, for the rasbt-vit-* rows of published.json.
+"""torchvision's models as the sources' scripts train them, for the rows of published.json that trace them.
+
+The rasbt-vit-* rows:
 
 rasbt/pytorch-memory-optim (01_pytorch-vit.py .. 06_sgd-with-scheduler.py) and rasbt/cvpr2023
 (01_pytorch-vit.py, 04_fabric-vit-mixed-precision.py) fine-tune `torchvision.models.vit_l_16` /
@@ -11,7 +13,15 @@ rasbt/pytorch-memory-optim (01_pytorch-vit.py .. 06_sgd-with-scheduler.py) and r
     loss = F.cross_entropy(logits, targets)
 
 The pretrained weights change no shape, so the factories build the models without them (nothing is
-downloaded). Needs torchvision, which only this benchmark uses (memplan does not depend on it).
+downloaded).
+
+The gpumemnet-* rows: itu-rad/GPUMemNet's Test_Pipeline/cnn_models/{vgg,resnet50,mobilenet,
+efficientNet,inception}.py train torchvision's models from scratch on ImageNet (1,000 classes) with
+nn.CrossEntropyLoss: `models.vgg16(pretrained=False)`, `models.resnet50(pretrained=False)`,
+`models.mobilenet_v2(weights=None)`, `models.efficientnet_b0(...)`, `models.inception_v3(
+aux_logits=False)` on 299x299 crops (the others 224x224).
+
+Needs torchvision, which only these benchmarks use (memplan does not depend on it).
 """
 
 from __future__ import annotations
@@ -21,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
+    from torchvision import models
     from torchvision.models import vit_b_16, vit_l_16
 except ImportError as error:  # published.py checks first and says so in one line
-    raise ImportError("the rasbt-vit-* rows need torchvision: pip install torchvision") from error
+    raise ImportError("these rows need torchvision: pip install torchvision") from error
 
 IMAGE_SIZE = 224
 NUM_CLASSES = 10
@@ -79,3 +90,55 @@ def cifar10_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def cross_entropy(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`F.cross_entropy(logits, targets)`, as every script computes its loss."""
     return F.cross_entropy(logits, batch[1])
+
+
+IMAGENET_CLASSES = 1000
+
+
+class ImagesOnly(nn.Module):
+    """`outputs = model(images)`: the batch memplan passes is (images, labels), the loss takes the labels."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.module(images)
+
+
+def gpumemnet_vgg16() -> nn.Module:
+    return ImagesOnly(models.vgg16(weights=None))
+
+
+def gpumemnet_resnet50() -> nn.Module:
+    return ImagesOnly(models.resnet50(weights=None))
+
+
+def gpumemnet_mobilenet_v2() -> nn.Module:
+    return ImagesOnly(models.mobilenet_v2(weights=None))
+
+
+def gpumemnet_efficientnet_b0() -> nn.Module:
+    return ImagesOnly(models.efficientnet_b0(weights=None))
+
+
+def gpumemnet_inception_v3() -> nn.Module:
+    """aux_logits=False as the script builds it; init_weights=False only skips torchvision's scipy-based
+    initialisation, which changes no shape."""
+    return ImagesOnly(models.inception_v3(weights=None, aux_logits=False, init_weights=False))
+
+
+def _imagenet_batch(batch_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    images = torch.rand(batch_size, 3, size, size)
+    labels = torch.randint(0, IMAGENET_CLASSES, (batch_size,))
+    return images, labels
+
+
+def imagenet_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 224x224 crops (Resize(256) + CenterCrop(224)) with int64 labels."""
+    return _imagenet_batch(batch_size, 224)
+
+
+def imagenet_batch_299(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inception's 299x299 crops."""
+    return _imagenet_batch(batch_size, 299)

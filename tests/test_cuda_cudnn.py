@@ -18,6 +18,7 @@ from tests.module_specs import loss_returning_spec
 
 A100, H100, V100, T4 = (8, 0), (9, 0), (7, 0), (7, 5)
 aten = torch.ops.aten
+_REST = (None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)  # a forward's bias .. groups: plain, ungrouped
 
 
 def _call(dtype: torch.dtype, channels_last: bool = False) -> ConvOperands:
@@ -84,7 +85,9 @@ def test_a_backward_convolution_is_backward_data_then_backward_weight() -> None:
     x = torch.empty(2, 3, 8, 8)  # 384 floats
     weight = torch.empty(5, 3, 3, 3)  # 135
     grad_output = torch.empty(2, 5, 6, 6)  # 360
-    forward = conv_calls(aten.convolution.default, (x, weight, None), grad_output)
+    forward = conv_calls(
+        aten.convolution.default, (x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), grad_output
+    )
     assert [(call.read_bytes, call.written_bytes) for call in forward] == [((384 * 4, 135 * 4), 360 * 4)]
     args = (grad_output, x, weight, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
     both = conv_calls(aten.convolution_backward.default, (*args, [True, True, False]), None)
@@ -95,6 +98,10 @@ def test_a_backward_convolution_is_backward_data_then_backward_weight() -> None:
     weight_only = conv_calls(aten.convolution_backward.default, (*args, [False, True, True]), None)
     assert [call.written_bytes for call in weight_only] == [135 * 4]  # the first layer: no grad_input
     assert conv_calls(aten.mm.default, (x, weight), None) == []
+    # A kx1 kernel is not pointwise: its operands are transformed as a kxk kernel's are.
+    tall = torch.empty(5, 3, 7, 1)
+    (call,) = conv_calls(aten.convolution.default, (x, tall, None, [1, 1], [3, 0], [1, 1], False, [0, 0], 1), x[:, :1])
+    assert not call.pointwise
 
 
 def test_calls_carry_the_dtype_and_channels_last_when_input_or_weight_is() -> None:
@@ -104,17 +111,17 @@ def test_calls_carry_the_dtype_and_channels_last_when_input_or_weight_is() -> No
     weight_nhwc = weight.contiguous(memory_format=torch.channels_last)
     out = torch.empty(2, 5, 6, 6, dtype=torch.bfloat16)
     forward = aten.convolution.default
-    assert [c.channels_last for c in conv_calls(forward, (nchw, weight, None), out)] == [False]
-    assert [c.channels_last for c in conv_calls(forward, (nhwc, weight, None), out)] == [True]
-    assert [c.channels_last for c in conv_calls(forward, (nchw, weight_nhwc, None), out)] == [True]
+    assert [c.channels_last for c in conv_calls(forward, (nchw, weight, *_REST), out)] == [False]
+    assert [c.channels_last for c in conv_calls(forward, (nhwc, weight, *_REST), out)] == [True]
+    assert [c.channels_last for c in conv_calls(forward, (nchw, weight_nhwc, *_REST), out)] == [True]
     # One channel: contiguous both ways, which PyTorch calls contiguous.
     single = torch.empty(2, 1, 8, 8)
-    assert [c.channels_last for c in conv_calls(forward, (single, torch.empty(5, 1, 3, 3), None), out)] == [False]
+    assert [c.channels_last for c in conv_calls(forward, (single, torch.empty(5, 1, 3, 3), *_REST), out)] == [False]
     rest = (None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
     for x, w, expected in ((nchw, weight, False), (nhwc, weight, True), (nchw, weight_nhwc, True)):
         calls = conv_calls(aten.convolution_backward.default, (out, x, w, *rest), None)
         assert [(c.dtype, c.channels_last) for c in calls] == [(torch.bfloat16, expected)] * 2
-    assert [c.dtype for c in conv_calls(forward, (nchw, weight, None), out)] == [torch.bfloat16]
+    assert [c.dtype for c in conv_calls(forward, (nchw, weight, *_REST), out)] == [torch.bfloat16]
 
 
 class _TwoConvs(nn.Module):
@@ -228,7 +235,9 @@ def _rule_mib(direction: str, x: list, w: list, stride: list, padding: list, dty
     ]
     grad_output = torch.empty([x[0], w[0], *out_hw], dtype=dtype_, device="meta")
     if direction == "forward":
-        calls = conv_calls(aten.convolution.default, (inputs, weight, None, stride, padding, [1, 1]), grad_output)
+        calls = conv_calls(
+            aten.convolution.default, (inputs, weight, None, stride, padding, [1, 1], False, [0, 0], 1), grad_output
+        )
     else:
         args = (grad_output, inputs, weight, None, stride, padding, [1, 1], False, [0, 0], 1, [True, True, False])
         calls = [c for c in conv_calls(aten.convolution_backward.default, args, None) if c.direction == direction]
@@ -304,36 +313,43 @@ def test_a_workspace_that_does_not_fit_is_gone_without_and_anything_else_runs_ou
 
 def test_a_depthwise_convolution_runs_pytorchs_own_kernel_without_workspace() -> None:
     """Convolution.cpp `_select_conv_backend`: depthwise convolutions (groups == input channels) run
-    CudaDepthwise2d, not cuDNN, unless channels-last or fp16 with at least 32 channels."""
-    forward = aten.convolution.default
+    CudaDepthwise2d, not cuDNN, unless channels-last or fp16 4-d with at least 32 channels, no
+    dilation and a square stride (or a height of 1)."""
+    forward, backward = aten.convolution.default, aten.convolution_backward.default
 
-    def calls(channels: int, dtype: torch.dtype, groups: int, channels_last: bool = False, dilation: int = 1) -> int:
-        x = torch.empty(8, channels, 28, 28, dtype=dtype, device="meta")
-        weight = torch.empty(channels, channels // groups, 3, 3, dtype=dtype, device="meta")
+    def calls(
+        channels: int,
+        dtype: torch.dtype,
+        groups: int,
+        channels_last: bool = False,
+        dilation: int = 1,
+        stride: tuple[int, int] = (1, 1),
+        height: int = 28,
+        transposed: bool = False,
+        dims: int = 2,
+    ) -> int:
+        spatial = (height, 28, 28)[:dims]
+        x = torch.empty(8, channels, *spatial, dtype=dtype, device="meta")
+        weight = torch.empty(channels, channels // groups, *(3,) * dims, dtype=dtype, device="meta")
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        out = torch.empty(8, channels, 28, 28, dtype=dtype, device="meta")
-        args = (x, weight, None, [1, 1], [dilation, dilation], [dilation, dilation], False, [0, 0], groups)
-        backward = (
-            out,
-            x,
-            weight,
-            None,
-            [1, 1],
-            [1, 1],
-            [dilation, dilation],
-            False,
-            [0, 0],
-            groups,
-            [True, True, False],
-        )
-        return len(conv_calls(forward, args, out)) + len(conv_calls(aten.convolution_backward.default, backward, None))
+        out = torch.empty(8, channels, *spatial, dtype=dtype, device="meta")
+        step, dilate = list(stride)[:dims] + [1] * (dims - 2), [dilation] * dims
+        geometry = (step, [dilation] * dims, dilate, transposed, [0] * dims, groups)
+        forward_calls = conv_calls(forward, (x, weight, None, *geometry), out)
+        backward_calls = conv_calls(backward, (out, x, weight, None, *geometry, [True, True, False]), None)
+        return len(forward_calls) + len(backward_calls)
 
     assert calls(64, torch.float32, groups=64) == 0  # PyTorch's depthwise kernel, forward and backward
     assert calls(64, torch.bfloat16, groups=64) == 0
+    assert calls(2, torch.float32, groups=2) == 0  # two channels, two groups: depthwise too
+    assert calls(64, torch.float32, groups=64, dims=3) == 0  # CudaDepthwise3d
     assert calls(64, torch.float32, groups=1) == 3  # an ordinary convolution: cuDNN, three calls
     assert calls(64, torch.float32, groups=2) == 3  # grouped, not depthwise
+    assert calls(64, torch.float32, groups=64, transposed=True) == 3  # transposed: not depthwise
     assert calls(64, torch.float32, groups=64, channels_last=True) == 3  # channels-last: cuDNN
-    assert calls(64, torch.float16, groups=64) == 3  # fp16, 32 channels or more: cuDNN may take it
+    assert calls(32, torch.float16, groups=32) == 3  # fp16, 32 channels or more: cuDNN may take it
     assert calls(16, torch.float16, groups=16) == 0  # fewer than 32 channels
     assert calls(64, torch.float16, groups=64, dilation=2) == 0  # dilated
+    assert calls(64, torch.float16, groups=64, stride=(1, 2)) == 0  # a stride that is not square ...
+    assert calls(64, torch.float16, groups=64, stride=(1, 2), height=1) == 3  # ... unless the input is 1-d

@@ -219,9 +219,8 @@ def _runs_natively_depthwise(
 def conv_calls(target: object, args: tuple, output: object) -> list[ConvOperands]:
     """The cuDNN calls one traced convolution op makes: one forward, or backward-data then backward-weight
     (none where PyTorch's own depthwise kernel runs it)."""
-    if target in CONV_FORWARD_OPS:
-        x, weight, stride = args[0], args[1], args[3] if len(args) > 3 else (1, 1)
-        dilation, transposed, groups = (args[5], args[6], args[8]) if len(args) > 8 else ((1, 1), False, 1)
+    if target in CONV_FORWARD_OPS:  # (input, weight, bias, stride, padding, dilation, transposed, _, groups)
+        x, weight, stride, dilation, transposed, groups = args[0], args[1], args[3], args[5], args[6], args[8]
         grad_output = output
     elif target in CONV_BACKWARD_OPS:
         grad_output, x, weight, stride = args[0], args[1], args[2], args[4]
@@ -233,7 +232,7 @@ def conv_calls(target: object, args: tuple, output: object) -> list[ConvOperands
     geometry = {
         "pointwise": all(size == 1 for size in weight.shape[2:]),
         "strided": any(step != 1 for step in stride),
-        "output_pixels": math.prod(grad_output.shape[2:]) if isinstance(grad_output, torch.Tensor) else 0,
+        "output_pixels": math.prod(grad_output.shape[2:]),
         "batch": x.shape[0],
         "weight_numel": weight.numel(),
     }
