@@ -5,7 +5,7 @@ made to work while memplan builds the model under fake tensors.
   (torch/nn/modules/module.py: it always swaps FakeTensor parameters), which fails on them
   ("_apply(): Couldn't swap Linear.weight"). Here a converted parameter replaces the old one in
   `_parameters` instead, once per parameter so tied weights stay tied, as memplan's own
-  `cast_floating_point` does: the same memory as an in-place conversion.
+  `cast_floating_point` (below) does: the same memory as an in-place conversion.
 - Device moves become no-ops: memplan traces on fake CPU tensors whatever the target (design.md
   §3), models a cuda target by its kernels and allocator, and fake CUDA tensors would abort the
   process in autograd. `.cuda()`, `.to("cuda")` and `.to(device=...)` keep the device and apply
@@ -77,3 +77,25 @@ def fake_friendly_conversions() -> Iterator[None]:
         nn.Module._apply = original_apply  # type: ignore[method-assign]
         torch.Tensor.to = original_to  # type: ignore[method-assign]
         torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
+
+
+def cast_floating_point(model: nn.Module, dtype: torch.dtype, *, buffers: bool = True, frozen: bool = False) -> None:
+    """`model.to(dtype)` for floating-point parameters (and buffers, unless `buffers=False`), also
+    under fake tensors; `frozen` leaves the parameters without requires_grad, as peft's
+    prepare_model_for_kbit_training does when it casts.
+
+    `nn.Module.to` swaps parameter storage in place, which fake tensors refuse; replacing each
+    parameter (once, so tied weights stay tied) gives the same memory.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in replaced:
+                requires_grad = param.requires_grad and not frozen
+                replaced[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=requires_grad)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in list(module._buffers.items()) if buffers else ():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)

@@ -43,6 +43,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memplan.estimator.checkpointing import apply_checkpointing
+from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import quantized
@@ -83,25 +84,6 @@ class TrainingState:
     found_inf: torch.Tensor | None = None
     autocast_device: str = "cpu"  # where the tensors are: fake CPU when tracing, cuda in a real CUDA run
     micro_batches_done: int = 0  # zero-grad-before-backward zeroes only on the first of each step's
-
-
-def cast_floating_point(model: nn.Module, dtype: torch.dtype) -> None:
-    """`model.to(dtype)` for floating-point parameters and buffers, also under fake tensors.
-
-    `nn.Module.to` swaps parameter storage in place, which fake tensors refuse; replacing each
-    parameter (once, so tied weights stay tied) gives the same memory.
-    """
-    replaced: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or not param.is_floating_point():
-                continue
-            if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-            module._parameters[name] = replaced[id(param)]
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.is_floating_point():
-                module._buffers[name] = buffer.to(dtype)
 
 
 def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:

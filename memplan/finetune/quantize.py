@@ -42,6 +42,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memplan.errors import SettingsError, UsageError
+from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.finetune.quiet import bitsandbytes_quiet
 from memplan.settings import TrainingSettings
 
@@ -125,19 +126,6 @@ def _bitsandbytes_caches_kept() -> Iterator[None]:
         functional.name2qmap.update(saved)
 
 
-def _cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
-    """The floating-point parameters left unquantized (not buffers), in `dtype`, as peft's
-    prepare_model_for_kbit_training casts them to float32."""
-    replaced: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or not param.is_floating_point() or param.dtype == dtype:
-                continue
-            if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
-            module._parameters[name] = replaced[id(param)]
-
-
 def logical_numel(param: torch.Tensor) -> int:
     """The weights a parameter stands for: a 4-bit layer's packed bytes hold two each."""
     quant_state = getattr(param, "quant_state", None)
@@ -178,7 +166,9 @@ def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
         param.requires_grad_(False)
     # A quantized model is loaded in the compute dtype (`torch_dtype=`), its 4-bit layers quantized
     # from it; prepare_model_for_kbit_training then casts what is left to float32.
-    _cast_unquantized(model, torch.float32 if settings.kbit_upcast else compute_dtype(settings))
+    # What is left unquantized (parameters, not buffers) in that dtype, frozen, as peft casts it.
+    unquantized_dtype = torch.float32 if settings.kbit_upcast else compute_dtype(settings)
+    cast_floating_point(model, unquantized_dtype, buffers=False, frozen=True)
     # Linear4bit.forward casts its bias to the compute dtype in place at the first call
     # (`bias.data = bias.data.to(x.dtype)`): from then on, the steady state, it is held so.
     for layer in model.modules():
