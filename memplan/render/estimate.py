@@ -90,8 +90,8 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     if result.conv_workspace_free_reserved_peak_bytes is not None:
         without, top = result.conv_workspace_free_reserved_peak_bytes, result.reserved_peak_bytes or 0
         console.print(
-            f"cuDNN convolution workspaces: reserved {format_bytes(top)} with the largest workspaces, "
-            f"{format_bytes(without)} with none, depending on the algorithms cuDNN picks"
+            f"cuDNN convolution workspaces: reserved {format_bytes(top)} with those of the plans cuDNN ran on an "
+            f"H100, {format_bytes(without)} with none, depending on the algorithms cuDNN picks"
             + (" (the allocator's segments fall differently: here none reserves more)" if without > top else "")
         )
     if result.smallest_device_bytes is not None:
