@@ -444,6 +444,8 @@ def memory_timeline(
     """
     end = len(lifetimes.nodes)
     allocations = [TimelineAllocation(0, end, size, "workspaces", "cublas workspace", None) for size in workspaces]
+    becomes = _gradients_made_in_first_micro_batch(traced, lifetimes)
+    made = set(becomes.values())
     for key, size in lifetimes.size.items():
         born, last_use = lifetimes.born[key], lifetimes.last_use[key]
         allocations.append(
@@ -455,6 +457,8 @@ def memory_timeline(
                 op=_op_name(lifetimes.nodes[born]),
                 module=traced.node_modules[born],
                 requested_bytes=lifetimes.requested[key],
+                becomes_gradient=key in becomes,
+                made_in_first_micro_batch=key in made,
             )
         )
     for index, requests in (transients or {}).items():  # after the storages: the sort below is stable
@@ -474,7 +478,48 @@ def memory_timeline(
                 )
             )
     allocations.sort(key=lambda allocation: allocation.allocated_at)  # stable: request order within a node
-    return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations))
+    micro_batches = traced.settings.grad_accum if becomes else 1
+    return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations), micro_batches)
+
+
+# Loops that free the gradients at the step's end (zero_grad(set_to_none=True) after it), so that an
+# accumulating iteration's first micro-batch makes them anew (memplan.estimator.loop).
+LOOPS_FREEING_GRADIENTS = ("canonical", "hf-trainer", "keep-output")
+
+
+def _gradients_made_in_first_micro_batch(
+    traced: TracedStep, lifetimes: Liveness
+) -> dict[StorageWeakRef, StorageWeakRef]:
+    """With gradient accumulation, {new gradient's storage: the gradient storage it becomes}.
+
+    The traced micro-batch is a later one: it finds every gradient allocated, and AccumulateGrad adds
+    each new gradient into it (`variable.grad += new_grad`, one aten.add_ per parameter) and frees it.
+    In the iteration's first micro-batch no gradient exists, and AccumulateGrad keeps the new one as
+    `.grad` (torch/csrc/autograd/functions/accumulate_grad.h: stealing it where nothing else holds
+    it), so that storage lives on until zero_grad. Only where the loop frees the gradients after the
+    step and the two are the same size; a step without accumulation, or with a custom step, has none.
+    """
+    settings = traced.settings
+    if settings.grad_accum <= 1 or settings.step is not None or settings.loop not in LOOPS_FREEING_GRADIENTS:
+        return {}
+    gradients = {key for key, category in traced.storage_categories.items() if category == "gradients"}
+    index_of = {node: index for index, node in enumerate(lifetimes.nodes)}
+    becomes: dict[StorageWeakRef, StorageWeakRef] = {}
+    for index, node in enumerate(lifetimes.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.add_.Tensor or len(node.args) < 2:
+            continue
+        outputs = [key for key, _ in lifetimes.storages[index] if key in gradients]
+        source = node.args[1]
+        if len(outputs) != 1 or source not in index_of:
+            continue
+        added = [key for key, _ in lifetimes.storages[index_of[source]]]
+        if (
+            len(added) == 1
+            and lifetimes.last_use.get(added[0]) == index
+            and lifetimes.size.get(added[0]) == lifetimes.size.get(outputs[0])
+        ):
+            becomes[added[0]] = outputs[0]
+    return becomes
 
 
 def _category(key: StorageWeakRef, born: int, last_use: int, traced: TracedStep) -> str:
