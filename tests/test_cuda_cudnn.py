@@ -295,7 +295,7 @@ def test_a_workspace_that_does_not_fit_is_gone_without_and_anything_else_runs_ou
     import pytest
 
     from memplan.estimator.cuda.allocator import OutOfMemory
-    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, reserved_peak_bytes
+    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, device_fit_bytes, reserved_peak_bytes
 
     MiB = 2**20
     weights = TimelineAllocation(0, 3, 20 * MiB, "parameters", "placeholder", None)
@@ -306,6 +306,9 @@ def test_a_workspace_that_does_not_fit_is_gone_without_and_anything_else_runs_ou
     assert reserved_peak_bytes(timeline) == 120 * MiB  # unbounded: the workspace opens its own segment
     assert reserved_peak_bytes(timeline, capacity_bytes=100 * MiB) == 60 * MiB  # it goes without
     without_room = replace(activation, size_bytes=90 * MiB)
+    # The least device it completes in is below its own allocated peak (120 MiB with the workspace):
+    # 60 MiB, where the workspace is gone without, as for the step without workspaces.
+    assert device_fit_bytes(timeline) == 60 * MiB
     too_large = replace(timeline, allocations=(weights, without_room, workspace, gradient))
     with pytest.raises(OutOfMemory):
         reserved_peak_bytes(too_large, capacity_bytes=100 * MiB)
@@ -328,13 +331,13 @@ def test_a_depthwise_convolution_runs_pytorchs_own_kernel_without_workspace() ->
         transposed: bool = False,
         dims: int = 2,
     ) -> int:
-        spatial = (height, 28, 28)[:dims]
+        spatial = (28,) if dims == 1 else (height, 28, 28)[:dims]
         x = torch.empty(8, channels, *spatial, dtype=dtype, device="meta")
         weight = torch.empty(channels, channels // groups, *(3,) * dims, dtype=dtype, device="meta")
         if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last if dims == 2 else torch.channels_last_3d)
         out = torch.empty(8, channels, *spatial, dtype=dtype, device="meta")
-        step, dilate = list(stride)[:dims] + [1] * (dims - 2), [dilation] * dims
+        step, dilate = (list(stride)[:dims] + [1] * (dims - 2))[:dims], [dilation] * dims
         geometry = (step, [dilation] * dims, dilate, transposed, [0] * dims, groups)
         forward_calls = conv_calls(forward, (x, weight, None, *geometry), out)
         backward_calls = conv_calls(backward, (out, x, weight, None, *geometry, [True, True, False]), None)
@@ -344,6 +347,7 @@ def test_a_depthwise_convolution_runs_pytorchs_own_kernel_without_workspace() ->
     assert calls(64, torch.bfloat16, groups=64) == 0
     assert calls(2, torch.float32, groups=2) == 0  # two channels, two groups: depthwise too
     assert calls(64, torch.float32, groups=64, dims=3) == 0  # CudaDepthwise3d
+    assert calls(64, torch.float32, groups=64, dims=3, channels_last=True) == 3  # channels-last-3d: cuDNN
     assert calls(64, torch.float32, groups=1) == 3  # an ordinary convolution: cuDNN, three calls
     assert calls(64, torch.float32, groups=2) == 3  # grouped, not depthwise
     assert calls(64, torch.float32, groups=64, transposed=True) == 3  # transposed: not depthwise
@@ -353,3 +357,7 @@ def test_a_depthwise_convolution_runs_pytorchs_own_kernel_without_workspace() ->
     assert calls(64, torch.float16, groups=64, dilation=2) == 0  # dilated
     assert calls(64, torch.float16, groups=64, stride=(1, 2)) == 0  # a stride that is not square ...
     assert calls(64, torch.float16, groups=64, stride=(1, 2), height=1) == 3  # ... unless the input is 1-d
+    # A 1-d convolution is chosen for as a 2-d one of height 1 (`view1d_as_2d`).
+    assert calls(64, torch.float32, groups=64, dims=1) == 0
+    assert calls(64, torch.float16, groups=64, dims=1) == 3
+    assert calls(16, torch.float16, groups=16, dims=1) == 0

@@ -55,6 +55,7 @@ def test_the_first_micro_batch_keeps_its_new_gradients_until_zero_grad() -> None
         ("free", "temporaries@2"),
         ("alloc", "temporaries@4"),  # the step
         ("free", "temporaries@4"),
+        ("free", "temporaries@2"),  # zero_grad frees the first micro-batch's gradient
     ]
     # Segments (requests over 10 MiB get one of their own size, rounded to 2 MiB): the weights 20;
     # the first micro-batch's activation 40 and its new gradient 20, kept; the next micro-batch's
@@ -124,4 +125,5 @@ def test_two_micro_batches_and_what_outlives_a_backward() -> None:
         ("alloc", "temporaries@4"),  # the step, after the last micro-batch
         ("free", "temporaries@4"),
         ("free", "activations@1"),
+        ("free", "temporaries@2"),  # zero_grad
     ]

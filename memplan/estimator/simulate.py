@@ -506,6 +506,8 @@ def _gradients_made_in_first_micro_batch(
     index_of = {node: index for index, node in enumerate(lifetimes.nodes)}
     becomes: dict[StorageWeakRef, StorageWeakRef] = {}
     for index, node in enumerate(lifetimes.nodes):
+        if not traced.forward_end <= index < traced.backward_end:
+            continue  # AccumulateGrad runs in the backward; an optimizer's in-place add is not one
         if node.op != "call_function" or node.target != torch.ops.aten.add_.Tensor or len(node.args) < 2:
             continue
         outputs = [key for key, _ in lifetimes.storages[index] if key in gradients]

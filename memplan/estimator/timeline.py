@@ -156,7 +156,7 @@ def replay_steady_state(
     replayed = min(timeline.micro_batches, MICRO_BATCHES_REPLAYED)
     backward_end = min(timeline.backward_end, end)
 
-    def micro_batch(iteration: int, number: int, gradients: list[int]) -> None:
+    def micro_batch(iteration: int, number: int, gradients: list[tuple[int, TimelineAllocation]]) -> None:
         """One micro-batch: forward and backward, and after the last the optimizer step."""
         last, final = iteration == STEADY_STATE_ITERATIONS - 1, number == replayed - 1
         first_of_several = number == 0 and replayed > 1
@@ -184,7 +184,7 @@ def replay_steady_state(
                     if last and on_event is not None:
                         on_event("free", handle, allocation)
                 elif first_of_several and allocation.becomes_gradient:
-                    gradients.append(handle)  # the parameter's .grad until zero_grad
+                    gradients.append((handle, allocation))  # the parameter's .grad until zero_grad
                 else:
                     handles[id(allocation)] = (handle, allocation)
             for allocation in by_end[index]:
@@ -204,11 +204,13 @@ def replay_steady_state(
             allocator.reset_peak_stats()
             if on_last_iteration is not None:
                 on_last_iteration()
-        gradients: list[int] = []
+        gradients: list[tuple[int, TimelineAllocation]] = []
         for number in range(replayed):
             micro_batch(iteration, number, gradients)
-        for handle in gradients:  # zero_grad(set_to_none=True) after the step
+        for handle, allocation in gradients:  # zero_grad(set_to_none=True) after the step
             allocator.free(handle)
+            if iteration == STEADY_STATE_ITERATIONS - 1 and on_event is not None:
+                on_event("free", handle, allocation)
 
 
 def without_cudnn_workspaces(timeline: MemoryTimeline) -> MemoryTimeline:
@@ -284,7 +286,8 @@ def device_fit_bytes(timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT
     workspaces (without them the segments fall differently and can need more). The figure shown
     and the one the batch search draws its lines through; whether a given budget fits is
     fits_within's answer at that budget."""
-    return max(
-        smallest_device_bytes(end, max(end.total_bytes(), default=0), reserved_peak_bytes(end, config), config)
-        for end in band_ends(timeline)
-    )
+    ends = band_ends(timeline)
+    # The bisection starts at the lowest allocated peak of the two ends: with workspaces the step
+    # can complete below its own allocated peak, cuDNN going without what does not fit (the replay).
+    lowest = min(max(end.total_bytes(), default=0) for end in ends)
+    return max(smallest_device_bytes(end, lowest, reserved_peak_bytes(end, config), config) for end in ends)

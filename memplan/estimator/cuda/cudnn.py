@@ -188,9 +188,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _channels_last(tensor: torch.Tensor) -> bool:
-    """cudnn_conv_suggest_memory_format (ConvUtils.h): channels-last when input or weight is (a tensor
-    contiguous both ways counts as contiguous)."""
-    return tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last) and not tensor.is_contiguous()
+    """cudnn_conv_suggest_memory_format (ConvUtils.h): channels-last (channels-last-3d for 5-d) when
+    input or weight is (a tensor contiguous both ways counts as contiguous)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    if tensor.dim() not in formats:
+        return False
+    return tensor.is_contiguous(memory_format=formats[tensor.dim()]) and not tensor.is_contiguous()
 
 
 def _runs_natively_depthwise(
@@ -203,14 +206,18 @@ def _runs_natively_depthwise(
     a square stride and at least 32 channels, where `check_cudnn_depthwise_workload_with_filter`
     chooses by shape (memplan keeps cuDNN's band there, the safe side)."""
     channels = x.shape[1]
-    depthwise = not transposed and x.dim() in (4, 5) and groups == channels > 1 and weight.shape[0] % channels == 0
+    # A 1-d convolution reaches the backend choice as a 2-d one of height 1 (`view1d_as_2d`).
+    dims, height = (4, 1) if x.dim() == 3 else (x.dim(), x.shape[2] if x.dim() > 2 else 1)
+    if x.dim() == 3:
+        stride, dilation = [1, *stride], [1, *dilation]
+    depthwise = not transposed and dims in (4, 5) and groups == channels > 1 and weight.shape[0] % channels == 0
     if not depthwise or _channels_last(x) or _channels_last(weight):
         return False
     may_take_cudnn = (
         x.dtype == weight.dtype == torch.float16
-        and x.dim() == 4
+        and dims == 4
         and all(step == 1 for step in dilation)
-        and (stride[0] == stride[1] or x.shape[2] == 1)
+        and (stride[0] == stride[1] or height == 1)
         and channels >= 32
     )
     return not may_take_cudnn
