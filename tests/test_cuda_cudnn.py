@@ -244,26 +244,34 @@ def _rule_mib(direction: str, x: list, w: list, stride: list, padding: list, dty
     return workspace_band_bytes(calls[0], H100)[1] / 2**20
 
 
+def h100_rule_agreement() -> dict[str, list]:
+    """The rule against the H100 run's own requests, call by call: the calls it gets to the byte, within
+    the split-K room (8.25 MiB), and further off above or below; the counts docs/validation.md quotes
+    (the command is there)."""
+    found: dict[str, list] = {"exact": [], "near": [], "above": [], "below": []}
+    for direction, x, w, stride, padding, dtype, measured in _h100_calls():
+        predicted = _rule_mib(direction, x, w, stride, padding, dtype)
+        call = (direction, tuple(x), tuple(w), dtype, round(predicted, 3), round(measured, 3))
+        if abs(predicted - measured) < 0.01 or (measured < 0.01 and predicted == 0):
+            found["exact"].append(call)
+        elif abs(predicted - measured) <= 8.25:  # the split-K room: rounded (fp32), left out (16-bit)
+            found["near"].append(call)
+        else:
+            found["above" if measured > predicted else "below"].append(call)
+    return found
+
+
 def test_workspace_sizes_are_what_cudnn_requested_on_the_h100() -> None:
     """The rule against the H100 run's own requests, call by call (672 calls of four ResNet runs)."""
-    calls = _h100_calls()
-    assert len(calls) >= 600
-    exact, near, above, below = 0, 0, [], []
-    for direction, x, w, stride, padding, dtype, measured in calls:
-        predicted = _rule_mib(direction, x, w, stride, padding, dtype)
-        if abs(predicted - measured) < 0.01 or (measured < 0.01 and predicted == 0):
-            exact += 1
-        elif abs(predicted - measured) <= 8.25:  # the split-K room: rounded (fp32), left out (16-bit)
-            near += 1
-        else:
-            call = (direction, tuple(x), tuple(w), dtype, round(predicted, 3), round(measured, 3))
-            (above if measured > predicted else below).append(call)
-    assert exact >= 0.8 * len(calls), (exact, len(calls))
-    assert exact + near >= 0.98 * len(calls), (above, below)
+    found = h100_rule_agreement()
+    total = sum(len(calls) for calls in found.values())
+    assert total >= 600
+    assert len(found["exact"]) >= 0.8 * total, (len(found["exact"]), total)
+    assert len(found["exact"]) + len(found["near"]) >= 0.98 * total, (found["above"], found["below"])
     # Further off: the 7x7 stem's backward-weight (11-30 MiB more than its operands) and bf16
     # forward, and fp16 1x1 1024->512 at 14x14 (transformed: 36.75 MiB, where memplan has a GEMM);
     # below: plans that transformed less than memplan assumes (the safe side).
-    assert len(above) <= 6, above
+    assert len(found["above"]) <= 6, found["above"]
 
 
 def test_a_backward_convolutions_two_workspaces_are_requested_in_turn() -> None:

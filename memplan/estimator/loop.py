@@ -126,9 +126,15 @@ def autocast_context(settings: TrainingSettings, device_type: str = "cpu"):
 HF_TRAINER_MAX_GRAD_NORM = 1.0
 
 
+# Loops whose gradients are still allocated when the next iteration begins (the rest free them at
+# zero_grad(set_to_none=True) after the step).
+LOOPS_KEEPING_GRADIENTS = ("zero-grad-before-backward", "set-to-none-false")
+
+
 def gradients_outlive_the_step(settings: TrainingSettings) -> bool:
-    """Whether a steady-state iteration starts with the previous step's gradients allocated."""
-    return settings.grad_accum > 1 or settings.loop in ("zero-grad-before-backward", "set-to-none-false")
+    """Whether the traced micro-batch starts with gradients allocated: a later micro-batch of an
+    accumulating step, or a loop that frees the previous step's gradients late or never."""
+    return settings.grad_accum > 1 or settings.loop in LOOPS_KEEPING_GRADIENTS
 
 
 def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:

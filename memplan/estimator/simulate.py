@@ -27,6 +27,7 @@ from memplan.estimator.cuda.cudnn import (
 )
 from memplan.estimator.cuda.reductions import Reduction, reduction_of
 from memplan.estimator.leaves import map_leaves, tensors_in
+from memplan.estimator.loop import LOOPS_KEEPING_GRADIENTS
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.timeline import (
@@ -482,11 +483,6 @@ def memory_timeline(
     return MemoryTimeline(end, traced.forward_end, traced.backward_end, tuple(allocations), micro_batches)
 
 
-# Loops that free the gradients at the step's end (zero_grad(set_to_none=True) after it), so that an
-# accumulating iteration's first micro-batch makes them anew (memplan.estimator.loop).
-LOOPS_FREEING_GRADIENTS = ("canonical", "hf-trainer", "keep-output")
-
-
 def _gradients_made_in_first_micro_batch(
     traced: TracedStep, lifetimes: Liveness
 ) -> dict[StorageWeakRef, StorageWeakRef]:
@@ -500,7 +496,7 @@ def _gradients_made_in_first_micro_batch(
     step and the two are the same size; a step without accumulation, or with a custom step, has none.
     """
     settings = traced.settings
-    if settings.grad_accum <= 1 or settings.step is not None or settings.loop not in LOOPS_FREEING_GRADIENTS:
+    if settings.grad_accum <= 1 or settings.step is not None or settings.loop in LOOPS_KEEPING_GRADIENTS:
         return {}
     gradients = {key for key, category in traced.storage_categories.items() if category == "gradients"}
     index_of = {node: index for index, node in enumerate(lifetimes.nodes)}
