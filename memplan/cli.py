@@ -205,8 +205,9 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         click.option(
             "--quantize",
             type=click.Choice(QUANT_TYPES),
-            help="QLoRA: the base model's linear layers in bitsandbytes' 4-bit layout (double-quantized, computed "
-            "in the precision's 16-bit dtype); needs --lora (pip install 'memplan[qlora]').",
+            help="QLoRA: the base model's linear layers in bitsandbytes' 4-bit layout (nf4, fp4: double-quantized, "
+            "computed in the precision's 16-bit dtype) or LLM.int8()'s (int8: outlier threshold 6.0); needs --lora "
+            "(pip install 'memplan[qlora]').",
         ),
         click.option(
             "--kbit-upcast/--no-kbit-upcast",

@@ -14,7 +14,7 @@ from memplan.gpus import CONTEXT_BYTES, gpu_named
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
 # bitsandbytes' 4-bit data types (bnb_4bit_quant_type).
-QUANT_TYPES = ("nf4", "fp4")
+QUANT_TYPES = ("nf4", "fp4", "int8")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "paged-adam8bit", "none")
 OPTIMIZER_IMPLS = ("default", "foreach", "for-loop", "fused")
 # Training loops people write, each a different steady state (memplan.estimator.loop, docs/concepts.md).
@@ -175,7 +175,7 @@ class TrainingSettings:
     lora_dropout: float = 0.0  # lora_dropout
     # QLoRA: the base model's linear layers in bitsandbytes' 4-bit layout (memplan.finetune.quantize);
     # None: the base weights stay in the precision's dtype.
-    quantize: str | None = None  # one of QUANT_TYPES: bnb_4bit_quant_type
+    quantize: str | None = None  # one of QUANT_TYPES: bnb_4bit_quant_type, or int8 (load_in_8bit)
     kbit_upcast: bool = True  # peft's prepare_model_for_kbit_training casts the 16-bit rest to float32
     # The user's own training iteration, `package.module:function` called as fn(model, batch,
     # optimizer) in place of the canonical loop (memplan.estimator.loop.custom_step); None: the loop.
@@ -294,12 +294,12 @@ class TrainingSettings:
     def _check_quantize(self) -> None:
         if self.quantize is None:
             if not self.kbit_upcast:
-                raise SettingsError("--no-kbit-upcast configures a quantized model: give --quantize nf4 or fp4")
+                raise SettingsError("--no-kbit-upcast configures a quantized model: give --quantize nf4, fp4 or int8")
             return
         _check_choice("quantization", self.quantize, QUANT_TYPES)
         if self.lora_rank is None:
             raise SettingsError(
-                "--quantize freezes the base weights in 4 bits; train adapters on them with --lora RANK (QLoRA)"
+                "--quantize freezes the base weights in 4 or 8 bits; train adapters on them with --lora RANK (QLoRA)"
             )
 
     @functools.cached_property

@@ -47,13 +47,16 @@ def saved(name: str, dtype: str) -> str:
     return folder
 
 
-def user_qlora(name: str, dtype: str) -> torch.nn.Module:
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=DTYPES[dtype],
-    )
+def user_qlora(name: str, dtype: str, bits: int = 4) -> torch.nn.Module:
+    if bits == 8:  # LLM.int8() with transformers' defaults (threshold 6.0, no fp16 weights)
+        quantization = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=DTYPES[dtype],
+        )
     model = AutoModelForCausalLM.from_pretrained(
         saved(name, dtype), quantization_config=quantization, dtype=DTYPES[dtype], device_map="cpu"
     )
@@ -68,6 +71,14 @@ def qwen2_bf16() -> torch.nn.Module:
 
 def gpt2_fp16() -> torch.nn.Module:
     return user_qlora("gpt2", "fp16")
+
+
+def qwen2_bf16_int8() -> torch.nn.Module:
+    return user_qlora("qwen2", "bf16", bits=8)
+
+
+def gpt2_fp16_int8() -> torch.nn.Module:
+    return user_qlora("gpt2", "fp16", bits=8)
 
 
 def tokens(batch_size: int) -> dict[str, torch.Tensor]:

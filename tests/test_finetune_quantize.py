@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import bitsandbytes
 import pytest
@@ -25,7 +26,8 @@ from memplan.cli import main
 from memplan.errors import SettingsError
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
-from memplan.finetune.bnb_kernels import gemm_4bit_scratch
+from memplan.finetune import bnb_kernels
+from memplan.finetune.bnb_kernels import gemm_4bit_scratch, int8_scratch
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
@@ -154,19 +156,22 @@ def test_a_qlora_step_is_the_real_cpu_run(tmp_path, tiny_model_dirs, name, preci
 
 
 @pytest.mark.parametrize(
-    ("name", "factory", "precision", "checkpoint"),
+    ("name", "factory", "precision", "checkpoint", "quantize"),
     [
-        ("qwen2", "qwen2_bf16", "amp-bf16", "none"),
-        ("qwen2", "qwen2_bf16", "amp-bf16", "all"),
-        ("gpt2", "gpt2_fp16", "amp-fp16", "all"),
+        ("qwen2", "qwen2_bf16", "amp-bf16", "none", "nf4"),
+        ("qwen2", "qwen2_bf16", "amp-bf16", "all", "nf4"),
+        ("gpt2", "gpt2_fp16", "amp-fp16", "all", "nf4"),
+        ("qwen2", "qwen2_bf16_int8", "amp-bf16", "all", "int8"),
+        ("gpt2", "gpt2_fp16_int8", "amp-fp16", "none", "int8"),
     ],
 )
 def test_a_qlora_model_users_build_with_transformers_and_peft_is_predicted(
-    tmp_path, name, factory, precision, checkpoint
+    tmp_path, name, factory, precision, checkpoint, quantize
 ):
-    """The truth built without memplan: transformers loads saved weights with a BitsAndBytesConfig,
-    peft prepares them for k-bit training and adds adapters (tests/qlora_models.py), and its step
-    runs for real on the CPU. memplan predicts the same from the config alone."""
+    """The truth built without memplan: transformers loads saved weights with a BitsAndBytesConfig
+    (4-bit, or load_in_8bit=True), peft prepares them for k-bit training and adds adapters
+    (tests/qlora_models.py), and its step runs for real on the CPU. memplan predicts the same from
+    the config alone."""
     from tests import qlora_models
 
     folder = tmp_path / name
@@ -180,7 +185,7 @@ def test_a_qlora_model_users_build_with_transformers_and_peft_is_predicted(
         precision=precision,
         checkpoint=checkpoint,
         lora_rank=4,
-        quantize="nf4",
+        quantize=quantize,
     ).peak_bytes
     spec = resolve_model(f"tests.qlora_models:{factory}", inputs="tests.qlora_models:tokens")
     settings = spec.settings_for(
@@ -231,3 +236,138 @@ def test_quantize_mistakes_are_one_line_usage_errors(tiny_model_dirs, arguments,
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+# --- --quantize int8: LLM.int8() (bitsandbytes' Linear8bitLt) ---------------------------------------
+
+
+INT8_QUANT, INT8_MIXED = bnb_kernels.INT8_VECTORWISE_QUANT, bnb_kernels.INT8_MIXED_SCALED_MM
+INT8_SCALED = bnb_kernels.INT8_SCALED_MM
+
+
+def _int8_layout_bytes(out_features: int, in_features: int) -> int:
+    """LLM.int8()'s layout (bitsandbytes Int8Params._quantize, int8_vectorwise_quant): one int8 per
+    weight (CB) and one float32 absmax scale per output row (SCB)."""
+    return out_features * in_features + 4 * out_features
+
+
+@pytest.mark.parametrize("shape", [(384, 128), (64, 96)])
+def test_bitsandbytes_lays_a_real_weight_out_in_int8_as_documented(shape):
+    weight = bitsandbytes.nn.Int8Params(torch.randn(shape, dtype=torch.float16), requires_grad=False)
+    quantized = weight.to("cpu")  # moving a float weight to a device quantizes it (Int8Params.to)
+    assert quantized.CB.dtype == torch.int8
+    assert quantized.CB.untyped_storage().nbytes() + quantized.SCB.untyped_storage().nbytes() == _int8_layout_bytes(
+        *shape
+    )
+
+
+def test_the_traced_model_has_int8_layers_where_transformers_puts_them(tiny_model_dirs):
+    from memplan.estimator.trace import build_fake_setup
+
+    spec = resolve_model(tiny_model_dirs["llama"])
+    settings = spec.settings_for(
+        TrainingSettings(batch_size=1, seq_len=8, device="cpu", precision="bf16", lora_rank=4, quantize="int8")
+    )
+    model = build_fake_setup(spec, settings).state.model
+    int8_layers = {
+        name: module for name, module in model.named_modules() if type(module) is bitsandbytes.nn.Linear8bitLt
+    }
+    short_names = {name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name in int8_layers}
+    assert short_names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all(layer.state.threshold == 6.0 and not layer.state.has_fp16_weights for layer in int8_layers.values())
+    adapted = [module for module in model.modules() if hasattr(module, "lora_A")]
+    assert {f"{type(module).__module__}.{type(module).__qualname__}" for module in adapted} == {
+        "peft.tuners.lora.bnb.Linear8bitLt"
+    }
+    for layer in int8_layers.values():
+        held = [layer.weight, *layer.buffers()]
+        assert sum(t.untyped_storage().nbytes() for t in held) == _int8_layout_bytes(
+            layer.out_features, layer.in_features
+        )
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "checkpoint"),
+    [("wide-llama", "bf16", "none"), ("wide-llama", "amp-bf16", "all"), ("gpt2", "fp32", "all")],
+)
+def test_an_int8_lora_step_is_the_real_cpu_run(tmp_path, tiny_model_dirs, name, precision, checkpoint):
+    """On the CPU bitsandbytes trains through MatMul8bitFp, which keeps its input on its context
+    (`ctx.A = A`): under checkpointing that input lives into the backward."""
+    folder = tmp_path / "wide-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(WIDE_LLAMA))
+    spec = resolve_model(str(folder) if name == "wide-llama" else tiny_model_dirs[name])
+    options = {"precision": precision, "checkpoint": checkpoint, "lora_rank": 4, "quantize": "int8"}
+    settings = spec.settings_for(TrainingSettings(batch_size=1, seq_len=8, device="cpu", **options))
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    measured = measure_cpu(spec, settings).peak_bytes
+    assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)
+
+
+def test_on_cuda_int8_layers_run_matmul8bitlt_with_the_assumed_outlier_columns(tiny_model_dirs):
+    """bnb.matmul picks MatMul8bitLt for a CUDA tensor: the trace for a cuda target has one mixed
+    int8 matmul per int8 layer, whose 16-bit input columns (kept for the backward) are 1% of its
+    input features, rounded up; the cpu target has none (MatMul8bitFp dequantizes instead)."""
+    spec = resolve_model(tiny_model_dirs["llama"])
+    config = json.loads((Path(tiny_model_dirs["llama"]) / "config.json").read_text())
+    hidden, intermediate, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    batch, seq_len = 2, 8
+    kept_columns = []
+    for device in ("cuda", "cpu"):
+        options = {"precision": "bf16", "lora_rank": 4, "quantize": "int8"}
+        settings = spec.settings_for(TrainingSettings(batch_size=batch, seq_len=seq_len, device=device, **options))
+        nodes = [node for node in trace_step(spec, settings).graph.nodes if str(node.target) == INT8_MIXED]
+        if device == "cpu":
+            assert nodes == []
+            continue
+        kept_columns = sorted(tuple(node.meta["val"][1].shape) for node in nodes)
+    rows = batch * seq_len
+    # Per layer: q, k, v, o and gate, up read hidden_size columns; down_proj reads intermediate_size.
+    expected = [(rows, math.ceil(hidden / 100))] * 6 * layers + [(rows, math.ceil(intermediate / 100))] * layers
+    assert kept_columns == sorted(expected)
+
+
+def test_the_int8_cuda_kernels_scratch_read_by_hand():
+    """backends/cuda/ops.py and backends/default/ops.py read by hand (bitsandbytes 0.50)."""
+    rows, inputs, outputs, outliers = 32, 128, 256, 2
+    half_input = torch.empty(rows, inputs, dtype=torch.float16)
+    assert int8_scratch(INT8_QUANT, (half_input, 6.0), {}) == (
+        ("int8 outliers: |input|", rows * inputs * 2),
+        ("int8 outliers: mask", rows * inputs),
+        ("int8 outliers: columns", inputs),
+    )
+    assert int8_scratch(INT8_QUANT, (half_input,), {}) == ()  # no threshold: the kernel alone
+    weight = torch.empty(outputs, inputs, dtype=torch.int8)
+    columns = torch.empty(outliers, dtype=torch.int64)
+    bf16_input = torch.empty(rows, inputs, dtype=torch.bfloat16)
+    mixed = int8_scratch(INT8_MIXED, (bf16_input, None, weight, None, None, columns, None), {})
+    assert sorted(nbytes for _, nbytes in mixed) == sorted(
+        [
+            rows * outputs * 4,  # int32 product
+            rows * outputs * 2,  # float16 result, then cast to bfloat16
+            outputs * outliers,  # CB[:, outlier_cols]
+            outputs * outliers * 4,  # A * stats
+            outputs * outliers * 4,  # ... * 1/127
+            outputs * outliers * 2,  # .to(bfloat16)
+            rows * outputs * 2,  # the product before addmm adds the outlier columns
+        ]
+    )
+    # float16 input: int8_mm_dequant's float16 result is the product itself; no outliers: no addmm.
+    plain = int8_scratch(INT8_MIXED, (half_input, None, weight, None, None, None, None), {})
+    assert [nbytes for _, nbytes in plain] == [rows * outputs * 4]
+    scaled = int8_scratch(INT8_SCALED, (torch.empty(rows, inputs, dtype=torch.int8), weight, None, None), {})
+    assert [nbytes for _, nbytes in scaled] == [rows * outputs * 4]  # dtype None: float16
+
+
+def test_after_a_cuda_trace_bitsandbytes_is_as_it_was(tiny_model_dirs):
+    from torch._library.simple_registry import singleton
+
+    spec = resolve_model(tiny_model_dirs["llama"])
+    settings = spec.settings_for(
+        TrainingSettings(batch_size=1, seq_len=8, device="cuda", precision="bf16", lora_rank=4, quantize="int8")
+    )
+    matmul = bitsandbytes.matmul
+    trace_step(spec, settings)
+    assert bitsandbytes.matmul is matmul
+    for op in ("int8_vectorwise_quant", "int8_double_quant", "int8_mixed_scaled_mm"):
+        assert "bitsandbytes/_ops.py" in singleton.find(f"bitsandbytes::{op}").fake_impl.kernel.source

@@ -16,6 +16,8 @@ from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, larges
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.timeline import MemoryTimeline
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
+from memplan.finetune.bnb_kernels import OUTLIER_COLUMN_FRACTION
+from memplan.finetune.quantize import INT8
 from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
@@ -50,17 +52,32 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             "shows it while it is on the GPU, and the driver moves it to host memory when the GPU runs short"
         )
     if settings.quantize is not None:
-        notes.append(
-            f"{settings.quantize}: bitsandbytes' 4-bit layout (double-quantized, blocks of 64) on every linear layer "
-            "but the LM head; each 4-bit matmul is counted with the whole weight dequantized, as bitsandbytes does on "
-            "the CPU, in the backward, and on CUDA above 1536 rows"
-            + (
-                " (with fewer rows CUDA may pick its fused kernel, which does not: then less)"
-                if settings.device == "cuda"
-                else ""
-            )
-        )
+        notes.append(_quantize_note(settings))
     return notes
+
+
+def _quantize_note(settings: TrainingSettings) -> str:
+    """What --quantize counts (memplan.finetune.quantize, memplan.finetune.bnb_kernels)."""
+    on_cuda = settings.device == "cuda"
+    if settings.quantize == INT8:
+        if not on_cuda:
+            how = "each 8-bit matmul dequantizes its weight, as bitsandbytes does when training on the CPU"
+        else:
+            how = (
+                "each 8-bit matmul quantizes its input to int8 and multiplies in int32, as bitsandbytes does on CUDA, "
+                f"with {OUTLIER_COLUMN_FRACTION:.0%} of its input columns assumed to hold an outlier and multiplied "
+                "in 16 bits (how many do depends on the data)"
+            )
+        return (
+            "int8: LLM.int8()'s layout (an int8 weight and a float32 scale per row) on every linear layer but the "
+            f"LM head; {how}; the weight is dequantized in the backward"
+        )
+    return (
+        f"{settings.quantize}: bitsandbytes' 4-bit layout (double-quantized, blocks of 64) on every linear layer "
+        "but the LM head; each 4-bit matmul is counted with the whole weight dequantized, as bitsandbytes does on "
+        "the CPU, in the backward, and on CUDA above 1536 rows"
+        + (" (with fewer rows CUDA may pick its fused kernel, which does not: then less)" if on_cuda else "")
+    )
 
 
 def _library_notes(settings: TrainingSettings, has_convolutions: bool) -> list[str]:

@@ -41,7 +41,7 @@ from memplan.estimator.timeline import (
     without_cudnn_workspaces,
 )
 from memplan.estimator.trace import TracedStep
-from memplan.finetune.bnb_kernels import gemm_4bit_scratch, is_gemm_4bit
+from memplan.finetune.bnb_kernels import gemm_4bit_scratch, int8_scratch, is_gemm_4bit, is_int8_op
 from memplan.gpus import DEFAULT_GPU, gpu_named
 from memplan.settings import TrainingSettings
 
@@ -336,13 +336,22 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
 
 
 def _library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scratch, ...]]:
-    """What library kernels allocate inside one op on every target: bitsandbytes' 4-bit matmul
-    dequantizes its weight there (memplan.finetune.bnb_kernels)."""
+    """What library kernels allocate inside one op: bitsandbytes' 4-bit matmul dequantizes its
+    weight there on every target; its 8-bit ops, run on the cuda target only (MatMul8bitLt), keep
+    their int32 products and outlier masks there (memplan.finetune.bnb_kernels)."""
     transients = {}
     for index, node in enumerate(nodes):
-        if node.op == "call_function" and is_gemm_4bit(node.target):
+        if node.op != "call_function":
+            continue
+        if is_gemm_4bit(node.target):
             args, kwargs = _fake_args(node)
             scratch = gemm_4bit_scratch(args, kwargs, device)
+        elif device == "cuda" and is_int8_op(node.target):
+            args, kwargs = _fake_args(node)
+            scratch = int8_scratch(node.target, args, kwargs)
+        else:
+            continue
+        if scratch:
             transients[index] = tuple(Scratch(name, nbytes) for name, nbytes in scratch)
     return transients
 

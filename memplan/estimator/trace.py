@@ -18,7 +18,6 @@ from types import FrameType
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as checkpoint_module
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -36,6 +35,7 @@ from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.fake_conversions import fake_friendly_conversions
 from memplan.estimator.fake_mode import TracingFakeMode
+from memplan.estimator.held_tensors import python_holders_tracked
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.loop import (
@@ -54,6 +54,7 @@ from memplan.estimator.loop import (
 from memplan.estimator.opgraph import OpGraph
 from memplan.estimator.recorder import GraphRecorder, fake_device_query
 from memplan.estimator.replay import OptimizerRecording
+from memplan.finetune.bnb_kernels import int8_matmul_as_on_cuda
 from memplan.finetune.quantize import logical_numel
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
@@ -325,58 +326,6 @@ class _EagerLifetimes(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def _selective_cache_lifetimes(eager_lifetimes: _EagerLifetimes) -> Iterator[None]:
-    """Selective checkpointing keeps each saved output in a cache entry until its recomputation
-    takes it, or, when the recomputation stops early before that op, until the checkpoint's
-    frame is freed after the region's backward (torch/utils/checkpoint.py, _VersionWrapper in
-    _CachingTorchDispatchMode's storage). The cache is Python state the graph cannot see: a
-    Llama MLP's down_proj output stayed live into the backward of the real run, not the trace.
-    """
-    original = checkpoint_module._VersionWrapper
-
-    class ObservedEntry(original):  # type: ignore[misc, valid-type]
-        def __init__(self, val: object) -> None:
-            super().__init__(val)
-            if isinstance(val, torch.Tensor):
-                eager_lifetimes.held_until_released(self, val)
-
-    checkpoint_module._VersionWrapper = ObservedEntry
-    try:
-        yield
-    finally:
-        checkpoint_module._VersionWrapper = original
-
-
-@contextlib.contextmanager
-def _checkpoint_input_lifetimes(eager_lifetimes: _EagerLifetimes) -> Iterator[None]:
-    """A non-reentrant checkpoint keeps the tensors passed to it (args and kwargs) for its
-    recomputation until its frame is freed, when the last autograd Node of the region that saved a
-    tensor is released, near the end of the region's backward (torch/utils/checkpoint.py: the frame's
-    `saved_args` and `recompute_fn`'s closure since torch 2.12, its `input_saver` Node on 2.11). An
-    input read by no op of the region's backward lives past its last read (the recomputation):
-    T5's position biases, made by the first block and passed to each later one, stayed live in the
-    real run through each block's backward, not in the trace (t5-selective-long 4.6% low).
-    The frame is Python state the graph cannot see: its finalizer tells when it let go.
-    """
-    original = checkpoint_module._CheckpointFrame
-
-    class ObservedFrame(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            # Made by _checkpoint_without_reentrant_generator, whose parameters `args` and `kwargs`
-            # are the checkpointed function's inputs on every supported torch release.
-            inputs = sys._getframe(1).f_locals
-            for tensor in tensors_in((inputs.get("args"), inputs.get("kwargs"))):
-                eager_lifetimes.held_until_released(self, tensor)
-
-    checkpoint_module._CheckpointFrame = ObservedFrame
-    try:
-        yield
-    finally:
-        checkpoint_module._CheckpointFrame = original
-
-
 def _warm_up_optimizer(state: TrainingState) -> None:
     """Create the optimizer state a steady-state iteration finds (one untraced step on zero grads)."""
     if state.optimizer is None:
@@ -446,12 +395,9 @@ def _trace_custom_step(
 
 @contextlib.contextmanager
 def _lifetimes_tracked(eager_lifetimes: _EagerLifetimes) -> Iterator[None]:
-    """How long Python, the autocast cache and checkpoint inputs keep each tensor, while the step runs."""
-    with (
-        eager_lifetimes,
-        _selective_cache_lifetimes(eager_lifetimes),
-        _checkpoint_input_lifetimes(eager_lifetimes),
-    ):
+    """How long Python, the autocast cache, checkpoint inputs and autograd Functions' contexts keep each
+    tensor, while the step runs."""
+    with eager_lifetimes, python_holders_tracked(eager_lifetimes):
         yield
 
 
@@ -563,14 +509,19 @@ def _describe_batch(batch: object) -> str:
 
 @contextlib.contextmanager
 def _target_kernels(settings: TrainingSettings) -> Iterator[set[str]]:
-    """On a cuda target, CUDA's autocast lists, attention backends and dropout kernel.
+    """On a cuda target, CUDA's autocast lists, attention backends and dropout kernel, and
+    bitsandbytes' 8-bit matmul as it runs there.
 
     Yields the set of ops that ran whose CUDA behaviour memplan does not know (reported, not guessed).
     """
     if settings.device != "cuda":
         yield set()
         return
-    with cuda_autocast_policy() as unknown_autocast_ops, cuda_kernels(settings.gpu, settings.deterministic):
+    with (
+        cuda_autocast_policy() as unknown_autocast_ops,
+        cuda_kernels(settings.gpu, settings.deterministic),
+        int8_matmul_as_on_cuda(),
+    ):
         yield unknown_autocast_ops
 
 

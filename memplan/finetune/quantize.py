@@ -1,4 +1,11 @@
-"""4-bit base weights for QLoRA, laid out and run by bitsandbytes itself (`--quantize nf4|fp4`).
+"""4-bit and 8-bit base weights for QLoRA, laid out and run by bitsandbytes itself
+(`--quantize nf4|fp4|int8`).
+
+8 bits (`int8`) is `BitsAndBytesConfig(load_in_8bit=True)`: the same layers become
+`bnb.nn.Linear8bitLt` (threshold 6.0, no fp16 weights) holding LLM.int8()'s layout (`_load_int8`);
+peft wraps them in its `lora.bnb.Linear8bitLt` (`is_loaded_in_8bit`). How its matmul runs on each
+device is memplan.finetune.bnb_kernels. The rest of this docstring is the 4-bit recipe, which 8 bits
+shares but for the layout and the bias (below).
 
 What a QLoRA run builds, and where memplan takes it from:
 - Which layers: transformers' own bitsandbytes quantizer prepares the built model, as
@@ -48,6 +55,7 @@ from memplan.settings import TrainingSettings
 
 # BitsAndBytesConfig's bnb_4bit_blocksize default and Params4bit's (bitsandbytes/nn/modules.py).
 BLOCK_SIZE = 64
+INT8 = "int8"  # LLM.int8(): BitsAndBytesConfig(load_in_8bit=True), bnb.nn.Linear8bitLt
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "amp-bf16": torch.bfloat16, "fp16": torch.float16, "amp-fp16": torch.float16}
 
 
@@ -70,18 +78,27 @@ def compute_dtype(settings: TrainingSettings) -> torch.dtype:
 
 
 def _load_quantized(bnb, layer: nn.Module, source: nn.Module, settings: TrainingSettings) -> None:  # type: ignore[no-untyped-def]
-    """Give `layer`, a Linear4bit transformers made on the meta device, `source`'s weight quantized by
-    bitsandbytes itself (as loading a checkpoint into it does) and `source`'s bias."""
+    """Give `layer`, a bitsandbytes layer transformers made on the meta device, `source`'s weight
+    quantized by bitsandbytes itself (as loading a checkpoint into it does) and `source`'s bias."""
     from transformers.pytorch_utils import Conv1D
 
     weight = source.weight.detach()
     if isinstance(source, Conv1D):  # GPT-2 keeps (in, out); transformers transposes before quantizing
         weight = weight.t()
+    weight = weight.to(compute_dtype(settings)).contiguous()
+    if settings.quantize == INT8:
+        _load_int8(bnb, layer, weight)
+    else:
+        _load_4bit(bnb, layer, weight, settings.quantize)
+    layer._parameters["bias"] = source.bias
+
+
+def _load_4bit(bnb, layer: nn.Module, weight: torch.Tensor, quant_type: str) -> None:  # type: ignore[no-untyped-def]
     packed, quant_state = bnb.functional.quantize_4bit(
-        weight.to(compute_dtype(settings)).contiguous(),
+        weight,
         blocksize=BLOCK_SIZE,
         compress_statistics=True,
-        quant_type=settings.quantize,
+        quant_type=quant_type,
         quant_storage=torch.uint8,
     )
     # A Params4bit over a fake tensor cannot be made (Tensor._make_subclass refuses it); a fake
@@ -89,15 +106,30 @@ def _load_quantized(bnb, layer: nn.Module, source: nn.Module, settings: Training
     weight_param = nn.Parameter(packed, requires_grad=False)
     weight_param.quant_state = quant_state
     weight_param.compress_statistics = True
-    weight_param.quant_type = settings.quantize
+    weight_param.quant_type = quant_type
     weight_param.blocksize = BLOCK_SIZE
     weight_param.quant_storage = torch.uint8
     weight_param.bnb_quantized = True
     weight_param.module = layer
     layer._parameters["weight"] = weight_param
-    layer._parameters["bias"] = source.bias
     for name, tensor in _quant_state_tensors(quant_state):
         layer.register_buffer(f"quant_state_{name}", tensor, persistent=False)
+
+
+def _load_int8(bnb, layer: nn.Module, weight: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """LLM.int8()'s layout, as Int8Params._quantize makes it when the model moves to its device: the
+    weight cast to float16, then `int8_vectorwise_quant` gives the int8 weight CB (N x K) and one
+    float32 scale per output row, SCB (N)."""
+    int8_weight, row_scales, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
+    # As for 4 bits, a fake parameter carrying Int8Params' attributes stands in for one. The first
+    # forward moves CB and SCB into the layer's MatmulLtState (init_8bit_state), where only the layer
+    # holds SCB: it is kept as a buffer too, so it counts with the model.
+    weight_param = nn.Parameter(int8_weight, requires_grad=False)
+    weight_param.CB = int8_weight
+    weight_param.SCB = row_scales
+    weight_param.has_fp16_weights = False
+    layer._parameters["weight"] = weight_param
+    layer.register_buffer("int8_row_scales", row_scales, persistent=False)
 
 
 def _quant_state_tensors(quant_state) -> list[tuple[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
@@ -132,15 +164,30 @@ def logical_numel(param: torch.Tensor) -> int:
     return int(torch.Size(quant_state.shape).numel()) if quant_state is not None else param.numel()
 
 
+def _bitsandbytes_config(settings: TrainingSettings):  # type: ignore[no-untyped-def]
+    from transformers import BitsAndBytesConfig
+
+    if settings.quantize == INT8:
+        # transformers' defaults, which the 8-bit LoRA recipes keep: llm_int8_threshold=6.0 (outlier
+        # columns in 16 bits) and llm_int8_has_fp16_weight=False (the int8 weight only).
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=settings.quantize,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype(settings),
+    )
+
+
 def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
-    """`model` with its linear layers in bitsandbytes' 4-bit layout where `settings.quantize` asks,
-    chosen and replaced by transformers' own bitsandbytes quantizer (`preprocess_model`), which
+    """`model` with its linear layers in bitsandbytes' 4-bit or 8-bit layout where `settings.quantize`
+    asks, chosen and replaced by transformers' own bitsandbytes quantizer (`preprocess_model`), which
     keeps what `get_modules_to_not_convert` names (the output embedding, tied weights, the last
     layer, `_keep_in_fp32_modules`)."""
     if settings.quantize is None:
         return model
     bnb = _import_bitsandbytes()
-    from transformers import BitsAndBytesConfig, PreTrainedModel
+    from transformers import PreTrainedModel
     from transformers.quantizers.auto import AutoHfQuantizer
 
     if not isinstance(model, PreTrainedModel):
@@ -148,20 +195,19 @@ def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
             f"--quantize quantizes a transformers model as from_pretrained(quantization_config=...) does; "
             f"{type(model).__name__} is not one: quantize it in your factory, or leave out --quantize"
         )
-    config = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=settings.quantize,
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype(settings),
-    )
+    layer_type = bnb.nn.Linear8bitLt if settings.quantize == INT8 else bnb.nn.Linear4bit
     sources = dict(model.named_modules())
     with unset_fake_temporarily():  # the new layers are made on the meta device: no float weights
-        AutoHfQuantizer.from_config(config).preprocess_model(model, device_map=None)
+        AutoHfQuantizer.from_config(_bitsandbytes_config(settings)).preprocess_model(model, device_map=None)
     with _bitsandbytes_caches_kept():
         for name, layer in model.named_modules():
-            if isinstance(layer, bnb.nn.Linear4bit) and sources.get(name) is not layer:
+            if isinstance(layer, layer_type) and sources.get(name) is not layer:
                 _load_quantized(bnb, layer, sources[name], settings)
-    model.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit in its own LoRA layer
+    # What peft reads to wrap the layer in its own bnb LoRA layer.
+    if settings.quantize == INT8:
+        model.is_loaded_in_8bit = True
+    else:
+        model.is_loaded_in_4bit = True
     for param in model.parameters():
         param.requires_grad_(False)
     # A quantized model is loaded in the compute dtype (`torch_dtype=`), its 4-bit layers quantized
@@ -171,6 +217,7 @@ def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     cast_floating_point(model, unquantized_dtype, buffers=False, frozen=True)
     # Linear4bit.forward casts its bias to the compute dtype in place at the first call
     # (`bias.data = bias.data.to(x.dtype)`): from then on, the steady state, it is held so.
+    # (Linear8bitLt casts it to its input's dtype, which only the forward knows: see warm_up_int8.)
     for layer in model.modules():
         if isinstance(layer, bnb.nn.Linear4bit) and layer.bias is not None:
             layer._parameters["bias"] = nn.Parameter(layer.bias.detach().to(layer.compute_dtype), requires_grad=False)

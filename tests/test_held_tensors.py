@@ -1,0 +1,77 @@
+"""Tensors Python objects hold that the op graph cannot see (memplan.estimator.held_tensors).
+
+Truth: the same step run for real on the CPU (memplan.measure.cpu counts every storage until a
+weakref finalizer reports it freed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.measure.cpu import measure_cpu
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
+
+WIDTH, HIDDEN, BLOCKS = 64, 512, 4
+
+
+class ReluKeepingInputOnContext(torch.autograd.Function):
+    """A ReLU that keeps its input as a context attribute, as bitsandbytes' 8-bit matmuls keep
+    theirs (`ctx.A = A`), instead of save_for_backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.x = x
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * (ctx.x > 0)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(ReluKeepingInputOnContext.apply(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def stack() -> nn.Module:
+    return Stack()
+
+
+def rows(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, WIDTH)
+
+
+def squares(output: torch.Tensor, _batch: object) -> torch.Tensor:
+    return output.square().mean()
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "all"])
+def test_what_a_custom_function_keeps_on_its_context_lives_until_its_node_is_freed(checkpoint):
+    """Under checkpointing the saved tensors are dropped and recomputed, but a context attribute
+    is not: each block's 512-wide input to the ReLU (64 KiB at batch 32) lives into the backward."""
+    spec = resolve_model(
+        "tests.test_held_tensors:stack", inputs="tests.test_held_tensors:rows", loss="tests.test_held_tensors:squares"
+    )
+    settings = spec.settings_for(TrainingSettings(batch_size=32, device="cpu", checkpoint=checkpoint, optimizer="sgd"))
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    measured = measure_cpu(spec, settings).peak_bytes
+    assert abs(predicted - measured) <= 8, (predicted, measured)  # the 0-d loss: 4 B, as in the zoo
