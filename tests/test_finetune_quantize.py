@@ -341,22 +341,42 @@ def test_the_int8_cuda_kernels_scratch_read_by_hand():
     columns = torch.empty(outliers, dtype=torch.int64)
     bf16_input = torch.empty(rows, inputs, dtype=torch.bfloat16)
     mixed = int8_scratch(INT8_MIXED, (bf16_input, None, weight, None, None, columns, None), {})
-    assert sorted(nbytes for _, nbytes in mixed) == sorted(
-        [
-            rows * outputs * 4,  # int32 product
-            rows * outputs * 2,  # float16 result, then cast to bfloat16
-            outputs * outliers,  # CB[:, outlier_cols]
-            outputs * outliers * 4,  # A * stats
-            outputs * outliers * 4,  # ... * 1/127
-            outputs * outliers * 2,  # .to(bfloat16)
-            rows * outputs * 2,  # the product before addmm adds the outlier columns
-        ]
+    assert mixed == (
+        ("int8 matmul: int32 product", rows * outputs * 4),
+        ("int8 matmul: float16 result", rows * outputs * 2),  # then cast to bfloat16
+        ("int8 outlier weight columns", outputs * outliers),  # CB[:, outlier_cols]
+        ("int8 outlier weight columns, float32", outputs * outliers * 4),  # A * stats
+        ("int8 outlier weight columns, float32 scaled", outputs * outliers * 4),  # ... * 1/127
+        ("int8 outlier weight columns, dequantized", outputs * outliers * 2),  # .to(bfloat16)
+        ("int8 matmul before the outlier columns", rows * outputs * 2),  # before addmm makes the output
     )
     # float16 input: int8_mm_dequant's float16 result is the product itself; no outliers: no addmm.
     plain = int8_scratch(INT8_MIXED, (half_input, None, weight, None, None, None, None), {})
-    assert [nbytes for _, nbytes in plain] == [rows * outputs * 4]
-    scaled = int8_scratch(INT8_SCALED, (torch.empty(rows, inputs, dtype=torch.int8), weight, None, None), {})
-    assert [nbytes for _, nbytes in scaled] == [rows * outputs * 4]  # dtype None: float16
+    assert plain == (("int8 matmul: int32 product", rows * outputs * 4),)
+    by_keyword = int8_scratch(INT8_MIXED, (half_input, None, weight, None, None), {"outlier_cols": columns})
+    assert len(by_keyword) == 6
+    int8_input = torch.empty(rows, inputs, dtype=torch.int8)
+    for dtype, expected in ((None, 1), (torch.float16, 1), (torch.bfloat16, 2)):  # None: float16
+        scaled = int8_scratch(INT8_SCALED, (int8_input, weight, None, None, None, dtype), {})
+        assert [nbytes for _, nbytes in scaled] == [rows * outputs * 4, rows * outputs * 2][:expected]
+
+
+def test_the_int8_fake_implementations_give_the_assumed_outlier_columns():
+    """Outlier columns: 1% of the input features, rounded up (at least one); none without a threshold."""
+    for features, expected in ((128, 2), (4096, 41), (50, 1), (100, 1), (101, 2)):
+        _, row_scales, columns = bnb_kernels._vectorwise_quant_fake(torch.empty(8, features, dtype=torch.float16), 6.0)
+        assert columns.shape == (expected,) and columns.dtype == torch.int64
+        assert row_scales.shape == (8,) and row_scales.dtype == torch.float32
+    assert bnb_kernels._vectorwise_quant_fake(torch.empty(8, 128, dtype=torch.float16), 0.0)[2] is None
+    activation = torch.empty(8, 128, dtype=torch.bfloat16)
+    quantized = torch.empty(8, 128, dtype=torch.int8)
+    weight = torch.empty(256, 128, dtype=torch.int8)
+    out, kept = bnb_kernels._mixed_scaled_mm_fake(
+        activation, quantized, weight, None, None, torch.empty(3, dtype=torch.int64)
+    )
+    assert (out.shape, out.dtype, kept.shape, kept.dtype) == ((8, 256), torch.bfloat16, (8, 3), torch.bfloat16)
+    _, none_kept = bnb_kernels._mixed_scaled_mm_fake(activation, quantized, weight, None, None, None)
+    assert none_kept.numel() == 0
 
 
 def test_after_a_cuda_trace_bitsandbytes_is_as_it_was(tiny_model_dirs):
@@ -369,5 +389,5 @@ def test_after_a_cuda_trace_bitsandbytes_is_as_it_was(tiny_model_dirs):
     matmul = bitsandbytes.matmul
     trace_step(spec, settings)
     assert bitsandbytes.matmul is matmul
-    for op in ("int8_vectorwise_quant", "int8_double_quant", "int8_mixed_scaled_mm"):
+    for op in ("int8_vectorwise_quant", "int8_mixed_scaled_mm"):
         assert "bitsandbytes/_ops.py" in singleton.find(f"bitsandbytes::{op}").fake_impl.kernel.source

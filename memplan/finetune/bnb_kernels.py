@@ -45,10 +45,11 @@ import torch
 
 GEMM_4BIT = "bitsandbytes.gemm_4bit.default"
 INT8_VECTORWISE_QUANT = "bitsandbytes.int8_vectorwise_quant.default"
-INT8_DOUBLE_QUANT = "bitsandbytes.int8_double_quant.default"
 INT8_MIXED_SCALED_MM = "bitsandbytes.int8_mixed_scaled_mm.default"
 INT8_SCALED_MM = "bitsandbytes.int8_scaled_mm.default"
-INT8_OPS = (INT8_VECTORWISE_QUANT, INT8_DOUBLE_QUANT, INT8_MIXED_SCALED_MM, INT8_SCALED_MM)
+# int8_double_quant is left out: MatMul8bitLt runs it only for a weight that trains (not LoRA's);
+# bitsandbytes' own fake implementation then fails the trace (its outlier count is data-dependent).
+INT8_OPS = (INT8_VECTORWISE_QUANT, INT8_MIXED_SCALED_MM, INT8_SCALED_MM)
 # The share of an int8 layer's input columns assumed to hold an outlier (|value| >= threshold).
 # LLM.int8() (Dettmers et al. 2022, arXiv:2208.07339) reports that "more than 99.9% of values are
 # multiplied in 8-bit": under 0.1% of the columns. bitsandbytes takes a column as an outlier when any
@@ -94,8 +95,8 @@ def int8_scratch(target: object, args: Sequence[object], kwargs: dict[str, objec
     request is freed before the output is made: the high side."""
     name = str(target)
     arguments = dict(zip(_INT8_ARGUMENT_NAMES[name], args, strict=False)) | kwargs
-    if name in (INT8_VECTORWISE_QUANT, INT8_DOUBLE_QUANT):
-        return _quantize_scratch(name, arguments)
+    if name == INT8_VECTORWISE_QUANT:
+        return _quantize_scratch(arguments)
     if name == INT8_SCALED_MM:
         activation, weight = arguments["A"], arguments["B"]
         assert isinstance(activation, torch.Tensor) and isinstance(weight, torch.Tensor)
@@ -106,43 +107,26 @@ def int8_scratch(target: object, args: Sequence[object], kwargs: dict[str, objec
 
 _INT8_ARGUMENT_NAMES = {
     INT8_VECTORWISE_QUANT: ("A", "threshold"),
-    INT8_DOUBLE_QUANT: ("A", "threshold"),
     INT8_SCALED_MM: ("A", "B", "row_stats", "col_stats", "bias", "dtype"),
     INT8_MIXED_SCALED_MM: ("A", "CA", "CB", "SCA", "SCB", "outlier_cols", "bias"),
 }
 
 
-def _quantize_scratch(name: str, arguments: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+def _quantize_scratch(arguments: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     """int8_vectorwise_quant's CUDA kernel, with a threshold: `outliers = A.abs() >= threshold`
     (|A| in A's dtype, then a bool mask, both A's shape), then `outliers.any(dim=0)` (one bool per
-    column) before `argwhere` gives the output. int8_double_quant runs it, then `_get_col_absmax`:
-    |A| again with its own mask, then `A.masked_fill(mask, 0)`, `.mul(127.0)`, the division by the
-    float32 column maxima (float32) and its `round` (float32) before the cast to int8. All are
-    counted as live together: the high side. (memplan's LoRA layers never run it: their weight is
-    frozen, so MatMul8bitLt takes its fast path.)"""
+    column) before `argwhere` gives the output. |A| is freed before the outputs are made, but is
+    counted with them: the high side."""
     activation, threshold = arguments["A"], arguments.get("threshold", 0.0)
     assert isinstance(activation, torch.Tensor)
-    elements, columns = activation.numel(), activation.shape[-1]
-    requests: list[tuple[str, int]] = []
-    if threshold > 0.0:
-        requests += [
-            ("int8 outliers: |input|", elements * activation.element_size()),
-            ("int8 outliers: mask", elements),
-            ("int8 outliers: columns", columns),
-        ]
-    if name == INT8_DOUBLE_QUANT:
-        requests.append(("int8 column quantization: |input|", elements * activation.element_size()))
-        if threshold > 0.0:
-            requests += [
-                ("int8 column quantization: mask", elements),
-                ("int8 column quantization: outliers zeroed", elements * activation.element_size()),
-            ]
-        requests += [
-            ("int8 column quantization: scaled", elements * activation.element_size()),
-            ("int8 column quantization: float32 quotient", elements * 4),
-            ("int8 column quantization: rounded", elements * 4),
-        ]
-    return tuple(requests)
+    if not threshold > 0.0:
+        return ()
+    elements = activation.numel()
+    return (
+        ("int8 outliers: |input|", elements * activation.element_size()),
+        ("int8 outliers: mask", elements),
+        ("int8 outliers: columns", activation.shape[-1]),
+    )
 
 
 def _scaled_mm_scratch(rows: int, out_features: int, dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
@@ -202,7 +186,8 @@ def int8_matmul_as_on_cuda() -> Iterator[None]:
 
     library = torch.library.Library("bitsandbytes", "FRAGMENT")
     for name, fake in _INT8_FAKES.items():
-        torch.library.register_fake(f"bitsandbytes::{name}", fake, lib=library)
+        # allow_override: bitsandbytes registered its own (the default is False on torch 2.11 and 2.12).
+        torch.library.register_fake(f"bitsandbytes::{name}", fake, lib=library, allow_override=True)
     bitsandbytes.matmul = matmul
     try:
         with bitsandbytes_quiet():  # MatMul8bitLt warns at every call that it casts its input to float16
@@ -227,17 +212,6 @@ def _vectorwise_quant_fake(A: torch.Tensor, threshold: float = 0.0):  # type: ig
     )
 
 
-def _double_quant_fake(A: torch.Tensor, threshold: float = 0.0):  # type: ignore[no-untyped-def]
-    rows = A.numel() // A.shape[-1]
-    return (
-        torch.empty_like(A, dtype=torch.int8),
-        torch.empty_like(A, dtype=torch.int8),
-        torch.empty(rows, device=A.device, dtype=torch.float32),
-        torch.empty(A.shape[-1], device=A.device, dtype=torch.float32),
-        _outlier_column_indices(A, threshold),
-    )
-
-
 def _mixed_scaled_mm_fake(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None):  # type: ignore[no-untyped-def]
     """The output, and `subA = A[:, outlier_cols]` in A's dtype, as the default kernel returns them."""
     out = torch.empty((*CA.shape[:-1], CB.shape[0]), device=A.device, dtype=A.dtype)
@@ -248,6 +222,5 @@ def _mixed_scaled_mm_fake(A, CA, CB, SCA, SCB, outlier_cols=None, bias=None):  #
 
 _INT8_FAKES = {
     "int8_vectorwise_quant": _vectorwise_quant_fake,
-    "int8_double_quant": _double_quant_fake,
     "int8_mixed_scaled_mm": _mixed_scaled_mm_fake,
 }

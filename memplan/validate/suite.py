@@ -184,6 +184,16 @@ QLORA = (
         quantize="fp4",
         kbit_upcast=False,
     ),
+    # LLM.int8() base weights: MatMul8bitLt on CUDA, whose outlier columns memplan assumes (1%).
+    _c(
+        "llama-3.2-1b-int8-lora-checkpoint",
+        "llama-3.2-1b",
+        batch_size=4,
+        seq_len=1024,
+        checkpoint="all",
+        **{**_QLORA, "quantize": "int8"},
+    ),
+    _c("qwen2.5-0.5b-int8-lora", "qwen2.5-0.5b", batch_size=4, seq_len=512, **{**_QLORA, "quantize": "int8"}),
 )
 
 # Two-layer models that measure in seconds on a CPU: `memplan validate --suite smoke --device cpu`.
