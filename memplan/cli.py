@@ -24,6 +24,7 @@ from memplan.settings import (
     LOOPS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
+    PARALLEL_MODES,
     PRECISIONS,
     QUANT_TYPES,
     parse_size,
@@ -270,6 +271,21 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             show_default=True,
             help="The training loop: where zero_grad runs and what stays alive (docs/concepts.md); "
             "--hf-args picks hf-trainer.",
+        ),
+        click.option(
+            "--parallel",
+            type=click.Choice(PARALLEL_MODES),
+            default="none",
+            show_default=True,
+            help="Data parallelism: ddp traces one rank of torch's DistributedDataParallel (its gradient buckets "
+            "included); batch settings are per rank.",
+        ),
+        click.option(
+            "--world-size",
+            type=int,
+            default=1,
+            show_default=True,
+            help="Data-parallel ranks with --parallel (the total batch is micro-batch × accumulation × ranks).",
         ),
         click.option(
             "--step",

@@ -28,6 +28,8 @@ MAX_COUNT = 1 << 20  # "selective": every block, the selective policy
 # convolutions and attention and recomputes the rest (torch's selective activation checkpointing).
 CHECKPOINT_POLICIES = ("full", "selective")
 DEVICES = ("cuda", "cpu")
+# Data parallelism, per rank (memplan.distributed): "none" (one process) or torch's DDP.
+PARALLEL_MODES = ("none", "ddp")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Binary and decimal units; "GB" is 10**9 as disks and nvidia-smi's marketing sizes use it,
@@ -180,6 +182,9 @@ class TrainingSettings:
     # The user's own training iteration, `package.module:function` called as fn(model, batch,
     # optimizer) in place of the canonical loop (memplan.estimator.loop.custom_step); None: the loop.
     step: str | None = None
+    # Data parallelism (memplan.distributed): the figures are one rank's; batch settings are per rank.
+    parallel: str = "none"  # one of PARALLEL_MODES
+    world_size: int = 1  # data-parallel ranks
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -206,6 +211,7 @@ class TrainingSettings:
         self._check_cuda_libraries()
         self._check_lora()
         self._check_quantize()
+        self._check_parallel()
         self._check_step()
         if self.gpu is not None:
             if self.device != "cuda":
@@ -290,6 +296,16 @@ class TrainingSettings:
             raise SettingsError(f"--lora-dropout is a probability below 1, got {self.lora_dropout}")
         if self.lora_targets is not None and not [name for name in self.lora_targets.split(",") if name.strip()]:
             raise SettingsError("--lora-targets names no module: give names such as q_proj,v_proj")
+
+    def _check_parallel(self) -> None:
+        _check_choice("parallel mode", self.parallel, PARALLEL_MODES)
+        _check_positive("world size", self.world_size)
+        if self.world_size > MAX_COUNT:
+            raise SettingsError(f"world size {self.world_size:,} is beyond what memplan models (at most {MAX_COUNT:,})")
+        if self.parallel == "none" and self.world_size != 1:
+            raise SettingsError(
+                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, or leave it out"
+            )
 
     def _check_quantize(self) -> None:
         if self.quantize is None:

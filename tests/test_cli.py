@@ -29,8 +29,10 @@ def test_estimate_json_has_the_documented_fields(tiny_model_dirs):
         "temporaries",
         "inputs",
         "workspaces",
+        "communication",
     }
     assert data["breakdown"]["workspaces"] == 0  # cuBLAS workspaces exist on cuda targets only
+    assert data["breakdown"]["communication"] == 0  # DDP's buckets exist with --parallel ddp only
     assert sum(data["breakdown"].values()) == data["peak_bytes"]
     assert data["phase"] in ("forward", "backward", "optimizer")
     assert data["settings"]["batch_size"] == 2 and data["settings"]["seq_len"] == 32

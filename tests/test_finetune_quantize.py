@@ -24,7 +24,7 @@ from click.testing import CliRunner
 import memplan
 from memplan.cli import main
 from memplan.errors import SettingsError
-from memplan.estimator.simulate import simulate
+from memplan.estimator.simulate import _library_transients, simulate
 from memplan.estimator.trace import trace_step
 from memplan.finetune import bnb_kernels
 from memplan.finetune.bnb_kernels import gemm_4bit_scratch, int8_scratch
@@ -316,11 +316,20 @@ def test_on_cuda_int8_layers_run_matmul8bitlt_with_the_assumed_outlier_columns(t
     for device in ("cuda", "cpu"):
         options = {"precision": "bf16", "lora_rank": 4, "quantize": "int8"}
         settings = spec.settings_for(TrainingSettings(batch_size=batch, seq_len=seq_len, device=device, **options))
-        nodes = [node for node in trace_step(spec, settings).graph.nodes if str(node.target) == INT8_MIXED]
+        graph_nodes = list(trace_step(spec, settings).graph.nodes)
+        nodes = [node for node in graph_nodes if str(node.target) == INT8_MIXED]
         if device == "cpu":
             assert nodes == []
             continue
         kept_columns = sorted(tuple(node.meta["val"][1].shape) for node in nodes)
+        # Each int8 op's kernel temporaries reach the simulation (the int32 product, the outlier mask).
+        transients = _library_transients(graph_nodes, "cuda")
+        int8_nodes = [i for i, node in enumerate(graph_nodes) if str(node.target) in (INT8_MIXED, INT8_QUANT)]
+        assert int8_nodes and set(int8_nodes) <= set(transients)
+        assert {scratch[0].name for scratch in transients.values()} >= {
+            "int8 matmul: int32 product",
+            "int8 outliers: |input|",
+        }
     rows = batch * seq_len
     # Per layer: q, k, v, o and gate, up read hidden_size columns; down_proj reads intermediate_size.
     expected = [(rows, math.ceil(hidden / 100))] * 6 * layers + [(rows, math.ceil(intermediate / 100))] * layers
@@ -328,18 +337,21 @@ def test_on_cuda_int8_layers_run_matmul8bitlt_with_the_assumed_outlier_columns(t
 
 
 def test_the_int8_cuda_kernels_scratch_read_by_hand():
-    """backends/cuda/ops.py and backends/default/ops.py read by hand (bitsandbytes 0.50)."""
+    """backends/cuda/ops.py and backends/default/ops.py read by hand (bitsandbytes 0.50). The
+    activations are 3-d (2 x 16 rows): the rules read rows as all but the last dimension."""
     rows, inputs, outputs, outliers = 32, 128, 256, 2
-    half_input = torch.empty(rows, inputs, dtype=torch.float16)
-    assert int8_scratch(INT8_QUANT, (half_input, 6.0), {}) == (
-        ("int8 outliers: |input|", rows * inputs * 2),
-        ("int8 outliers: mask", rows * inputs),
-        ("int8 outliers: columns", inputs),
-    )
+    half_input = torch.empty(2, rows // 2, inputs, dtype=torch.float16)
+    for threshold in (6.0, 0.5):
+        assert int8_scratch(INT8_QUANT, (half_input, threshold), {}) == (
+            ("int8 outliers: |input|", rows * inputs * 2),
+            ("int8 outliers: mask", rows * inputs),
+            ("int8 outliers: columns", inputs),
+        )
     assert int8_scratch(INT8_QUANT, (half_input,), {}) == ()  # no threshold: the kernel alone
+    assert int8_scratch(INT8_QUANT, (half_input, 0.0), {}) == ()
     weight = torch.empty(outputs, inputs, dtype=torch.int8)
     columns = torch.empty(outliers, dtype=torch.int64)
-    bf16_input = torch.empty(rows, inputs, dtype=torch.bfloat16)
+    bf16_input = torch.empty(2, rows // 2, inputs, dtype=torch.bfloat16)
     mixed = int8_scratch(INT8_MIXED, (bf16_input, None, weight, None, None, columns, None), {})
     assert mixed == (
         ("int8 matmul: int32 product", rows * outputs * 4),
@@ -355,18 +367,22 @@ def test_the_int8_cuda_kernels_scratch_read_by_hand():
     assert plain == (("int8 matmul: int32 product", rows * outputs * 4),)
     by_keyword = int8_scratch(INT8_MIXED, (half_input, None, weight, None, None), {"outlier_cols": columns})
     assert len(by_keyword) == 6
-    int8_input = torch.empty(rows, inputs, dtype=torch.int8)
+    int8_input = torch.empty(2, rows // 2, inputs, dtype=torch.int8)
     for dtype, expected in ((None, 1), (torch.float16, 1), (torch.bfloat16, 2)):  # None: float16
         scaled = int8_scratch(INT8_SCALED, (int8_input, weight, None, None, None, dtype), {})
         assert [nbytes for _, nbytes in scaled] == [rows * outputs * 4, rows * outputs * 2][:expected]
+        assert all(type(nbytes) is int for _, nbytes in scaled)
+    assert all(type(nbytes) is int for _, nbytes in mixed)
 
 
 def test_the_int8_fake_implementations_give_the_assumed_outlier_columns():
     """Outlier columns: 1% of the input features, rounded up (at least one); none without a threshold."""
     for features, expected in ((128, 2), (4096, 41), (50, 1), (100, 1), (101, 2)):
-        _, row_scales, columns = bnb_kernels._vectorwise_quant_fake(torch.empty(8, features, dtype=torch.float16), 6.0)
+        activation = torch.empty(2, 4, features, dtype=torch.float16)
+        quantized, row_scales, columns = bnb_kernels._vectorwise_quant_fake(activation, 6.0)
         assert columns.shape == (expected,) and columns.dtype == torch.int64
         assert row_scales.shape == (8,) and row_scales.dtype == torch.float32
+        assert quantized.shape == activation.shape and quantized.dtype == torch.int8
     assert bnb_kernels._vectorwise_quant_fake(torch.empty(8, 128, dtype=torch.float16), 0.0)[2] is None
     activation = torch.empty(8, 128, dtype=torch.bfloat16)
     quantized = torch.empty(8, 128, dtype=torch.int8)

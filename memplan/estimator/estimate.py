@@ -53,6 +53,12 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
         )
     if settings.quantize is not None:
         notes.append(_quantize_note(settings))
+    if settings.parallel == "ddp":
+        notes.append(
+            f"one rank of {settings.world_size}: torch's DistributedDataParallel traced on a fake process group, its "
+            "gradient buckets (every trainable gradient once more) included; every micro-batch all-reduces (no "
+            "no_sync()); NCCL's own buffers, outside torch's allocator, are not"
+        )
     return notes
 
 
@@ -263,7 +269,7 @@ def run_estimate(
         raise SettingsError(f"--maximize seq-len: {spec.name} takes no sequence length (--seq-len)")
     tracer = BatchTracer(spec, settings, progress)
     if plan_fingerprint is not None:
-        check_fingerprint(plan_fingerprint, "another model", tracer.setup.state.model, spec.name)
+        check_fingerprint(plan_fingerprint, "another model", tracer.setup.state.built_model, spec.name)
     simulations = tracer.simulations
     batch_size = settings.batch_size
     main = tracer.simulate(batch_size)

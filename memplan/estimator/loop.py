@@ -84,6 +84,14 @@ class TrainingState:
     found_inf: torch.Tensor | None = None
     autocast_device: str = "cpu"  # where the tensors are: fake CPU when tracing, cuda in a real CUDA run
     micro_batches_done: int = 0  # zero-grad-before-backward zeroes only on the first of each step's
+    # --parallel ddp: the rank's DistributedDataParallel (its wrapper is `model`) and its buckets.
+    data_parallel: Any = None  # memplan.distributed.ddp.DataParallelRank
+
+    @property
+    def built_model(self) -> nn.Module:
+        """The model as built, adapted and checkpointed, inside any data-parallel wrapper: module names
+        (for plans and reports) are its own."""
+        return self.data_parallel.wrapper.module if self.data_parallel is not None else self.model
 
 
 def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
@@ -98,6 +106,12 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     checkpointed = apply_checkpointing(model, settings.checkpoint)
     batch = spec.make_batch(settings, dtype)
     trainable = [param for param in model.parameters() if param.requires_grad]
+    data_parallel = None
+    if settings.parallel == "ddp":  # wraps the model as built, adapted and checkpointed, as scripts do
+        from memplan.distributed.ddp import DataParallelRank
+
+        data_parallel = DataParallelRank(model, settings.world_size)
+        model = data_parallel.wrapper
     state = TrainingState(
         model=model,
         batch=batch,
@@ -106,6 +120,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         settings=settings,
         trainable=trainable,
         checkpointed_blocks=checkpointed,
+        data_parallel=data_parallel,
     )
     if settings.precision == "amp-fp16":
         # GradScaler keeps its scale and found-inf flag as one-element float32 tensors.
@@ -164,6 +179,11 @@ def optimizer_tensors(state: TrainingState) -> list[torch.Tensor]:
     """The optimizer's state, and GradScaler's scale and found-inf flag (amp-fp16)."""
     scaler = [tensor for tensor in (state.loss_scale, state.found_inf) if tensor is not None]
     return optimizer_state_tensors(state.optimizer) + scaler
+
+
+def communication_tensors(state: TrainingState) -> list[torch.Tensor]:
+    """What a data-parallel wrapper holds beside the model: DDP's gradient buckets."""
+    return state.data_parallel.buckets() if state.data_parallel is not None else []
 
 
 def current_grads(state: TrainingState) -> list[torch.Tensor]:

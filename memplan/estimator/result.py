@@ -21,6 +21,7 @@ class Breakdown:
     temporaries: int  # everything else: forward/backward/optimizer intermediates
     inputs: int  # the current micro-batch
     workspaces: int = 0  # cuda: cuBLAS workspaces, and a cuDNN convolution's workspace when the peak is at one
+    communication: int = 0  # --parallel ddp: the Reducer's gradient buckets
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -22,7 +22,16 @@ from memplan.estimator.cuda.allocator import (
 from memplan.estimator.cuda.cudnn import CUDNN_WORKSPACE
 from memplan.estimator.cuda.reductions import Reduction
 
-BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs", "workspaces")
+BREAKDOWN_KEYS = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
+    "workspaces",
+    "communication",
+)
 PHASES = ("forward", "backward", "optimizer")
 # Steady state: the allocator's segments after this many iterations (they are never released, and
 # the third iteration reuses what the first two cached; see replay_steady_state).

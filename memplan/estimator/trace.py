@@ -41,10 +41,12 @@ from memplan.estimator.leaves import tensors_in
 from memplan.estimator.loop import (
     STORAGE_DTYPES,
     TrainingState,
+    communication_tensors,
     current_grads,
     custom_step,
     drop_grads,
     gradients_outlive_the_step,
+    iteration,
     micro_batch,
     model_tensors,
     optimizer_step,
@@ -363,7 +365,7 @@ def _trace_custom_step(
         seen.extend((storage_key(grad), grad.untyped_storage().nbytes()) for grad in grads)
 
     eager_lifetimes = _EagerLifetimes(recorder.node_count)
-    tracker = _ModuleTracker(state.model, recorder.node_count)
+    tracker = _ModuleTracker(state.built_model, recorder.node_count)
     try:
         target_kernels = _target_kernels(settings)
         with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder:
@@ -456,6 +458,7 @@ def _categorize(
     categories: dict[StorageWeakRef, str] = {}
     sizes: dict[StorageWeakRef, int] = {}
     groups = {
+        "communication": communication_tensors(state),
         "inputs": tensors_in(state.batch),
         "optimizer_state": optimizer_tensors(state),
         "gradients": grads,
@@ -537,7 +540,7 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
         state = prepare(spec, settings)
-        if settings.step is None:
+        if settings.step is None and state.data_parallel is None:
             _warm_up_optimizer(state)
     if settings.step is not None:
         # The state a steady-state iteration finds is what the user's own step leaves: run it once.
@@ -548,6 +551,19 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
             raise
         except Exception as error:
             raise _step_failure(error, settings) from error
+    elif state.data_parallel is not None:
+        # DDP's steady state: the optimizer's state, and the buckets made again in the order the
+        # first backward's gradients became ready, as the second iteration's forward makes them.
+        try:
+            with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
+                iteration(state)
+        except MemplanError:
+            raise
+        except Exception as error:
+            raise _trace_failure(error, None, spec, state.batch) from error
+    if state.data_parallel is not None:
+        with fake_mode:
+            state.data_parallel.rebuild_buckets()
     return FakeSetup(fake_mode=fake_mode, state=state)
 
 
@@ -594,7 +610,7 @@ def trace_step(
         boundaries[phase] = recorder.node_count()
 
     eager_lifetimes = _EagerLifetimes(recorder.node_count)
-    tracker = _ModuleTracker(state.model, recorder.node_count)
+    tracker = _ModuleTracker(state.built_model, recorder.node_count)
     try:
         # Autocast's weight-cast cache stays on, as in the real run: _EagerLifetimes records how
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).

@@ -138,7 +138,7 @@ class _Tracer:
 
     def trace(self, layout: CheckpointLayout, batch_size: int) -> TracedStep:
         self.traces += 1
-        with layout_applied(self.setup.state.model, layout):
+        with layout_applied(self.setup.state.built_model, layout):
             settings = self.settings.replace(batch_size=batch_size, checkpoint=layout)
             traced = trace_step(self.spec, settings, self.setup, self.optimizer_recording)
         self.optimizer_recording = self.optimizer_recording or traced.optimizer_recording
@@ -263,7 +263,7 @@ def make_plan(
     if setup is None:
         report("building the model under fake tensors")
         setup = build_fake_setup(spec, settings)
-    model = setup.state.model
+    model = setup.state.built_model
     names = select_candidates([name for name, _ in model.named_modules()], block_names(model), candidates)
     if not names:
         raise SettingsError(

@@ -21,6 +21,7 @@ _CATEGORY_LABELS = {
     "temporaries": "temporaries",
     "inputs": "inputs (micro-batch)",
     "workspaces": "cuBLAS / cuDNN workspaces",
+    "communication": "DDP gradient buckets",
 }
 
 
@@ -42,8 +43,16 @@ def describe_settings(s: TrainingSettings, with_batch: bool = True) -> str:
         _describe_checkpoint(s.checkpoint),
         f"target {s.device}" + (f" ({s.gpu})" if s.gpu else ""),
         "eager attention" if s.attn_impl == "eager" else "",
+        _describe_parallel(s),
     ]
     return ", ".join(part for part in parts if part)
+
+
+def _describe_parallel(s: TrainingSettings) -> str:
+    if s.parallel == "none":
+        return ""
+    total = s.batch_size * s.grad_accum * s.world_size
+    return f"one DDP rank of {s.world_size} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = {total:,})"
 
 
 def _describe_lora(s: TrainingSettings) -> str:
@@ -75,6 +84,8 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     table.add_column("share", justify="right")
     for key, value in result.breakdown.to_dict().items():
         if key == "workspaces" and result.settings.device != "cuda":
+            continue
+        if key == "communication" and result.settings.parallel == "none":
             continue
         share = value / result.peak_bytes if result.peak_bytes else 0.0
         table.add_row(_CATEGORY_LABELS[key], format_bytes(value), f"{share:.1%}")

@@ -21,6 +21,7 @@ CATEGORY_LABELS = {
     "temporaries": "temporaries",
     "inputs": "inputs",
     "workspaces": "cuBLAS / cuDNN workspaces",
+    "communication": "DDP gradient buckets",
 }
 CATEGORY_COLOURS = {  # matplotlib's tab10, one colour per category
     "parameters": "#1f77b4",
@@ -30,6 +31,7 @@ CATEGORY_COLOURS = {  # matplotlib's tab10, one colour per category
     "temporaries": "#9467bd",
     "inputs": "#8c564b",
     "workspaces": "#7f7f7f",
+    "communication": "#bcbd22",
 }
 
 

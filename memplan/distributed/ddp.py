@@ -1,0 +1,141 @@
+"""DistributedDataParallel, one rank (`--parallel ddp --world-size N`).
+
+torch's own DDP wraps the model and runs over fake tensors on rank 0 of a process group whose
+backend is torch's FakeProcessGroup (its collectives move nothing). The group is made for the
+trace and never registered as the default group, so a job's own torch.distributed is left alone.
+
+What a DDP rank holds and does beyond one GPU's step (torch/nn/parallel/distributed.py,
+torch/csrc/distributed/c10d/reducer.cpp), all of it traced as it runs:
+- Gradient buckets: the Reducer's flat tensors, one per bucket (the first up to 1 MiB, the rest up
+  to bucket_cap_mb, 25 MiB), which hold every trainable gradient once more
+  (gradient_as_bucket_view=False, the default). In the backward each gradient is copied into its
+  bucket as it becomes ready, a full bucket is all-reduced, and at the end of the backward each
+  .grad gets the averaged values back. DDP makes the buckets when it is built and makes them again
+  at the second iteration's forward, in the order the gradients became ready (`_rebuild_buckets`).
+  memplan runs one untraced iteration and that rebuild before it traces the steady state.
+- Before each forward, the module's buffers are broadcast from rank 0 (broadcast_buffers=True),
+  flattened and unflattened around the collective.
+
+What the fake group needs, for the trace only:
+- `_verify_param_shape_across_processes` is skipped. It checks that every rank holds the same
+  parameters, which the one traced rank does by construction, and it reads tensor data in C++.
+- The small integer tensors DDP's C++ makes from nothing and then reads (the bucket indices that
+  `sync_bucket_indices` broadcasts, the parameters' shapes, the used-parameter map) are made real:
+  a few bytes per parameter, left out of the figures.
+- The comm hook. The fake group's all_reduce future carries no value, which DDP's built-in hook
+  cannot take. memplan registers one that does to memory what the built-in does (torch's own
+  `allreduce_hook`, ddp_comm_hooks/default_hooks.py) with NCCL: divide the bucket by the world size
+  in place, all-reduce it in place, hand it back.
+
+Not traced: NCCL's own communication buffers, outside torch's allocator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_FACTORIES = (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class _ReducerTensors(TorchDispatchMode):
+    """While DDP's C++ builds its Reducer or rebuilds its buckets: integer tensors it makes from
+    nothing are real (it reads them), and the floating-point ones it makes are remembered (the
+    buckets among them are those still alive when it is done)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func not in _FACTORIES:
+            return func(*args, **kwargs)
+        if kwargs.get("dtype") in _INDEX_DTYPES:
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        made = func(*args, **kwargs)
+        self._made.append(weakref.ref(made))
+        return made
+
+    def alive(self) -> list[torch.Tensor]:
+        """What it made that something still holds: a tensor's Python object lives as long as
+        the C++ side holds the tensor (PyObject preservation)."""
+        return [tensor for ref in self._made if (tensor := ref()) is not None]
+
+
+@contextlib.contextmanager
+def _shape_check_skipped() -> Iterator[None]:
+    import torch.nn.parallel.distributed as ddp_module
+
+    original = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = original
+
+
+def _fake_process_group(world_size: int) -> Any:
+    """A ProcessGroup of `world_size` ranks, this one rank 0, backed by FakeProcessGroup on every
+    device, made without the default group (torch.testing._internal.distributed.fake_pg)."""
+    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    backend = FakeProcessGroup._create_internal(0, world_size)
+    group = ProcessGroup(FakeStore(), 0, world_size)
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+    return group
+
+
+def _allreduce_in_place(world_size: int) -> Callable[..., torch.futures.Future]:
+    # Unannotated: DDP checks a hook's annotations against dist.GradBucket and Future[Tensor], and
+    # under `from __future__ import annotations` they would be strings.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        averaged = bucket.buffer().div_(world_size)  # what allreduce_hook does before NCCL's in-place all-reduce
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(averaged)
+        return future
+
+    return hook
+
+
+class DataParallelRank:
+    """One rank's DistributedDataParallel, built over fake tensors, and the gradient buckets its
+    Reducer holds now."""
+
+    def __init__(self, model: nn.Module, world_size: int) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.world_size = world_size
+        with _shape_check_skipped(), _ReducerTensors() as made:
+            self.wrapper = DistributedDataParallel(model, process_group=_fake_process_group(world_size))
+        self._buckets = made.alive()
+        self.wrapper.register_comm_hook(None, _allreduce_in_place(world_size))
+        forward_prologue = self.wrapper._pre_forward
+
+        def pre_forward(*args: Any, **kwargs: Any) -> Any:
+            self.rebuild_buckets()  # first, where DDP would: then its own call finds nothing to do
+            return forward_prologue(*args, **kwargs)
+
+        self.wrapper._pre_forward = pre_forward
+
+    def rebuild_buckets(self) -> None:
+        """What a forward after the first backward does first (`_pre_forward`): the buckets made
+        again in the order that backward's gradients became ready. Once; later calls do nothing."""
+        with _ReducerTensors() as made:
+            rebuilt = self.wrapper.reducer._rebuild_buckets()
+        if rebuilt:
+            self._buckets = made.alive()
+
+    def buckets(self) -> list[torch.Tensor]:
+        return list(self._buckets)
