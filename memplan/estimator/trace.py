@@ -542,24 +542,18 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
         state = prepare(spec, settings)
         if settings.step is None and state.data_parallel is None:
             _warm_up_optimizer(state)
-    if settings.step is not None:
-        # The state a steady-state iteration finds is what the user's own step leaves: run it once.
+    if settings.step is not None or state.data_parallel is not None:
+        # One untraced iteration leaves the state a steady-state one finds: whatever the user's own
+        # step leaves; under DDP, the optimizer's state and the order the gradients became ready,
+        # in which the second iteration's forward makes the buckets again.
         try:
             with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
-                custom_step(state)
+                iteration(state)  # the user's step, where there is one
         except MemplanError:
             raise
         except Exception as error:
-            raise _step_failure(error, settings) from error
-    elif state.data_parallel is not None:
-        # DDP's steady state: the optimizer's state, and the buckets made again in the order the
-        # first backward's gradients became ready, as the second iteration's forward makes them.
-        try:
-            with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
-                iteration(state)
-        except MemplanError:
-            raise
-        except Exception as error:
+            if settings.step is not None:
+                raise _step_failure(error, settings) from error
             raise _trace_failure(error, None, spec, state.batch) from error
     if state.data_parallel is not None:
         with fake_mode:
