@@ -39,6 +39,18 @@ def stack() -> nn.Module:
     return Stack()
 
 
+class WithUnused(Stack):
+    """A head the loss never reaches: DDP (without find_unused_parameters) refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused_head = nn.Linear(WIDTH, 1)
+
+
+def with_unused() -> nn.Module:
+    return WithUnused()
+
+
 def _reading_buckets(process_group, bucket):
     BUCKETS[bucket.index()] = bucket.buffer()
     return allreduce_hook(process_group, bucket)

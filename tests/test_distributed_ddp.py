@@ -91,6 +91,18 @@ def test_the_total_batch_is_printed():
     assert "DDP gradient buckets" in result.output
 
 
+def test_a_parameter_the_loss_never_reaches_is_one_line_as_ddp_refuses_it():
+    source = ["--inputs", SOURCE["inputs"], "--loss", SOURCE["loss"], "--device", "cpu", "-b", "4"]
+    arguments = ["estimate", "tests.ddp_models:with_unused", *source, "--parallel", "ddp", "--world-size", "2"]
+    result = CliRunner().invoke(main, arguments)
+    assert result.exit_code == 1
+    assert "get no gradient in the step" in result.output and "find_unused_parameters" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert memplan.estimate(
+        "tests.ddp_models:with_unused", **SOURCE, batch_size=4, device="cpu"
+    ).peak_bytes  # no DDP: fine
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -42,6 +42,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memplan.errors import TraceError
+
+
+class UnusedParametersError(TraceError):
+    """DDP's own refusal, said in one line: the step leaves trainable parameters without a gradient."""
+
+
 _FACTORIES = (torch.ops.aten.empty.memory_format, torch.ops.aten.zeros.default)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -131,9 +138,20 @@ class DataParallelRank:
 
     def rebuild_buckets(self) -> None:
         """What a forward after the first backward does first (`_pre_forward`): the buckets made
-        again in the order that backward's gradients became ready. Once; later calls do nothing."""
-        with _ReducerTensors() as made:
-            rebuilt = self.wrapper.reducer._rebuild_buckets()
+        again in the order that backward's gradients became ready. Once; later calls do nothing.
+        Raises UnusedParametersError where the backward left parameters without a gradient, which
+        DDP refuses then."""
+        try:
+            with _ReducerTensors() as made:
+                rebuilt = self.wrapper.reducer._rebuild_buckets()
+        except RuntimeError as error:
+            if "find_unused_parameters" not in str(error):
+                raise
+            raise UnusedParametersError(
+                "some trainable parameters get no gradient in the step, which DistributedDataParallel refuses at "
+                "the next iteration unless built with find_unused_parameters=True, which memplan cannot trace yet: "
+                "freeze those parameters (requires_grad=False) or make them reach the loss"
+            ) from None
         if rebuilt:
             self._buckets = made.alive()
 

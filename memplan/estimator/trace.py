@@ -549,15 +549,14 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
         try:
             with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
                 iteration(state)  # the user's step, where there is one
+                if state.data_parallel is not None:
+                    state.data_parallel.rebuild_buckets()
         except MemplanError:
             raise
         except Exception as error:
             if settings.step is not None:
                 raise _step_failure(error, settings) from error
             raise _trace_failure(error, None, spec, state.batch) from error
-    if state.data_parallel is not None:
-        with fake_mode:
-            state.data_parallel.rebuild_buckets()
     return FakeSetup(fake_mode=fake_mode, state=state)
 
 

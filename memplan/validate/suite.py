@@ -156,6 +156,20 @@ EXTENDED = (
     ),
     _c("t5-base-selective-long", "t5-base", batch_size=8, seq_len=1024, checkpoint="selective"),
     _c("gpt2-cublas-workspace", "gpt2", batch_size=8, seq_len=1024, cublas_workspace_config=":4096:8"),
+    # One DDP rank (memplan.distributed.ddp): on one GPU the real run's group is the fake one too,
+    # so what it measures is DDP's own memory (its buckets, copies and broadcasts) without NCCL's.
+    _c("gpt2-ddp-8", "gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", parallel="ddp", world_size=8),
+    _c(
+        "llama-3.2-1b-ddp-accum2",
+        "llama-3.2-1b",
+        batch_size=2,
+        seq_len=1024,
+        precision="amp-bf16",
+        checkpoint="all",
+        grad_accum=2,
+        parallel="ddp",
+        world_size=4,
+    ),
 )
 
 # QLoRA (memplan.finetune.quantize): needs bitsandbytes on the GPU machine (docs/validation.md says
