@@ -53,6 +53,20 @@ def test_a_ddp_rank_is_the_real_ddp_run(gloo_group, checkpoint, optimizer, grad_
     assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= 0.001, (predicted.peak_bytes, measured.peak_bytes)
 
 
+def test_a_transformers_model_in_bf16_has_bf16_buckets_for_its_trainable_parameters(tiny_model_dirs):
+    """transformers models are called with keyword arguments, which DDP passes on; their buckets
+    take the gradients' dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tiny_model_dirs["gpt2"]
+    result = memplan.estimate(
+        folder, batch_size=2, seq_len=16, device="cpu", precision="bf16", parallel="ddp", world_size=2
+    )
+    real = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    distinct = {id(p): p for p in real.parameters()}  # the tied LM head is the embedding
+    assert result.breakdown.communication == 2 * sum(p.numel() for p in distinct.values())
+
+
 def test_ddp_adds_the_buckets_and_leaves_the_rest_of_the_step_as_it_was():
     plain = memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=16, device="cpu")
     ranked = memplan.estimate(

@@ -123,7 +123,6 @@ class DataParallelRank:
     def __init__(self, model: nn.Module, world_size: int) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        self.world_size = world_size
         with _shape_check_skipped(), _ReducerTensors() as made:
             self.wrapper = DistributedDataParallel(model, process_group=_fake_process_group(world_size))
         self._buckets = made.alive()
