@@ -128,3 +128,16 @@ def test_a_parameter_the_loss_never_reaches_is_one_line_as_ddp_refuses_it():
 def test_parallel_mistakes_are_settings_errors(options, message):
     with pytest.raises(SettingsError, match=message):
         TrainingSettings(**options)
+
+
+@pytest.mark.parametrize("step", ["two_views", "accumulate_halves"])
+def test_a_custom_step_on_a_ddp_rank_is_its_real_run(step):
+    """The user's own step gets the DDP-wrapped model; the real run is DDP's own, on real tensors, over
+    the same fake group (its collectives move nothing; memory is DDP's)."""
+    spec = resolve_model("tiny-gpt2")
+    options = {"batch_size": 4, "seq_len": 32, "device": "cpu", "step": f"tests.custom_steps:{step}"}
+    settings = spec.settings_for(TrainingSettings(**options, parallel="ddp", world_size=2))
+    predicted = memplan.estimate("tiny-gpt2", **options, parallel="ddp", world_size=2)
+    measured = measure_cpu(spec, settings, warmup_iterations=2)
+    assert predicted.breakdown.communication > 0
+    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 8, (predicted.peak_bytes, measured.peak_bytes)
