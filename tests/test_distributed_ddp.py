@@ -7,12 +7,15 @@ prediction for 4 ranks is checked against the one real rank this machine can run
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch.distributed as dist
 from click.testing import CliRunner
 
 import memplan
 from memplan.cli import main
+from memplan.distributed.ddp import DataParallelRank
 from memplan.errors import SettingsError
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import resolve_model
@@ -141,3 +144,45 @@ def test_a_custom_step_on_a_ddp_rank_is_its_real_run(step):
     measured = measure_cpu(spec, settings, warmup_iterations=2)
     assert predicted.breakdown.communication > 0
     assert abs(predicted.peak_bytes - measured.peak_bytes) <= 8, (predicted.peak_bytes, measured.peak_bytes)
+
+
+def test_compare_counts_the_ranks_in_the_effective_batch():
+    common = ["--inputs", SOURCE["inputs"], "--loss", SOURCE["loss"], "--device", "cpu", "-b", "16"]
+    command = ["compare", "tests.ddp_models:stack", *common, "--parallel", "ddp", "--world-size", "8", "--json"]
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    assert {row["effective_batch_size"] for row in rows if row["settings"]["grad_accum"] == 1} == {16 * 8}
+    assert all(row["breakdown"]["communication"] > 0 for row in rows)  # every row one DDP rank
+    clash = CliRunner().invoke(main, [*command[:-1], "--gpus", "4"])
+    assert clash.exit_code == 2 and "--gpus 4 and --world-size 8" in clash.output
+
+
+def test_a_model_with_nothing_to_train_is_one_line():
+    from torch import nn
+
+    with pytest.raises(SettingsError, match="no trainable parameter"):
+        DataParallelRank(nn.Linear(4, 4).requires_grad_(False), 2)
+
+
+def test_memplan_s_own_quantization_buffers_are_not_broadcast(tiny_model_dirs):
+    """bitsandbytes keeps a quantized layer's constants as attributes, which real DDP never
+    broadcasts; memplan keeps them as buffers (to count them), and tells DDP to leave them out."""
+    from memplan.estimator.trace import build_fake_setup
+    from memplan.finetune.quantize import bookkeeping_buffers
+
+    spec = resolve_model(tiny_model_dirs["llama"])
+    options = {"batch_size": 1, "seq_len": 8, "device": "cpu", "lora_rank": 4, "quantize": "nf4"}
+    settings = spec.settings_for(TrainingSettings(**options, parallel="ddp", world_size=2))
+    state = build_fake_setup(spec, settings).state
+    wrapper = state.data_parallel.wrapper
+    names = bookkeeping_buffers(state.built_model)
+    layers = sum(
+        1
+        for module in state.built_model.modules()
+        if type(module).__name__ == "Linear4bit" and hasattr(module, "quant_state_code")
+    )
+    assert len(names) == 5 * layers > 0  # absmax, code, offset, absmax2, code2 per 4-bit layer
+    assert set(wrapper.parameters_to_ignore) == set(names)
+    broadcast = {id(buffer) for buffer in wrapper.modules_buffers}
+    assert not broadcast & {id(buffer) for name, buffer in state.built_model.named_buffers() if name in names}

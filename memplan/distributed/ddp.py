@@ -42,7 +42,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.errors import TraceError
+from memplan.errors import SettingsError, TraceError
 
 
 class UnusedParametersError(TraceError):
@@ -120,9 +120,19 @@ class DataParallelRank:
     """One rank's DistributedDataParallel, built over fake tensors, and the gradient buckets its
     Reducer holds now."""
 
-    def __init__(self, model: nn.Module, world_size: int) -> None:
+    def __init__(self, model: nn.Module, world_size: int, not_broadcast: list[str] | None = None) -> None:
+        """`not_broadcast`: names of buffers that only memplan keeps as buffers (a quantized layer's
+        constants, which bitsandbytes keeps as attributes): DDP would broadcast them before every
+        forward, and real DDP never sees them."""
         from torch.nn.parallel import DistributedDataParallel
 
+        if not any(param.requires_grad for param in model.parameters()):
+            raise SettingsError(
+                "--parallel ddp: the model has no trainable parameter, which DistributedDataParallel refuses; "
+                "leave out --parallel"
+            )
+        if not_broadcast:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, not_broadcast)
         with _shape_check_skipped(), _ReducerTensors() as made:
             self.wrapper = DistributedDataParallel(model, process_group=_fake_process_group(world_size))
         self._buckets = made.alive()

@@ -46,7 +46,7 @@ from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import with_lora
-from memplan.finetune.quantize import quantized
+from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
 from memplan.settings import TrainingSettings
@@ -110,7 +110,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     if settings.parallel == "ddp":  # wraps the model as built, adapted and checkpointed, as scripts do
         from memplan.distributed.ddp import DataParallelRank
 
-        data_parallel = DataParallelRank(model, settings.world_size)
+        data_parallel = DataParallelRank(model, settings.world_size, not_broadcast=bookkeeping_buffers(model))
         model = data_parallel.wrapper
     state = TrainingState(
         model=model,

@@ -128,6 +128,13 @@ def run_compare(
     started = time.perf_counter()
     if gpus < 1:
         raise SettingsError(f"--gpus must be a positive integer, got {gpus}")
+    if settings.parallel != "none":
+        # The ranks are --world-size's: the rows are one rank's, the effective batch all ranks'.
+        if gpus not in (1, settings.world_size):
+            raise SettingsError(
+                f"--gpus {gpus} and --world-size {settings.world_size} both count data-parallel GPUs: give --world-size"
+            )
+        gpus = settings.world_size
     if not isinstance(settings.checkpoint, str):
         raise SettingsError("compare starts from --checkpoint none or all, not a plan file")
     report = progress or (lambda message: None)

@@ -115,8 +115,8 @@ _INT8_ARGUMENT_NAMES = {
 def _quantize_scratch(arguments: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     """int8_vectorwise_quant's CUDA kernel, with a threshold: `outliers = A.abs() >= threshold`
     (|A| in A's dtype, then a bool mask, both A's shape), then `outliers.any(dim=0)` (one bool per
-    column) before `argwhere` gives the output. |A| is freed before the outputs are made, but is
-    counted with them: the high side."""
+    column) before `argwhere` gives the output; the outputs (`row_stats`, `out_row`) are made
+    first, so all of these are live with them."""
     activation, threshold = arguments["A"], arguments.get("threshold", 0.0)
     assert isinstance(activation, torch.Tensor)
     if not threshold > 0.0:
@@ -185,11 +185,11 @@ def int8_matmul_as_on_cuda() -> Iterator[None]:
         return MatMul8bitLt.apply(A, B, out, bias, state)
 
     library = torch.library.Library("bitsandbytes", "FRAGMENT")
-    for name, fake in _INT8_FAKES.items():
-        # allow_override: bitsandbytes registered its own (the default is False on torch 2.11 and 2.12).
-        torch.library.register_fake(f"bitsandbytes::{name}", fake, lib=library, allow_override=True)
-    bitsandbytes.matmul = matmul
     try:
+        for name, fake in _INT8_FAKES.items():
+            # allow_override: bitsandbytes registered its own (the default is False on torch 2.11 and 2.12).
+            torch.library.register_fake(f"bitsandbytes::{name}", fake, lib=library, allow_override=True)
+        bitsandbytes.matmul = matmul
         with bitsandbytes_quiet():  # MatMul8bitLt warns at every call that it casts its input to float16
             yield
     finally:

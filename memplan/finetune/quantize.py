@@ -56,6 +56,10 @@ from memplan.settings import TrainingSettings
 # BitsAndBytesConfig's bnb_4bit_blocksize default and Params4bit's (bitsandbytes/nn/modules.py).
 BLOCK_SIZE = 64
 INT8 = "int8"  # LLM.int8(): BitsAndBytesConfig(load_in_8bit=True), bnb.nn.Linear8bitLt
+# Buffers memplan registers so that a quantized layer's constants count with the model, where
+# bitsandbytes keeps them as attributes (the QuantState, MatmulLtState.SCB): no real buffers.
+QUANT_STATE_BUFFER_PREFIX = "quant_state_"
+INT8_SCALES_BUFFER = "int8_row_scales"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "amp-bf16": torch.bfloat16, "fp16": torch.float16, "amp-fp16": torch.float16}
 
 
@@ -113,7 +117,7 @@ def _load_4bit(bnb, layer: nn.Module, weight: torch.Tensor, quant_type: str) -> 
     weight_param.module = layer
     layer._parameters["weight"] = weight_param
     for name, tensor in _quant_state_tensors(quant_state):
-        layer.register_buffer(f"quant_state_{name}", tensor, persistent=False)
+        layer.register_buffer(f"{QUANT_STATE_BUFFER_PREFIX}{name}", tensor, persistent=False)
 
 
 def _load_int8(bnb, layer: nn.Module, weight: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +133,7 @@ def _load_int8(bnb, layer: nn.Module, weight: torch.Tensor) -> None:  # type: ig
     weight_param.SCB = row_scales
     weight_param.has_fp16_weights = False
     layer._parameters["weight"] = weight_param
-    layer.register_buffer("int8_row_scales", row_scales, persistent=False)
+    layer.register_buffer(INT8_SCALES_BUFFER, row_scales, persistent=False)
 
 
 def _quant_state_tensors(quant_state) -> list[tuple[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
@@ -156,6 +160,16 @@ def _bitsandbytes_caches_kept() -> Iterator[None]:
     finally:
         functional.name2qmap.clear()
         functional.name2qmap.update(saved)
+
+
+def bookkeeping_buffers(model: nn.Module) -> list[str]:
+    """The qualified names of the buffers memplan registered on quantized layers (not real buffers:
+    a DDP wrapper must not broadcast them)."""
+    return [
+        name
+        for name, _ in model.named_buffers()
+        if name.rsplit(".", 1)[-1].startswith(QUANT_STATE_BUFFER_PREFIX) or name.endswith(f".{INT8_SCALES_BUFFER}")
+    ]
 
 
 def logical_numel(param: torch.Tensor) -> int:
@@ -217,7 +231,8 @@ def quantized(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     cast_floating_point(model, unquantized_dtype, buffers=False, frozen=True)
     # Linear4bit.forward casts its bias to the compute dtype in place at the first call
     # (`bias.data = bias.data.to(x.dtype)`): from then on, the steady state, it is held so.
-    # (Linear8bitLt casts it to its input's dtype, which only the forward knows: see warm_up_int8.)
+    # (Linear8bitLt casts it to its input's dtype, which only the forward knows: it is left as loaded,
+    # which matches the input's dtype in every precision memplan builds.)
     for layer in model.modules():
         if isinstance(layer, bnb.nn.Linear4bit) and layer.bias is not None:
             layer._parameters["bias"] = nn.Parameter(layer.bias.detach().to(layer.compute_dtype), requires_grad=False)
