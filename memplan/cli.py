@@ -288,6 +288,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="Data-parallel ranks with --parallel (the total batch is micro-batch × accumulation × ranks).",
         ),
         click.option(
+            "--ddp-bucket-view",
+            is_flag=True,
+            help="With --parallel ddp: DistributedDataParallel(gradient_as_bucket_view=True), the gradients views "
+            "into DDP's buckets instead of a second copy.",
+        ),
+        click.option(
             "--step",
             metavar="MODULE:FN",
             help="Your own training iteration instead of the loop: fn(model, batch, optimizer) runs one "

@@ -185,6 +185,8 @@ class TrainingSettings:
     # Data parallelism (memplan.distributed): the figures are one rank's; batch settings are per rank.
     parallel: str = "none"  # one of PARALLEL_MODES
     world_size: int = 1  # data-parallel ranks
+    # DistributedDataParallel(gradient_as_bucket_view=...): gradients are views into DDP's buckets.
+    ddp_bucket_view: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -302,6 +304,8 @@ class TrainingSettings:
         _check_positive("world size", self.world_size)
         if self.world_size > MAX_COUNT:
             raise SettingsError(f"world size {self.world_size:,} is beyond what memplan models (at most {MAX_COUNT:,})")
+        if self.ddp_bucket_view and self.parallel != "ddp":
+            raise SettingsError("--ddp-bucket-view is an option of DDP: give --parallel ddp")
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
                 f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, or leave it out"

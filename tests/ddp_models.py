@@ -56,13 +56,17 @@ def _reading_buckets(process_group, bucket):
     return allreduce_hook(process_group, bucket)
 
 
-def ddp_stack() -> nn.Module:
+def ddp_stack(gradient_as_bucket_view: bool = False) -> nn.Module:
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     BUCKETS.clear()
-    model = nn.parallel.DistributedDataParallel(Stack())
+    model = nn.parallel.DistributedDataParallel(Stack(), gradient_as_bucket_view=gradient_as_bucket_view)
     model.register_comm_hook(None, _reading_buckets)
     return model
+
+
+def ddp_stack_bucket_view() -> nn.Module:
+    return ddp_stack(gradient_as_bucket_view=True)
 
 
 def rows(batch_size: int) -> torch.Tensor:

@@ -56,6 +56,25 @@ def test_a_ddp_rank_is_the_real_ddp_run(gloo_group, checkpoint, optimizer, grad_
     assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= 0.001, (predicted.peak_bytes, measured.peak_bytes)
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "optimizer", "grad_accum"), [("none", "adamw", 1), ("all", "sgd", 1), ("none", "adamw", 2)]
+)
+def test_with_gradients_as_bucket_views_a_ddp_rank_is_the_real_ddp_run(gloo_group, checkpoint, optimizer, grad_accum):
+    """gradient_as_bucket_view=True: the gradients are views into the buckets, one copy, not two;
+    the last micro-batch of an accumulating step finds them there, as DDP left them."""
+    options = {"batch_size": 16, "device": "cpu", "checkpoint": checkpoint, "optimizer": optimizer}
+    options["grad_accum"] = grad_accum
+    ddp = {"parallel": "ddp", "world_size": 4}
+    viewed = memplan.estimate("tests.ddp_models:stack", **SOURCE, **ddp, ddp_bucket_view=True, **options)
+    copied = memplan.estimate("tests.ddp_models:stack", **SOURCE, **ddp, **options)
+    spec = resolve_model("tests.ddp_models:ddp_stack_bucket_view", **SOURCE)
+    measured = measure_cpu(spec, spec.settings_for(TrainingSettings(**options)), warmup_iterations=2)
+    assert abs(viewed.peak_bytes - measured.peak_bytes) <= 8, (viewed.peak_bytes, measured.peak_bytes)
+    trainable = sum(p.numel() * p.element_size() for p in ddp_models.Stack().parameters())
+    assert 0 < copied.peak_bytes - viewed.peak_bytes <= trainable  # at most the second copy of every gradient
+    assert viewed.breakdown.gradients == trainable and viewed.breakdown.communication == 0  # the buckets are them
+
+
 def test_a_transformers_model_in_bf16_has_bf16_buckets_for_its_trainable_parameters(tiny_model_dirs):
     """transformers models are called with keyword arguments, which DDP passes on; their buckets
     take the gradients' dtype."""
@@ -126,6 +145,7 @@ def test_a_parameter_the_loss_never_reaches_is_one_line_as_ddp_refuses_it():
         ({"world_size": 4}, "--world-size 4 counts data-parallel ranks: give --parallel ddp"),
         ({"parallel": "ddp", "world_size": 0}, "world size must be a positive integer"),
         ({"parallel": "fsdp", "world_size": 2}, "parallel mode must be one of none, ddp"),
+        ({"ddp_bucket_view": True}, "--ddp-bucket-view is an option of DDP: give --parallel ddp"),
     ],
 )
 def test_parallel_mistakes_are_settings_errors(options, message):

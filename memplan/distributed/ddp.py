@@ -120,10 +120,17 @@ class DataParallelRank:
     """One rank's DistributedDataParallel, built over fake tensors, and the gradient buckets its
     Reducer holds now."""
 
-    def __init__(self, model: nn.Module, world_size: int, not_broadcast: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        world_size: int,
+        not_broadcast: list[str] | None = None,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
         """`not_broadcast`: names of buffers that only memplan keeps as buffers (a quantized layer's
         constants, which bitsandbytes keeps as attributes): DDP would broadcast them before every
-        forward, and real DDP never sees them."""
+        forward, and real DDP never sees them. `gradient_as_bucket_view`: DDP's option, which makes
+        each gradient a view into its bucket instead of a second copy."""
         from torch.nn.parallel import DistributedDataParallel
 
         if not any(param.requires_grad for param in model.parameters()):
@@ -134,7 +141,11 @@ class DataParallelRank:
         if not_broadcast:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, not_broadcast)
         with _shape_check_skipped(), _ReducerTensors() as made:
-            self.wrapper = DistributedDataParallel(model, process_group=_fake_process_group(world_size))
+            self.wrapper = DistributedDataParallel(
+                model,
+                process_group=_fake_process_group(world_size),
+                gradient_as_bucket_view=gradient_as_bucket_view,
+            )
         self._buckets = made.alive()
         self.wrapper.register_comm_hook(None, _allreduce_in_place(world_size))
         forward_prologue = self.wrapper._pre_forward

@@ -110,7 +110,12 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     if settings.parallel == "ddp":  # wraps the model as built, adapted and checkpointed, as scripts do
         from memplan.distributed.ddp import DataParallelRank
 
-        data_parallel = DataParallelRank(model, settings.world_size, not_broadcast=bookkeeping_buffers(model))
+        data_parallel = DataParallelRank(
+            model,
+            settings.world_size,
+            not_broadcast=bookkeeping_buffers(model),
+            gradient_as_bucket_view=settings.ddp_bucket_view,
+        )
         model = data_parallel.wrapper
     state = TrainingState(
         model=model,

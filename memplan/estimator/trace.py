@@ -560,6 +560,18 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     return FakeSetup(fake_mode=fake_mode, state=state)
 
 
+def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSettings, fake_mode: FakeTensorMode) -> None:
+    """The gradients a DDP rank's last micro-batch (or a loop that keeps them) finds, made as DDP makes
+    them: with gradient_as_bucket_view they are views into its buckets, not tensors of their own. What
+    the warm-up left is kept; where the loop dropped them, one untraced micro-batch makes them."""
+    if all(param.grad is not None for param in state.trainable):
+        return
+    state.micro_batches_done = max(settings.grad_accum - 2, 0)
+    with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
+        micro_batch(state)
+    state.micro_batches_done = settings.grad_accum - 1
+
+
 def _step_failure(error: Exception, settings: TrainingSettings) -> TraceError:
     return TraceError(
         f"--step {settings.step} failed under fake tensors ({type(error).__name__}: {error}); it is called as "
@@ -587,11 +599,13 @@ def trace_step(
     with fake_mode:
         state.batch = spec.make_batch(settings, STORAGE_DTYPES[settings.precision])
         state.micro_batches_done = settings.grad_accum - 1  # the step's last micro-batch is traced
-        if gradients_outlive_the_step(settings):
+        if gradients_outlive_the_step(settings) and state.data_parallel is None:
             # Later micro-batches find every gradient allocated (they dominate the first one), and
             # so do loops that free them late or never (memplan.estimator.loop).
             for param in state.trainable:
                 param.grad = torch.zeros_like(param)
+    if gradients_outlive_the_step(settings) and state.data_parallel is not None:
+        _gradients_as_ddp_makes_them(state, settings, fake_mode)
     previous_grads = [(storage_key(grad), grad.untyped_storage().nbytes()) for grad in current_grads(state)]
     inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
