@@ -173,7 +173,10 @@ def test_compare_counts_the_ranks_in_the_effective_batch():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["rows"]
     assert {row["effective_batch_size"] for row in rows if row["settings"]["grad_accum"] == 1} == {16 * 8}
-    assert all(row["breakdown"]["communication"] > 0 for row in rows)  # every row one DDP rank
+    assert all(row["settings"]["parallel"] == "ddp" for row in rows)  # every row one DDP rank
+    bucket_view = next(row for row in rows if row["name"] == "DDP gradient_as_bucket_view")
+    as_given = next(row for row in rows if row["name"] == "as given")
+    assert bucket_view["peak_bytes"] < as_given["peak_bytes"] and bucket_view["settings"]["ddp_bucket_view"]
     clash = CliRunner().invoke(main, [*command[:-1], "--gpus", "4"])
     assert clash.exit_code == 2 and "--gpus 4 and --world-size 8" in clash.output
 

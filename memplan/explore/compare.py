@@ -59,6 +59,8 @@ def techniques(base: TrainingSettings) -> list[Technique]:
         found.append(
             Technique("QLoRA (NF4 base)", {"quantize": "nf4"}, "numerics: 4-bit frozen weights (bitsandbytes)")
         )
+    if base.parallel == "ddp" and not base.ddp_bucket_view:
+        found.append(Technique("DDP gradient_as_bucket_view", {"ddp_bucket_view": True}, "gradients are bucket views"))
     if base.checkpoint == "none":
         found.append(Technique("checkpoint all blocks", {"checkpoint": "all"}, "recompute"))
         if base.precision != "amp-bf16":
