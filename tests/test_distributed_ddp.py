@@ -17,6 +17,8 @@ import memplan
 from memplan.cli import main
 from memplan.distributed.ddp import DataParallelRank
 from memplan.errors import SettingsError
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
@@ -52,8 +54,7 @@ def test_a_ddp_rank_is_the_real_ddp_run(gloo_group, checkpoint, optimizer, grad_
     assert buckets == trainable  # every gradient once more (gradient_as_bucket_view=False)
     assert predicted.breakdown.communication == buckets
     # The real run's counter takes the buckets as live from the start (they existed before it), as memplan does.
-    # Within 0.1%: this model's AdamW step alone is 1,024 B low without DDP too (the peak is in the step).
-    assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= 0.001, (predicted.peak_bytes, measured.peak_bytes)
+    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 8, (predicted.peak_bytes, measured.peak_bytes)
 
 
 @pytest.mark.parametrize(
@@ -209,3 +210,25 @@ def test_memplan_s_own_quantization_buffers_are_not_broadcast(tiny_model_dirs):
     assert set(wrapper.parameters_to_ignore) == set(names)
     broadcast = {id(buffer) for buffer in wrapper.modules_buffers}
     assert not broadcast & {id(buffer) for name, buffer in state.built_model.named_buffers() if name in names}
+
+
+@pytest.mark.parametrize(
+    ("name", "world_size", "checkpoint", "precision"),
+    [
+        ("gpt2", 2, "none", "fp32"),
+        ("llama", 4, "all", "amp-bf16"),
+        ("bert", 8, "none", "fp32"),
+        ("t5", 2, "all", "fp32"),
+        ("vit", 8, "all", "fp32"),
+        ("resnet", 4, "none", "fp32"),
+    ],
+)
+def test_a_ddp_rank_of_each_architecture_is_its_real_run(tiny_model_dirs, name, world_size, checkpoint, precision):
+    """`validate --parallel ddp --device cpu` measures this: rank 0's step run for real on CPU tensors
+    under the same fake group (its collectives move nothing; the memory is DDP's own)."""
+    spec = resolve_model(tiny_model_dirs[name])
+    options = {"batch_size": 2, "device": "cpu", "checkpoint": checkpoint, "precision": precision}
+    settings = spec.settings_for(TrainingSettings(**options, parallel="ddp", world_size=world_size))
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    measured = measure_cpu(spec, settings, warmup_iterations=2).peak_bytes
+    assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)

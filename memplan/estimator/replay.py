@@ -51,6 +51,19 @@ class OptimizerRecording:
 
     grads: list[torch.Tensor]
     ops: list[RecordedOp] = field(default_factory=list)
+    # How long the step's own Python locals kept its tensors (held_tensors.OptimizerLocals): each
+    # storage, and the last op it lives through, counted from the step's first op. A replay adds the
+    # same ops in the same order, on the same temporaries, so the same offsets hold.
+    local_lifetimes: list[tuple[StorageWeakRef, int]] = field(default_factory=list)
+
+    def keep_local_lifetimes(self, lifetimes: Sequence[tuple[torch.Tensor, int]], step_start: int) -> None:
+        self.local_lifetimes = [
+            (StorageWeakRef(tensor.untyped_storage()), end - step_start) for tensor, end in lifetimes
+        ]
+
+    def local_lifetimes_from(self, step_start: int) -> list[tuple[StorageWeakRef, int]]:
+        """The locals' lifetimes in a trace whose optimizer step begins at node `step_start`."""
+        return [(key, step_start + offset) for key, offset in self.local_lifetimes]
 
     def is_replayable(self, persistent: Sequence[torch.Tensor]) -> bool:
         """Every tensor read from outside the step is a gradient or outlives the trace, and no op

@@ -35,7 +35,7 @@ from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.fake_conversions import fake_friendly_conversions
 from memplan.estimator.fake_mode import TracingFakeMode
-from memplan.estimator.held_tensors import python_holders_tracked
+from memplan.estimator.held_tensors import OptimizerLocals, python_holders_tracked
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.loop import (
@@ -627,15 +627,21 @@ def trace_step(
                 micro_batch(state, marker)
             eager_lifetimes.finish()
             grads = current_grads(state)
+            step_start = recorder.node_count()
             if optimizer_replay is not None and optimizer_replay.matches(grads):
                 recorder.replay(optimizer_replay, grads)
                 drop_grads(state)
                 recording: OptimizerRecording | None = optimizer_replay
+                eager_lifetimes.local_lifetimes += optimizer_replay.local_lifetimes_from(step_start)
             else:
                 recorder.recording = OptimizerRecording(grads)
-                with constant_item():
+                optimizer_locals = OptimizerLocals(recorder.node_count)
+                with constant_item(), optimizer_locals:
                     optimizer_step(state)  # gradients live until zero_grad ends the iteration
+                optimizer_locals.finish()
                 recording, recorder.recording = recorder.recording, None
+                recording.keep_local_lifetimes(optimizer_locals.lifetimes, step_start)
+                eager_lifetimes.local_lifetimes += recording.local_lifetimes_from(step_start)
                 # What outlives one trace of the fake model, besides the gradients.
                 if not recording.is_replayable(model_tensors(state) + optimizer_tensors(state)):
                     recording = None
