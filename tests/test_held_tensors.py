@@ -5,9 +5,12 @@ weakref finalizer reports it freed)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
@@ -109,3 +112,57 @@ def test_a_replayed_optimizer_step_keeps_its_locals_lifetimes():
     assert traced.optimizer_recording is not None and traced.optimizer_recording.local_lifetimes
     replayed = trace_step(spec, settings, setup, traced.optimizer_recording)
     assert simulate(replayed).peak_bytes == simulate(traced).peak_bytes
+
+
+# Compiled under a file name inside torch/optim, whose frames OptimizerLocals watches.
+_STEP_SOURCE = """
+def helper(x):
+    u = x + 1
+    return u.sum()
+
+def step(xs):
+    for x in xs:
+        t = x * 2
+        t.add_(1)
+    kept = [x.neg() for x in xs]
+    s = helper(xs[0])
+    kept = None
+    xs[0].mul(3)
+"""
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_optimizer_locals_end_where_python_lets_go_of_them():
+    """Ops are numbered 0-8 in the order the source runs them: x0*2, add_, x1*2, add_, the two negs,
+    x0+1, sum, x0*3. A tensor's end is the last op it lives through: t0 until x1*2 (2), replaced as
+    `t`; u until the sum (7), when helper returns; both negs until the sum too (7), until `kept` is
+    dropped before the next op; t1 and the sum until the step's last op (8)."""
+    from memplan.estimator.held_tensors import _OPTIMIZER_DIR, OptimizerLocals
+
+    namespace: dict = {}
+    exec(compile(_STEP_SOURCE, os.path.join(_OPTIMIZER_DIR, "memplan_test_step.py"), "exec"), namespace)
+    xs = [torch.ones(4), torch.ones(8)]
+    counter = _OpCounter()
+    observer = OptimizerLocals(lambda: counter.count)
+    with counter, observer:
+        namespace["step"](xs)
+    observer.finish()
+    ends: dict[int, int] = {}
+    for tensor, end in observer.lifetimes:
+        ends[id(tensor)] = max(ends.get(id(tensor), -1), end)
+    made = {
+        shape_and_value: tensor
+        for tensor, _ in observer.lifetimes
+        for shape_and_value in [(tensor.numel(), float(tensor.flatten()[0]))]
+    }
+    expected = {(4, 3.0): 2, (8, 3.0): 8, (4, -1.0): 7, (8, -1.0): 7, (4, 2.0): 7, (1, 8.0): 8}
+    assert {key: ends[id(made[key])] for key in expected} == expected
