@@ -218,7 +218,7 @@ def test_memplan_s_own_quantization_buffers_are_not_broadcast(tiny_model_dirs):
         ("gpt2", 2, "none", "fp32"),
         ("llama", 4, "all", "amp-bf16"),
         ("bert", 8, "none", "fp32"),
-        ("t5", 2, "all", "fp32"),
+        ("distilbert", 2, "all", "fp32"),
         ("vit", 8, "all", "fp32"),
         ("resnet", 4, "none", "fp32"),
     ],
