@@ -231,4 +231,4 @@ def test_a_ddp_rank_of_each_architecture_is_its_real_run(tiny_model_dirs, name, 
     settings = spec.settings_for(TrainingSettings(**options, parallel="ddp", world_size=world_size))
     predicted = simulate(trace_step(spec, settings)).peak_bytes
     measured = measure_cpu(spec, settings, warmup_iterations=2).peak_bytes
-    assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)
+    assert abs(predicted - measured) <= 8, (predicted, measured)  # the 0-d loss: 4 B, as in the zoo

@@ -242,7 +242,10 @@ def test_quantize_mistakes_are_one_line_usage_errors(tiny_model_dirs, arguments,
 
 
 INT8_QUANT, INT8_MIXED = bnb_kernels.INT8_VECTORWISE_QUANT, bnb_kernels.INT8_MIXED_SCALED_MM
-INT8_SCALED = bnb_kernels.INT8_SCALED_MM
+# The ops themselves, as a traced node's target is one.
+QUANT_OP = torch.ops.bitsandbytes.int8_vectorwise_quant.default
+MIXED_OP = torch.ops.bitsandbytes.int8_mixed_scaled_mm.default
+SCALED_OP = torch.ops.bitsandbytes.int8_scaled_mm.default
 
 
 def _int8_layout_bytes(out_features: int, in_features: int) -> int:
@@ -342,17 +345,17 @@ def test_the_int8_cuda_kernels_scratch_read_by_hand():
     rows, inputs, outputs, outliers = 32, 128, 256, 2
     half_input = torch.empty(2, rows // 2, inputs, dtype=torch.float16)
     for threshold in (6.0, 0.5):
-        assert int8_scratch(INT8_QUANT, (half_input, threshold), {}) == (
+        assert int8_scratch(QUANT_OP, (half_input, threshold), {}) == (
             ("int8 outliers: |input|", rows * inputs * 2),
             ("int8 outliers: mask", rows * inputs),
             ("int8 outliers: columns", inputs),
         )
-    assert int8_scratch(INT8_QUANT, (half_input,), {}) == ()  # no threshold: the kernel alone
-    assert int8_scratch(INT8_QUANT, (half_input, 0.0), {}) == ()
+    assert int8_scratch(QUANT_OP, (half_input,), {}) == ()  # no threshold: the kernel alone
+    assert int8_scratch(QUANT_OP, (half_input, 0.0), {}) == ()
     weight = torch.empty(outputs, inputs, dtype=torch.int8)
     columns = torch.empty(outliers, dtype=torch.int64)
     bf16_input = torch.empty(2, rows // 2, inputs, dtype=torch.bfloat16)
-    mixed = int8_scratch(INT8_MIXED, (bf16_input, None, weight, None, None, columns, None), {})
+    mixed = int8_scratch(MIXED_OP, (bf16_input, None, weight, None, None, columns, None), {})
     assert mixed == (
         ("int8 matmul: int32 product", rows * outputs * 4),
         ("int8 matmul: float16 result", rows * outputs * 2),  # then cast to bfloat16
@@ -363,13 +366,13 @@ def test_the_int8_cuda_kernels_scratch_read_by_hand():
         ("int8 matmul before the outlier columns", rows * outputs * 2),  # before addmm makes the output
     )
     # float16 input: int8_mm_dequant's float16 result is the product itself; no outliers: no addmm.
-    plain = int8_scratch(INT8_MIXED, (half_input, None, weight, None, None, None, None), {})
+    plain = int8_scratch(MIXED_OP, (half_input, None, weight, None, None, None, None), {})
     assert plain == (("int8 matmul: int32 product", rows * outputs * 4),)
-    by_keyword = int8_scratch(INT8_MIXED, (half_input, None, weight, None, None), {"outlier_cols": columns})
+    by_keyword = int8_scratch(MIXED_OP, (half_input, None, weight, None, None), {"outlier_cols": columns})
     assert len(by_keyword) == 6
     int8_input = torch.empty(2, rows // 2, inputs, dtype=torch.int8)
     for dtype, expected in ((None, 1), (torch.float16, 1), (torch.bfloat16, 2)):  # None: float16
-        scaled = int8_scratch(INT8_SCALED, (int8_input, weight, None, None, None, dtype), {})
+        scaled = int8_scratch(SCALED_OP, (int8_input, weight, None, None, None, dtype), {})
         assert [nbytes for _, nbytes in scaled] == [rows * outputs * 4, rows * outputs * 2][:expected]
         assert all(type(nbytes) is int for _, nbytes in scaled)
     assert all(type(nbytes) is int for _, nbytes in mixed)

@@ -32,10 +32,10 @@ Not traced: NCCL's own communication buffers, outside torch's allocator.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+from unittest.mock import patch
 
 import torch
 from torch import nn
@@ -77,18 +77,6 @@ class _ReducerTensors(TorchDispatchMode):
         """What it made that something still holds: a tensor's Python object lives as long as
         the C++ side holds the tensor (PyObject preservation)."""
         return [tensor for ref in self._made if (tensor := ref()) is not None]
-
-
-@contextlib.contextmanager
-def _shape_check_skipped() -> Iterator[None]:
-    import torch.nn.parallel.distributed as ddp_module
-
-    original = ddp_module._verify_param_shape_across_processes
-    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        ddp_module._verify_param_shape_across_processes = original
 
 
 def _fake_process_group(world_size: int) -> Any:
@@ -140,7 +128,10 @@ class DataParallelRank:
             )
         if not_broadcast:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, not_broadcast)
-        with _shape_check_skipped(), _ReducerTensors() as made:
+        import torch.nn.parallel.distributed as ddp_module
+
+        skip_shape_check = patch.object(ddp_module, "_verify_param_shape_across_processes", lambda *_, **__: None)
+        with skip_shape_check, _ReducerTensors() as made:
             self.wrapper = DistributedDataParallel(
                 model,
                 process_group=_fake_process_group(world_size),

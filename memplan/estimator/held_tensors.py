@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any, Protocol
+from unittest.mock import patch
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
@@ -50,7 +51,7 @@ def _selective_cache_lifetimes(eager_lifetimes: HolderObserver) -> Iterator[None
             if isinstance(val, torch.Tensor):
                 eager_lifetimes.held_until_released(self, val)
 
-    with _replaced(checkpoint_module, "_VersionWrapper", ObservedEntry):
+    with patch.object(checkpoint_module, "_VersionWrapper", ObservedEntry):
         yield
 
 
@@ -76,7 +77,7 @@ def _checkpoint_input_lifetimes(eager_lifetimes: HolderObserver) -> Iterator[Non
             for tensor in tensors_in((inputs.get("args"), inputs.get("kwargs"))):
                 eager_lifetimes.held_until_released(self, tensor)
 
-    with _replaced(checkpoint_module, "_CheckpointFrame", ObservedFrame):
+    with patch.object(checkpoint_module, "_CheckpointFrame", ObservedFrame):
         yield
 
 
@@ -100,19 +101,8 @@ def _function_context_lifetimes(eager_lifetimes: HolderObserver) -> Iterator[Non
                     eager_lifetimes.held_until_released(node, tensor)
         return outputs
 
-    with _replaced(torch.autograd.function.Function, "apply", classmethod(apply)):
+    with patch.object(torch.autograd.function.Function, "apply", classmethod(apply)):
         yield
-
-
-@contextlib.contextmanager
-def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
-    """`owner.name` is `value` for the trace, then what it was (as stored: a classmethod stays one)."""
-    original = vars(owner)[name]
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def _grad_fn(tensor: torch.Tensor) -> object | None:

@@ -550,6 +550,8 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
             with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
                 iteration(state)  # the user's step, where there is one
                 if state.data_parallel is not None:
+                    # Now, not at the traced step's first forward: that would trace the old buckets
+                    # freed and the new ones made (where the warm-up ran one forward, it has not yet).
                     state.data_parallel.rebuild_buckets()
         except MemplanError:
             raise

@@ -88,13 +88,15 @@ def is_int8_op(target: object) -> bool:
     return str(target) in INT8_OPS
 
 
-def int8_scratch(target: object, args: Sequence[object], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:
+def int8_scratch(target: Any, args: Sequence[object], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:
     """(what, bytes) bitsandbytes' CUDA path allocates and frees inside one of its int8 ops, read off
     backends/cuda/ops.py and, for the ops with no CUDA kernel, backends/default/ops.py. Counted as
     live together with the op's output, which over-counts by up to one output-sized tensor where a
-    request is freed before the output is made: the high side."""
+    request is freed before the output is made: the high side. `target` is the op (an OpOverload),
+    whose schema (bitsandbytes/_ops.py) names its arguments."""
     name = str(target)
-    arguments = dict(zip(_INT8_ARGUMENT_NAMES[name], args, strict=False)) | kwargs
+    names = [argument.name for argument in target._schema.arguments]
+    arguments = dict(zip(names, args, strict=False)) | kwargs
     if name == INT8_VECTORWISE_QUANT:
         return _quantize_scratch(arguments)
     if name == INT8_SCALED_MM:
@@ -103,13 +105,6 @@ def int8_scratch(target: object, args: Sequence[object], kwargs: dict[str, objec
         dtype = arguments.get("dtype") or torch.float16
         return _scaled_mm_scratch(activation.numel() // activation.shape[-1], weight.shape[0], dtype)  # type: ignore[arg-type]
     return _mixed_scaled_mm_scratch(arguments)
-
-
-_INT8_ARGUMENT_NAMES = {
-    INT8_VECTORWISE_QUANT: ("A", "threshold"),
-    INT8_SCALED_MM: ("A", "B", "row_stats", "col_stats", "bias", "dtype"),
-    INT8_MIXED_SCALED_MM: ("A", "CA", "CB", "SCA", "SCB", "outlier_cols", "bias"),
-}
 
 
 def _quantize_scratch(arguments: dict[str, Any]) -> tuple[tuple[str, int], ...]:
