@@ -352,7 +352,7 @@ def test_an_error_raised_while_ctrl_c_unwinds_the_work_is_reported_as_the_interr
     import os
     import signal
 
-    from memplan.cli import _run
+    from memplan.cli.running import _run
 
     def action() -> None:
         try:

@@ -136,9 +136,9 @@ def test_ctrl_c_in_a_sweep_or_compare_keeps_what_finished(tiny_model_dirs):
 
 
 def test_ctrl_c_in_the_cli_sweep_shows_the_finished_table_and_exits_130(tiny_model_dirs, monkeypatch):
-    import memplan.cli
+    import memplan.cli.running
 
-    monkeypatch.setattr(memplan.cli, "_progress", lambda as_json: _interrupt_at("[2/2]"))
+    monkeypatch.setattr(memplan.cli.running, "_progress", lambda as_json: _interrupt_at("[2/2]"))
     args = [tiny_model_dirs["gpt2"], "--seq-len", "32", "--device", "cpu", "--batch-sizes", "1,2"]
     result = CliRunner().invoke(main, ["sweep", *args, "--precisions", "fp32,amp-bf16"])
     assert result.exit_code == 130, result.output

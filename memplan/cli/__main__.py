@@ -1,0 +1,3 @@
+from memplan.cli import main
+
+main()

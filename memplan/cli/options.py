@@ -1,0 +1,231 @@
+"""The options that describe one training iteration, shared by the commands, and the flags
+--quiet and --force that the run reads back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from memplan.errors import SizeParseError
+from memplan.settings import (
+    ATTENTION_IMPLEMENTATIONS,
+    DEVICES,
+    LOOPS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PARALLEL_MODES,
+    PRECISIONS,
+    QUANT_TYPES,
+    parse_size,
+)
+
+
+class SizeType(click.ParamType):
+    """A memory size: 80GB, 24GiB, 512MiB or plain bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_size(value)
+        except SizeParseError as error:
+            self.fail(str(error), param, ctx)
+
+
+def _quiet() -> bool:
+    context = click.get_current_context(silent=True)
+    return bool(context is not None and context.find_root().meta.get("memplan.quiet"))
+
+
+def _set_force(context: click.Context, parameter: click.Parameter, value: bool) -> None:
+    if value:
+        context.find_root().meta["memplan.force"] = True
+
+
+def _set_quiet(context: click.Context, parameter: click.Parameter, value: bool) -> None:
+    if value:
+        context.find_root().meta["memplan.quiet"] = True
+
+
+def _training_options(command: Callable[..., None], model_required: bool = True) -> Callable[..., None]:
+    """The options that describe one training iteration, shared by estimate, plan and validate."""
+    options = [
+        click.argument("model", required=model_required),
+        click.option("--batch-size", "-b", type=int, default=1, show_default=True, help="Micro-batch size."),
+        click.option("--seq-len", type=int, help="Sequence length for text models [default: min(512, maximum)]."),
+        click.option("--target-len", type=int, help="Decoder length for seq2seq models [default: --seq-len]."),
+        click.option("--image-size", type=int, help="Image side for vision models [default: the config's, or 224]."),
+        click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
+        click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
+        click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True),
+        click.option(
+            "--optimizer-impl",
+            type=click.Choice(OPTIMIZER_IMPLS),
+            default="default",
+            show_default=True,
+            help="default = what torch picks on the target device (foreach on CUDA, for-loop on CPU).",
+        ),
+        click.option(
+            "--device", type=click.Choice(DEVICES), default="cuda", show_default=True, help="The target device."
+        ),
+        click.option(
+            "--gpu",
+            metavar="NAME",
+            help="The card: its compute capability picks CUDA kernels, and its usable memory is the budget "
+            "unless --budget is given (H100-80GB, H200, A100-40GB, A100-80GB, L4, A10G, RTX-4090, T4, ...). "
+            "`estimate` takes a comma-separated list: which of the cards it fits, and the cheapest that it does.",
+        ),
+        click.option(
+            "--attn-impl",
+            type=click.Choice(ATTENTION_IMPLEMENTATIONS),
+            default="sdpa",
+            show_default=True,
+            help="transformers' attn_implementation (sdpa where the architecture supports it).",
+        ),
+        click.option(
+            "--lora",
+            "lora_rank",
+            type=int,
+            metavar="RANK",
+            help="Train LoRA adapters of this rank (built with peft: pip install 'memplan[peft]'); the model's "
+            "own weights are frozen.",
+        ),
+        click.option("--lora-alpha", type=float, help="LoRA's lora_alpha [default: peft's]."),
+        click.option(
+            "--lora-targets",
+            metavar="NAMES",
+            help="Comma-separated module names the adapters go on [default: peft's for the architecture].",
+        ),
+        click.option("--lora-dropout", type=float, default=0.0, show_default=True, help="LoRA's lora_dropout."),
+        click.option(
+            "--quantize",
+            type=click.Choice(QUANT_TYPES),
+            help="QLoRA: the base model's linear layers in bitsandbytes' 4-bit layout (nf4, fp4: double-quantized, "
+            "computed in the precision's 16-bit dtype) or LLM.int8()'s (int8: outlier threshold 6.0); needs --lora "
+            "(pip install 'memplan[qlora]').",
+        ),
+        click.option(
+            "--kbit-upcast/--no-kbit-upcast",
+            default=True,
+            show_default=True,
+            help="With --quantize: peft's prepare_model_for_kbit_training casts the layers left in 16 bits "
+            "(embeddings, norms, LM head) to float32.",
+        ),
+        click.option(
+            "--cuda-context",
+            type=SizeType(),
+            help="The CUDA context nvidia-smi shows beyond what torch reserves (e.g. 600MiB), counted in the "
+            "device total and taken off --gpu's memory [default: 767 MiB, measured on an H100 with CUDA 13].",
+        ),
+        click.option(
+            "--cudnn-benchmark",
+            is_flag=True,
+            help="The run sets torch.backends.cudnn.benchmark = True (convolutions: see docs/concepts.md).",
+        ),
+        click.option(
+            "--deterministic",
+            is_flag=True,
+            help="The run calls torch.use_deterministic_algorithms(True) (flash attention's backward keeps more).",
+        ),
+        click.option(
+            "--cudnn-tf32/--no-cudnn-tf32",
+            "cudnn_allow_tf32",
+            default=True,
+            show_default=True,
+            help="torch.backends.cudnn.allow_tf32: off, fp32 convolutions leave tensor cores (no workspace band).",
+        ),
+        click.option(
+            "--cudnn-workspace-cap",
+            "cudnn_workspace_cap_mib",
+            type=click.IntRange(min=0),
+            metavar="MIB",
+            envvar="CUDNN_CONV_WSCAP_DBG",
+            show_envvar=True,
+            help="Cap each cuDNN convolution workspace at MIB MiB, as CUDNN_CONV_WSCAP_DBG does.",
+        ),
+        click.option(
+            "--cublas-workspace-config",
+            metavar=":SIZE:COUNT",
+            envvar="CUBLAS_WORKSPACE_CONFIG",
+            show_envvar=True,
+            help="The run's CUBLAS_WORKSPACE_CONFIG (e.g. :4096:8 or :16:8): the size of each cuBLAS workspace.",
+        ),
+        click.option(
+            "--cuda-alloc-conf",
+            metavar="KEY:VALUE,...",
+            envvar="PYTORCH_CUDA_ALLOC_CONF",
+            show_envvar=True,
+            help="The run's PYTORCH_CUDA_ALLOC_CONF: expandable_segments, max_split_size_mb, max_non_split_rounding_mb "
+            "and roundup_power2_divisions are simulated; other keys are noted.",
+        ),
+        click.option(
+            "--loop",
+            type=click.Choice(LOOPS),
+            default="canonical",
+            show_default=True,
+            help="The training loop: where zero_grad runs and what stays alive (docs/concepts.md); "
+            "--hf-args picks hf-trainer.",
+        ),
+        click.option(
+            "--parallel",
+            type=click.Choice(PARALLEL_MODES),
+            default="none",
+            show_default=True,
+            help="Data parallelism: ddp traces one rank of torch's DistributedDataParallel (its gradient buckets "
+            "included); batch settings are per rank.",
+        ),
+        click.option(
+            "--world-size",
+            type=int,
+            default=1,
+            show_default=True,
+            help="Data-parallel ranks with --parallel (the total batch is micro-batch × accumulation × ranks).",
+        ),
+        click.option(
+            "--ddp-bucket-view",
+            is_flag=True,
+            help="With --parallel ddp: DistributedDataParallel(gradient_as_bucket_view=True), the gradients views "
+            "into DDP's buckets instead of a second copy.",
+        ),
+        click.option(
+            "--step",
+            metavar="MODULE:FN",
+            help="Your own training iteration instead of the loop: fn(model, batch, optimizer) runs one "
+            "(forward passes, losses, backward, optimizer step, zero_grad as you write them; docs/usage.md).",
+        ),
+        click.option(
+            "--task",
+            help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
+            "image-classification.",
+        ),
+        click.option(
+            "--hf-args",
+            type=click.Path(dir_okay=False),
+            help="A Hugging Face TrainingArguments JSON/YAML file: batch size, accumulation, bf16/fp16, "
+            "gradient_checkpointing and optim; flags given explicitly override it.",
+        ),
+        click.option("--inputs", help="package.module:fn where fn(batch_size) returns the batch (custom models)."),
+        click.option("--loss", help="package.module:fn where fn(output, batch) returns the scalar loss."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
+        click.option(
+            "--quiet",
+            "-q",
+            is_flag=True,
+            expose_value=False,
+            callback=_set_quiet,
+            help="No progress, notes or file messages on stderr (errors still print).",
+        ),
+        click.option(
+            "--force",
+            is_flag=True,
+            expose_value=False,
+            callback=_set_force,
+            help="Replace output files (--plot, --snapshot, --output) that exist; inputs are never replaced.",
+        ),
+        click.option("--debug", is_flag=True, help="Show tracebacks."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command

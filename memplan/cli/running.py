@@ -1,0 +1,229 @@
+"""What every command does around its one library call: errors and exit codes, progress, the
+consoles, --hf-args and the environment's settings, output paths, JSON or tables."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from memplan import interrupts
+from memplan.cli.options import _quiet
+from memplan.compat import require_supported_torch
+from memplan.errors import MemplanError
+from memplan.interrupts import reliable_interrupts
+
+_ACTIVE_PROGRESS: list[Any] = []  # rich Status spinners on stderr, stopped before anything else prints
+
+
+def _stop_progress() -> None:
+    while _ACTIVE_PROGRESS:
+        _ACTIVE_PROGRESS.pop().stop()
+
+
+def _stderr_console():
+    """Messages: stderr, colour only on a terminal (rich's default), silent under --quiet."""
+    from rich.console import Console
+
+    _stop_progress()
+    return Console(stderr=True, highlight=False, quiet=_quiet())
+
+
+def _stdout_console():
+    """Tables for the terminal's width; piped or redirected, 120 columns rather than rich's 80."""
+    from rich.console import Console
+
+    _stop_progress()
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+
+
+def _show_debug_messages() -> None:
+    """memplan's own debug log (why planning ran in one process, ...) on stderr, once per process."""
+    logger = logging.getLogger("memplan")
+    logger.setLevel(logging.DEBUG)
+    if not any(getattr(handler, "memplan_debug", False) for handler in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.memplan_debug = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
+def _run(debug: bool, action: Callable[[], None]) -> None:
+    """Turn MemplanError into one line on stderr and its exit code; tracebacks only with --debug.
+
+    The exit happens after the except clauses: exiting inside one would keep the exception, and
+    through its traceback every frame of the interrupted work, alive until the interpreter shuts
+    down, whose teardown then fails in those objects' finalizers (torch's StorageWeakRef.__del__
+    printed "Exception ignored ..." after "memplan: interrupted").
+    """
+    if debug:
+        _show_debug_messages()
+    message, code = None, 0
+    try:
+        require_supported_torch()
+        try:
+            with reliable_interrupts():
+                action()
+        finally:
+            _stop_progress()
+    except KeyboardInterrupt:
+        message, code = "memplan: interrupted", 130
+    except Exception as error:
+        if debug:
+            traceback.print_exc()
+        if interrupts.seen:  # raised while Ctrl-C unwound the work: the interrupt is the news
+            message, code = "memplan: interrupted", 130
+        elif isinstance(error, MemplanError):
+            message, code = f"memplan: error: {error}", error.exit_code
+        else:  # a bug in memplan or torch: say so, keep the details for --debug
+            message, code = f"memplan: internal error: {type(error).__name__}: {error} (rerun with --debug)", 1
+    if message is not None:
+        _collect_before_teardown()
+        click.echo(message, err=True)
+        sys.exit(code)
+
+
+@functools.cache
+def _collect_before_teardown() -> None:
+    """Free the failed work's objects at exit, before the interpreter tears its modules down (atexit
+    handlers run first), so that their finalizers still find torch intact. Registered once (cached),
+    not run at each error: a full collection over a large heap takes a good part of a second, which
+    every refused command would pay (the test suite's hundred refusals in one process did)."""
+    atexit.register(gc.collect)
+
+
+def _check_output_paths(**paths: str | None) -> None:
+    """Before the work, not after it: refuse an output whose folder does not exist, that is one of
+    the command's own input files, or that exists when --force was not given (memplan.outputs)."""
+    from memplan.outputs import check_output
+
+    context = click.get_current_context()
+    force = bool(context.find_root().meta.get("memplan.force"))
+    inputs = [context.params.get(name) for name in ("hf_args", "checkpoint")]
+    for option, path in paths.items():
+        if path is not None:
+            check_output(option, path, inputs=[given for given in inputs if isinstance(given, str)], force=force)
+    if paths.get("plot") is not None:
+        from memplan.render.plot import check_plot_path
+
+        check_plot_path(paths["plot"])
+
+
+def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
+    """Settings from --hf-args under the flags the user typed (a flag left at its default does not count)."""
+    from click.core import ParameterSource
+
+    path = settings.pop("hf_args", None)
+    if path is None:
+        return settings
+    from memplan.hf_args import read_training_args
+
+    context = click.get_current_context()
+
+    def typed(name: str) -> bool:
+        return context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+    loaded = read_training_args(path, read_optim=not typed("optimizer"))
+    context_name = context.info_name
+    if context_name == "plan":
+        loaded.settings.pop("checkpoint", None)  # plan chooses the checkpointing itself
+    if context_name == "sweep" or context.params.get("maximize_batch"):
+        loaded.settings.pop("batch_size", None)  # these commands choose the batch sizes themselves
+    from_file = {key: value for key, value in loaded.settings.items() if not typed(key)}
+    merged = {**settings, **from_file}
+    if not as_json:
+        console = _stderr_console()
+        taken = ", ".join(f"{key}={value}" for key, value in from_file.items()) or "nothing (flags override it all)"
+        console.print(f"[dim]from {path}: {taken}[/dim]")
+        for note in loaded.notes:
+            console.print(f"[dim]note: {note}[/dim]")
+    return merged
+
+
+# Options a CUDA library's own environment variable also sets (click's envvar=).
+_ENVIRONMENT_OPTIONS = {
+    "cudnn_workspace_cap_mib": "CUDNN_CONV_WSCAP_DBG",
+    "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
+    "cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
+}
+
+
+def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
+    """Say which settings came from the environment; a CUDA variable means nothing for a cpu target."""
+    from click.core import ParameterSource
+
+    context = click.get_current_context()
+    for name, variable in _ENVIRONMENT_OPTIONS.items():
+        if context.get_parameter_source(name) != ParameterSource.ENVIRONMENT:
+            continue
+        if settings.get("device") == "cpu":
+            settings[name] = None
+        elif not as_json and not _quiet():
+            _stderr_console().print(f"[dim]from the environment: {variable}={settings[name]}[/dim]")
+    return settings
+
+
+def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as_json: bool, **options: Any) -> Any:
+    """One library call with the options every command shares: the model's source, --hf-args, progress."""
+    settings = _with_environment(dict(settings), as_json)
+    source = {key: settings.pop(key) for key in ("inputs", "loss", "task")}
+    merged = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner
+    return function(model, **source, **options, **merged, progress=_progress(as_json))
+
+
+# Where stderr is no terminal (a log, a pipe), progress is plain lines, and only once a command has
+# run this long (MEMPLAN_PROGRESS_AFTER_SECONDS overrides): quick answers stay quiet, long ones say
+# what they are doing.
+PLAIN_PROGRESS_AFTER_SECONDS = 3.0
+
+
+def _progress(as_json: bool) -> Callable[[str], None] | None:
+    """Progress on stderr naming the current step (--json keeps stdout clean); off with --quiet.
+
+    A spinner on a terminal; elsewhere a line per step once the command has run a few seconds.
+    """
+    if _quiet():
+        return None
+    if not sys.stderr.isatty():
+        import time
+
+        started = time.monotonic()
+        after = float(os.environ.get("MEMPLAN_PROGRESS_AFTER_SECONDS", PLAIN_PROGRESS_AFTER_SECONDS))
+
+        def line(message: str) -> None:
+            if time.monotonic() - started >= after:
+                click.echo(f"memplan: {message}", err=True)
+
+        return line
+    from rich.console import Console
+
+    status = Console(stderr=True).status("starting…")
+    status.start()
+    _ACTIVE_PROGRESS.append(status)
+    return lambda message: status.update(f"{message}…")
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()  # its config warnings are not the user's problem here
+
+
+def _emit(result: Any, as_json: bool, render: Callable[[Any, Any], None]) -> None:
+    """JSON on stdout, or the rendered tables; a result Ctrl-C cut short is shown, then exits 130."""
+    if as_json:
+        import json
+
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        render(result, _stdout_console())
+    if getattr(result, "interrupted", False):
+        click.echo("memplan: interrupted; shown: what finished before it", err=True)
+        sys.exit(130)
