@@ -28,7 +28,7 @@ def _state_options(result: EstimateResult) -> list[str]:
         options.append("--quantize nf4 (QLoRA: the frozen weights in 4 bits)")
     if settings.precision in ("fp32", "amp-bf16", "amp-fp16"):
         options.append("--precision bf16 (weights, gradients and state in 16 bits)")
-    if result.breakdown.communication:
+    if result.breakdown.communication and settings.parallel == "ddp":
         options.append("--ddp-bucket-view (DDP's gradient_as_bucket_view: no second copy of the gradients)")
     return options
 

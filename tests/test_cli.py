@@ -30,9 +30,11 @@ def test_estimate_json_has_the_documented_fields(tiny_model_dirs):
         "inputs",
         "workspaces",
         "communication",
+        "unsharded_parameters",
     }
     assert data["breakdown"]["workspaces"] == 0  # cuBLAS workspaces exist on cuda targets only
     assert data["breakdown"]["communication"] == 0  # DDP's buckets exist with --parallel ddp only
+    assert data["breakdown"]["unsharded_parameters"] == 0  # FSDP2's, with --parallel fsdp only
     assert sum(data["breakdown"].values()) == data["peak_bytes"]
     assert data["phase"] in ("forward", "backward", "optimizer")
     assert data["settings"]["batch_size"] == 2 and data["settings"]["seq_len"] == 32

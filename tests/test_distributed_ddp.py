@@ -145,7 +145,7 @@ def test_a_parameter_the_loss_never_reaches_is_one_line_as_ddp_refuses_it():
     [
         ({"world_size": 4}, "--world-size 4 counts data-parallel ranks: give --parallel ddp"),
         ({"parallel": "ddp", "world_size": 0}, "world size must be a positive integer"),
-        ({"parallel": "fsdp", "world_size": 2}, "parallel mode must be one of none, ddp"),
+        ({"parallel": "zero3", "world_size": 2}, "parallel mode must be one of none, ddp, fsdp, fsdp-grad-op"),
         ({"ddp_bucket_view": True}, "--ddp-bucket-view is an option of DDP: give --parallel ddp"),
     ],
 )
@@ -174,7 +174,8 @@ def test_compare_counts_the_ranks_in_the_effective_batch():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["rows"]
     assert {row["effective_batch_size"] for row in rows if row["settings"]["grad_accum"] == 1} == {16 * 8}
-    assert all(row["settings"]["parallel"] == "ddp" for row in rows)  # every row one DDP rank
+    assert all(row["settings"]["parallel"] == "ddp" for row in rows if "FSDP2" not in row["name"])  # one DDP rank
+    assert all(row["settings"]["world_size"] == 8 for row in rows)
     bucket_view = next(row for row in rows if row["name"] == "DDP gradient_as_bucket_view")
     as_given = next(row for row in rows if row["name"] == "as given")
     assert bucket_view["peak_bytes"] < as_given["peak_bytes"] and bucket_view["settings"]["ddp_bucket_view"]

@@ -7,7 +7,7 @@ checkpointed predictions came out 2-3.5% high. Counted here against the graph bu
 
 import torch
 
-from memplan.estimator.trace import _EagerLifetimes
+from memplan.estimator.eager_lifetimes import EagerLifetimes
 
 CHAIN, BRANCH_EVERY = 300, 10
 
@@ -25,11 +25,26 @@ def test_every_node_of_a_branching_graph_is_hooked():
     expected = CHAIN + 2 * branch_count + 1 + 1 + 1
 
     formulas_returned = []
-    lifetimes = _EagerLifetimes(lambda: 0)
+    lifetimes = EagerLifetimes(lambda: 0)
     lifetimes._formula_returned = lambda grad_inputs, grad_outputs: formulas_returned.append(1)
-    lifetimes._hook_graph(loss.grad_fn)
+    lifetimes._hook_graph([loss.grad_fn], running=loss.grad_fn)
     loss.backward()
     assert len(formulas_returned) == expected
+
+
+def test_before_a_backward_the_roots_are_hooked_too():
+    """Hooked before the engine starts (`before_backward`), the root's pre-hook fires before its
+    formula: what a tensor pre-hook on the root runs first (FSDP2's unshard, where the loss is
+    computed inside the sharded model) is told from the formula."""
+    leaf = torch.ones(4, requires_grad=True)
+    loss = (leaf * 2.0).sum()  # SumBackward0 (root), MulBackward0, AccumulateGrad
+    called, returned = [], []
+    lifetimes = EagerLifetimes(lambda: 0)
+    lifetimes._formula_called = lambda grad_outputs: called.append(1)
+    lifetimes._formula_returned = lambda grad_inputs, grad_outputs: returned.append(1)
+    lifetimes.before_backward(loss)
+    loss.backward()
+    assert (len(called), len(returned)) == (3, 3)
 
 
 def test_a_step_traced_twice_in_one_process_gives_the_same_peak():

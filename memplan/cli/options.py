@@ -173,8 +173,10 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             type=click.Choice(PARALLEL_MODES),
             default="none",
             show_default=True,
-            help="Data parallelism: ddp traces one rank of torch's DistributedDataParallel (its gradient buckets "
-            "included); batch settings are per rank.",
+            help="Data parallelism, one rank traced: ddp is torch's DistributedDataParallel (its gradient buckets "
+            "included); fsdp is FSDP2's fully_shard on each repeated block and the root (parameters, gradients and "
+            "optimizer state sharded), fsdp-grad-op the same without resharding after the forward. Batch settings "
+            "are per rank.",
         ),
         click.option(
             "--world-size",

@@ -147,6 +147,15 @@ class DataParallelRank:
 
         self.wrapper._pre_forward = pre_forward
 
+    @property
+    def module(self) -> nn.Module:
+        """The model DDP wraps."""
+        return self.wrapper.module
+
+    def after_warm_up(self) -> None:
+        """What the warm-up iteration leaves to do before the traced one: the buckets made again."""
+        self.rebuild_buckets()
+
     def rebuild_buckets(self) -> None:
         """What a forward after the first backward does first (`_pre_forward`): the buckets made
         again in the order that backward's gradients became ready. Once; later calls do nothing.

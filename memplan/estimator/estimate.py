@@ -22,7 +22,7 @@ from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
-from memplan.settings import MAX_COUNT, TrainingSettings, format_bytes
+from memplan.settings import FSDP_MODES, MAX_COUNT, TrainingSettings, format_bytes
 
 Progress = Callable[[str], None]
 
@@ -58,6 +58,14 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f"one rank of {settings.world_size}: torch's DistributedDataParallel traced on a fake process group, its "
             "gradient buckets (every trainable gradient once more) included; every micro-batch all-reduces (no "
             "no_sync()); NCCL's own buffers, outside torch's allocator, are not"
+        )
+    if settings.parallel in FSDP_MODES:
+        reshard = "after each forward and backward" if settings.parallel == "fsdp" else "after each backward only"
+        notes.append(
+            f"one rank of {settings.world_size}: torch's FSDP2 (fully_shard on each repeated block, then the root) "
+            f"traced on a fake process group; parameters, gradients and optimizer state sharded, each module's "
+            f"parameters all-gathered before its forward and backward and resharded {reshard}; on CUDA the "
+            "collectives' own streams (separate caching-allocator pools) and NCCL's buffers are not counted"
         )
     return notes
 

@@ -18,7 +18,7 @@ import torch
 import torch.utils.checkpoint as checkpoint_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.estimator.leaves import tensors_in
+from memplan.estimator.leaves import tensors_in, wraps_local_tensors
 
 
 class HolderObserver(Protocol):
@@ -111,6 +111,30 @@ def _grad_fn(tensor: torch.Tensor) -> object | None:
     return node if isinstance(node, torch.autograd.function.BackwardCFunction) else None
 
 
+# Source folders of libraries that keep tensors they make in Python objects past their last use by
+# an op, until they drop them: what an op called from their code makes lives until its Python object
+# is freed. FSDP2 keeps the last all-gather's buffers until the next all-gather, and the last
+# reduce-scatter's input until the next reduce-scatter (AllGatherState, ReduceScatterState in
+# _fsdp_param_group.py: on CUDA, until the collective's stream is done with them). Registered by
+# memplan.distributed.fsdp.
+LIBRARIES_HOLDING_TENSORS: set[str] = set()
+_OPS_FILE = os.path.join(os.path.dirname(torch.__file__), "_ops.py")
+
+
+def called_from_holding_library(frame: FrameType | None) -> bool:
+    """Whether the Python code that called an op (`frame`, the first frame outside the dispatch mode)
+    is a library's in LIBRARIES_HOLDING_TENSORS; torch.ops' own call wrapper is looked through."""
+    if frame is not None and frame.f_code.co_filename == _OPS_FILE:
+        frame = frame.f_back
+    return frame is not None and os.path.dirname(frame.f_code.co_filename) in LIBRARIES_HOLDING_TENSORS
+
+
+# autograd Nodes (by name) whose backward is a library's hook written as an autograd Function, not a
+# gradient formula: the engine's holding a formula's inputs until it returns does not apply to what
+# the hook makes and drops (FSDP2's post-backward copies the unsharded gradients into the
+# reduce-scatter's buffer and frees them at once). Registered by memplan.distributed.fsdp.
+HOOK_NODES: set[str] = set()
+
 _OPTIMIZER_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 
 
@@ -134,6 +158,8 @@ class OptimizerLocals(TorchDispatchMode):
         self.lifetimes: list[tuple[torch.Tensor, int]] = []  # (tensor, the last node it lives through)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if wraps_local_tensors(types):
+            return NotImplemented  # observed as the ops on its local tensors
         self._observe(self._node_count() - 1)
         return func(*args, **(kwargs or {}))
 

@@ -25,3 +25,20 @@ def map_leaves(value: Any, leaf_type: type | tuple[type, ...], fn: Callable[[Any
     if isinstance(value, dict):
         return {key: map_leaves(item, leaf_type, fn) for key, item in value.items()}
     return value
+
+
+# Tensor subclasses that wrap a local tensor and run each op on it (torch's DTensor, registered by
+# memplan.distributed.fsdp when FSDP2 is traced). memplan's dispatch modes return NotImplemented for
+# their ops, so the subclass runs and its ops on local tensors reach the modes: those are what
+# allocate. Empty unless a trace used one, so the check costs one truth test per op otherwise.
+WRAPPER_SUBCLASSES: set[type] = set()
+
+
+def wraps_local_tensors(types: object) -> bool:
+    """Whether an op's argument `types` (as __torch_dispatch__ receives them) include a wrapper subclass."""
+    return bool(WRAPPER_SUBCLASSES) and not WRAPPER_SUBCLASSES.isdisjoint(types)  # type: ignore[arg-type]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds the memory: a wrapper subclass's local tensor, else the tensor itself."""
+    return tensor._local_tensor if type(tensor) in WRAPPER_SUBCLASSES else tensor  # type: ignore[attr-defined]

@@ -49,7 +49,7 @@ from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
-from memplan.settings import TrainingSettings
+from memplan.settings import FSDP_MODES, TrainingSettings
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,
@@ -84,14 +84,15 @@ class TrainingState:
     found_inf: torch.Tensor | None = None
     autocast_device: str = "cpu"  # where the tensors are: fake CPU when tracing, cuda in a real CUDA run
     micro_batches_done: int = 0  # zero-grad-before-backward zeroes only on the first of each step's
-    # --parallel ddp: the rank's DistributedDataParallel (its wrapper is `model`) and its buckets.
-    data_parallel: Any = None  # memplan.distributed.ddp.DataParallelRank
+    # --parallel: the rank's DistributedDataParallel (its wrapper is `model`) and its buckets, or FSDP2's
+    # sharded model.
+    data_parallel: Any = None  # memplan.distributed.ddp.DataParallelRank or .fsdp.FullyShardedRank
 
     @property
     def built_model(self) -> nn.Module:
         """The model as built, adapted and checkpointed, inside any data-parallel wrapper: module names
         (for plans and reports) are its own."""
-        return self.data_parallel.wrapper.module if self.data_parallel is not None else self.model
+        return self.data_parallel.module if self.data_parallel is not None else self.model
 
 
 def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
@@ -117,6 +118,11 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
             gradient_as_bucket_view=settings.ddp_bucket_view,
         )
         model = data_parallel.wrapper
+    elif settings.parallel in FSDP_MODES:  # each repeated block, then the root, as FSDP2 scripts shard
+        from memplan.distributed.fsdp import FullyShardedRank
+
+        data_parallel = FullyShardedRank(model, settings.world_size, reshard_after_forward=settings.parallel == "fsdp")
+        trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
     state = TrainingState(
         model=model,
         batch=batch,

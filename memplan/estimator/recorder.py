@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from memplan import interrupts
-from memplan.estimator.leaves import map_leaves, tensors_in
+from memplan.estimator.leaves import local_tensor, map_leaves, tensors_in, wraps_local_tensors
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
@@ -92,6 +92,8 @@ class GraphRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if interrupts.requested:  # a Ctrl-C swallowed by a finalizer (memplan.interrupts)
             raise KeyboardInterrupt
+        if wraps_local_tensors(types):
+            return NotImplemented  # recorded as the ops on its local tensors
         kwargs = kwargs or {}
         if func is _DEVICE_QUERY:  # a metadata query, as make_fx leaves it out
             return fake_device_query(func, args) or func(*args, **kwargs)
@@ -146,7 +148,7 @@ class GraphRecorder(TorchDispatchMode):
 
     def finish(self, outputs: object) -> OpGraph:
         """Close the graph with an output node reading the tensors in `outputs` (what outlives the run)."""
-        read = [self.node_of(tensor) for tensor in tensors_in(outputs)]
+        read = [self.node_of(local_tensor(tensor)) for tensor in tensors_in(outputs)]
         self.graph.add(OpNode("output", "output", (read,), None, read))
         return self.graph
 

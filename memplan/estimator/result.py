@@ -21,7 +21,8 @@ class Breakdown:
     temporaries: int  # everything else: forward/backward/optimizer intermediates
     inputs: int  # the current micro-batch
     workspaces: int = 0  # cuda: cuBLAS workspaces, and a cuDNN convolution's workspace when the peak is at one
-    communication: int = 0  # --parallel ddp: the Reducer's gradient buckets
+    communication: int = 0  # --parallel ddp: the Reducer's gradient buckets; fsdp: collective buffers
+    unsharded_parameters: int = 0  # --parallel fsdp: parameters all-gathered for a module's forward or backward
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

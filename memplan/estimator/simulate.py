@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -185,11 +185,58 @@ class Liveness:
     requested: dict[StorageWeakRef, int]  # the bytes asked for, before the allocator's rounding
 
 
+@dataclass(frozen=True)
+class ResizedStorage:
+    """One allocation of a storage that FSDP2 resizes (memplan.distributed.fsdp): the storage from one
+    resize to a size above zero until the next resize, each a storage of its own to the allocator."""
+
+    storage: StorageWeakRef
+    allocation: int
+
+
+def _resized_allocations(traced: TracedStep, end: int) -> dict[StorageWeakRef, list[tuple[int, int, int]]]:
+    """For each resized storage, its allocations: (first node, last node it lives through, bytes)."""
+    allocations: dict[StorageWeakRef, list[tuple[int, int, int]]] = {}
+    opened: dict[StorageWeakRef, tuple[int, int]] = {}
+    for resize in traced.storage_resizes:
+        allocations.setdefault(resize.storage, [])
+        if resize.storage not in opened and resize.before_bytes and not allocations[resize.storage]:
+            opened[resize.storage] = (0, resize.before_bytes)  # allocated when the iteration began
+        if resize.storage in opened:
+            start, nbytes = opened.pop(resize.storage)
+            allocations[resize.storage].append((start, resize.at - 1, nbytes))
+        if resize.after_bytes:
+            opened[resize.storage] = (resize.at, resize.after_bytes)
+    for key, (start, nbytes) in opened.items():
+        allocations[key].append((start, end, nbytes))
+    return allocations
+
+
+def _split_resized(
+    storages: list[list[tuple[StorageWeakRef, int]]], allocations: dict[StorageWeakRef, list[tuple[int, int, int]]]
+) -> None:
+    """Each node's resized storages replaced by the allocation live at that node (none while freed)."""
+    for index, outputs in enumerate(storages):
+        if not any(key in allocations for key, _ in outputs):
+            continue
+        split: list[tuple[Any, int]] = []
+        for key, nbytes in outputs:
+            if key not in allocations:
+                split.append((key, nbytes))
+                continue
+            for number, (start, last, size) in enumerate(allocations[key]):
+                if start <= index <= last:
+                    split.append((ResizedStorage(key, number), size))
+        storages[index] = split
+
+
 def liveness(traced: TracedStep) -> Liveness:
     nodes = list(traced.graph.nodes)
     unsupported: dict[str, None] = {}
     storages = [_node_storages(node, unsupported) for node in nodes]
     index_of = {node: index for index, node in enumerate(nodes)}
+    resized = _resized_allocations(traced, len(nodes))
+    _split_resized(storages, resized)
 
     requested: dict[StorageWeakRef, int] = {}
     born: dict[StorageWeakRef, int] = {}
@@ -224,6 +271,7 @@ def liveness(traced: TracedStep) -> Liveness:
         if key not in requested:
             requested[key] = nbytes
             static.add(key)
+    static = {key for key in static if not isinstance(key, ResizedStorage)}
     for key in static:
         born[key] = 0
     # Live until the iteration ends: the static storages and the graph outputs (gradients until zero_grad).
@@ -233,6 +281,10 @@ def liveness(traced: TracedStep) -> Liveness:
     for source in nodes[-1].all_input_nodes if nodes and nodes[-1].op == "output" else []:
         for key, _ in storages[index_of[source]]:
             last_use[key] = end
+    for key, allocations in resized.items():  # allocated and freed where FSDP2 resized them, used or not
+        for number, (start, last, nbytes) in enumerate(allocations):
+            allocation = ResizedStorage(key, number)
+            requested[allocation], born[allocation], last_use[allocation] = nbytes, start, last
     unsupported.update(dict.fromkeys(traced.unknown_target_ops))
     size = {key: round_for_device(nbytes, traced.settings) for key, nbytes in requested.items()}
     return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested)
@@ -530,7 +582,7 @@ def _gradients_made_in_first_micro_batch(
 
 
 def _category(key: StorageWeakRef, born: int, last_use: int, traced: TracedStep) -> str:
-    category = traced.storage_categories.get(key)
+    category = traced.storage_categories.get(key.storage if isinstance(key, ResizedStorage) else key)
     if category is not None:
         return category
     if born < traced.forward_end <= last_use < len(traced.node_modules):

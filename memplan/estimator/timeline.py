@@ -31,6 +31,7 @@ BREAKDOWN_KEYS = (
     "inputs",
     "workspaces",
     "communication",
+    "unsharded_parameters",
 )
 PHASES = ("forward", "backward", "optimizer")
 # Steady state: the allocator's segments after this many iterations (they are never released, and

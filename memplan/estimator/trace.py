@@ -8,14 +8,10 @@ gradients become graph constants; the batch becomes the graph's placeholders.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any
 
 import torch
 from torch import nn
@@ -27,17 +23,19 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from memplan.distributed.fsdp import StorageResize, sharding_categories, storage_resizes_recorded
 from memplan.errors import MemplanError, TraceError
-from memplan.estimator.checkpointing import recomputing
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
+from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
 from memplan.estimator.fake_conversions import fake_friendly_conversions
 from memplan.estimator.fake_mode import TracingFakeMode
-from memplan.estimator.held_tensors import OptimizerLocals, python_holders_tracked
+from memplan.estimator.held_tensors import (
+    OptimizerLocals,
+)
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
-from memplan.estimator.leaves import tensors_in
+from memplan.estimator.leaves import local_tensor, tensors_in
 from memplan.estimator.loop import (
     STORAGE_DTYPES,
     TrainingState,
@@ -54,7 +52,7 @@ from memplan.estimator.loop import (
     prepare,
 )
 from memplan.estimator.opgraph import OpGraph
-from memplan.estimator.recorder import GraphRecorder, fake_device_query
+from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
 from memplan.finetune.bnb_kernels import int8_matmul_as_on_cuda
 from memplan.finetune.quantize import logical_numel
@@ -85,10 +83,8 @@ class TracedStep:
     # (storage, bytes, last node before it was freed). The previous step's gradients under
     # --loop zero-grad-before-backward.
     released_early: tuple[tuple[StorageWeakRef, int, int], ...] = ()
-
-
-def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(tensor.untyped_storage())
+    # --parallel fsdp: FSDP2's unsharded parameter storages, allocated and freed by resizing, in order.
+    storage_resizes: tuple[StorageResize, ...] = ()
 
 
 @contextlib.contextmanager
@@ -112,17 +108,6 @@ def constant_item() -> Iterator[None]:
             del FakeTensor.item
         else:
             FakeTensor.item = previous  # type: ignore[method-assign]
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
-
-
-def _holds_python_locals(filename: str) -> bool:
-    """Frames whose local variables can keep a model's tensors alive: model code, not torch's machinery."""
-    if filename == __file__:
-        return False
-    return not filename.startswith(_TORCH_DIR) or filename.startswith(_TORCH_NN_DIR)
 
 
 class _ModuleTracker:
@@ -168,166 +153,6 @@ class _ModuleTracker:
         return result
 
 
-_TO_COPY = torch.ops.aten._to_copy.default
-
-
-def _autocast_caches(source: object, cast: object) -> bool:
-    """Whether autocast keeps this cast in its cache (autocast_mode.cpp, cached_cast).
-
-    Autocast caches the lower-precision copy of a float32 leaf that requires grad (a parameter)
-    until the outermost autocast region exits (torch.autocast.__exit__ -> clear_autocast_cache),
-    so each weight is cast once per forward and its copy lives through the whole forward even
-    where nothing saves it (inside checkpointed blocks). Recomputation re-enters autocast and
-    caches again until it leaves. The cache itself is C++ state the graph cannot see: the copy's
-    finalizer tells when it let go.
-    """
-    return (
-        isinstance(source, torch.Tensor)
-        and isinstance(cast, torch.Tensor)
-        and source.dtype == torch.float32
-        and cast.dtype == torch.get_autocast_dtype("cpu")
-        and source.requires_grad
-        and source.is_leaf
-        and not source._is_view()
-        and torch.is_autocast_cache_enabled()
-        and _inside_autocast()
-    )
-
-
-def _inside_autocast() -> bool:
-    # Inside an autocast kernel the AutocastCPU key is excluded, so is_autocast_enabled() reads
-    # False there; the nesting count torch.autocast keeps (autocast_mode.py) says whether a region
-    # is open. It has no getter: read it by a step up and back.
-    nesting = torch.autocast_increment_nesting() - 1
-    torch.autocast_decrement_nesting()
-    return nesting > 0
-
-
-class _EagerLifetimes(TorchDispatchMode):
-    """What keeps tensors alive in eager execution past their last use by an op in the graph.
-
-    - A function's local variables live until it returns. GPT-2's attention keeps the fused q/k/v
-      storage in locals through its output projection; inside a checkpointed block nothing else
-      holds it. At every op the model-code frames on the Python stack are noted; when one is gone,
-      it has returned, and its last locals lived until then (a returned frame we hold keeps them).
-    - The autograd engine keeps a Node's incoming gradient and its unpacked saved tensors alive
-      until the whole formula returns (torch/csrc/autograd/engine.cpp, call_function), past their
-      last use by any single op of it. A post-hook on every Node marks where its formula ends: the
-      additions that follow (gradient accumulation into the next Node's input buffer) are not part
-      of it. Recomputation inside a checkpoint runs with grad mode on, which tells its ops apart.
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo unless
-        # this says no (torch/utils/_python_dispatch.py). Nothing is compiled inside a trace, and
-        # the wrapper cost microseconds on each of a step's tens of thousands of dispatches.
-        return False
-
-    def __init__(self, node_count: Callable[[], int]) -> None:
-        super().__init__()
-        self.node_count = node_count
-        self.backward_node_ops: list[list[int]] = []
-        self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
-        self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
-        self._depth: dict[int, int] = {}  # id of each of them -> its index there
-        self._keeps_locals: dict[object, bool] = {}
-        self._current: object = None
-        self._formula_done = False
-        self._hooked = False
-
-    def _formula_returned(self, grad_inputs: object, grad_outputs: object) -> None:
-        self._formula_done = True
-
-    def _hook_graph(self, root: Any) -> None:
-        # Keyed by id(), so every visited Node's Python wrapper is kept alive in `seen` until the
-        # walk ends: a C++ Node's wrapper is made anew for each `next_functions` read and freed with
-        # it, and on torch 2.10-2.12 a freed wrapper's id was soon another Node's, whose hook was
-        # then skipped (checkpointed predictions 2-3.5% high).
-        seen: dict[int, Any] = {}
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen[id(node)] = node
-            if node is not root:
-                node.register_hook(self._formula_returned)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-
-    def _observe_frames(self, now: int) -> None:
-        # Walk down only to the first model frame already known: what lies below it cannot have
-        # changed, and every known frame above it has returned. This keeps the walk short per op.
-        fresh: list[FrameType] = []
-        survivor = -1
-        frame: FrameType | None = sys._getframe(2)
-        while frame is not None:
-            keeps = self._keeps_locals.get(frame.f_code)
-            if keeps is None:
-                keeps = self._keeps_locals[frame.f_code] = _holds_python_locals(frame.f_code.co_filename)
-            if keeps:
-                survivor = self._depth.get(id(frame), -1)
-                if survivor >= 0:
-                    break
-                fresh.append(frame)
-            frame = frame.f_back
-        for returned in self._frames[survivor + 1 :]:
-            del self._depth[id(returned)]
-            self._record_locals(returned, now)
-        del self._frames[survivor + 1 :]
-        for frame in reversed(fresh):
-            self._depth[id(frame)] = len(self._frames)
-            self._frames.append(frame)
-
-    def _record_locals(self, frame: FrameType, end: int) -> None:
-        for value in frame.f_locals.values():
-            # One level of containers: a model's output dict (ModelOutput is one) held in a local
-            # keeps its logits alive (`out = model(...)`, then `out.loss.backward()`).
-            items = (
-                value if isinstance(value, tuple | list) else value.values() if isinstance(value, dict) else (value,)
-            )
-            for item in items:
-                if isinstance(item, torch.Tensor):
-                    self.local_lifetimes.append((storage_key(item), end))
-
-    def held_until_released(self, owner: object, tensor: torch.Tensor) -> None:
-        """`tensor` lives at least until `owner`, a Python object invisible to the graph, is freed."""
-        weakref.finalize(owner, self._released, storage_key(tensor))
-
-    def _released(self, key: StorageWeakRef) -> None:
-        self.local_lifetimes.append((key, self.node_count() - 1))
-
-    def finish(self) -> None:
-        end = self.node_count() - 1
-        for frame in self._frames:
-            self._record_locals(frame, end)
-        self._frames.clear()
-        self._depth.clear()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if (device := fake_device_query(func, args)) is not None:
-            return device  # allocates nothing
-        start = self.node_count()
-        self._observe_frames(start - 1)
-        autograd_node = torch._C._current_autograd_node()
-        out = func(*args, **(kwargs or {}))
-        end = self.node_count() - 1
-        if func is _TO_COPY and _autocast_caches(args[0], out):
-            self.held_until_released(out, out)
-        if autograd_node is None or torch.is_grad_enabled() or recomputing():
-            return out
-        if not self._hooked:
-            self._hooked = True
-            self._hook_graph(autograd_node)
-        if autograd_node is not self._current:
-            self.backward_node_ops.append([])
-            self._current = autograd_node
-            self._formula_done = False
-        if not self._formula_done:
-            self.backward_node_ops[-1].extend(range(start, end + 1))
-        return out
-
-
 def _warm_up_optimizer(state: TrainingState) -> None:
     """Create the optimizer state a steady-state iteration finds (one untraced step on zero grads)."""
     if state.optimizer is None:
@@ -362,14 +187,15 @@ def _trace_custom_step(
         boundaries[phase] = recorder.node_count()
 
     def on_step(grads: list[torch.Tensor]) -> None:
-        seen.extend((storage_key(grad), grad.untyped_storage().nbytes()) for grad in grads)
+        seen.extend((storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in grads)
 
-    eager_lifetimes = _EagerLifetimes(recorder.node_count)
+    eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = _ModuleTracker(state.built_model, recorder.node_count)
     try:
         target_kernels = _target_kernels(settings)
-        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder:
-            with _lifetimes_tracked(eager_lifetimes), constant_item():
+        resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel)
+        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder, resizes_recorded as resizes:
+            with lifetimes_tracked(eager_lifetimes), constant_item():
                 custom_step(state, marker, on_step)
             eager_lifetimes.finish()
     except MemplanError:
@@ -389,53 +215,53 @@ def _trace_custom_step(
         if key in freed_at:
             categories[key] = "gradients"
             released_early.append((key, nbytes, max(freed_at[key] - 1, 0)))
-    stored = (categories, sizes)
-    return _traced_step(
-        graph, settings, state, boundaries, stored, tracker, eager_lifetimes, started, None, unknown_ops, released_early
-    )
+    observed = _Observed(tracker, eager_lifetimes, started, unknown_ops, resizes)
+    return _traced_step(graph, state, boundaries, (categories, sizes), observed, None, released_early)
 
 
-@contextlib.contextmanager
-def _lifetimes_tracked(eager_lifetimes: _EagerLifetimes) -> Iterator[None]:
-    """How long Python, the autocast cache, checkpoint inputs and autograd Functions' contexts keep each
-    tensor, while the step runs."""
-    with eager_lifetimes, python_holders_tracked(eager_lifetimes):
-        yield
+@dataclass
+class _Observed:
+    """What watched a recording besides the recorder, as it left it."""
+
+    tracker: _ModuleTracker  # which module ran each op
+    eager_lifetimes: EagerLifetimes
+    started: float  # perf_counter when the trace began
+    unknown_ops: set[str]  # ran with a target behaviour memplan does not know
+    resizes: list[StorageResize]  # FSDP2's
 
 
 def _traced_step(
     graph: OpGraph,
-    settings: TrainingSettings,
     state: TrainingState,
     boundaries: dict[str, int],
     stored: tuple[dict[StorageWeakRef, str], dict[StorageWeakRef, int]],
-    tracker: _ModuleTracker,
-    eager_lifetimes: _EagerLifetimes,
-    started: float,
+    observed: _Observed,
     recording: OptimizerRecording | None,
-    unknown_ops: set[str],
     released_early: list[tuple[StorageWeakRef, int, int]],
 ) -> TracedStep:
     """The TracedStep of a finished recording: phases from `boundaries` (the whole graph where a
     phase never ended), storages from `stored` (categories, sizes)."""
     node_count = len(graph.nodes)
+    for key, category in sharding_categories(graph, observed.resizes).items():
+        stored[0].setdefault(key, category)
     return TracedStep(
         graph=graph,
-        settings=settings,
+        settings=state.settings,
         forward_end=boundaries.get("forward", node_count),
         backward_end=boundaries.get("backward", node_count),
         storage_categories=stored[0],
         storage_bytes=stored[1],
-        node_modules=tracker.per_node(node_count),
+        node_modules=observed.tracker.per_node(node_count),
         parameter_count=sum(logical_numel(p) for p in state.model.parameters()),
         trainable_parameter_count=sum(p.numel() for p in state.trainable),
         checkpointed_blocks=state.checkpointed_blocks,
-        python_lifetimes=eager_lifetimes.local_lifetimes,
-        backward_node_ops=eager_lifetimes.backward_node_ops,
-        seconds=time.perf_counter() - started,
+        python_lifetimes=observed.eager_lifetimes.local_lifetimes,
+        backward_node_ops=observed.eager_lifetimes.backward_node_ops,
+        seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,
-        unknown_target_ops=tuple(sorted(unknown_ops)),
+        unknown_target_ops=tuple(sorted(observed.unknown_ops)),
         released_early=tuple(released_early),
+        storage_resizes=tuple(observed.resizes),
     )
 
 
@@ -468,7 +294,7 @@ def _categorize(
         for tensor in tensors:
             key = storage_key(tensor)
             categories[key] = category
-            sizes[key] = tensor.untyped_storage().nbytes()
+            sizes[key] = local_tensor(tensor).untyped_storage().nbytes()
     return categories, sizes
 
 
@@ -552,7 +378,7 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
                 if state.data_parallel is not None:
                     # Now, not at the traced step's first forward: that would trace the old buckets
                     # freed and the new ones made (where the warm-up ran one forward, it has not yet).
-                    state.data_parallel.rebuild_buckets()
+                    state.data_parallel.after_warm_up()
         except MemplanError:
             raise
         except Exception as error:
@@ -608,7 +434,9 @@ def trace_step(
                 param.grad = torch.zeros_like(param)
     if gradients_outlive_the_step(settings) and state.data_parallel is not None:
         _gradients_as_ddp_makes_them(state, settings, fake_mode)
-    previous_grads = [(storage_key(grad), grad.untyped_storage().nbytes()) for grad in current_grads(state)]
+    previous_grads = [
+        (storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in current_grads(state)
+    ]
     inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
     recorder = GraphRecorder(inputs)
@@ -618,14 +446,15 @@ def trace_step(
     def marker(phase: str) -> None:
         boundaries[phase] = recorder.node_count()
 
-    eager_lifetimes = _EagerLifetimes(recorder.node_count)
+    eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = _ModuleTracker(state.built_model, recorder.node_count)
     try:
-        # Autocast's weight-cast cache stays on, as in the real run: _EagerLifetimes records how
+        # Autocast's weight-cast cache stays on, as in the real run: EagerLifetimes records how
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).
         target_kernels = _target_kernels(settings)
-        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder:
-            with _lifetimes_tracked(eager_lifetimes):
+        resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel)
+        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder, resizes_recorded as resizes:
+            with lifetimes_tracked(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()
             grads = current_grads(state)
@@ -645,8 +474,8 @@ def trace_step(
                 recording.keep_local_lifetimes(optimizer_locals.lifetimes, step_start)
                 eager_lifetimes.local_lifetimes += recording.local_lifetimes_from(step_start)
                 # What outlives one trace of the fake model, besides the gradients.
-                if not recording.is_replayable(model_tensors(state) + optimizer_tensors(state)):
-                    recording = None
+                if not recording.is_replayable(model_tensors(state) + optimizer_tensors(state)) or resizes:
+                    recording = None  # FSDP2's step runs on local shards a replay cannot substitute
     except MemplanError:
         raise
     except Exception as error:  # any failure inside the user's model becomes one clear message
@@ -658,17 +487,5 @@ def trace_step(
         for key, nbytes in previous_grads:
             categories[key] = "gradients"
             released_early.append((key, nbytes, boundaries["zero_grad"] - 1))
-    stored = (categories, sizes)
-    return _traced_step(
-        graph,
-        settings,
-        state,
-        boundaries,
-        stored,
-        tracker,
-        eager_lifetimes,
-        started,
-        recording,
-        unknown_ops,
-        released_early,
-    )
+    observed = _Observed(tracker, eager_lifetimes, started, unknown_ops, resizes)
+    return _traced_step(graph, state, boundaries, (categories, sizes), observed, recording, released_early)

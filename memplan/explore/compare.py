@@ -6,7 +6,8 @@ spends beyond its non-checkpointed twin), micro-steps per optimizer step (gradie
 keeps the effective batch by running smaller micro-batches), or numerics (lower precision).
 
 Effective batch = micro-batch × gradient accumulation steps × data-parallel GPUs; memory is per
-GPU and, under plain data parallelism (DDP), the same on every GPU.
+GPU: one rank's (the same on every GPU under DDP; under FSDP2, rank 0's, whose shards are the
+largest where a dimension does not divide evenly).
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ def techniques(base: TrainingSettings) -> list[Technique]:
         )
     if base.parallel == "ddp" and not base.ddp_bucket_view:
         found.append(Technique("DDP gradient_as_bucket_view", {"ddp_bucket_view": True}, "gradients are bucket views"))
+    sharding = (
+        (
+            "fsdp",
+            "FSDP2 (reshard after forward)",
+            "communication: all-gathers in forward and backward, reduce-scatters",
+        ),
+        ("fsdp-grad-op", "FSDP2, no reshard after forward", "communication: all-gathers in forward, reduce-scatters"),
+    )
+    for parallel, name, cost in sharding if base.parallel != "none" else ():
+        if base.parallel != parallel:
+            found.append(Technique(name, {"parallel": parallel, "ddp_bucket_view": False}, cost))
     if base.checkpoint == "none":
         found.append(Technique("checkpoint all blocks", {"checkpoint": "all"}, "recompute"))
         if base.precision != "amp-bf16":

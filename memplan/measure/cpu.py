@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memplan.estimator.leaves import tensors_in
+from memplan.distributed.fsdp import storage_resizes_observed
+from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.loop import (
     TrainingState,
     current_grads,
@@ -29,7 +31,7 @@ from memplan.estimator.loop import (
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
-from memplan.settings import TrainingSettings
+from memplan.settings import FSDP_MODES, TrainingSettings
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class LiveStorageCounter(TorchDispatchMode):
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
 
     def add_static(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         key = storage._cdata
         if key not in self._live:
             self._live[key] = storage.nbytes()
@@ -67,20 +69,33 @@ class LiveStorageCounter(TorchDispatchMode):
         self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
 
     def _add_dynamic(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         key = storage._cdata
         if key in self._live:
             return
         nbytes = storage.nbytes()
         self._live[key] = nbytes
         self.dynamic_bytes += nbytes
-        weakref.finalize(storage, self._release, key, nbytes)
+        weakref.finalize(storage, self._release, key)
 
-    def _release(self, key: int, nbytes: int) -> None:
-        if self._live.pop(key, None) is not None:
-            self.dynamic_bytes -= nbytes
+    def _release(self, key: int) -> None:
+        self.dynamic_bytes -= self._live.pop(key, 0)
+
+    def resized(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
+        """A storage resized in place (FSDP2 allocates and frees its unsharded parameters so, which no
+        dispatch mode sees): the difference allocated or freed now."""
+        key = storage._cdata
+        if key not in self._live:  # first seen now: it holds `before` bytes since before the iteration
+            self._live[key] = before
+            self.static_bytes += before
+            weakref.finalize(storage, self._release, key)
+        self._live[key] += after - before
+        self.dynamic_bytes += after - before
+        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if wraps_local_tensors(types):
+            return NotImplemented  # counted as the ops on its local tensors
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
                 self.add_static(leaf)  # existed before the iteration, so live throughout it
@@ -131,6 +146,7 @@ def measure_cpu(
         counter.add_static(tensor)
     for grad in current_grads(state):
         counter.add_live(grad)
-    with collector_held(), counter:
+    resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
+    with collector_held(), counter, resizes:
         iteration(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)

@@ -11,7 +11,7 @@ from memplan.advice import when_nothing_fits
 from memplan.estimator.result import EstimateResult
 from memplan.gpus import DEFAULT_GPU
 from memplan.render.units import format_flops, format_seconds
-from memplan.settings import MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import FSDP_MODES, MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
 
 _CATEGORY_LABELS = {
     "parameters": "parameters (+ buffers)",
@@ -22,7 +22,10 @@ _CATEGORY_LABELS = {
     "inputs": "inputs (micro-batch)",
     "workspaces": "cuBLAS / cuDNN workspaces",
     "communication": "DDP gradient buckets",
+    "unsharded_parameters": "unsharded parameters (all-gathered)",
 }
+# Under FSDP2 the communication line is its collectives' flat buffers.
+_FSDP_COMMUNICATION_LABEL = "all-gather / reduce-scatter buffers"
 
 
 def to_json(result: EstimateResult) -> str:
@@ -52,7 +55,8 @@ def _describe_parallel(s: TrainingSettings) -> str:
     if s.parallel == "none":
         return ""
     total = s.batch_size * s.grad_accum * s.world_size
-    return f"one DDP rank of {s.world_size} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = {total:,})"
+    rank = {"ddp": "DDP", "fsdp": "FSDP2", "fsdp-grad-op": "FSDP2 (no reshard after forward)"}[s.parallel]
+    return f"one {rank} rank of {s.world_size} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = {total:,})"
 
 
 def _describe_lora(s: TrainingSettings) -> str:
@@ -87,8 +91,13 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             continue
         if key == "communication" and result.settings.parallel == "none":
             continue
+        if key == "unsharded_parameters" and result.settings.parallel not in FSDP_MODES:
+            continue
         share = value / result.peak_bytes if result.peak_bytes else 0.0
-        table.add_row(_CATEGORY_LABELS[key], format_bytes(value), f"{share:.1%}")
+        label = _CATEGORY_LABELS[key]
+        if key == "communication" and result.settings.parallel in FSDP_MODES:
+            label = _FSDP_COMMUNICATION_LABEL
+        table.add_row(label, format_bytes(value), f"{share:.1%}")
     table.add_row("[bold]peak[/bold] (max_memory_allocated)", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
     if result.reserved_peak_bytes is not None:
         table.add_row("reserved by the caching allocator", format_bytes(result.reserved_peak_bytes), "")

@@ -21,7 +21,8 @@ CATEGORY_LABELS = {
     "temporaries": "temporaries",
     "inputs": "inputs",
     "workspaces": "cuBLAS / cuDNN workspaces",
-    "communication": "DDP gradient buckets",
+    "communication": "communication buffers (DDP buckets, FSDP2 collectives)",
+    "unsharded_parameters": "unsharded parameters (FSDP2)",
 }
 CATEGORY_COLOURS = {  # matplotlib's tab10, one colour per category
     "parameters": "#1f77b4",
@@ -32,6 +33,7 @@ CATEGORY_COLOURS = {  # matplotlib's tab10, one colour per category
     "inputs": "#8c564b",
     "workspaces": "#7f7f7f",
     "communication": "#bcbd22",
+    "unsharded_parameters": "#17becf",
 }
 
 

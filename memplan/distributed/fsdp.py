@@ -1,0 +1,206 @@
+"""FSDP2, one rank (`--parallel fsdp|fsdp-grad-op --world-size N`): torch's own `fully_shard`.
+
+torch's FSDP2 shards each wrapped module's parameters across the ranks as DTensors and runs on rank
+0 of a fake process group over fake tensors (torch.distributed.fsdp._fully_shard). What a rank holds
+and does beyond one GPU's step, all of it traced as it runs:
+- Its shard of every parameter, gradient and optimizer state: 1/N of each, each dimension-0 shard
+  padded to a whole row count (`_fsdp_param.py`, FSDPParam._init_sharded_param).
+- Before a wrapped module's forward (and again before its backward, when it resharded after the
+  forward), an all-gather: the shards are copied into one flat input buffer (`all_gather_copy_in`),
+  gathered into a flat output of N times its size, and copied out into each parameter's unsharded
+  storage (`split_with_sizes_copy`). The unsharded storages are allocated for the gather and freed
+  when the module reshards: FSDP2 does both with `UntypedStorage.resize_` (its `alloc_storage` and
+  `free_storage`), which no dispatch mode sees; memplan records each call as an allocation or a free
+  at that point of the step.
+- After a module's backward, a reduce-scatter: its unsharded gradients are copied into one flat
+  input (`chunk_cat`), reduced into a flat output of 1/N, and added into (or kept as) the sharded
+  gradients.
+  `fsdp` reshards after the forward (`reshard_after_forward=True`, ZeRO-3-like); `fsdp-grad-op` keeps
+  the unsharded parameters from the forward to the backward (`reshard_after_forward=False`,
+  ZeRO-2-like). The wrapping policy is the usual one (torchtitan, torch's FSDP2 tutorial): each
+  block of the model's repeated blocks, then the root.
+
+The fake group: FSDP2 needs a DeviceMesh, and a DeviceMesh needs torch.distributed's default
+process group, so memplan initializes one with torch's "fake" backend (FakeStore,
+torch.testing._internal.distributed.fake_pg) while it shards the model and destroys it after: the
+sharded model keeps the mesh's group, whose collectives move nothing. A job's own initialized
+group is never touched (memplan refuses instead).
+
+Not traced: NCCL's own buffers; on CUDA, FSDP2 runs its all-gathers and reduce-scatters on their own
+streams, whose blocks the caching allocator keeps in per-stream pools; the trace runs them on one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from unittest.mock import patch
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memplan.errors import SettingsError
+from memplan.estimator.checkpointing import block_names
+from memplan.estimator.held_tensors import HOOK_NODES, LIBRARIES_HOLDING_TENSORS
+from memplan.estimator.leaves import WRAPPER_SUBCLASSES, tensors_in
+from memplan.estimator.opgraph import OpGraph, OpNode
+
+# FSDP2's ops around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): what
+# they make is a communication buffer (the all-gather's flat input and output, the reduce-scatter's
+# flat input); what the collectives read and write is too, unless it is already something else (the
+# reduce-scatter's output, which the sharded gradients are views of).
+COPY_IN_OPS = frozenset({"fsdp.all_gather_copy_in.default", "fsdp.chunk_cat.default"})
+COLLECTIVE_OPS = frozenset(
+    {
+        "c10d._allgather_base_.default",
+        "c10d._reduce_scatter_base_.default",
+        "c10d.allgather_into_tensor_coalesced_.default",
+        "c10d.reduce_scatter_tensor_coalesced_.default",
+    }
+)
+# What the reduce-scatter's flat input is copied from: the unsharded gradients of a module's backward.
+GRADIENT_COPY_OPS = frozenset({"fsdp.chunk_cat.default"})
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int) -> Iterator[Any]:
+    """A DeviceMesh of `world_size` ranks over a default process group of torch's fake backend, made
+    for the while and destroyed after (a built FSDP2 module runs on without it), so the process is
+    left as it was; or over the process's own fake default group of that size."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    made = False
+    with unset_fake_temporarily():  # the mesh's rank tensor must be real
+        if dist.is_initialized():
+            if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
+                raise SettingsError(
+                    f"--parallel fsdp runs FSDP2 on a fake process group of {world_size} ranks, and this process "
+                    "has initialized torch.distributed already: estimate in a process of its own (the memplan command)"
+                )
+        else:
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+            made = True
+        try:
+            mesh = init_device_mesh("cpu", (world_size,))
+        except BaseException:
+            if made:
+                dist.destroy_process_group()
+            raise
+    try:
+        yield mesh
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+class FullyShardedRank:
+    """One rank of a model sharded by FSDP2's fully_shard over fake tensors."""
+
+    def __init__(self, model: nn.Module, world_size: int, reshard_after_forward: bool = True) -> None:
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        if not any(param.requires_grad for param in model.parameters()):
+            raise SettingsError("--parallel fsdp: the model has no trainable parameter; leave out --parallel")
+        WRAPPER_SUBCLASSES.add(DTensor)
+        LIBRARIES_HOLDING_TENSORS.add(os.path.dirname(fsdp_param_group.__file__))  # its buffers' lifetimes
+        # Its pre- and post-backward hooks, run as autograd Functions' backward (_fsdp_state.py,
+        # _fsdp_param_group.py).
+        HOOK_NODES.update(("RegisterPreBackwardFunctionBackward", "RegisterPostBackwardFunctionBackward"))
+        with _fake_world(world_size) as mesh:
+            for name in block_names(model):
+                fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.wrapper = model  # fully_shard changes the module in place (its class becomes an FSDPModule)
+        self.module = model
+
+    def buckets(self) -> list[torch.Tensor]:
+        return []  # FSDP2 keeps no buffer between modules' collectives; what it gathers is traced
+
+    def after_warm_up(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class StorageResize:
+    """FSDP2 resized a storage between two ops: `at` is the index of the next op to run."""
+
+    storage: StorageWeakRef
+    at: int
+    before_bytes: int
+    after_bytes: int
+
+
+StorageResized = Callable[[torch.UntypedStorage, int, int], None]  # (storage, bytes before, bytes after)
+
+
+@contextlib.contextmanager
+def storage_resizes_observed(on_resize: StorageResized) -> Iterator[None]:
+    """`on_resize` told of each storage FSDP2 resizes (its alloc_storage and free_storage, in
+    _fsdp_param.py; _fsdp_param_group.py imports alloc_storage for one-rank groups) while active."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+
+    def observed(resize: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def run(tensor: torch.Tensor) -> None:
+            storage = tensor.untyped_storage()
+            before = storage.nbytes()
+            resize(tensor)
+            if storage.nbytes() != before:
+                on_resize(storage, before, storage.nbytes())
+
+        return run
+
+    allocate, free = observed(fsdp_param.alloc_storage), observed(fsdp_param.free_storage)
+    with (
+        patch.object(fsdp_param, "alloc_storage", allocate),
+        patch.object(fsdp_param, "free_storage", free),
+        patch.object(fsdp_param_group, "alloc_storage", allocate),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def storage_resizes_recorded(node_count: Callable[[], int], data_parallel: object) -> Iterator[list[StorageResize]]:
+    """FSDP2's resizes while active, as StorageResize records at the op count `node_count` gives (none
+    unless `data_parallel` is a FullyShardedRank)."""
+    resizes: list[StorageResize] = []
+    if not isinstance(data_parallel, FullyShardedRank):
+        yield resizes
+        return
+
+    def record(storage: torch.UntypedStorage, before: int, after: int) -> None:
+        resizes.append(StorageResize(StorageWeakRef(storage), node_count(), before, after))
+
+    with storage_resizes_observed(record):
+        yield resizes
+
+
+def sharding_categories(graph: OpGraph, resizes: list[StorageResize]) -> dict[StorageWeakRef, str]:
+    """The breakdown category of what FSDP2 allocates: its unsharded parameter storages, and the
+    buffers its collectives read and write ("communication")."""
+    categories = {resize.storage: "unsharded_parameters" for resize in resizes}
+
+    def categorize(node: OpNode, category: str) -> None:
+        for tensor in tensors_in(node.meta.get("val")):
+            categories.setdefault(StorageWeakRef(tensor.untyped_storage()), category)
+
+    for node in graph.nodes:
+        target = str(node.target) if node.op == "call_function" else None
+        if target in GRADIENT_COPY_OPS:
+            for source in node.all_input_nodes:
+                categorize(source, "gradients")
+        if target in COPY_IN_OPS:
+            categorize(node, "communication")
+        if target in COLLECTIVE_OPS:
+            for source in [node, *node.all_input_nodes]:
+                categorize(source, "communication")
+    return categories
