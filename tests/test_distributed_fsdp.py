@@ -7,6 +7,8 @@ allocation and free events (tests/fsdp_models.py, built without memplan), which 
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -152,3 +154,37 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
 def test_fsdp_mistakes_are_settings_errors(options, message):
     with pytest.raises(SettingsError, match=message):
         TrainingSettings(**options)
+
+
+def test_on_cuda_fsdp2_s_buffers_are_allocated_on_its_own_streams():
+    """Each all-gather's flat buffers on the copy-in stream, each reduce-scatter's output on the
+    reduce-scatter stream (torch's _fsdp_collectives.py), counted against the collectives the real
+    FSDP2 run makes (patched to count, on CPU tensors)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+
+    counts = {"all-gathers": 0, "reduce-scatters": 0}
+    all_gather, reduce = fsdp_param_group.foreach_all_gather, fsdp_param_group.foreach_reduce
+
+    def counted(name, function):
+        def run(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return run
+
+    with (
+        patch.object(fsdp_param_group, "foreach_all_gather", counted("all-gathers", all_gather)),
+        patch.object(fsdp_param_group, "foreach_reduce", counted("reduce-scatters", reduce)),
+    ):
+        fsdp_models.measured_peak(4, 16, reshard_after_forward=True)
+    per_iteration = {name: count // 3 for name, count in counts.items()}  # three iterations ran
+
+    spec = resolve_model("tests.fsdp_models:stack", **SOURCE)
+    settings = spec.settings_for(TrainingSettings(batch_size=16, parallel="fsdp", world_size=4))
+    timeline = simulate(trace_step(spec, settings)).timeline
+    streams = {a.stream for a in timeline.allocations} - {0}
+    assert len(streams) == 2
+    by_stream = {stream: [a for a in timeline.allocations if a.stream == stream] for stream in streams}
+    gathers, reduced = sorted(by_stream.values(), key=lambda found: found[0].category)
+    assert {a.category for a in gathers} == {"communication"} and len(gathers) == per_iteration["all-gathers"]
+    assert {a.category for a in reduced} == {"gradients"} and len(reduced) == per_iteration["reduce-scatters"]

@@ -26,8 +26,12 @@ torch.testing._internal.distributed.fake_pg) while it shards the model and destr
 sharded model keeps the mesh's group, whose collectives move nothing. A job's own initialized
 group is never touched (memplan refuses instead).
 
-Not traced: NCCL's own buffers; on CUDA, FSDP2 runs its all-gathers and reduce-scatters on their own
-streams, whose blocks the caching allocator keeps in per-stream pools; the trace runs them on one.
+On CUDA, FSDP2 allocates the all-gather's buffers on its copy-in stream and the reduce-scatter's output
+on its reduce-scatter stream, and the caching allocator keeps each freed block for its own stream; on
+the fake CPU tensors of a trace FSDP2 selects torch.cpu's stand-in streams, which the recorder numbers
+(memplan.estimator.recorder.current_side_stream) and the allocator simulation keeps apart.
+
+Not traced: NCCL's own buffers, outside torch's allocator.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from memplan.estimator.checkpointing import block_names
 from memplan.estimator.held_tensors import HOOK_NODES, LIBRARIES_HOLDING_TENSORS
 from memplan.estimator.leaves import WRAPPER_SUBCLASSES, tensors_in
 from memplan.estimator.opgraph import OpGraph, OpNode
+from memplan.estimator.recorder import current_side_stream
 
 # FSDP2's ops around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): what
 # they make is a communication buffer (the all-gather's flat input and output, the reduce-scatter's
@@ -68,7 +73,7 @@ GRADIENT_COPY_OPS = frozenset({"fsdp.chunk_cat.default"})
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[Any]:
+def _fake_world(world_size: int, device_type: str) -> Iterator[Any]:
     """A DeviceMesh of `world_size` ranks over a default process group of torch's fake backend, made
     for the while and destroyed after (a built FSDP2 module runs on without it), so the process is
     left as it was; or over the process's own fake default group of that size."""
@@ -88,7 +93,7 @@ def _fake_world(world_size: int) -> Iterator[Any]:
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
             made = True
         try:
-            mesh = init_device_mesh("cpu", (world_size,))
+            mesh = init_device_mesh(device_type, (world_size,))
         except BaseException:
             if made:
                 dist.destroy_process_group()
@@ -115,7 +120,9 @@ class FullyShardedRank:
         # Its pre- and post-backward hooks, run as autograd Functions' backward (_fsdp_state.py,
         # _fsdp_param_group.py).
         HOOK_NODES.update(("RegisterPreBackwardFunctionBackward", "RegisterPostBackwardFunctionBackward"))
-        with _fake_world(world_size) as mesh:
+        # The parameters' device: fake CPU tensors in a trace, cuda in a real run on a GPU (validate).
+        device_type = next(model.parameters()).device.type
+        with _fake_world(world_size, device_type) as mesh:
             for name in block_names(model):
                 fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -137,6 +144,7 @@ class StorageResize:
     at: int
     before_bytes: int
     after_bytes: int
+    stream: int = 0  # the side stream it ran on (memplan.estimator.recorder.current_side_stream), 0 the default
 
 
 StorageResized = Callable[[torch.UntypedStorage, int, int], None]  # (storage, bytes before, bytes after)
@@ -169,16 +177,20 @@ def storage_resizes_observed(on_resize: StorageResized) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def storage_resizes_recorded(node_count: Callable[[], int], data_parallel: object) -> Iterator[list[StorageResize]]:
-    """FSDP2's resizes while active, as StorageResize records at the op count `node_count` gives (none
-    unless `data_parallel` is a FullyShardedRank)."""
+def storage_resizes_recorded(
+    node_count: Callable[[], int], data_parallel: object, stream_numbers: dict[object, int]
+) -> Iterator[list[StorageResize]]:
+    """FSDP2's resizes while active, as StorageResize records at the op count `node_count` gives, their
+    streams numbered in `stream_numbers` (the recorder's); none unless `data_parallel` is a
+    FullyShardedRank."""
     resizes: list[StorageResize] = []
     if not isinstance(data_parallel, FullyShardedRank):
         yield resizes
         return
 
     def record(storage: torch.UntypedStorage, before: int, after: int) -> None:
-        resizes.append(StorageResize(StorageWeakRef(storage), node_count(), before, after))
+        stream = current_side_stream(stream_numbers) or 0
+        resizes.append(StorageResize(StorageWeakRef(storage), node_count(), before, after, stream))
 
     with storage_resizes_observed(record):
         yield resizes

@@ -64,8 +64,8 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
         notes.append(
             f"one rank of {settings.world_size}: torch's FSDP2 (fully_shard on each repeated block, then the root) "
             f"traced on a fake process group; parameters, gradients and optimizer state sharded, each module's "
-            f"parameters all-gathered before its forward and backward and resharded {reshard}; on CUDA the "
-            "collectives' own streams (separate caching-allocator pools) and NCCL's buffers are not counted"
+            f"parameters all-gathered before its forward and backward and resharded {reshard}; its collectives' "
+            "buffers allocated on their own CUDA streams, as FSDP2 does; NCCL's own buffers are not counted"
         )
     return notes
 

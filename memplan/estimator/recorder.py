@@ -60,6 +60,7 @@ class GraphRecorder(TorchDispatchMode):
     def __init__(self, inputs: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
         self.graph = OpGraph()
+        self.stream_numbers: dict[object, int] = {}  # side streams, numbered from 1 as first seen
         self._node_of = WeakTensorKeyDictionary()  # tensor -> the node whose output it is now
         self._constants = 0
         self.recording: OptimizerRecording | None = None  # when set, every op is appended to it
@@ -110,6 +111,8 @@ class GraphRecorder(TorchDispatchMode):
     ) -> object:
         """The op's node (and getitem nodes for a tuple result); `val`: meta["val"] known already."""
         node = self.graph.add(OpNode("call_function", func, node_args, node_kwargs, inputs))
+        if (stream := current_side_stream(self.stream_numbers)) is not None:
+            node.meta["stream"] = stream
         if isinstance(out, torch.Tensor):
             node.meta["val"] = alias(out) if val is None else val
             self._node_of[out] = node  # in-place ops: later readers read the mutated value here
@@ -151,6 +154,24 @@ class GraphRecorder(TorchDispatchMode):
         read = [self.node_of(local_tensor(tensor)) for tensor in tensors_in(outputs)]
         self.graph.add(OpNode("output", "output", (read,), None, read))
         return self.graph
+
+
+def current_side_stream(numbers: dict[object, int]) -> int | None:
+    """The number of the stream ops run on now, if not the default one (None).
+
+    memplan traces on fake CPU tensors, so device-agnostic code that runs ops on side streams (FSDP2's
+    all-gathers and reduce-scatters: `_get_device_handle(device.type).stream(...)`) selects them
+    through torch.cpu's stand-in streams; on CUDA each is a stream of its own, whose caching-allocator
+    pools keep what is allocated on it (memplan.estimator.cuda.allocator). Numbered from 1 in the
+    order first seen, in `numbers`.
+    """
+    stream = torch.cpu.current_stream()
+    if stream is _DEFAULT_CPU_STREAM:
+        return None
+    return numbers.setdefault(stream, len(numbers) + 1)
+
+
+_DEFAULT_CPU_STREAM = torch.cpu.current_stream()
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:

@@ -183,6 +183,7 @@ class Liveness:
     last_use: dict[StorageWeakRef, int]
     unsupported_ops: tuple[str, ...]
     requested: dict[StorageWeakRef, int]  # the bytes asked for, before the allocator's rounding
+    streams: dict[StorageWeakRef, int] = field(default_factory=dict)  # those allocated on a side stream
 
 
 @dataclass(frozen=True)
@@ -194,26 +195,36 @@ class ResizedStorage:
     allocation: int
 
 
-def _resized_allocations(traced: TracedStep, end: int) -> dict[StorageWeakRef, list[tuple[int, int, int]]]:
-    """For each resized storage, its allocations: (first node, last node it lives through, bytes)."""
-    allocations: dict[StorageWeakRef, list[tuple[int, int, int]]] = {}
-    opened: dict[StorageWeakRef, tuple[int, int]] = {}
+class _Allocation(NamedTuple):
+    """One allocation of a resized storage."""
+
+    first: int  # node
+    last: int  # the last node it lives through
+    nbytes: int
+    stream: int  # the stream it was allocated on (0, the default)
+
+
+def _resized_allocations(traced: TracedStep, end: int) -> dict[StorageWeakRef, list[_Allocation]]:
+    """For each resized storage, its allocations, in order. One that spans no node (allocated after the
+    last op) is left out: it is alive when the next iteration begins, as its first resize says."""
+    allocations: dict[StorageWeakRef, list[_Allocation]] = {}
+    opened: dict[StorageWeakRef, tuple[int, int, int]] = {}
     for resize in traced.storage_resizes:
         allocations.setdefault(resize.storage, [])
         if resize.storage not in opened and resize.before_bytes and not allocations[resize.storage]:
-            opened[resize.storage] = (0, resize.before_bytes)  # allocated when the iteration began
+            opened[resize.storage] = (0, resize.before_bytes, 0)  # allocated when the iteration began
         if resize.storage in opened:
-            start, nbytes = opened.pop(resize.storage)
-            allocations[resize.storage].append((start, resize.at - 1, nbytes))
+            start, nbytes, stream = opened.pop(resize.storage)
+            allocations[resize.storage].append(_Allocation(start, resize.at - 1, nbytes, stream))
         if resize.after_bytes:
-            opened[resize.storage] = (resize.at, resize.after_bytes)
-    for key, (start, nbytes) in opened.items():
-        allocations[key].append((start, end, nbytes))
-    return allocations
+            opened[resize.storage] = (resize.at, resize.after_bytes, resize.stream)
+    for key, (start, nbytes, stream) in opened.items():
+        allocations[key].append(_Allocation(start, end, nbytes, stream))
+    return {key: [a for a in found if a.first < end and a.first <= a.last] for key, found in allocations.items()}
 
 
 def _split_resized(
-    storages: list[list[tuple[StorageWeakRef, int]]], allocations: dict[StorageWeakRef, list[tuple[int, int, int]]]
+    storages: list[list[tuple[StorageWeakRef, int]]], allocations: dict[StorageWeakRef, list[_Allocation]]
 ) -> None:
     """Each node's resized storages replaced by the allocation live at that node (none while freed)."""
     for index, outputs in enumerate(storages):
@@ -224,9 +235,9 @@ def _split_resized(
             if key not in allocations:
                 split.append((key, nbytes))
                 continue
-            for number, (start, last, size) in enumerate(allocations[key]):
-                if start <= index <= last:
-                    split.append((ResizedStorage(key, number), size))
+            for number, allocation in enumerate(allocations[key]):
+                if allocation.first <= index <= allocation.last:
+                    split.append((ResizedStorage(key, number), allocation.nbytes))
         storages[index] = split
 
 
@@ -281,13 +292,19 @@ def liveness(traced: TracedStep) -> Liveness:
     for source in nodes[-1].all_input_nodes if nodes and nodes[-1].op == "output" else []:
         for key, _ in storages[index_of[source]]:
             last_use[key] = end
+    # Each allocated on the stream of the op that made it (memplan.estimator.recorder.current_side_stream).
+    streams = {key: stream for key, index in born.items() if (stream := nodes[index].meta.get("stream"))}
     for key, allocations in resized.items():  # allocated and freed where FSDP2 resized them, used or not
-        for number, (start, last, nbytes) in enumerate(allocations):
-            allocation = ResizedStorage(key, number)
-            requested[allocation], born[allocation], last_use[allocation] = nbytes, start, last
+        for number, allocation in enumerate(allocations):
+            resized_key = ResizedStorage(key, number)
+            requested[resized_key], born[resized_key] = allocation.nbytes, allocation.first
+            last_use[resized_key] = allocation.last
+            streams.pop(resized_key, None)
+            if allocation.stream:
+                streams[resized_key] = allocation.stream
     unsupported.update(dict.fromkeys(traced.unknown_target_ops))
     size = {key: round_for_device(nbytes, traced.settings) for key, nbytes in requested.items()}
-    return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested)
+    return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested, streams)
 
 
 def cublas_workspaces(traced: TracedStep) -> list[int]:
@@ -521,6 +538,7 @@ def memory_timeline(
                 requested_bytes=lifetimes.requested[key],
                 becomes_gradient=key in becomes,
                 made_in_first_micro_batch=key in made,
+                stream=lifetimes.streams.get(key, 0),
             )
         )
     for index, requests in (transients or {}).items():  # after the storages: the sort below is stable

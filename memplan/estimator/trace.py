@@ -193,7 +193,7 @@ def _trace_custom_step(
     tracker = _ModuleTracker(state.built_model, recorder.node_count)
     try:
         target_kernels = _target_kernels(settings)
-        resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel)
+        resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
         with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder, resizes_recorded as resizes:
             with lifetimes_tracked(eager_lifetimes), constant_item():
                 custom_step(state, marker, on_step)
@@ -452,7 +452,7 @@ def trace_step(
         # Autocast's weight-cast cache stays on, as in the real run: EagerLifetimes records how
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).
         target_kernels = _target_kernels(settings)
-        resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel)
+        resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
         with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder, resizes_recorded as resizes:
             with lifetimes_tracked(eager_lifetimes):
                 micro_batch(state, marker)

@@ -170,6 +170,19 @@ EXTENDED = (
         parallel="ddp",
         world_size=4,
     ),
+    # One FSDP2 rank (memplan.distributed.fsdp): its collectives on their own CUDA streams, which the
+    # fake group's collectives run on too (they move nothing), with the copies and resizes around them.
+    _c("gpt2-fsdp-8", "gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", parallel="fsdp", world_size=8),
+    _c(
+        "llama-3.2-1b-fsdp-grad-op-checkpoint",
+        "llama-3.2-1b",
+        batch_size=4,
+        seq_len=1024,
+        precision="bf16",
+        checkpoint="all",
+        parallel="fsdp-grad-op",
+        world_size=4,
+    ),
 )
 
 # QLoRA (memplan.finetune.quantize): needs bitsandbytes on the GPU machine (docs/validation.md says
