@@ -32,6 +32,8 @@ DEVICES = ("cuda", "cpu")
 # fully_shard resharding after the forward ("fsdp") or only after the backward ("fsdp-grad-op").
 PARALLEL_MODES = ("none", "ddp", "fsdp", "fsdp-grad-op")
 FSDP_MODES = ("fsdp", "fsdp-grad-op")
+# FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
+FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Binary and decimal units; "GB" is 10**9 as disks and nvidia-smi's marketing sizes use it,
@@ -189,6 +191,9 @@ class TrainingSettings:
     world_size: int = 1  # data-parallel ranks
     # DistributedDataParallel(gradient_as_bucket_view=...): gradients are views into DDP's buckets.
     ddp_bucket_view: bool = False
+    # FSDP2's MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32): float32 shards,
+    # gathered and computed in this dtype ("bf16" or "fp16"), gradients reduced in float32; None: off.
+    fsdp_mixed_precision: str | None = None
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -308,6 +313,15 @@ class TrainingSettings:
             raise SettingsError(f"world size {self.world_size:,} is beyond what memplan models (at most {MAX_COUNT:,})")
         if self.ddp_bucket_view and self.parallel != "ddp":
             raise SettingsError("--ddp-bucket-view is an option of DDP: give --parallel ddp")
+        if self.fsdp_mixed_precision is not None:
+            _check_choice("FSDP2 mixed precision", self.fsdp_mixed_precision, FSDP_MIXED_PRECISIONS)
+            if self.parallel not in FSDP_MODES:
+                raise SettingsError("--fsdp-mixed-precision is FSDP2's policy: give --parallel fsdp or fsdp-grad-op")
+            if self.precision in ("bf16", "fp16"):
+                raise SettingsError(
+                    f"--fsdp-mixed-precision casts float32 parameters, and --precision {self.precision} stores them in "
+                    f"{self.precision}: give --precision fp32 (or amp-bf16, amp-fp16) with it"
+                )
         if self.parallel in FSDP_MODES and self.quantize is not None:
             raise SettingsError(
                 f"--parallel {self.parallel} with --quantize: FSDP2 over bitsandbytes' quantized layers is not traced "

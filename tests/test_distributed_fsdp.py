@@ -79,6 +79,9 @@ def test_sharding_divides_the_state_and_adds_what_fsdp2_gathers():
         # parameters before the loss's own backward formula runs: 15% high when taken as formula.
         ("llama", 2, "fsdp", {"lora_rank": 4}),
         ("gpt2", 2, "fsdp", {"step": "tests.custom_steps:accumulate_halves"}),
+        # FSDP2's MixedPrecisionPolicy: float32 shards gathered in 16 bits, gradients reduced in float32.
+        ("llama", 4, "fsdp", {"fsdp_mixed_precision": "bf16"}),
+        ("gpt2", 4, "fsdp-grad-op", {"fsdp_mixed_precision": "fp16", "checkpoint": "all"}),
     ],
 )
 def test_an_fsdp_rank_of_each_architecture_is_its_real_run(tiny_model_dirs, name, world_size, parallel, options):
@@ -149,6 +152,12 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
             "--ddp-bucket-view is an option of DDP",
         ),
         ({"world_size": 2}, "give --parallel ddp or fsdp"),
+        ({"parallel": "ddp", "world_size": 2, "fsdp_mixed_precision": "bf16"}, "is FSDP2's policy"),
+        (
+            {"parallel": "fsdp", "world_size": 2, "fsdp_mixed_precision": "bf16", "precision": "bf16"},
+            "--precision fp32",
+        ),
+        ({"parallel": "fsdp", "world_size": 2, "fsdp_mixed_precision": "fp8"}, "FSDP2 mixed precision must be"),
     ],
 )
 def test_fsdp_mistakes_are_settings_errors(options, message):

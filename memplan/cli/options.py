@@ -12,6 +12,7 @@ from memplan.errors import SizeParseError
 from memplan.settings import (
     ATTENTION_IMPLEMENTATIONS,
     DEVICES,
+    FSDP_MIXED_PRECISIONS,
     LOOPS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
@@ -190,6 +191,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             is_flag=True,
             help="With --parallel ddp: DistributedDataParallel(gradient_as_bucket_view=True), the gradients views "
             "into DDP's buckets instead of a second copy.",
+        ),
+        click.option(
+            "--fsdp-mixed-precision",
+            type=click.Choice(FSDP_MIXED_PRECISIONS),
+            help="With --parallel fsdp: FSDP2's MixedPrecisionPolicy, float32 shards gathered and computed in this "
+            "dtype, gradients reduced in float32 (torchtitan's default).",
         ),
         click.option(
             "--step",

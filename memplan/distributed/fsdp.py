@@ -108,7 +108,14 @@ def _fake_world(world_size: int, device_type: str) -> Iterator[Any]:
 class FullyShardedRank:
     """One rank of a model sharded by FSDP2's fully_shard over fake tensors."""
 
-    def __init__(self, model: nn.Module, world_size: int, reshard_after_forward: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        world_size: int,
+        reshard_after_forward: bool = True,
+        mixed_precision: torch.dtype | None = None,
+    ) -> None:
+        """`mixed_precision`: MixedPrecisionPolicy(param_dtype=it, reduce_dtype=torch.float32), or none."""
         import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
@@ -122,10 +129,16 @@ class FullyShardedRank:
         HOOK_NODES.update(("RegisterPreBackwardFunctionBackward", "RegisterPostBackwardFunctionBackward"))
         # The parameters' device: fake CPU tensors in a trace, cuda in a real run on a GPU (validate).
         device_type = next(model.parameters()).device.type
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(
+            param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None
+        )
+        options = {"reshard_after_forward": reshard_after_forward, "mp_policy": policy}
         with _fake_world(world_size, device_type) as mesh:
             for name in block_names(model):
-                fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard_after_forward)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(model.get_submodule(name), mesh=mesh, **options)
+            fully_shard(model, mesh=mesh, **options)
         self.wrapper = model  # fully_shard changes the module in place (its class becomes an FSDPModule)
         self.module = model
 

@@ -59,6 +59,7 @@ STORAGE_DTYPES = {
     "fp16": torch.float16,
 }
 AUTOCAST_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
+FSDP_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --fsdp-mixed-precision
 # torch.amp.GradScaler's default init_scale (torch/amp/grad_scaler.py).
 INITIAL_LOSS_SCALE = 2.0**16
 
@@ -121,7 +122,12 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     elif settings.parallel in FSDP_MODES:  # each repeated block, then the root, as FSDP2 scripts shard
         from memplan.distributed.fsdp import FullyShardedRank
 
-        data_parallel = FullyShardedRank(model, settings.world_size, reshard_after_forward=settings.parallel == "fsdp")
+        data_parallel = FullyShardedRank(
+            model,
+            settings.world_size,
+            reshard_after_forward=settings.parallel == "fsdp",
+            mixed_precision=FSDP_PARAM_DTYPES.get(settings.fsdp_mixed_precision or ""),
+        )
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
     state = TrainingState(
         model=model,
