@@ -56,9 +56,11 @@ def _describe_parallel(s: TrainingSettings) -> str:
         return ""
     total = s.batch_size * s.grad_accum * s.world_size
     rank = {"ddp": "DDP", "fsdp": "FSDP2", "fsdp-grad-op": "FSDP2 (no reshard after forward)"}[s.parallel]
-    if s.fsdp_mixed_precision:
-        rank = f"{rank} with {s.fsdp_mixed_precision} parameters"
-    return f"one {rank} rank of {s.world_size} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = {total:,})"
+    mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
+    return (
+        f"one {rank} rank of {s.world_size}{mixed} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = "
+        f"{total:,})"
+    )
 
 
 def _describe_lora(s: TrainingSettings) -> str:
