@@ -2,7 +2,7 @@
 
 Checkpointing only lowers activations, so it is advice only when activations are the problem:
 - parameters and optimizer state alone over the budget: no batch size fits one GPU as configured;
-  keep less state (8-bit Adam, Adafactor), store weights in bf16, or shard across GPUs;
+  keep less state (8-bit Adam, Adafactor), store weights in bf16, or shard across GPUs (FSDP2);
 - the optimizer step's peak over the budget (gradients + optimizer temporaries, the same at every
   batch size): the optimizer's implementation and state, not the batch, decide;
 - otherwise the forward/backward peak: activations, which checkpointing, autocast and a shorter
@@ -12,7 +12,7 @@ Checkpointing only lowers activations, so it is advice only when activations are
 from __future__ import annotations
 
 from memplan.estimator.result import EstimateResult
-from memplan.settings import CheckpointLayout, format_bytes
+from memplan.settings import FSDP_MODES, CheckpointLayout, TrainingSettings, format_bytes
 
 
 def _state_options(result: EstimateResult) -> list[str]:
@@ -33,12 +33,18 @@ def _state_options(result: EstimateResult) -> list[str]:
     return options
 
 
+def _sharding(settings: TrainingSettings) -> str:
+    if settings.parallel in FSDP_MODES:
+        return "more ranks (--world-size: each holds a smaller shard)"
+    return "--parallel fsdp --world-size N (FSDP2 shards parameters, gradients and optimizer state across N GPUs)"
+
+
 def when_nothing_fits(result: EstimateResult, budget_bytes: int) -> str:
     """One line for a budget that not even batch size 1 meets."""
     settings = result.settings
     state = result.breakdown.parameters + result.breakdown.optimizer_state
     if state >= budget_bytes:
-        options = [*_state_options(result), "sharding across GPUs (FSDP, DeepSpeed ZeRO)"]
+        options = [*_state_options(result), _sharding(settings)]
         return (
             f"parameters and optimizer state alone take {format_bytes(state)} of the {format_bytes(budget_bytes)} "
             f"budget, so no batch size fits one GPU as configured: try {'; '.join(options)}"
@@ -50,7 +56,7 @@ def when_nothing_fits(result: EstimateResult, budget_bytes: int) -> str:
         return (
             f"the optimizer step alone peaks at {format_bytes(result.phase_peak_bytes['optimizer'])} (gradients and "
             "its temporaries, the same at every batch size; checkpointing does not lower it): try "
-            + "; ".join(options or ["sharding across GPUs (FSDP, DeepSpeed ZeRO)"])
+            + "; ".join(options or [_sharding(settings)])
         )
     options = []
     checkpointed = isinstance(settings.checkpoint, CheckpointLayout) or settings.checkpoint != "none"

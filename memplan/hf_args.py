@@ -144,12 +144,17 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
     unknown = _unknown_keys(data, path)
     if unknown:
         notes.append(f"not TrainingArguments fields in this transformers, so ignored: {', '.join(unknown)}")
-    for key in _SHARDING_KEYS:
-        if data.get(key):
-            raise HfArgsError(
-                f"--hf-args {path} sets {key}; memplan models one GPU holding the whole model and optimizer "
-                f"(no sharding): remove {key} from the file to estimate the unsharded run"
-            )
+    if data.get("fsdp"):
+        raise HfArgsError(
+            f"--hf-args {path} sets fsdp, which the Trainer hands to accelerate's FSDP plugin, whose settings memplan "
+            "does not read yet: remove fsdp from the file and give --parallel fsdp (or fsdp-grad-op) --world-size N, "
+            "which traces one FSDP2 rank"
+        )
+    if data.get("deepspeed"):
+        raise HfArgsError(
+            f"--hf-args {path} sets deepspeed, whose ZeRO sharding memplan does not model: remove it from the file "
+            "to estimate one GPU holding everything, or give --parallel fsdp --world-size N for FSDP2's"
+        )
     batch_size = _positive_int(data, "per_device_train_batch_size", path)
     if batch_size is not None:
         settings["batch_size"] = batch_size

@@ -18,7 +18,8 @@ def test_each_reason_gets_its_own_advice(tiny_model_dirs):
     assert state < optimizer_peak < result.peak_bytes  # activations make this step's peak
 
     state_advice = when_nothing_fits(result, state - 1)
-    assert "no batch size fits" in state_advice and "sharding" in state_advice and "adam8bit" in state_advice
+    assert "no batch size fits" in state_advice and "--parallel fsdp --world-size N" in state_advice
+    assert "adam8bit" in state_advice
     assert "--lora RANK" in state_advice
     assert "--checkpoint" not in state_advice
 
@@ -48,3 +49,10 @@ def test_lora_advice_does_not_offer_to_shrink_a_sliver_of_optimizer_state(tiny_m
     assert "--quantize nf4" in advice  # the frozen weights are what is over: QLoRA shrinks them
     quantized = estimate(tiny_model_dirs["gpt2"], **SETTINGS, lora_rank=4, quantize="nf4")
     assert "--quantize" not in when_nothing_fits(quantized, quantized.breakdown.parameters - 1)
+
+
+def test_a_sharded_rank_is_told_to_shard_further(tiny_model_dirs):
+    result = estimate(tiny_model_dirs["gpt2"], **SETTINGS, parallel="fsdp", world_size=2)
+    state = result.breakdown.parameters + result.breakdown.optimizer_state
+    advice = when_nothing_fits(result, state - 1)
+    assert "more ranks (--world-size" in advice and "--parallel fsdp" not in advice
