@@ -35,7 +35,7 @@ def _normalise(text: str) -> str:
 def run(command: str) -> str:
     words = command.replace("\\\n", " ").split()
     with tempfile.TemporaryDirectory() as folder:
-        environment = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+        environment = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT), "TERM": "dumb", "MEMPLAN_NO_CACHE": "1"}
         done = subprocess.run(
             [sys.executable, "-m", "memplan", *words[1:]],
             cwd=folder,

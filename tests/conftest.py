@@ -1,4 +1,11 @@
+import os
+
 import pytest
+
+# Every command in the tests traces: memplan's answer cache (memplan.cli.cache) would answer a
+# command that a test runs again after changing what it depends on through a patch. The cache's
+# own tests turn it on for themselves.
+os.environ["MEMPLAN_NO_CACHE"] = "1"
 
 from tests.zoo import TINY_HF_CONFIGS, write_tiny_config
 

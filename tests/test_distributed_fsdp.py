@@ -197,3 +197,49 @@ def test_on_cuda_fsdp2_s_buffers_are_allocated_on_its_own_streams():
     gathers, reduced = sorted(by_stream.values(), key=lambda found: found[0].category)
     assert {a.category for a in gathers} == {"communication"} and len(gathers) == per_iteration["all-gathers"]
     assert {a.category for a in reduced} == {"gradients"} and len(reduced) == per_iteration["reduce-scatters"]
+
+
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_what_fsdp2_allocates_is_counted_in_its_own_lines(mixed_precision):
+    """Each category's allocations over the whole step against sizes worked out from the model's
+    parameters: each module's gathered parameters (its own: the root's stem and head, each block's)
+    in the gathering dtype, its all-gather's flat output N times its padded shards (and with mixed
+    precision, the flat input they are cast into), the reduce-scatter's flat input and output (the
+    sharded gradients) in float32."""
+    world = 4
+    spec = resolve_model("tests.fsdp_models:stack", **SOURCE)
+    options = {"batch_size": 16, "device": "cpu", "parallel": "fsdp-grad-op", "world_size": world}
+    settings = spec.settings_for(TrainingSettings(**options, fsdp_mixed_precision=mixed_precision))
+    timeline = simulate(trace_step(spec, settings)).timeline
+    gathered_bytes = 2 if mixed_precision else 4
+    model = fsdp_models.Stack()
+    modules = [[model.stem, model.head], *([block] for block in model.blocks)]
+
+    def padded(module_list: list) -> list[int]:  # each parameter's numel, its rows padded to N
+        return [
+            -(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for m in module_list for p in m.parameters()
+        ]
+
+    unsharded = sorted(
+        a.size_bytes for a in timeline.allocations if a.category == "unsharded_parameters" and a.allocated_at > 0
+    )
+    expected = sorted(gathered_bytes * numel for module_list in modules for numel in padded(module_list))
+    assert unsharded == expected  # each gathered once (fsdp-grad-op keeps them to the backward), rows padded
+    communication = sorted(a.size_bytes for a in timeline.allocations if a.category == "communication")
+    gathers = [gathered_bytes * sum(padded(module_list)) for module_list in modules]
+    if mixed_precision:  # the shards are first cast into one flat input of their own (in float32 a view)
+        gathers += [gathered_bytes * sum(padded(module_list)) // world for module_list in modules]
+    reduce_inputs = [4 * sum(padded(module_list)) for module_list in modules]
+    assert communication == sorted(gathers + reduce_inputs)
+    # The reduce-scatters' outputs, the sharded gradients, on the reduce-scatter's own stream.
+    reduce_outputs = sorted(a.size_bytes for a in timeline.allocations if a.category == "gradients" and a.stream)
+    assert reduce_outputs == sorted(4 * sum(padded(module_list)) // world for module_list in modules)
+
+
+def test_a_model_with_nothing_to_train_is_one_line():
+    from torch import nn
+
+    from memplan.distributed.fsdp import FullyShardedRank
+
+    with pytest.raises(SettingsError, match="--parallel fsdp: the model has no trainable parameter"):
+        FullyShardedRank(nn.Linear(4, 4).requires_grad_(False), 2)

@@ -6,12 +6,13 @@ from typing import Any
 
 import click
 
-from memplan.cli.options import SizeType, _training_options
-from memplan.cli.running import _call, _emit, _quiet_transformers, _run
+from memplan.cli.options import SizeType, _cache_option, _training_options
+from memplan.cli.running import _call, _emit, _quiet_transformers, _run_cached
 
 
 @click.command()
 @_training_options
+@_cache_option
 @click.option("--gpus", type=int, default=1, show_default=True, help="Data-parallel GPUs (multiplies the batch).")
 @click.option("--budget", type=SizeType(), help="Memory budget: which techniques fit.")
 def compare(
@@ -20,6 +21,7 @@ def compare(
     budget: int | None,
     as_json: bool,
     debug: bool,
+    no_cache: bool,  # read by _run_cached from the command's parameters
     **settings: Any,
 ) -> None:
     """One table of the techniques people try: precision, accumulation, optimizers, checkpointing.
@@ -37,4 +39,4 @@ def compare(
 
         _emit(result, as_json, render_compare)
 
-    _run(debug, action)
+    _run_cached("compare", debug, action)

@@ -6,13 +6,13 @@ from typing import Any
 
 import click
 
-from memplan.cli.options import SizeType, _training_options
+from memplan.cli.options import SizeType, _cache_option, _training_options
 from memplan.cli.running import (
     _call,
     _check_output_paths,
     _emit,
     _quiet_transformers,
-    _run,
+    _run_cached,
     _stderr_console,
     _stdout_console,
 )
@@ -32,6 +32,7 @@ def _expandable(alloc_conf: str | None) -> bool:
 
 @click.command()
 @_training_options
+@_cache_option
 @click.option(
     "--checkpoint",
     default="none",
@@ -63,6 +64,7 @@ def estimate(
     snapshot: str | None,
     as_json: bool,
     debug: bool,
+    no_cache: bool,  # read by _run_cached from the command's parameters
     **settings: Any,
 ) -> None:
     """Predict the peak memory of one training iteration of MODEL.
@@ -94,7 +96,7 @@ def estimate(
         else:
             render_estimate(result, _stdout_console())
 
-    _run(debug, action)
+    _run_cached("estimate", debug, action)
 
 
 def _which_gpu(model: str, settings: dict[str, Any], as_json: bool, **refused: Any) -> None:

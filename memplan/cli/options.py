@@ -238,3 +238,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _cache_option(command: Callable[..., None]) -> Callable[..., None]:
+    """--no-cache, for the commands whose answers memplan keeps (memplan.cli.cache)."""
+    return click.option(
+        "--no-cache",
+        is_flag=True,
+        help="Trace even if this command's answer is in memplan's cache (MEMPLAN_NO_CACHE=1 for every command).",
+    )(command)

@@ -90,6 +90,25 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         sys.exit(code)
 
 
+def _run_cached(command: str, debug: bool, action: Callable[[], None]) -> None:
+    """_run, answered from memplan's cache when this command with these options has been answered
+    before (memplan.cli.cache: before torch is imported), and kept there when it succeeds."""
+    from memplan.cli.cache import cached_answer
+
+    answer = cached_answer(command, click.get_current_context().params)
+    if answer is None:
+        _run(debug, action)
+        return
+    if answer.replay():
+        return
+
+    def recorded() -> None:
+        with answer.recorded():
+            action()
+
+    _run(debug, recorded)
+
+
 @functools.cache
 def _collect_before_teardown() -> None:
     """Free the failed work's objects at exit, before the interpreter tears its modules down (atexit

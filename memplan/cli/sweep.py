@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from memplan.cli.options import SizeType, _training_options
-from memplan.cli.running import _call, _check_output_paths, _emit, _quiet_transformers, _run, _stderr_console
+from memplan.cli.options import SizeType, _cache_option, _training_options
+from memplan.cli.running import _call, _check_output_paths, _emit, _quiet_transformers, _run_cached, _stderr_console
 from memplan.errors import UsageError
 
 
@@ -30,6 +30,7 @@ def _name_list(text: str | None, option: str) -> tuple[str, ...] | None:
 
 @click.command()
 @_training_options
+@_cache_option
 @click.option(
     "--batch-sizes",
     default="1,2,4,8,16,32",
@@ -49,6 +50,7 @@ def sweep(
     plot: str | None,
     as_json: bool,
     debug: bool,
+    no_cache: bool,  # read by _run_cached from the command's parameters
     **settings: Any,
 ) -> None:
     """Peak memory of MODEL against batch size, per precision and checkpointing.
@@ -99,4 +101,4 @@ def sweep(
 
         _emit(result, as_json, render_sweep)
 
-    _run(debug, action)
+    _run_cached("sweep", debug, action)

@@ -55,11 +55,13 @@ from memplan.estimator.leaves import WRAPPER_SUBCLASSES, tensors_in
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.recorder import current_side_stream
 
-# FSDP2's ops around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): what
-# they make is a communication buffer (the all-gather's flat input and output, the reduce-scatter's
-# flat input); what the collectives read and write is too, unless it is already something else (the
-# reduce-scatter's output, which the sharded gradients are views of).
-COPY_IN_OPS = frozenset({"fsdp.all_gather_copy_in.default", "fsdp.chunk_cat.default"})
+# FSDP2's ops around its collectives (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+# `all_gather_copy_in(shards, flat_buffer, ...)` copies the shards into the all-gather's flat buffer,
+# the all-gather fills it; `chunk_cat(unsharded_grads, ..., out=flat_input)` copies a module's
+# unsharded gradients into the reduce-scatter's flat input, reduced into its flat output, which the
+# sharded gradients are views of.
+ALL_GATHER_COPY_IN = "fsdp.all_gather_copy_in.default"
+REDUCE_SCATTER_COPY_IN = "fsdp.chunk_cat.default"
 COLLECTIVE_OPS = frozenset(
     {
         "c10d._allgather_base_.default",
@@ -68,8 +70,6 @@ COLLECTIVE_OPS = frozenset(
         "c10d.reduce_scatter_tensor_coalesced_.default",
     }
 )
-# What the reduce-scatter's flat input is copied from: the unsharded gradients of a module's backward.
-GRADIENT_COPY_OPS = frozenset({"fsdp.chunk_cat.default"})
 
 
 @contextlib.contextmanager
@@ -139,8 +139,7 @@ class FullyShardedRank:
             for name in block_names(model):
                 fully_shard(model.get_submodule(name), mesh=mesh, **options)
             fully_shard(model, mesh=mesh, **options)
-        self.wrapper = model  # fully_shard changes the module in place (its class becomes an FSDPModule)
-        self.module = model
+        self.module = model  # fully_shard changes it in place (its class becomes an FSDPModule)
 
     def buckets(self) -> list[torch.Tensor]:
         return []  # FSDP2 keeps no buffer between modules' collectives; what it gathers is traced
@@ -210,22 +209,22 @@ def storage_resizes_recorded(
 
 
 def sharding_categories(graph: OpGraph, resizes: list[StorageResize]) -> dict[StorageWeakRef, str]:
-    """The breakdown category of what FSDP2 allocates: its unsharded parameter storages, and the
-    buffers its collectives read and write ("communication")."""
+    """The breakdown category of what FSDP2 allocates, where nothing else has one (the shards are
+    parameters, the sharded gradients gradients): its unsharded parameter storages; the unsharded
+    gradients a reduce-scatter copies in; the collectives' flat buffers ("communication")."""
     categories = {resize.storage: "unsharded_parameters" for resize in resizes}
 
-    def categorize(node: OpNode, category: str) -> None:
-        for tensor in tensors_in(node.meta.get("val")):
-            categories.setdefault(StorageWeakRef(tensor.untyped_storage()), category)
+    def categorize(values: object, category: str) -> None:
+        for value in values if isinstance(values, list | tuple) else [values]:
+            if isinstance(value, OpNode):
+                for tensor in tensors_in(value.meta.get("val")):
+                    categories.setdefault(StorageWeakRef(tensor.untyped_storage()), category)
 
     for node in graph.nodes:
         target = str(node.target) if node.op == "call_function" else None
-        if target in GRADIENT_COPY_OPS:
-            for source in node.all_input_nodes:
-                categorize(source, "gradients")
-        if target in COPY_IN_OPS:
-            categorize(node, "communication")
-        if target in COLLECTIVE_OPS:
-            for source in [node, *node.all_input_nodes]:
-                categorize(source, "communication")
+        if target == REDUCE_SCATTER_COPY_IN:
+            categorize(node.args[0], "gradients")
+            categorize((node.kwargs or {}).get("out"), "communication")
+        elif target == ALL_GATHER_COPY_IN or target in COLLECTIVE_OPS:
+            categorize([node, *node.all_input_nodes], "communication")
     return categories

@@ -1,0 +1,147 @@
+"""memplan's answer cache (memplan.cli.cache): a repeated command prints what it printed before
+without tracing, and anything that could change the answer traces again.
+
+Traces are counted by wrapping the tracer the estimator calls, so "answered from the cache" is
+checked as "printed the same and traced nothing", not taken from the cache's own word."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import memplan.estimator.estimate as estimator
+from memplan.cli import main
+from memplan.cli.cache import _evict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """The cache on, in a folder of its own; the number of traces run so far in `traces[0]`."""
+    monkeypatch.delenv("MEMPLAN_NO_CACHE", raising=False)
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    traces = [0]
+    trace_step = estimator.trace_step
+
+    def counted(*args, **kwargs):
+        traces[0] += 1
+        return trace_step(*args, **kwargs)
+
+    monkeypatch.setattr(estimator, "trace_step", counted)
+    return tmp_path / "cache", traces
+
+
+def _estimate(*arguments: str):
+    result = CliRunner().invoke(main, ["estimate", *arguments, "--device", "cpu", "--seq-len", "16"])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_a_repeated_estimate_is_answered_without_tracing(cache, tiny_model_dirs):
+    folder, traces = cache
+    first = _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    traced = traces[0]
+    assert traced >= 1
+    second = _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    assert traces[0] == traced  # nothing traced
+    assert second.stdout == first.stdout
+    assert "answered from the cache" in second.stderr
+    assert len(list(folder.glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["option", "config", "environment", "no-cache flag", "no-cache variable", "json"],
+)
+def test_what_could_change_the_answer_traces_again(cache, tiny_model_dirs, tmp_path, monkeypatch, change):
+    _, traces = cache
+    model = tmp_path / "model"
+    model.mkdir()
+    config = json.loads((Path(tiny_model_dirs["gpt2"]) / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config))
+    arguments = [str(model), "-b", "2"]
+    _estimate(*arguments)
+    before = traces[0]
+    if change == "option":
+        arguments += ["--precision", "bf16"]
+    elif change == "config":
+        (model / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
+    elif change == "environment":
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    elif change == "no-cache flag":
+        arguments.append("--no-cache")
+    elif change == "no-cache variable":
+        monkeypatch.setenv("MEMPLAN_NO_CACHE", "1")
+    else:
+        arguments.append("--json")
+    second = _estimate(*arguments)
+    assert traces[0] > before, change
+    assert "answered from the cache" not in second.stderr
+
+
+def test_code_of_the_user_s_is_traced_every_time(cache):
+    folder, traces = cache
+    arguments = ["estimate", "tests.ddp_models:stack", "-b", "4", "--device", "cpu"]
+    source = ["--inputs", "tests.ddp_models:rows", "--loss", "tests.ddp_models:mean_square"]
+    counts = []
+    for _ in range(2):
+        result = CliRunner().invoke(main, [*arguments, *source])
+        assert result.exit_code == 0, result.output
+        assert "answered from the cache" not in result.stderr
+        counts.append(traces[0])
+    assert counts[1] > counts[0] > 0
+    assert not folder.exists() or not list(folder.glob("*.json"))
+
+
+def test_a_failed_command_is_not_kept_and_an_unreadable_answer_is_traced_again(cache, tiny_model_dirs):
+    folder, traces = cache
+    failed = CliRunner().invoke(main, ["estimate", tiny_model_dirs["gpt2"], "--device", "cpu", "--seq-len", "100000"])
+    assert failed.exit_code != 0
+    assert not folder.exists() or not list(folder.glob("*.json"))
+    _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    (answer,) = folder.glob("*.json")
+    answer.write_text("{not json")
+    before = traces[0]
+    again = _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    assert traces[0] > before and "answered from the cache" not in again.stderr
+    assert json.loads(answer.read_text())["stdout"] == again.stdout  # kept again, whole
+
+
+def test_the_least_recently_used_answers_go_first_above_the_cap(tmp_path):
+    sizes = {"old.json": 400, "middle.json": 300, "new.json": 200}
+    for age, (name, size) in enumerate(sizes.items()):
+        path = tmp_path / name
+        path.write_text("x" * size)
+        os.utime(path, (1_000_000 + age, 1_000_000 + age))
+    _evict(tmp_path, 600)
+    assert sorted(path.name for path in tmp_path.glob("*.json")) == ["middle.json", "new.json"]
+    _evict(tmp_path, 500)  # exactly the cap: kept
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    _evict(tmp_path, 499)
+    assert [path.name for path in tmp_path.glob("*.json")] == ["new.json"]
+
+
+def test_an_answer_from_the_cache_does_not_import_torch(tmp_path, tiny_model_dirs):
+    """What makes it fast: the whole command, in a process of its own, never imports torch."""
+    environment = {**os.environ, "MEMPLAN_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    environment.pop("MEMPLAN_NO_CACHE", None)
+    arguments = ["estimate", tiny_model_dirs["gpt2"], "-b", "2", "--device", "cpu", "--seq-len", "16"]
+    program = (
+        "import sys\nfrom memplan.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", program, *arguments], capture_output=True, text=True, env=environment)
+        for _ in range(2)
+    ]
+    assert "torch imported" in runs[0].stderr
+    assert "no torch" in runs[1].stderr and "answered from the cache" in runs[1].stderr
+    assert runs[1].stdout == runs[0].stdout
