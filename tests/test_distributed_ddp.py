@@ -179,6 +179,9 @@ def test_compare_counts_the_ranks_in_the_effective_batch():
     bucket_view = next(row for row in rows if row["name"] == "DDP gradient_as_bucket_view")
     as_given = next(row for row in rows if row["name"] == "as given")
     assert bucket_view["peak_bytes"] < as_given["peak_bytes"] and bucket_view["settings"]["ddp_bucket_view"]
+    sharded = next(row for row in rows if row["name"] == "FSDP2 (reshard after forward)")
+    assert sharded["settings"]["parallel"] == "fsdp"  # the same 8 ranks, each keeping an eighth of the state
+    assert 8 * sharded["breakdown"]["optimizer_state"] <= as_given["breakdown"]["optimizer_state"] + 8 * 4096
     clash = CliRunner().invoke(main, [*command[:-1], "--gpus", "4"])
     assert clash.exit_code == 2 and "--gpus 4 and --world-size 8" in clash.output
 

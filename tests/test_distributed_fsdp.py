@@ -121,18 +121,16 @@ def test_a_process_with_its_own_group_is_told_to_estimate_elsewhere():
         dist.destroy_process_group()
 
 
-def test_compare_offers_the_other_sharding():
-    import json
+def test_compare_offers_both_fsdp2_modes_beside_a_ddp_rank():
+    """The rows themselves run in tests/test_distributed_ddp.py's compare test; here, what is offered."""
+    from memplan.explore.compare import techniques
 
-    common = ["--inputs", SOURCE["inputs"], "--loss", SOURCE["loss"], "--device", "cpu", "-b", "16"]
-    command = ["compare", "tests.fsdp_models:stack", *common, "--parallel", "ddp", "--world-size", "4", "--json"]
-    result = CliRunner().invoke(main, command)
-    assert result.exit_code == 0, result.output
-    rows = {row["name"]: row for row in json.loads(result.stdout)["rows"]}
-    ddp, fsdp = rows["as given"], rows["FSDP2 (reshard after forward)"]
-    assert fsdp["settings"]["parallel"] == "fsdp" and fsdp["effective_batch_size"] == ddp["effective_batch_size"]
-    assert fsdp["breakdown"]["optimizer_state"] < ddp["breakdown"]["optimizer_state"]
-    assert rows["FSDP2, no reshard after forward"]["settings"]["parallel"] == "fsdp-grad-op"
+    offered = {t.name: t.changes for t in techniques(TrainingSettings(parallel="ddp", world_size=4))}
+    assert offered["FSDP2 (reshard after forward)"] == {"parallel": "fsdp", "ddp_bucket_view": False}
+    assert offered["FSDP2, no reshard after forward"] == {"parallel": "fsdp-grad-op", "ddp_bucket_view": False}
+    on_fsdp = {t.name for t in techniques(TrainingSettings(parallel="fsdp", world_size=4))}
+    assert "FSDP2, no reshard after forward" in on_fsdp and "FSDP2 (reshard after forward)" not in on_fsdp
+    assert not any("FSDP2" in t.name for t in techniques(TrainingSettings()))
 
 
 def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
