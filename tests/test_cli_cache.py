@@ -6,6 +6,7 @@ checked as "printed the same and traced nothing", not taken from the cache's own
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -146,3 +147,61 @@ def test_an_answer_from_the_cache_does_not_import_torch(tmp_path, tiny_model_dir
     assert "torch imported" in runs[0].stderr
     assert "no torch" in runs[1].stderr and "answered from the cache" in runs[1].stderr
     assert runs[1].stdout == runs[0].stdout
+
+
+def test_the_cache_lives_where_the_environment_says(tmp_path, monkeypatch):
+    from memplan.cli.cache import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("MEMPLAN_CACHE_DIR", raising=False)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "memplan"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "memplan"
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_memplan_s_own_source_is_part_of_the_key(tmp_path, monkeypatch):
+    """Every .py and .json file, by path and content; compiled files are not source."""
+    import memplan.cli.cache as cache
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "gpt2.json").write_text("{}")
+    (tmp_path / "a.py").write_text("x = 1")
+    (tmp_path / "__pycache__").mkdir()
+    monkeypatch.setattr(cache, "_MEMPLAN_DIR", tmp_path)
+    digests = [cache._memplan_source_digest()]
+    (tmp_path / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "notes.txt").write_text("not source")
+    digests.append(cache._memplan_source_digest())
+    (tmp_path / "models" / "gpt2.json").write_text('{"n_layer": 2}')
+    digests.append(cache._memplan_source_digest())
+    (tmp_path / "a.py").rename(tmp_path / "b.py")
+    digests.append(cache._memplan_source_digest())
+    assert digests[0] == digests[1] and len(set(digests)) == 3
+
+
+def test_which_models_are_kept_and_by_what(tmp_path, tiny_model_dirs):
+    from memplan.cli.cache import _model_digest
+
+    folder = Path(tiny_model_dirs["gpt2"])
+    expected = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+    assert _model_digest(str(folder)) == expected  # a model folder: its config.json
+    assert _model_digest(str(folder / "config.json")) == expected
+    assert _model_digest("gpt2") == "preset"
+    assert _model_digest("tests.ddp_models:stack") is None  # code
+    assert _model_digest("openai-community/gpt2") is None  # a hub id: Hugging Face's cache
+    assert _model_digest(str(tmp_path / "missing")) is None
+
+
+def test_an_installed_package_s_version_is_part_of_the_key(cache, tiny_model_dirs, monkeypatch):
+    import memplan.cli.cache as cache_module
+
+    _, traces = cache
+    _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    before = traces[0]
+    real = cache_module._version
+    monkeypatch.setattr(cache_module, "_version", lambda package: "0" if package == "transformers" else real(package))
+    result = _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    assert traces[0] > before and "answered from the cache" not in result.stderr
