@@ -205,3 +205,73 @@ def test_an_installed_package_s_version_is_part_of_the_key(cache, tiny_model_dir
     monkeypatch.setattr(cache_module, "_version", lambda package: "0" if package == "transformers" else real(package))
     result = _estimate(tiny_model_dirs["gpt2"], "-b", "2")
     assert traces[0] > before and "answered from the cache" not in result.stderr
+
+
+def test_files_the_answer_reads_and_variables_it_depends_on_are_in_the_key(
+    cache, tiny_model_dirs, tmp_path, monkeypatch
+):
+    """An --hf-args file's content and a variable memplan reads itself (no option mirrors it) each
+    trace again; a variable nothing reads does not."""
+    _, traces = cache
+    hf_args = tmp_path / "args.json"
+    hf_args.write_text(json.dumps({"per_device_train_batch_size": 2}))
+    arguments = [tiny_model_dirs["gpt2"], "--hf-args", str(hf_args)]
+    _estimate(*arguments)
+
+    def traces_for(*extra: str) -> int:
+        before = traces[0]
+        _estimate(*arguments, *extra)
+        return traces[0] - before
+
+    assert traces_for() == 0
+    monkeypatch.setenv("SOMETHING_MEMPLAN_DOES_NOT_READ", "1")
+    assert traces_for() == 0
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")  # read by the cuda target's SDPA choice
+    assert traces_for() > 0
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+    hf_args.write_text(json.dumps({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}))
+    assert traces_for() > 0
+
+
+def test_a_command_that_runs_user_code_or_writes_a_file_is_not_kept(cache, tiny_model_dirs, tmp_path):
+    folder, traces = cache
+    model = tiny_model_dirs["gpt2"]
+    _estimate(model, "-b", "2", "--step", "tests.custom_steps:two_views")
+    _estimate(model, "-b", "2", "--plot", str(tmp_path / "step.png"))
+    assert not folder.exists() or not list(folder.glob("*.json"))
+
+
+def test_a_terminal_and_a_pipe_keep_their_own_answers(monkeypatch, tmp_path):
+    """Tables are as wide as the terminal, and coloured there: the same command piped is another answer."""
+    import io
+
+    from memplan.cli.cache import cached_answer
+
+    monkeypatch.delenv("MEMPLAN_NO_CACHE", raising=False)
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    params = {"model": "gpt2", "batch_size": 2}
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    piped = cached_answer("estimate", params).path
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert cached_answer("estimate", params).path != piped
+
+
+def test_eviction_stops_as_soon_as_the_folder_is_under_the_cap(tmp_path):
+    for age, (name, size) in enumerate({"old.json": 400, "middle.json": 300, "new.json": 200}.items()):
+        path = tmp_path / name
+        path.write_text("x" * size)
+        os.utime(path, (1_000_000 + age, 1_000_000 + age))
+    _evict(tmp_path, 250)  # 900 -> 500 -> 200: two go
+    assert [path.name for path in tmp_path.glob("*.json")] == ["new.json"]
+
+
+def test_the_cache_folder_is_made_with_its_parents(cache, tiny_model_dirs, tmp_path, monkeypatch):
+    nested = tmp_path / "a" / "b" / "c"
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(nested))
+    _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    assert len(list(nested.glob("*.json"))) == 1

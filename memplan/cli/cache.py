@@ -55,7 +55,7 @@ def cache_dir() -> Path:
 def _memplan_source_digest() -> str:
     digest = hashlib.sha256()
     for path in sorted(_MEMPLAN_DIR.rglob("*")):
-        if path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
+        if path.suffix in (".py", ".json"):
             digest.update(str(path.relative_to(_MEMPLAN_DIR)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -80,9 +80,8 @@ def _file_digest(value: str) -> str | None:
 
 def _model_digest(model: str) -> str | None:
     """What the model's answer depends on beyond memplan: its config file's content; "preset" for a
-    name memplan ships (part of its source); None where it runs code or lives elsewhere (no caching)."""
-    if ":" in model:
-        return None
+    name memplan ships (part of its source); None where it runs code (`package.module:fn`) or lives
+    elsewhere (a hub id): neither is kept."""
     digest = _file_digest(model)
     if digest is not None:
         return digest
@@ -209,7 +208,7 @@ def cached_answer(command: str, params: dict[str, Any]) -> CachedAnswer | None:
         "packages": {package: _version(package) for package in _PACKAGES},
         "python": sys.version,
         "environment": environment,
-        "terminal": [_stream_is_terminal(sys.stdout), _stream_is_terminal(sys.stderr)],
+        "terminal": _stream_is_terminal(sys.stdout),  # the answer is stdout; stderr is not kept
     }
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
     return CachedAnswer(key)
