@@ -229,7 +229,14 @@ def test_what_fsdp2_allocates_is_counted_in_its_own_lines(mixed_precision):
         gathers += [gathered_bytes * sum(padded(module_list)) // world for module_list in modules]
     reduce_inputs = [4 * sum(padded(module_list)) for module_list in modules]
     assert communication == sorted(gathers + reduce_inputs)
-    # The reduce-scatters' outputs, the sharded gradients, on the reduce-scatter's own stream.
+    # The unsharded gradients the backward makes, one per parameter at its own shape, which each
+    # reduce-scatter copies in; the reduce-scatters' outputs, the sharded gradients, on their own stream.
+    unsharded_gradients = sorted(
+        a.size_bytes
+        for a in timeline.allocations
+        if a.category == "gradients" and not a.stream and not a.persists(timeline.node_count)
+    )
+    assert unsharded_gradients == sorted(gathered_bytes * p.numel() for p in model.parameters())  # compute dtype
     reduce_outputs = sorted(a.size_bytes for a in timeline.allocations if a.category == "gradients" and a.stream)
     assert reduce_outputs == sorted(4 * sum(padded(module_list)) // world for module_list in modules)
 

@@ -50,7 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names
-from memplan.estimator.held_tensors import HOOK_NODES, LIBRARIES_HOLDING_TENSORS
+from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
 from memplan.estimator.leaves import WRAPPER_SUBCLASSES, tensors_in
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.recorder import current_side_stream
@@ -124,9 +124,6 @@ class FullyShardedRank:
             raise SettingsError("--parallel fsdp: the model has no trainable parameter; leave out --parallel")
         WRAPPER_SUBCLASSES.add(DTensor)
         LIBRARIES_HOLDING_TENSORS.add(os.path.dirname(fsdp_param_group.__file__))  # its buffers' lifetimes
-        # Its pre- and post-backward hooks, run as autograd Functions' backward (_fsdp_state.py,
-        # _fsdp_param_group.py).
-        HOOK_NODES.update(("RegisterPreBackwardFunctionBackward", "RegisterPostBackwardFunctionBackward"))
         # The parameters' device: fake CPU tensors in a trace, cuda in a real run on a GPU (validate).
         device_type = next(model.parameters()).device.type
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -222,9 +219,8 @@ def sharding_categories(graph: OpGraph, resizes: list[StorageResize]) -> dict[St
 
     for node in graph.nodes:
         target = str(node.target) if node.op == "call_function" else None
-        if target == REDUCE_SCATTER_COPY_IN:
+        if target == REDUCE_SCATTER_COPY_IN:  # its out= buffer is the reduce-scatter's input: below
             categorize(node.args[0], "gradients")
-            categorize((node.kwargs or {}).get("out"), "communication")
         elif target == ALL_GATHER_COPY_IN or target in COLLECTIVE_OPS:
             categorize([node, *node.all_input_nodes], "communication")
     return categories

@@ -19,7 +19,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.checkpointing import recomputing
 from memplan.estimator.held_tensors import (
-    HOOK_NODES,
     LIBRARIES_HOLDING_TENSORS,
     called_from_holding_library,
     python_holders_tracked,
@@ -113,7 +112,6 @@ class EagerLifetimes(TorchDispatchMode):
         self._formula_done = False
         self._formula_starting = False  # a Node's pre-hook ran: the next ops are its formula's
         self._in_formula = False
-        self._formula_is_hook = False
         self._hooked = False
 
     def _formula_called(self, grad_outputs: object) -> None:
@@ -223,8 +221,7 @@ class EagerLifetimes(TorchDispatchMode):
             self._current = autograd_node
             self._formula_done = False
             self._in_formula = False
-            self._formula_is_hook = bool(HOOK_NODES) and autograd_node.name() in HOOK_NODES
-        if self._formula_starting and not self._formula_is_hook:
+        if self._formula_starting:
             self._in_formula = True
         self._formula_starting = False
         # Ops a Node's tensor pre-hooks run (FSDP2's unshard before a module's backward) come

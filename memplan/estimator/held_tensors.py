@@ -129,12 +129,6 @@ def called_from_holding_library(frame: FrameType | None) -> bool:
     return frame is not None and os.path.dirname(frame.f_code.co_filename) in LIBRARIES_HOLDING_TENSORS
 
 
-# autograd Nodes (by name) whose backward is a library's hook written as an autograd Function, not a
-# gradient formula: the engine's holding a formula's inputs until it returns does not apply to what
-# the hook makes and drops (FSDP2's post-backward copies the unsharded gradients into the
-# reduce-scatter's buffer and frees them at once). Registered by memplan.distributed.fsdp.
-HOOK_NODES: set[str] = set()
-
 _OPTIMIZER_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 
 
