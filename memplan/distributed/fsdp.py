@@ -211,8 +211,8 @@ def sharding_categories(graph: OpGraph, resizes: list[StorageResize]) -> dict[St
     gradients a reduce-scatter copies in; the collectives' flat buffers ("communication")."""
     categories = {resize.storage: "unsharded_parameters" for resize in resizes}
 
-    def categorize(values: object, category: str) -> None:
-        for value in values if isinstance(values, list | tuple) else [values]:
+    def categorize(values: list[object], category: str) -> None:
+        for value in values:
             if isinstance(value, OpNode):
                 for tensor in tensors_in(value.meta.get("val")):
                     categories.setdefault(StorageWeakRef(tensor.untyped_storage()), category)
