@@ -208,7 +208,10 @@ def storage_resizes_recorded(
 def sharding_categories(graph: OpGraph, resizes: list[StorageResize]) -> dict[StorageWeakRef, str]:
     """The breakdown category of what FSDP2 allocates, where nothing else has one (the shards are
     parameters, the sharded gradients gradients): its unsharded parameter storages; the unsharded
-    gradients a reduce-scatter copies in; the collectives' flat buffers ("communication")."""
+    gradients a reduce-scatter copies in; the collectives' flat buffers ("communication"). Without
+    resizes no FSDP2 ran, and the graph is not read."""
+    if not resizes:
+        return {}
     categories = {resize.storage: "unsharded_parameters" for resize in resizes}
 
     def categorize(values: list[object], category: str) -> None:

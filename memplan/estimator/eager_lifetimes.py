@@ -90,7 +90,10 @@ class EagerLifetimes(TorchDispatchMode):
       until the whole formula returns (torch/csrc/autograd/engine.cpp, call_function), past their
       last use by any single op of it. A post-hook on every Node marks where its formula ends: the
       additions that follow (gradient accumulation into the next Node's input buffer) are not part
-      of it. Recomputation inside a checkpoint runs with grad mode on, which tells its ops apart.
+      of it, and a pre-hook where it starts: what a Node's tensor pre-hooks run before it (FSDP2's
+      unshard before a module's backward) is not either. The graph is hooked as backward() is
+      called, roots included. Recomputation inside a checkpoint runs with grad mode on, which tells
+      its ops apart.
     """
 
     @classmethod

@@ -31,9 +31,7 @@ from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
 from memplan.estimator.fake_conversions import fake_friendly_conversions
 from memplan.estimator.fake_mode import TracingFakeMode
-from memplan.estimator.held_tensors import (
-    OptimizerLocals,
-)
+from memplan.estimator.held_tensors import OptimizerLocals
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.leaves import local_tensor, tensors_in
 from memplan.estimator.loop import (

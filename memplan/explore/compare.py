@@ -70,9 +70,10 @@ def techniques(base: TrainingSettings) -> list[Technique]:
         ),
         ("fsdp-grad-op", "FSDP2, no reshard after forward", "communication: all-gathers in forward, reduce-scatters"),
     )
-    for parallel, name, cost in sharding if base.parallel != "none" else ():
-        if base.parallel != parallel:
-            found.append(Technique(name, {"parallel": parallel, "ddp_bucket_view": False}, cost))
+    if base.parallel != "none":  # the same ranks, sharded
+        for parallel, name, cost in sharding:
+            if base.parallel != parallel:
+                found.append(Technique(name, {"parallel": parallel, "ddp_bucket_view": False}, cost))
     if base.checkpoint == "none":
         found.append(Technique("checkpoint all blocks", {"checkpoint": "all"}, "recompute"))
         if base.precision != "amp-bf16":
