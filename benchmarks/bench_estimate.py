@@ -26,8 +26,12 @@ CASES = {
     "bert-large-uncased": MEMPLAN + ["bert-large-uncased", "--batch-size", "32", "--seq-len", "512", "--json"],
     "llama-2-7b": MEMPLAN
     + ["llama-2-7b", "--batch-size", "1", "--seq-len", "4096", "--precision", "amp-bf16", "--json"],
+    "llama-3.1-70b": MEMPLAN
+    + ["llama-3.1-70b", "--batch-size", "1", "--seq-len", "4096", "--precision", "amp-bf16", "--json"],
     "resnet-50": MEMPLAN + ["resnet-50", "--batch-size", "64", "--image-size", "224", "--json"],
     "memtracker-gpt2": [sys.executable, str(ROOT / "benchmarks" / "memtracker_step.py")],
+    "gpt2-sweep-12": [sys.executable, "-m", "memplan", "sweep", "gpt2", "--seq-len", "1024"]
+    + ["--batch-sizes", ",".join(map(str, range(1, 13))), "--json"],
 }
 CASES["gpt2-from-cache"] = CASES["gpt2"]
 
@@ -42,7 +46,11 @@ def run(name: str, command: list[str], environment: dict[str, str]) -> dict:
     row = {"name": name, "wall_s": round(wall, 2), "peak_rss_bytes": rss, "exit_code": done.returncode}
     if done.returncode == 0 and done.stdout.strip().startswith("{"):
         data = json.loads(done.stdout)
-        row.update(peak_bytes=data["peak_bytes"], traces=data["traces"], max_batch_size=data["max_batch_size"])
+        if "series" in data:  # a sweep
+            series = data["series"]
+            row.update(points=sum(len(s["points"]) for s in series), traces=sum(s["traces"] for s in series))
+        else:
+            row.update(peak_bytes=data["peak_bytes"], traces=data["traces"], max_batch_size=data["max_batch_size"])
     elif done.returncode == 0:
         row["output"] = done.stdout.strip()
     else:

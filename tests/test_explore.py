@@ -9,6 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memplan.api import compare, estimate, sweep
 from memplan.cli import main
+from memplan.estimator.estimate import BatchTracer
+from memplan.explore.sweep import run_sweep, tracing_order
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 
@@ -30,6 +32,51 @@ def test_sweep_points_and_largest_batches_match_estimates():
         assert at <= budget < above
     assert result.series[0].max_batch_size == 6
     assert result.series[1].max_batch_size > 6  # checkpointing every block fits a larger batch
+
+
+def test_the_sweep_traces_from_the_ends_inwards():
+    assert tracing_order((1, 2, 3, 4, 5, 7, 9)) == [1, 9, 2, 5, 3, 4, 7]  # 1, the ends above it, their middle
+    assert tracing_order((16, 4, 8)) == [16, 4, 8]
+    assert tracing_order((1, 2)) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "batch_sizes", "traced"),
+    [
+        # cuda: batch 25's least device memory is 2 MiB under its reserved peak, both from the lines
+        ("llama", dict(seq_len=128, gpu="A10G"), (1, 2, 9, 17, 25, 33), (1, 2, 17, 33)),
+        ("gpt2", dict(seq_len=16, device="cpu"), (1, 2, 3, 4, 5, 7, 9), (1, 2, 5, 9)),
+        # its step adds a layer above 6 samples: no lines, every batch size traced
+        (
+            "tests.zoo_models:wider_for_large_batches",
+            dict(optimizer="sgd", gpu="A10G"),
+            (1, 2, 3, 5, 9),
+            (1, 2, 3, 5, 9),
+        ),
+    ],
+)
+def test_sweep_points_from_the_lines_equal_traces_of_their_batch_sizes(
+    model, options, batch_sizes, traced, tiny_model_dirs
+):
+    """Each batch size the sweep answers from the lines, against a fresh tracer's own trace of it."""
+    custom = model.startswith("tests.")
+    spec = resolve_model(
+        tiny_model_dirs.get(model, model), inputs="tests.zoo_models:features_inputs" if custom else None
+    )
+    settings = spec.settings_for(TrainingSettings(**options))
+    fresh = BatchTracer(spec, settings)
+    budget = fresh.simulate(batch_sizes[-2]).fit_bytes
+    (series,) = run_sweep(spec, settings, batch_sizes=batch_sizes, budget_bytes=budget).series
+    assert [point.batch_size for point in series.points] == list(batch_sizes)
+    assert tuple(point.batch_size for point in series.points if point.traced) == traced
+    for point in series.points:
+        simulation = fresh.simulate(point.batch_size)
+        assert (point.peak_bytes, point.reserved_peak_bytes, point.smallest_device_bytes) == (
+            simulation.peak_bytes,
+            simulation.reserved_peak_bytes,
+            simulation.smallest_device_bytes,
+        )
+        assert point.fits == simulation.fits_within(budget) == (point.batch_size <= batch_sizes[-2])
 
 
 def _block_forward_flops(batch_size: int) -> int:

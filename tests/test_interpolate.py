@@ -12,6 +12,7 @@ from memplan.estimator.estimate import BatchTracer
 from memplan.estimator.interpolate import BatchLines, fit_bytes, phase_fit_bytes, same_requests
 from memplan.models.source import ModelRef, ModelSpec, resolve_model
 from memplan.settings import TrainingSettings
+from tests.zoo_models import WiderForLargeBatches
 
 CASES = {
     "gpt2 cuda": ("gpt2", dict(seq_len=64, gpu="A10G")),
@@ -68,25 +69,10 @@ def test_the_search_answers_from_confirmed_lines_and_its_answer_holds(tiny_model
     assert check.simulate(found).fit_bytes <= budget < check.simulate(found + 1).fit_bytes
 
 
-class _WiderForLargeBatches(torch.nn.Module):
-    """Its step is not the same requests at every batch size: above 6 samples it adds a layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = torch.nn.Linear(64, 256)
-        self.extra = torch.nn.Linear(256, 256)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.first(x)
-        if x.shape[0] > 6:
-            hidden = self.extra(hidden).relu()
-        return hidden.square().mean()
-
-
 def test_lines_a_third_trace_contradicts_are_not_used():
     spec = ModelSpec(
         ModelRef("wider-for-large-batches"),
-        lambda settings: _WiderForLargeBatches(),
+        lambda settings: WiderForLargeBatches(),
         lambda settings, dtype: torch.randn(settings.batch_size, 64),
         lambda output, batch: output,
         lambda settings: settings,

@@ -138,6 +138,21 @@ class DataDependent(nn.Module):
         return -score
 
 
+class WiderForLargeBatches(torch.nn.Module):
+    """Its step is not the same requests at every batch size: above 6 samples it adds a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(64, 256)
+        self.extra = torch.nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if x.shape[0] > 6:
+            hidden = self.extra(hidden).relu()
+        return hidden.square().mean()
+
+
 def conv_bn_net() -> nn.Module:
     return ConvBNNet()
 
@@ -229,3 +244,7 @@ def half_inputs(batch_size: int) -> torch.Tensor:
 
 def bfloat16_inputs(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, FEATURES).to(torch.bfloat16)
+
+
+def wider_for_large_batches() -> nn.Module:
+    return WiderForLargeBatches()

@@ -55,8 +55,10 @@ def sweep(
 ) -> None:
     """Peak memory of MODEL against batch size, per precision and checkpointing.
 
-    Every point is traced and simulated. With --budget or --gpu, each setting also gets the largest
-    batch size that fits (the same search as `estimate --budget`).
+    The largest batch size, the smallest above 1 and one between are traced; where the step is the same
+    requests at each, only their sizes on lines through the batch size, the other points are answered
+    from those lines (as exact as a trace; batch size 1 is always traced). With --budget or --gpu, each
+    setting also gets the largest batch size that fits (the same search as `estimate --budget`).
     """
 
     def action() -> None:

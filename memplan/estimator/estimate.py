@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from memplan.errors import SettingsError
 from memplan.estimator.adam8bit import paged_state_bytes
@@ -14,7 +15,7 @@ from memplan.estimator.interpolate import fits as timeline_fits
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
-from memplan.estimator.timeline import MemoryTimeline
+from memplan.estimator.timeline import MemoryTimeline, reserved_peak_bytes
 from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
 from memplan.finetune.bnb_kernels import OUTLIER_COLUMN_FRACTION
 from memplan.finetune.quantize import INT8
@@ -145,6 +146,16 @@ def second_batch_size(batch_size: int) -> int:
     return batch_size // 2 if batch_size >= 2 else 2
 
 
+@dataclass(frozen=True)
+class BatchFigures:
+    """One batch size's figures, as its Simulation gives them, from its own trace or from the lines."""
+
+    peak_bytes: int
+    reserved_peak_bytes: int | None  # cuda
+    smallest_device_bytes: int | None  # cuda
+    traced: bool  # False: from lines through traced batch sizes (memplan.estimator.interpolate)
+
+
 class BatchTracer:
     """Traces and simulates one configuration at any batch size, building the fake model once.
 
@@ -187,6 +198,21 @@ class BatchTracer:
 
     def fit_bytes(self, batch_size: int) -> int:
         return max(self.fit_phase_peaks(batch_size).values())
+
+    def figures(self, batch_size: int) -> BatchFigures:
+        """The batch size's peak, reserved peak and least device memory: from the confirmed lines
+        where they answer it, else from a trace."""
+        self.fit_phase_peaks(batch_size)
+        timeline = self.interpolated_timelines.get(batch_size)
+        if timeline is None:
+            simulation = self.simulate(batch_size)
+            peaks = simulation.peak_bytes, simulation.reserved_peak_bytes, simulation.smallest_device_bytes
+            return BatchFigures(*peaks, traced=True)
+        if self.settings.device != "cuda":
+            return BatchFigures(max(timeline.total_bytes()), None, None, traced=False)
+        reserved = reserved_peak_bytes(timeline, self.settings.allocator_config)
+        device = self.interpolated[batch_size]["device"]
+        return BatchFigures(max(timeline.total_bytes()), reserved, device, traced=False)
 
     def simulate(self, batch_size: int) -> Simulation:
         if batch_size not in self.simulations:

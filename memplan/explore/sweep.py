@@ -1,7 +1,11 @@
 """Peak memory against batch size for several settings: the picture for choosing a batch and a technique.
 
-Every point is a traced and simulated iteration (no interpolation); the largest batch that fits
-the budget is found per setting by the same search `estimate` uses.
+Each setting's batch sizes are traced from the ends inwards: the largest, the smallest above 1, one
+between. Where that third trace lands, request by request, on the lines through the other two, the
+remaining batch sizes are answered from those lines through the allocator simulator, exactly as
+the largest-batch search does (memplan.estimator.interpolate); a step that changes with the batch
+size is traced at every point. Batch size 1 is always traced. The largest batch that fits the
+budget is found per setting by the same search `estimate` uses.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class SweepPoint:
     reserved_peak_bytes: int | None
     fits: bool | None
     smallest_device_bytes: int | None = None  # cuda: the least memory the step completes in, what fits compare
+    traced: bool = True  # False: from the lines through three traced batch sizes
 
     def to_dict(self) -> dict[str, Any]:
         return fields_dict(self)
@@ -41,6 +46,7 @@ class SweepSeries:
     checkpoint: str
     points: tuple[SweepPoint, ...]
     max_batch_size: int | None  # with a budget: the largest batch size that fits (0: none does)
+    traces: int = 0  # the steps traced for this setting, the largest-batch search's included
 
     @property
     def label(self) -> str:
@@ -76,6 +82,17 @@ def _check(values: tuple[str, ...], known: tuple[str, ...], option: str) -> None
         raise SettingsError(f"{option} takes a comma-separated list of {', '.join(known)}; got {','.join(values)}")
 
 
+def tracing_order(batch_sizes: tuple[int, ...]) -> list[int]:
+    """Batch size 1 (never on the lines), then the largest, the smallest above 1 and the middle one
+    (the lines through the ends, checked between them), then the rest in order."""
+    ordered = sorted(set(batch_sizes))
+    above_one = [batch for batch in ordered if batch > 1]
+    first = ([1] if 1 in ordered else []) + list(dict.fromkeys(above_one[-1:] + above_one[:1]))
+    if len(above_one) > 2:
+        first.append(above_one[len(above_one) // 2])
+    return first + [batch for batch in ordered if batch not in first]
+
+
 def run_sweep(
     spec: ModelSpec,
     settings: TrainingSettings,
@@ -106,24 +123,26 @@ def run_sweep(
         try:
             tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
             points = []
-            for batch in sorted(set(batch_sizes)):
-                simulation = tracer.simulate(batch)
-                fits = simulation.fits_within(budget_bytes) if budget_bytes is not None else None
+            for batch in tracing_order(batch_sizes):
+                figures = tracer.figures(batch)
+                fits = tracer.fits(batch, budget_bytes) if budget_bytes is not None else None
                 points.append(
                     SweepPoint(
                         batch,
-                        simulation.peak_bytes,
-                        simulation.reserved_peak_bytes,
+                        figures.peak_bytes,
+                        figures.reserved_peak_bytes,
                         fits,
-                        simulation.smallest_device_bytes,
+                        figures.smallest_device_bytes,
+                        figures.traced,
                     )
                 )
+            points.sort(key=lambda point: point.batch_size)
             max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
         except KeyboardInterrupt:
             if not series:
                 raise  # nothing finished to show
             interrupted = True  # keep what is finished; the caller shows it and exits as interrupted
             break
-        series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch))
+        series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch, len(tracer.simulations)))
     seconds = time.perf_counter() - started
     return SweepResult(spec.name, spec.settings_for(settings), budget_bytes, tuple(series), seconds, interrupted)

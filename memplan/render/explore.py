@@ -56,7 +56,10 @@ def render_sweep(result: SweepResult, console: Console) -> None:
             f"[dim]budget {format_bytes(result.budget_bytes)}, compared with {fit}: green fits, red and ✗ "
             "do not; 'largest' is the largest batch size that fits[/dim]"
         )
-    console.print(f"[dim]{result.seconds:.1f} s[/dim]")
+    traces = sum(series.traces for series in result.series)
+    interpolated = sum(not point.traced for series in result.series for point in series.points)
+    from_lines = f", {interpolated} batch sizes from the lines through traced ones" if interpolated else ""
+    console.print(f"[dim]{traces} traces{from_lines}; {result.seconds:.1f} s[/dim]")
 
 
 def render_compare(result: CompareResult, console: Console) -> None:
