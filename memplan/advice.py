@@ -12,7 +12,7 @@ Checkpointing only lowers activations, so it is advice only when activations are
 from __future__ import annotations
 
 from memplan.estimator.result import EstimateResult
-from memplan.settings import FSDP_MODES, CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import DDP_MODES, FSDP_MODES, CheckpointLayout, TrainingSettings, format_bytes
 
 
 def _state_options(result: EstimateResult) -> list[str]:
@@ -28,7 +28,7 @@ def _state_options(result: EstimateResult) -> list[str]:
         options.append("--quantize nf4 (QLoRA: the frozen weights in 4 bits)")
     if settings.precision in ("fp32", "amp-bf16", "amp-fp16"):
         options.append("--precision bf16 (weights, gradients and state in 16 bits)")
-    if result.breakdown.communication and settings.parallel == "ddp":
+    if result.breakdown.communication and settings.parallel in DDP_MODES:
         options.append("--ddp-bucket-view (DDP's gradient_as_bucket_view: no second copy of the gradients)")
     return options
 

@@ -152,8 +152,9 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
         )
     if data.get("deepspeed"):
         raise HfArgsError(
-            f"--hf-args {path} sets deepspeed, whose ZeRO sharding memplan does not model: remove it from the file "
-            "to estimate one GPU holding everything, or give --parallel fsdp --world-size N for FSDP2's"
+            f"--hf-args {path} sets deepspeed, whose own ZeRO buffers memplan does not model: remove it from the "
+            "file and give --parallel zero1 --world-size N for ZeRO stage 1's sharding as torch implements it "
+            "(ZeroRedundancyOptimizer), --parallel fsdp for FSDP2's (like stage 3), or neither for one GPU"
         )
     batch_size = _positive_int(data, "per_device_train_batch_size", path)
     if batch_size is not None:

@@ -28,9 +28,11 @@ MAX_COUNT = 1 << 20  # "selective": every block, the selective policy
 # convolutions and attention and recomputes the rest (torch's selective activation checkpointing).
 CHECKPOINT_POLICIES = ("full", "selective")
 DEVICES = ("cuda", "cpu")
-# Data parallelism, per rank (memplan.distributed): "none" (one process), torch's DDP, or FSDP2's
-# fully_shard resharding after the forward ("fsdp") or only after the backward ("fsdp-grad-op").
-PARALLEL_MODES = ("none", "ddp", "fsdp", "fsdp-grad-op")
+# Data parallelism, per rank (memplan.distributed): "none" (one process), torch's DDP, DDP with the
+# optimizer state sharded by torch's ZeroRedundancyOptimizer ("zero1"), or FSDP2's fully_shard
+# resharding after the forward ("fsdp") or only after the backward ("fsdp-grad-op").
+PARALLEL_MODES = ("none", "ddp", "zero1", "fsdp", "fsdp-grad-op")
+DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op")
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
 FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
@@ -311,8 +313,12 @@ class TrainingSettings:
         _check_positive("world size", self.world_size)
         if self.world_size > MAX_COUNT:
             raise SettingsError(f"world size {self.world_size:,} is beyond what memplan models (at most {MAX_COUNT:,})")
-        if self.ddp_bucket_view and self.parallel != "ddp":
-            raise SettingsError("--ddp-bucket-view is an option of DDP: give --parallel ddp")
+        if self.ddp_bucket_view and self.parallel not in DDP_MODES:
+            raise SettingsError("--ddp-bucket-view is an option of DDP: give --parallel ddp or zero1")
+        if self.parallel == "zero1" and self.optimizer == "none":
+            raise SettingsError(
+                "--parallel zero1 shards the optimizer's state, and --optimizer none has none: give one"
+            )
         if self.fsdp_mixed_precision is not None:
             _check_choice("FSDP2 mixed precision", self.fsdp_mixed_precision, FSDP_MIXED_PRECISIONS)
             if self.parallel not in FSDP_MODES:
@@ -329,8 +335,8 @@ class TrainingSettings:
             )
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
-                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp or fsdp, or leave it "
-                "out"
+                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1 or fsdp, or "
+                "leave it out"
             )
 
     def _check_quantize(self) -> None:

@@ -7,12 +7,13 @@ start-up). Nothing of memplan's is used."""
 
 from __future__ import annotations
 
-import gc
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
+
+from tests.hand_measure import checkpoint_each, profiled_third_iteration_peak, training_iteration
 
 WIDTH, HIDDEN, BLOCKS = 64, 256, 3
 
@@ -66,23 +67,16 @@ def measured_peak(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils.checkpoint import checkpoint as recompute
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+
+        def build() -> Callable[[], None]:
             torch.manual_seed(0)
             model = Stack()
             if checkpoint:
-                for block in model.blocks:
-                    forward = block.forward
-                    # Without the CPU RNG snapshot (5,056 B per call, host memory on a GPU run), which
-                    # memplan leaves out as its CPU measurements do (memplan/measure/allocator_events.py).
-                    block.forward = lambda x, forward=forward: recompute(
-                        forward, x, use_reentrant=False, preserve_rng_state=False
-                    )
+                checkpoint_each(model.blocks)
             for block in model.blocks:
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -90,32 +84,8 @@ def measured_peak(
                 step = torch.optim.AdamW(model.parameters(), lr=1e-3)
             else:
                 step = torch.optim.SGD(model.parameters(), lr=1e-3)
-            batch = rows(batch_size)
+            return training_iteration(model, rows(batch_size), mean_square, step, grad_accum)
 
-            def iteration() -> None:
-                for _ in range(grad_accum):
-                    loss = mean_square(model(batch), batch)
-                    (loss / grad_accum if grad_accum > 1 else loss).backward()
-                step.step()
-                step.zero_grad(set_to_none=True)
-
-            iteration()
-            iteration()
-            gc.collect()
-            gc.disable()
-            try:
-                with record_function("measured"):
-                    iteration()
-            finally:
-                gc.enable()
+        return profiled_third_iteration_peak(build)
     finally:
         dist.destroy_process_group()
-    events = list(profiler.profiler.kineto_results.events())
-    window = next(event for event in events if event.name() == "measured")
-    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
-    total = peak = 0
-    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        total += event.nbytes()
-        if start <= event.start_ns() <= end:
-            peak = max(peak, total)
-    return peak

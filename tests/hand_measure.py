@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from memplan.measure.collector import collector_held
 from memplan.measure.cpu import LiveStorageCounter
@@ -31,3 +33,62 @@ def measured_step_peak(
     with collector_held(), counter:
         step(model, batch, optimizer)
     return counter.peak_bytes
+
+
+def profiled_third_iteration_peak(build: Callable[[], Callable[[], None]]) -> int:
+    """Peak bytes, by torch's CPU allocator's own allocation and free events (the profiler's, which see
+    what no dispatch mode does: FSDP2's storage resizes), during the third of three iterations.
+    `build()` makes the model and optimizer under the profiler and returns one iteration; the first
+    two warm up; the collector is held during the third."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        iteration = build()
+        iteration()
+        iteration()
+        gc.collect()
+        gc.disable()
+        try:
+            with record_function("measured"):
+                iteration()
+        finally:
+            gc.enable()
+    events = list(profiler.profiler.kineto_results.events())
+    window = next(event for event in events if event.name() == "measured")
+    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    total = peak = 0
+    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        total += event.nbytes()
+        if start <= event.start_ns() <= end:
+            peak = max(peak, total)
+    return peak
+
+
+def training_iteration(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    grad_accum: int = 1,
+) -> Callable[[], None]:
+    """One iteration of the canonical loop: `grad_accum` forwards and backwards (the loss divided
+    when accumulating), the step, zero_grad(set_to_none=True)."""
+
+    def iteration() -> None:
+        for _ in range(grad_accum):
+            loss = loss_of(model(batch), batch)
+            (loss / grad_accum if grad_accum > 1 else loss).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return iteration
+
+
+def checkpoint_each(blocks: torch.nn.ModuleList) -> None:
+    """Non-reentrant checkpoints around each block's forward, without the CPU RNG snapshot (5,056 B
+    per call, host memory on a GPU run), which memplan's CPU measurements leave out
+    (memplan/measure/allocator_events.py)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        forward = block.forward
+        block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False, preserve_rng_state=False)

@@ -88,7 +88,7 @@ def test_fields_map_to_settings(tmp_path, fields, expected):
     [
         ({"optim": "lion_8bit"}, "cannot model optim 'lion_8bit'; it models adamw_torch, adamw_torch_fused"),
         ({"fsdp": "full_shard"}, "sets fsdp, which the Trainer hands to accelerate's FSDP plugin"),
-        ({"deepspeed": "ds_config.json"}, "sets deepspeed, whose ZeRO sharding memplan does not model"),
+        ({"deepspeed": "ds_config.json"}, "sets deepspeed, whose own ZeRO buffers memplan does not model"),
         ({"bf16": True, "fp16": True}, "sets both bf16 and fp16"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be a positive integer"),
     ],

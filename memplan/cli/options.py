@@ -175,9 +175,10 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             default="none",
             show_default=True,
             help="Data parallelism, one rank traced: ddp is torch's DistributedDataParallel (its gradient buckets "
-            "included); fsdp is FSDP2's fully_shard on each repeated block and the root (parameters, gradients and "
-            "optimizer state sharded), fsdp-grad-op the same without resharding after the forward. Batch settings "
-            "are per rank.",
+            "included); zero1 is DDP with torch's ZeroRedundancyOptimizer (ZeRO stage 1: the optimizer state "
+            "sharded, whole parameters per rank); fsdp is FSDP2's fully_shard on each repeated block and the root "
+            "(parameters, gradients and optimizer state sharded), fsdp-grad-op the same without resharding after "
+            "the forward. Batch settings are per rank.",
         ),
         click.option(
             "--world-size",
@@ -189,8 +190,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         click.option(
             "--ddp-bucket-view",
             is_flag=True,
-            help="With --parallel ddp: DistributedDataParallel(gradient_as_bucket_view=True), the gradients views "
-            "into DDP's buckets instead of a second copy.",
+            help="With --parallel ddp or zero1: DistributedDataParallel(gradient_as_bucket_view=True), the gradients "
+            "views into DDP's buckets instead of a second copy.",
         ),
         click.option(
             "--fsdp-mixed-precision",

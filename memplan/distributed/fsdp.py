@@ -48,6 +48,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan.distributed.fake_group import fake_default_group
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names
 from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
@@ -74,35 +75,14 @@ COLLECTIVE_OPS = frozenset(
 
 @contextlib.contextmanager
 def _fake_world(world_size: int, device_type: str) -> Iterator[Any]:
-    """A DeviceMesh of `world_size` ranks over a default process group of torch's fake backend, made
-    for the while and destroyed after (a built FSDP2 module runs on without it), so the process is
-    left as it was; or over the process's own fake default group of that size."""
-    import torch.distributed as dist
+    """A DeviceMesh of `world_size` ranks over a fake default process group made for the while
+    (memplan.distributed.fake_group): a built FSDP2 module runs on without it."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    made = False
-    with unset_fake_temporarily():  # the mesh's rank tensor must be real
-        if dist.is_initialized():
-            if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
-                raise SettingsError(
-                    f"--parallel fsdp runs FSDP2 on a fake process group of {world_size} ranks, and this process "
-                    "has initialized torch.distributed already: estimate in a process of its own (the memplan command)"
-                )
-        else:
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-            made = True
-        try:
+    with fake_default_group(world_size, "--parallel fsdp"):
+        with unset_fake_temporarily():  # the mesh's rank tensor must be real
             mesh = init_device_mesh(device_type, (world_size,))
-        except BaseException:
-            if made:
-                dist.destroy_process_group()
-            raise
-    try:
         yield mesh
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 class FullyShardedRank:

@@ -60,6 +60,14 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             "gradient buckets (every trainable gradient once more) included; every micro-batch all-reduces (no "
             "no_sync()); NCCL's own buffers, outside torch's allocator, are not"
         )
+    if settings.parallel == "zero1":
+        notes.append(
+            f"one rank of {settings.world_size}: torch's DistributedDataParallel and ZeroRedundancyOptimizer traced "
+            "on a fake process group; the optimizer state is this rank's share of the parameters (whole parameters, "
+            "largest first, to the rank with the fewest elements so far), every gradient and DDP's gradient buckets "
+            "whole; DeepSpeed's ZeRO-1 partitions and buckets differ and are not modelled; NCCL's own buffers are not "
+            "counted"
+        )
     if settings.parallel in FSDP_MODES:
         reshard = "after each forward and backward" if settings.parallel == "fsdp" else "after each backward only"
         notes.append(

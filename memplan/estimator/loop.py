@@ -49,7 +49,7 @@ from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
-from memplan.settings import FSDP_MODES, TrainingSettings
+from memplan.settings import DDP_MODES, FSDP_MODES, TrainingSettings
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,
@@ -109,7 +109,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     batch = spec.make_batch(settings, dtype)
     trainable = [param for param in model.parameters() if param.requires_grad]
     data_parallel = None
-    if settings.parallel == "ddp":  # wraps the model as built, adapted and checkpointed, as scripts do
+    if settings.parallel in DDP_MODES:  # wraps the model as built, adapted and checkpointed, as scripts do
         from memplan.distributed.ddp import DataParallelRank
 
         data_parallel = DataParallelRank(

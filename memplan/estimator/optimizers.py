@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -28,28 +29,42 @@ def implementation_kwargs(settings: TrainingSettings) -> dict[str, bool]:
     return {}  # CPU default: let torch decide, as it does for the user's real run
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], settings: TrainingSettings) -> Optimizer | None:
-    params = list(params)
+def optimizer_recipe(settings: TrainingSettings) -> tuple[type[Optimizer], dict[str, Any]]:
+    """The optimizer's class and its arguments (besides the parameters)."""
     name = settings.optimizer
-    if name == "none" or not params:
-        return None
     kwargs = implementation_kwargs(settings)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, **kwargs)
+        return torch.optim.AdamW, {"lr": 1e-3, **kwargs}
     if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3, **kwargs)
+        return torch.optim.Adam, {"lr": 1e-3, **kwargs}
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, **kwargs)
+        return torch.optim.SGD, {"lr": 1e-2, **kwargs}
     if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, **kwargs)
+        return torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, **kwargs}
     if name == "adafactor":
-        return torch.optim.Adafactor(params, lr=1e-2, **kwargs)
+        return torch.optim.Adafactor, {"lr": 1e-2, **kwargs}
     if name in ("adam8bit", "paged-adam8bit"):
-        return Adam8bitLayout(params, lr=1e-3, paged=name == "paged-adam8bit" and settings.device == "cuda")
+        return Adam8bitLayout, {"lr": 1e-3, "paged": name == "paged-adam8bit" and settings.device == "cuda"}
     raise AssertionError(f"unknown optimizer {name}")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], settings: TrainingSettings) -> Optimizer | None:
+    """The settings' optimizer over `params`; under --parallel zero1, torch's ZeroRedundancyOptimizer
+    around it (memplan.distributed.zero), which builds it over rank 0's share."""
+    params = list(params)
+    if settings.optimizer == "none" or not params:
+        return None
+    optimizer_class, arguments = optimizer_recipe(settings)
+    if settings.parallel == "zero1":
+        from memplan.distributed.zero import ShardedOptimizerRank
+
+        return ShardedOptimizerRank(params, optimizer_class, settings.world_size, **arguments)
+    return optimizer_class(params, **arguments)
 
 
 def optimizer_state_tensors(optimizer: Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []
-    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+    # ZeroRedundancyOptimizer keeps its state in the optimizer over the rank's share, not in its own
+    holder = getattr(optimizer, "local_optimizer", optimizer)
+    return [value for state in holder.state.values() for value in state.values() if isinstance(value, torch.Tensor)]

@@ -21,7 +21,7 @@ from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
-from memplan.settings import TrainingSettings
+from memplan.settings import DDP_MODES, TrainingSettings
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,10 @@ def techniques(base: TrainingSettings) -> list[Technique]:
         found.append(
             Technique("QLoRA (NF4 base)", {"quantize": "nf4"}, "numerics: 4-bit frozen weights (bitsandbytes)")
         )
-    if base.parallel == "ddp" and not base.ddp_bucket_view:
+    if base.parallel in DDP_MODES and not base.ddp_bucket_view:
         found.append(Technique("DDP gradient_as_bucket_view", {"ddp_bucket_view": True}, "gradients are bucket views"))
     sharding = (
+        ("zero1", "ZeRO-1 (optimizer state sharded)", "communication: parameter broadcasts after each step"),
         (
             "fsdp",
             "FSDP2 (reshard after forward)",

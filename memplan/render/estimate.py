@@ -55,7 +55,12 @@ def _describe_parallel(s: TrainingSettings) -> str:
     if s.parallel == "none":
         return ""
     total = s.batch_size * s.grad_accum * s.world_size
-    rank = {"ddp": "DDP", "fsdp": "FSDP2", "fsdp-grad-op": "FSDP2 (no reshard after forward)"}[s.parallel]
+    rank = {
+        "ddp": "DDP",
+        "zero1": "ZeRO-1 (DDP, optimizer state sharded)",
+        "fsdp": "FSDP2",
+        "fsdp-grad-op": "FSDP2 (no reshard after forward)",
+    }[s.parallel]
     mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
     return (
         f"one {rank} rank of {s.world_size}{mixed} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = "

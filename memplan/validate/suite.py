@@ -170,6 +170,9 @@ EXTENDED = (
         parallel="ddp",
         world_size=4,
     ),
+    # One ZeRO-1 rank (memplan.distributed.zero): DDP and torch's ZeroRedundancyOptimizer, rank 0's
+    # share of the AdamW state (GPT-2's embedding whole), its parameter broadcasts in place.
+    _c("gpt2-zero1-8", "gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", parallel="zero1", world_size=8),
     # One FSDP2 rank (memplan.distributed.fsdp): its collectives on their own CUDA streams, which the
     # fake group's collectives run on too (they move nothing), with the copies and resizes around them.
     _c("gpt2-fsdp-8", "gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", parallel="fsdp", world_size=8),
