@@ -36,6 +36,11 @@ def _state_options(result: EstimateResult) -> list[str]:
 def _sharding(settings: TrainingSettings) -> str:
     if settings.parallel in FSDP_MODES:
         return "more ranks (--world-size: each holds a smaller shard)"
+    if settings.parallel == "ddp":
+        return (
+            "--parallel zero1 (each rank keeps its share of the optimizer state) or fsdp (parameters, gradients and "
+            "optimizer state sharded) on the same ranks"
+        )
     return "--parallel fsdp --world-size N (FSDP2 shards parameters, gradients and optimizer state across N GPUs)"
 
 

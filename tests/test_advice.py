@@ -56,3 +56,10 @@ def test_a_sharded_rank_is_told_to_shard_further(tiny_model_dirs):
     state = result.breakdown.parameters + result.breakdown.optimizer_state
     advice = when_nothing_fits(result, state - 1)
     assert "more ranks (--world-size" in advice and "--parallel fsdp" not in advice
+
+
+def test_a_ddp_rank_whose_state_does_not_fit_is_pointed_at_sharding_on_the_same_ranks():
+    result = estimate("tests.ddp_models:stack", inputs="tests.ddp_models:rows", loss="tests.ddp_models:mean_square",
+                      batch_size=4, device="cpu", parallel="ddp", world_size=4)  # fmt: skip
+    advice = when_nothing_fits(result, result.breakdown.parameters)
+    assert "--parallel zero1" in advice and "fsdp" in advice and "--world-size N" not in advice
