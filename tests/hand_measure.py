@@ -52,8 +52,14 @@ def profiled_third_iteration_peak(build: Callable[[], Callable[[], None]]) -> in
                 iteration()
         finally:
             gc.enable()
+    return peak_in_window(profiler, "measured")
+
+
+def peak_in_window(profiler: profile, window_name: str) -> int:
+    """The most bytes the CPU allocator's events had live while the record_function `window_name` ran,
+    counting from when profiling started."""
     events = list(profiler.profiler.kineto_results.events())
-    window = next(event for event in events if event.name() == "measured")
+    window = next(event for event in events if event.name() == window_name)
     start, end = window.start_ns(), window.start_ns() + window.duration_ns()
     total = peak = 0
     for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
