@@ -31,7 +31,7 @@ def _estimate(**options):
 
 @pytest.mark.parametrize(
     ("world_size", "optimizer", "checkpoint", "grad_accum"),
-    [(2, "adamw", "none", 1), (4, "sgd-momentum", "all", 1), (8, "adamw", "none", 2), (3, "adamw", "all", 2)],
+    [(2, "adamw", "none", 1), (8, "sgd-momentum", "all", 1), (3, "adamw", "all", 2)],
 )
 def test_a_zero1_rank_is_the_real_run(world_size, optimizer, checkpoint, grad_accum):
     predicted = _estimate(
