@@ -221,6 +221,7 @@ class CachingAllocator:
         self._handles: dict[int, _Block] = {}
         self._next_handle = 0
         self._segment_heads: list[_Block] = []  # each segment's first block (its address never changes)
+        self._rounded: dict[int, int] = {}  # request bytes -> round_size's answer under this config
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.segments = 0
@@ -228,14 +229,22 @@ class CachingAllocator:
         self.max_reserved_bytes = 0
 
     def _pool(self, key: PoolKey) -> _Pool:
-        return self._pools.setdefault(key, _Pool())
+        pool = self._pools.get(key)  # not setdefault: that would build a _Pool on every call
+        if pool is None:
+            pool = self._pools[key] = _Pool()
+        return pool
 
     def _unmapped_of(self, key: PoolKey) -> _Unmapped:
-        return self._unmapped.setdefault(key, _Unmapped())
+        unmapped = self._unmapped.get(key)
+        if unmapped is None:
+            unmapped = self._unmapped[key] = _Unmapped()
+        return unmapped
 
     def malloc(self, num_bytes: int, stream: int = 0) -> int:
         config = self.config
-        size = round_size(num_bytes, config)
+        size = self._rounded.get(num_bytes)
+        if size is None:  # a replay asks for the same sizes every iteration
+            size = self._rounded[num_bytes] = round_size(num_bytes, config)
         small = size <= SMALL_REQUEST_BYTES
         key = (stream, small)
         pool = self._pool(key)
