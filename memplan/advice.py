@@ -41,6 +41,8 @@ def _sharding(settings: TrainingSettings) -> str:
             "--parallel zero1 (each rank keeps its share of the optimizer state) or fsdp (parameters, gradients and "
             "optimizer state sharded) on the same ranks"
         )
+    if settings.parallel == "zero1":
+        return "--parallel fsdp on the same ranks (parameters and gradients sharded too, not only the optimizer state)"
     return "--parallel fsdp --world-size N (FSDP2 shards parameters, gradients and optimizer state across N GPUs)"
 
 

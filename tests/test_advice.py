@@ -63,3 +63,10 @@ def test_a_ddp_rank_whose_state_does_not_fit_is_pointed_at_sharding_on_the_same_
                       batch_size=4, device="cpu", parallel="ddp", world_size=4)  # fmt: skip
     advice = when_nothing_fits(result, result.breakdown.parameters)
     assert "--parallel zero1" in advice and "fsdp" in advice and "--world-size N" not in advice
+
+
+def test_a_zero1_rank_whose_state_does_not_fit_is_pointed_at_fsdp():
+    result = estimate("tests.ddp_models:stack", inputs="tests.ddp_models:rows", loss="tests.ddp_models:mean_square",
+                      batch_size=4, device="cpu", parallel="zero1", world_size=4)  # fmt: skip
+    advice = when_nothing_fits(result, result.breakdown.parameters)
+    assert "--parallel fsdp on the same ranks" in advice and "zero1" not in advice
