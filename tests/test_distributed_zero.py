@@ -8,6 +8,7 @@ rank 0's share of the parameters worked out here from the partition rule torch d
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
@@ -45,12 +46,12 @@ def test_a_zero1_rank_is_the_real_run(world_size, optimizer, checkpoint, grad_ac
     assert not dist.is_initialized()  # memplan's fake default group is gone again
 
 
-def _rank_zero_share(world_size: int) -> list[int]:
+def _rank_zero_share(world_size: int, model: torch.nn.Module | None = None) -> list[int]:
     """Element counts of the parameters rank 0 optimizes: largest first, each to the rank with the
     fewest elements so far, the lowest rank among equals (ZeroRedundancyOptimizer's docs and
     _partition_parameters)."""
     totals, mine = [0] * world_size, []
-    for numel in sorted((p.numel() for p in Stack().parameters()), reverse=True):
+    for numel in sorted((p.numel() for p in (model or Stack()).parameters()), reverse=True):
         rank = totals.index(min(totals))
         totals[rank] += numel
         if rank == 0:
@@ -118,3 +119,16 @@ def test_a_process_with_its_own_group_is_refused_in_one_line():
             _estimate(parallel="zero1", world_size=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_paged_adam8bit_pages_the_moments_of_rank_zeros_share():
+    """bitsandbytes pages the moments of parameters of 100,000 elements or more (adam8bit.PAGED_MIN_NUMEL):
+    on a ZeRO-1 rank, those of its share only (rank 0 of 2 takes the 262,144-element weight, rank 1
+    the 131,072-element one)."""
+    source = {"inputs": "tests.zero_models:wide_rows", "loss": "tests.ddp_models:mean_square"}
+    options = {"batch_size": 4, "optimizer": "paged-adam8bit", "gpu": "A10G", "world_size": 2}
+    ddp = memplan.estimate("tests.zero_models:wide", **source, parallel="ddp", **options)
+    zero = memplan.estimate("tests.zero_models:wide", **source, parallel="zero1", **options)
+    share = _rank_zero_share(2, zero_models.wide())
+    assert zero.paged_optimizer_bytes == 2 * sum(numel for numel in share if numel >= 100_000) == 2 * 262_144
+    assert ddp.paged_optimizer_bytes == 2 * (262_144 + 131_072)

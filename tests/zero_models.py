@@ -57,3 +57,12 @@ def _iteration(batch_size: int, optimizer: str, checkpoint: bool, grad_accum: in
     else:
         step = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=1e-2, momentum=0.9)
     return training_iteration(wrapped, rows(batch_size), mean_square, step, grad_accum)
+
+
+def wide() -> nn.Module:
+    """Two weights of 100,000 elements or more (262,144 and 131,072), which paged-adam8bit pages."""
+    return nn.Sequential(nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1))
+
+
+def wide_rows(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 1024)

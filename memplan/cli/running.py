@@ -194,9 +194,10 @@ def _collect_less() -> None:
     """A command traces and exits. Python's cyclic collector would walk the objects torch's import made
     (a million or so) at every full collection while the trace makes its own, which live until the
     answer is printed: the objects there now are moved out of its reach (gc.freeze) and it runs less
-    often. The gpt2 estimate's phases in one process went from 4.15 s to 3.73 s (benchmarks/
-    estimate_phases.py with the same two calls), peak RSS 372 to 377 MiB. Once per process (the test
-    suite runs many commands in one); a measured iteration still holds the collector itself."""
+    often. The gpt2 estimate's phases in one process: 4.34 s, 3.69 s so, 3.60 s with no collector at
+    all; peak RSS 366, 370 and 379 MiB (`python benchmarks/estimate_phases.py [--collect-less |
+    --no-collector]`, 2026-11-25). Once per process (the test suite runs many commands in one); a
+    measured iteration still holds the collector itself."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
 

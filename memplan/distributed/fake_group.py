@@ -19,9 +19,8 @@ from memplan.errors import SettingsError
 
 
 @contextlib.contextmanager
-def fake_default_group(world_size: int, option: str) -> Iterator[bool]:
-    """Yields whether it made the group (False: the process's own fake group of this size).
-    `option` names the setting that needs it, for the refusal."""
+def fake_default_group(world_size: int, option: str) -> Iterator[None]:
+    """`option` names the setting that needs the group, for the refusal."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -37,7 +36,7 @@ def fake_default_group(world_size: int, option: str) -> Iterator[bool]:
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
             made = True
     try:
-        yield made
+        yield
     finally:
         if made:
             dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from memplan.errors import SettingsError
 from memplan.estimator.adam8bit import paged_state_bytes
@@ -12,6 +13,7 @@ from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
 from memplan.estimator.interpolate import fits as timeline_fits
+from memplan.estimator.optimizers import local_optimizer
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
@@ -24,6 +26,9 @@ from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.settings import FSDP_MODES, MAX_COUNT, TrainingSettings, format_bytes
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 Progress = Callable[[str], None]
 
@@ -288,6 +293,15 @@ def longest_seq_len(tracer: BatchTracer, budget_bytes: int) -> tuple[int, bool, 
     return found, found == limit, len(fit) - 1
 
 
+def _paged_bytes(optimizer: Optimizer | None) -> int:
+    """paged-adam8bit's state in unified memory: that of the parameters this rank updates (under
+    --parallel zero1 its share, not the model's)."""
+    local = local_optimizer(optimizer) if optimizer is not None else None
+    if not getattr(local, "paged", False):
+        return 0
+    return paged_state_bytes([param for group in local.param_groups for param in group["params"]])
+
+
 def step_flops(traced: TracedStep) -> int:
     """FLOPs of the traced iteration (torch.utils.flop_counter's formulas; recomputation included)."""
     return sum(node_flops(node) for node in traced.graph.nodes)
@@ -327,8 +341,7 @@ def run_estimate(
     if maximize_seq_len and budget_bytes is not None:
         max_seq_len, max_seq_len_is_limit, seq_len_traces = longest_seq_len(tracer, budget_bytes)
     unsupported = sorted({op for simulation in simulations.values() for op in simulation.unsupported_ops})
-    optimizer = tracer.setup.state.optimizer
-    paged = paged_state_bytes(tracer.setup.state.trainable) if getattr(optimizer, "paged", False) else 0
+    paged = _paged_bytes(tracer.setup.state.optimizer)
     return EstimateResult(
         model=spec.name,
         settings=settings,

@@ -62,9 +62,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], settings: TrainingSett
     return optimizer_class(params, **arguments)
 
 
+def local_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The optimizer that holds this rank's state and updates its parameters: under --parallel zero1
+    the one ZeroRedundancyOptimizer built over the rank's share (its own `state` stays empty), else
+    the optimizer itself."""
+    return getattr(optimizer, "local_optimizer", optimizer)
+
+
 def optimizer_state_tensors(optimizer: Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []
-    # ZeroRedundancyOptimizer keeps its state in the optimizer over the rank's share, not in its own
-    holder = getattr(optimizer, "local_optimizer", optimizer)
+    holder = local_optimizer(optimizer)
     return [value for state in holder.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
