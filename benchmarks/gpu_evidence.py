@@ -7,6 +7,7 @@ GPU time is short, so the three halves of `memplan validate --suite` run apart:
     PYTHONPATH=. python3 benchmarks/gpu_evidence.py measure main --out $OUT
     PYTHONPATH=. python3 benchmarks/gpu_evidence.py measure extended --out $OUT --only id,id
     PYTHONPATH=. python3 benchmarks/gpu_evidence.py capped --out $OUT       # the fit promises
+    python benchmarks/gpu_evidence.py predict-capped     # (here, beforehand) the promises they test
     # anywhere with the same torch (predictions do not need the GPU)
     python benchmarks/gpu_evidence.py predict main --gpu H100-80GB --out docs/validation/predicted-main.json
     python benchmarks/gpu_evidence.py merge main --gpu H100-80GB ...
@@ -217,6 +218,66 @@ def capped(out: Path, timeout: float) -> None:
         )
 
 
+def predict_capped(path: Path = CAPPED_FILE) -> None:
+    """Make the fit promises' predictions anew with today's memplan (no GPU needed): for each search
+    (a model, its settings and a cap), memplan's largest batch at the cap and the next one, each with
+    its figures; the planned rows are kept as they are (their plan file is `memplan plan`'s)."""
+    import torch
+
+    import memplan
+
+    document = json.loads(path.read_text())
+    gpu = document["gpu"]
+    searches: dict[str, dict] = {}
+    kept = []
+    for run in document["runs"]:
+        if "predicted_max_batch_size" not in run:
+            kept.append(run)
+            continue
+        settings = {key: value for key, value in run["settings"].items() if key != "batch_size"}
+        key = json.dumps([run["model"], settings, run["capacity_bytes"], run.get("inputs")], sort_keys=True)
+        searches.setdefault(key, {"run": run, "settings": settings, "first": run["settings"]["batch_size"]})
+    runs = []
+    for search in searches.values():
+        run, settings, capacity = search["run"], search["settings"], search["run"]["capacity_bytes"]
+        found = memplan.estimate(
+            run["model"],
+            inputs=run.get("inputs"),
+            device="cuda",
+            gpu=gpu,
+            batch_size=search["first"],
+            budget=capacity,
+            **settings,
+        ).max_batch_size
+        prefix = run["id"].rsplit("-b", 1)[0]
+        suffix = run["id"].rsplit("-cap", 1)[1]
+        for batch in (found, found + 1):
+            result = memplan.estimate(
+                run["model"], inputs=run.get("inputs"), device="cuda", gpu=gpu, batch_size=batch, **settings
+            )
+            runs.append(
+                {
+                    "id": f"{prefix}-b{batch}-cap{suffix}",
+                    "model": run["model"],
+                    "settings": {**settings, "batch_size": batch},
+                    "capacity_bytes": capacity,
+                    "predicted_fits": batch == found,
+                    "predicted_peak_bytes": result.peak_bytes,
+                    "predicted_reserved_bytes": result.reserved_peak_bytes,
+                    "predicted_smallest_device_bytes": result.smallest_device_bytes,
+                    "predicted_max_batch_size": found,
+                }
+            )
+            print(f"{runs[-1]['id']}: fits {runs[-1]['predicted_fits']}", flush=True)
+    document["runs"] = runs + kept
+    document["made_with"] = (
+        f"python benchmarks/gpu_evidence.py predict-capped: memplan.estimate(model, device='cuda', gpu='{gpu}', "
+        f"budget=capacity_bytes, ...) on torch {torch.__version__} (CPU), before the GPU runs; the plan with "
+        "`memplan plan gpt2-medium -b 16 --seq-len 1024 --precision amp-bf16 --gpu H100-80GB --budget 20GiB`"
+    )
+    _write(path, document)
+
+
 def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
     """memplan's predictions for a suite's configurations on `gpu` (no GPU needed), appended to `out`."""
     import torch
@@ -386,6 +447,7 @@ def main() -> None:
     join.add_argument("measured", type=Path)
     join.add_argument("environment", type=Path)
     join.add_argument("--out", type=Path, required=True)
+    commands.add_parser("predict-capped", help="capped-runs.json's predictions, made anew (no GPU)")
     render = commands.add_parser("table")
     render.add_argument("results", type=Path)
     render.add_argument("--write", type=Path, help="the markdown file whose marked block gets the table")
@@ -402,6 +464,8 @@ def main() -> None:
             print(table(arguments.results))
     elif arguments.command == "merge":
         merge(arguments.predicted, arguments.measured, arguments.environment, arguments.out)
+    elif arguments.command == "predict-capped":
+        predict_capped()
     elif arguments.command == "predict":
         only = set(arguments.only.split(",")) if arguments.only else None
         predict(arguments.suite, arguments.gpu, arguments.out, only)

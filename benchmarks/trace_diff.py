@@ -8,10 +8,10 @@ side is memplan's replay of the same configuration's timeline (the last steady-s
 Printed: how many requests each made, the request sizes only one side made (by size, with
 counts), and the segments each side holds. What differs is where a reserved-peak miss comes from.
 
-`--replay` also feeds the run's own requests to memplan's allocator simulator: memplan's
-persistent allocations (parameters, buffers, the batch, workspaces) first, the optimizer state at
-the first iteration's optimizer step, then the measured iteration's allocs and frees three times,
-as memplan replays its own. Beside memplan's reserved peak and the run's, it tells a miss in the
+`--replay` also feeds the run's own requests to memplan's allocator simulator: memplan's own first
+iteration (what persists, the optimizer state at its first step, the cuBLAS workspaces at their
+threads' first matmuls), then the measured iteration's allocs and frees for the other two, as
+memplan replays its own. Beside memplan's reserved peak and the run's, it tells a miss in the
 requests (the run's requests replay close to the run) from one in the layout the warm-ups left.
 """
 
@@ -56,29 +56,23 @@ def predicted(config_id: str, gpu: str) -> tuple[list[tuple[str, int]], list[int
 
 def replay_measured(real: dict, result: object) -> int:
     """memplan's simulator's reserved peak over the run's measured-iteration requests (see --replay)."""
+    from memplan.estimator import timeline as timelines
     from memplan.estimator.cuda.allocator import CachingAllocator
-    from memplan.estimator.timeline import STEADY_STATE_ITERATIONS
 
-    timeline = result.timeline  # type: ignore[attr-defined]
     allocator = CachingAllocator(result.settings.allocator_config)  # type: ignore[attr-defined]
-    persistent = [a for a in timeline.allocations if a.persists(timeline.node_count) and a.size_bytes]
-    for allocation in persistent:
-        if allocation.category != "optimizer_state":
-            allocator.malloc(allocation.size_bytes, allocation.stream)
+    # memplan's own first iteration: what persists, the optimizer state at the first step and the
+    # cuBLAS workspaces at their threads' first matmuls, where that iteration leaves them.
+    timelines.replay_steady_state(result.timeline, allocator, iterations=1)  # type: ignore[attr-defined]
+    iterations = timelines.STEADY_STATE_ITERATIONS
     events = [(action, address, size) for action, address, size, _ in real["events"]]
-    handles: dict[int, int] = {}
-    for iteration in range(STEADY_STATE_ITERATIONS):
-        if iteration == STEADY_STATE_ITERATIONS - 1:
-            allocator.reset_peak_stats()
+    for _ in range(iterations - 1):
+        allocator.reset_peak_stats()
+        handles: dict[int, int] = {}
         for action, address, size in events:
             if action == "alloc":
                 handles[address] = allocator.malloc(max(size, 1))
             elif action == "free_completed" and address in handles:
                 allocator.free(handles.pop(address))
-        if iteration == 0:
-            for allocation in persistent:
-                if allocation.category == "optimizer_state":
-                    allocator.malloc(allocation.size_bytes, allocation.stream)
     return allocator.max_reserved_bytes
 
 

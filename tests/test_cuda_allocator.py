@@ -103,6 +103,38 @@ def test_optimizer_state_is_first_allocated_inside_the_first_step() -> None:
     assert allocator.segments == 2
 
 
+def test_a_cublas_workspace_is_made_at_its_threads_first_matmul_in_the_first_iteration() -> None:
+    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, replay_steady_state
+
+    # The forward makes and frees a 30 MiB temporary at node 0; the backward's first matmul is node
+    # 1, where its thread's 12 MiB cuBLAS workspace is made; node 2 holds 30 MiB again until node 3.
+    def timeline(workspace_made_at: int | None) -> MemoryTimeline:
+        return MemoryTimeline(
+            node_count=4,
+            forward_end=1,
+            backward_end=3,
+            allocations=(
+                TimelineAllocation(
+                    0, 4, 12 * MiB, "workspaces", "cublas workspace", None, first_used_at=workspace_made_at
+                ),
+                TimelineAllocation(0, 0, 30 * MiB, "temporaries", "aten.mm", None),
+                TimelineAllocation(2, 3, 30 * MiB, "temporaries", "aten.mm", None),
+            ),
+        )
+
+    # Made at node 1 of the first iteration: the forward's 30 MiB block is cached and free, best fit
+    # carves the workspace out of it (12 + 18 MiB), and node 2 finds no 30 MiB block: a second 30 MiB
+    # segment, which every later iteration's two temporaries share. 30 + 30 MiB.
+    lazily = CachingAllocator()
+    replay_steady_state(timeline(1), lazily)
+    assert (lazily.max_reserved_bytes, lazily.segments) == (60 * MiB, 2)
+    # Allocated before everything: a 12 MiB segment of its own, and one 30 MiB segment serves both
+    # temporaries. 12 + 30 MiB.
+    upfront = CachingAllocator()
+    replay_steady_state(timeline(None), upfront)
+    assert (upfront.max_reserved_bytes, upfront.segments) == (42 * MiB, 2)
+
+
 # The boundaries of CUDACachingAllocator.cpp's rules, each just below, at and just above, with the
 # numbers its constants give: kMinBlockSize 512, kSmallSize 1 MiB, kSmallBuffer 2 MiB,
 # kLargeBuffer 20 MiB, kMinLargeAlloc 10 MiB, kRoundLarge 2 MiB.

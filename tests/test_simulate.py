@@ -313,6 +313,27 @@ def test_one_cublas_workspace_per_thread_that_multiplies_matrices():
     assert cublas_workspaces(_traced(fn, (64, 64))) == []  # the CPU has none
 
 
+def test_each_cublas_workspace_is_made_at_its_threads_first_matmul():
+    """The handle and its workspace come with a thread's first cuBLAS call (getCurrentCUDABlasHandle):
+    the timeline marks each workspace with that node, for the first iteration to request it there."""
+    from memplan.estimator.simulate import first_matmuls
+
+    def fn(x):
+        y = x @ x
+        return (y @ x).sum()
+
+    # nodes: 0 x, 1 mm, 2 mm, 3 sum, 4 output
+    both = _traced(fn, (64, 64), device="cuda", forward_end=2, backward_end=3)
+    both.settings = TrainingSettings(device="cuda", gpu="H100-80GB")
+    assert first_matmuls(both) == [1, 2]  # the forward's mm at node 1, the backward's at node 2
+    workspaces = [a for a in simulate(both).timeline.allocations if a.op == "cublas workspace"]
+    assert [(a.first_used_at, a.allocated_at, a.freed_at) for a in workspaces] == [(1, 0, 5), (2, 0, 5)]
+    # A main thread whose only matmul is in the optimizer step (node 2) makes its workspace there.
+    late = _traced(fn, (64, 64), device="cuda", forward_end=1, backward_end=2)
+    late.settings = TrainingSettings(device="cuda", gpu="H100-80GB")
+    assert first_matmuls(late) == [2, 1]
+
+
 def test_a_peak_with_nothing_live_is_zero_and_a_phase_without_nodes_peaks_at_zero():
     simulation = simulate(_traced(lambda x: [x], (0,)))  # one empty input: nothing is ever live
     assert simulation.peak_bytes == 0

@@ -320,10 +320,22 @@ def cublas_workspaces(traced: TracedStep) -> list[int]:
     size = round_size(
         cublas_workspace_bytes(capability, traced.settings.cublas_workspace_config), traced.settings.allocator_config
     )
+    return [size] * len(first_matmuls(traced))
+
+
+def first_matmuls(traced: TracedStep) -> list[int]:
+    """Per thread that multiplies matrices (the main thread's forward and optimizer step, then the
+    autograd engine's device thread's backward), the index of its first matmul node: where the
+    first iteration asks for that thread's cuBLAS workspace. The handle, and the workspace with it,
+    is made on the thread's first cuBLAS call (getCurrentCUDABlasHandle, CublasHandlePool.cpp),
+    once the op has allocated its output, and is kept after that."""
     nodes = list(traced.graph.nodes)
-    main_thread = nodes[: traced.forward_end] + nodes[traced.backward_end :]
-    backward_thread = nodes[traced.forward_end : traced.backward_end]
-    return [size for part in (main_thread, backward_thread) if any(node.target in CUBLAS_OPS for node in part)]
+    threads = (
+        [*range(traced.forward_end), *range(traced.backward_end, len(nodes))],
+        range(traced.forward_end, traced.backward_end),
+    )
+    firsts = (next((i for i in thread if nodes[i].target in CUBLAS_OPS), None) for thread in threads)
+    return [first for first in firsts if first is not None]
 
 
 class Scratch(NamedTuple):
@@ -522,7 +534,10 @@ def memory_timeline(
     two workspaces), each before the next.
     """
     end = len(lifetimes.nodes)
-    allocations = [TimelineAllocation(0, end, size, "workspaces", "cublas workspace", None) for size in workspaces]
+    allocations = [
+        TimelineAllocation(0, end, size, "workspaces", "cublas workspace", None, first_used_at=first)
+        for size, first in zip(workspaces, first_matmuls(traced) if workspaces else (), strict=True)
+    ]
     becomes = _gradients_made_in_first_micro_batch(traced, lifetimes)
     made = set(becomes.values())
     for key, size in lifetimes.size.items():

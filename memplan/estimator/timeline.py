@@ -8,6 +8,7 @@ batch, and the gradients until zero_grad).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -71,6 +72,12 @@ class TimelineAllocation:
     # `made_in_first_micro_batch`: not allocated before the iteration.
     becomes_gradient: bool = False
     made_in_first_micro_batch: bool = False
+    # Kept from the first iteration on, but made lazily: the first iteration (its first micro-batch)
+    # requests it at this node, after the node's own outputs; a cuBLAS workspace at its thread's first
+    # matmul. Later iterations find it. Where it lands is decided by what that first iteration has
+    # free at that moment (measured on the H100, gpt2 bf16: the backward thread's workspace split one
+    # of the cached logits segments).
+    first_used_at: int | None = None
 
     def persists(self, node_count: int) -> bool:
         """Alive before the iteration starts and after it ends: parameters, state, the batch, workspaces."""
@@ -121,21 +128,27 @@ def replay_steady_state(
     allocator: CachingAllocator,
     on_event: AllocatorEvent | None = None,
     on_last_iteration: Callable[[], None] | None = None,
+    iterations: int = STEADY_STATE_ITERATIONS,
 ) -> None:
     """Run the iteration's requests through `allocator` as a training loop would reach steady state.
 
-    What lives through the whole iteration (cuBLAS workspaces, parameters, buffers, optimizer
-    state, the batch) is allocated first, in request order; then the iteration's allocations and
-    frees run STEADY_STATE_ITERATIONS times, and the peak statistics are reset before the last one,
-    as `memplan validate` resets them before its measured iteration. `on_event(action, handle,
-    allocation)` sees the "persistent" allocations and the last iteration's "alloc"s and "free"s;
+    What lives through the whole iteration (parameters, buffers, the batch) is allocated first, in
+    request order; then the iteration's allocations and frees run `iterations` times
+    (STEADY_STATE_ITERATIONS), and the peak statistics are reset before the last one, as `memplan
+    validate` resets them before its measured iteration. `on_event(action, handle, allocation)`
+    sees the "persistent" allocations and the last iteration's "alloc"s and "free"s;
     `on_last_iteration()` is called as that iteration starts.
-    The optimizer state is the exception: torch.optim creates it inside the first step
-    (`_init_group`: zeros_like per parameter as the step begins), after that iteration's forward
-    and backward have laid out the segments, so the first iteration allocates it where its
-    optimizer step starts, in request order. The segments it then lands in, or opens, are what
-    later iterations find (design.md: +4.3% reserved on gpt2, -4.8% on ResNet-50 against
-    allocating it first).
+    Two kinds of persistent allocation are made inside the first iteration instead, where the
+    segments it then lands in, or opens, are what later iterations find:
+    - the optimizer state: torch.optim creates it inside the first step (`_init_group`: zeros_like
+      per parameter as the step begins), so the first iteration allocates it where its optimizer
+      step starts, in request order (design.md: +4.3% reserved on gpt2, -4.8% on ResNet-50
+      against allocating it first);
+    - the cuBLAS workspaces (`first_used_at`): each at its thread's first matmul. Measured on the
+      H100, gpt2 bf16: the backward thread's 32 MiB workspace split one of the four cached 3,142
+      MiB logits segments, the AdamW state of the embedding followed it there, and every later
+      iteration opened a fourth segment; reserved -13.9% with the workspaces allocated first,
+      -0.4% so.
     With gradient accumulation (`timeline.micro_batches` > 1) an iteration runs the traced
     micro-batch's forward and backward for its first, one middle and its last micro-batch
     (MICRO_BATCHES_REPLAYED), the optimizer step after the last. The gradients are not there
@@ -147,6 +160,7 @@ def replay_steady_state(
     by_start: list[list[TimelineAllocation]] = [[] for _ in range(end)]
     by_end: list[list[TimelineAllocation]] = [[] for _ in range(end + 1)]
     first_step_state: list[TimelineAllocation] = []
+    made_lazily: dict[int, list[TimelineAllocation]] = defaultdict(list)
     for allocation in timeline.allocations:
         if allocation.size_bytes == 0:
             continue  # a 0-byte request allocates nothing
@@ -155,6 +169,9 @@ def replay_steady_state(
                 continue  # a temporary of the first micro-batch becomes it
             if allocation.category == "optimizer_state":
                 first_step_state.append(allocation)
+                continue
+            if allocation.first_used_at is not None:
+                made_lazily[allocation.first_used_at].append(allocation)
                 continue
             handle = allocator.malloc(allocation.size_bytes, allocation.stream)
             if on_event is not None:
@@ -168,7 +185,7 @@ def replay_steady_state(
 
     def micro_batch(iteration: int, number: int, gradients: list[tuple[int, TimelineAllocation]]) -> None:
         """One micro-batch: forward and backward, and after the last the optimizer step."""
-        last, final = iteration == STEADY_STATE_ITERATIONS - 1, number == replayed - 1
+        last, final = iteration == iterations - 1, number == replayed - 1
         first_of_several = number == 0 and replayed > 1
         handles: dict[int, tuple[int, TimelineAllocation]] = {}
         for index in range(end + 1 if final else backward_end):
@@ -197,6 +214,11 @@ def replay_steady_state(
                     gradients.append((handle, allocation))  # the parameter's .grad until zero_grad
                 else:
                     handles[id(allocation)] = (handle, allocation)
+            if iteration == 0 and (number == 0 or index >= backward_end):  # the optimizer's after the last
+                for allocation in made_lazily.get(index, ()):
+                    handle = allocator.malloc(allocation.size_bytes, allocation.stream)
+                    if on_event is not None:
+                        on_event("persistent", handle, allocation)
             for allocation in by_end[index]:
                 entry = handles.pop(id(allocation), None)
                 if entry is None:
@@ -209,8 +231,8 @@ def replay_steady_state(
             if last and on_event is not None:
                 on_event("free", handle, allocation)
 
-    for iteration in range(STEADY_STATE_ITERATIONS):
-        if iteration == STEADY_STATE_ITERATIONS - 1:
+    for iteration in range(iterations):
+        if iteration == iterations - 1:
             allocator.reset_peak_stats()
             if on_last_iteration is not None:
                 on_last_iteration()
@@ -219,7 +241,7 @@ def replay_steady_state(
             micro_batch(iteration, number, gradients)
         for handle, allocation in gradients:  # zero_grad(set_to_none=True) after the step
             allocator.free(handle)
-            if iteration == STEADY_STATE_ITERATIONS - 1 and on_event is not None:
+            if iteration == iterations - 1 and on_event is not None:
                 on_event("free", handle, allocation)
 
 
