@@ -262,7 +262,7 @@ def predict_capped(path: Path = CAPPED_FILE) -> None:
                     "settings": {**settings, "batch_size": batch},
                     "capacity_bytes": capacity,
                     "predicted_fits": batch == found,
-                    "predicted_peak_bytes": result.peak_bytes,
+                    "predicted_peak_bytes": result.allocated_peak_bytes,
                     "predicted_reserved_bytes": result.reserved_peak_bytes,
                     "predicted_smallest_device_bytes": result.smallest_device_bytes,
                     "predicted_max_batch_size": found,
@@ -295,7 +295,9 @@ def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
         try:
             result = memplan.estimate(config.model, inputs=config.inputs, device="cuda", gpu=gpu, **config.settings)
             entry = {
-                "predicted_peak_bytes": result.peak_bytes,
+                # what max_memory_allocated counts (the allocator's whole blocks), beside the live tensors
+                "predicted_peak_bytes": result.allocated_peak_bytes,
+                "predicted_live_tensor_peak_bytes": result.peak_bytes,
                 "predicted_reserved_bytes": result.reserved_peak_bytes,
                 "predicted_device_bytes": result.device_peak_bytes,
                 "predicted_smallest_device_bytes": result.smallest_device_bytes,

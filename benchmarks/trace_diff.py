@@ -13,6 +13,10 @@ iteration (what persists, the optimizer state at its first step, the cuBLAS work
 threads' first matmuls), then the measured iteration's allocs and frees for the other two, as
 memplan replays its own. Beside memplan's reserved peak and the run's, it tells a miss in the
 requests (the run's requests replay close to the run) from one in the layout the warm-ups left.
+
+`--float32-build` replays memplan's requests after the weights were built in float32 on the GPU
+and cast to their storage dtype, as the H100 run's harness built its bf16 models (it now builds
+them in that dtype from the start, as memplan predicts).
 """
 
 from __future__ import annotations
@@ -76,12 +80,42 @@ def replay_measured(real: dict, result: object) -> int:
     return allocator.max_reserved_bytes
 
 
+def reserved_after_float32_build(result: object) -> int:
+    """memplan's reserved peak had the weights been built in float32 on the GPU and then cast to their
+    storage dtype one by one (`model.cuda().bfloat16()`; the H100 run's harness did this): each float32
+    weight allocated in order, then each cast copy allocated and its float32 original freed, then the
+    step replayed as usual on the allocator that build left. (Tied weights are freed at their own
+    turn here, where a real cast keeps the original until the last module sharing it is cast.)"""
+    from dataclasses import replace
+
+    from memplan.estimator.cuda.allocator import CachingAllocator
+    from memplan.estimator.timeline import replay_steady_state
+
+    timeline = result.timeline  # type: ignore[attr-defined]
+    end = timeline.node_count
+    weights = [a for a in timeline.allocations if a.persists(end) and a.category == "parameters" and a.size_bytes]
+    widening = 4 // {"bf16": 2, "fp16": 2}.get(result.settings.precision, 4)  # type: ignore[attr-defined]
+    if widening == 1:
+        return result.reserved_peak_bytes  # type: ignore[attr-defined]  # float32 weights: nothing is cast
+    allocator = CachingAllocator(result.settings.allocator_config)  # type: ignore[attr-defined]
+    built = [allocator.malloc(widening * (weight.requested_bytes or weight.size_bytes)) for weight in weights]
+    for weight, original in zip(weights, built, strict=True):
+        allocator.malloc(weight.size_bytes)
+        allocator.free(original)
+    rest = tuple(allocation for allocation in timeline.allocations if allocation not in weights)
+    replay_steady_state(replace(timeline, allocations=rest), allocator)
+    return allocator.max_reserved_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("archive", type=Path)
     parser.add_argument("config")
     parser.add_argument("--gpu", default="H100-80GB")
     parser.add_argument("--replay", action="store_true", help="replay the run's own requests (docstring)")
+    parser.add_argument(
+        "--float32-build", action="store_true", help="memplan's replay after a float32 build cast on the GPU"
+    )
     arguments = parser.parse_args()
     real = measured_events(arguments.archive, arguments.config)
     real_allocs = [size for action, _, size, _ in real["events"] if action == "alloc"]
@@ -110,6 +144,14 @@ def main() -> None:
             f"reserved: the run's segments {sum(real_segments) / GiB:.2f} GiB; memplan's requests "
             f"{result.reserved_peak_bytes / GiB:.2f} GiB; the run's requests through memplan's simulator "
             f"{replay_measured(real, result) / GiB:.2f} GiB"
+        )
+
+    if arguments.float32_build:
+        GiB = 2**30
+        print(
+            f"reserved: the run's segments {sum(real_segments) / GiB:.3f} GiB; memplan's requests "
+            f"{result.reserved_peak_bytes / GiB:.3f} GiB; the same after a float32 build cast on the GPU "
+            f"{reserved_after_float32_build(result) / GiB:.3f} GiB"
         )
 
 

@@ -135,6 +135,24 @@ def test_a_cublas_workspace_is_made_at_its_threads_first_matmul_in_the_first_ite
     assert (upfront.max_reserved_bytes, upfront.segments) == (42 * MiB, 2)
 
 
+def test_max_memory_allocated_counts_a_cached_block_handed_out_whole() -> None:
+    from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, allocator_peak_bytes
+
+    # A 12 MiB temporary (its own 12 MiB segment) freed at node 0; node 1 asks for 11.5 MiB, which
+    # the cached 12 MiB block serves unsplit (0.5 MiB left, not more than kSmallSize): allocated
+    # counts 12 MiB, where the live tensors hold 11.5.
+    timeline = MemoryTimeline(
+        node_count=2,
+        forward_end=1,
+        backward_end=2,
+        allocations=(
+            TimelineAllocation(0, 0, 12 * MiB, "temporaries", "aten.mm", None),
+            TimelineAllocation(1, 1, 11 * MiB + 512 * KiB, "temporaries", "aten.mm", None),
+        ),
+    )
+    assert allocator_peak_bytes(timeline) == (12 * MiB, 12 * MiB)
+
+
 # The boundaries of CUDACachingAllocator.cpp's rules, each just below, at and just above, with the
 # numbers its constants give: kMinBlockSize 512, kSmallSize 1 MiB, kSmallBuffer 2 MiB,
 # kLargeBuffer 20 MiB, kMinLargeAlloc 10 MiB, kRoundLarge 2 MiB.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,37 @@ def test_ctrl_c_in_a_suite_shows_what_finished_and_exits_130(tmp_path, monkeypat
         main, ["validate", "--suite", "smoke", "--device", "cpu", "--results", str(tmp_path / "j.json"), "--json"]
     )
     assert as_json.exit_code == 130 and json.loads(as_json.stdout)["interrupted"] is True
+
+
+@pytest.mark.parametrize(("precision", "expected"), [("bf16", torch.bfloat16), ("amp-bf16", torch.float32)])
+def test_the_gpu_harness_builds_weights_in_the_dtype_they_train_in(precision: str, expected: torch.dtype) -> None:
+    """The CUDA measurement builds a bf16 model's weights in bf16 from the start (not float32 then
+    cast, which leaves float32-sized blocks cached on the GPU), and leaves torch's default dtype as
+    it found it, also when the build fails."""
+    from memplan.models.source import resolve_model
+    from memplan.validate.measure import built_in_storage_dtype
+
+    spec = resolve_model("tiny-gpt2")
+    settings = spec.settings_for(TrainingSettings(batch_size=1, seq_len=8, precision=precision, device="cpu"))
+    created: list[torch.dtype] = []
+
+    def spy(self, *args, **kwargs):  # every parameter nn.Module registers as the model is built
+        if args[1] is not None:
+            created.append(args[1].dtype)
+        return register(self, *args, **kwargs)
+
+    register = torch.nn.Module.register_parameter
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.Module, "register_parameter", spy)
+        with torch.device("meta"):
+            model = built_in_storage_dtype(spec).build(settings)
+    assert created and set(created) == {expected}
+    assert {param.dtype for param in model.parameters()} == {expected}
+    assert torch.get_default_dtype() == torch.float32
+
+    def failing(settings: TrainingSettings) -> torch.nn.Module:
+        raise RuntimeError("the user's builder failed")
+
+    with pytest.raises(RuntimeError):
+        built_in_storage_dtype(replace(spec, build=failing)).build(settings)
+    assert torch.get_default_dtype() == torch.float32

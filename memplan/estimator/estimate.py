@@ -352,6 +352,7 @@ def run_estimate(
         peak_module=main.peak_module,
         phase_peak_bytes=dict(main.phase_peak_bytes),
         reserved_peak_bytes=main.reserved_peak_bytes,
+        allocated_peak_bytes=main.allocated_peak_bytes,
         conv_workspace_free_peak_bytes=main.conv_workspace_free_peak_bytes,
         conv_workspace_free_reserved_peak_bytes=main.conv_workspace_free_reserved_peak_bytes,
         roofline_step_seconds=step_seconds(traced),

@@ -49,6 +49,9 @@ class EstimateResult:
     traces: int
     seconds: float
     reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved, from the allocator simulator
+    # cuda: max_memory_allocated as the caching allocator counts it, from the same simulator: peak_bytes
+    # (the live tensors) plus what it hands out whole (a cached block up to 1 MiB larger, unsplit)
+    allocated_peak_bytes: int | None = None
     device_peak_bytes: int | None = None  # cuda: reserved + the CUDA context, what nvidia-smi shows
     # cuda: the least memory (for torch) the iteration completes in, the allocator freeing its cached
     # segments (or, with expandable segments, unmapping free pages) and retrying when memory runs

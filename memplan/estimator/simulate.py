@@ -35,6 +35,7 @@ from memplan.estimator.timeline import (
     PHASES,
     MemoryTimeline,
     TimelineAllocation,
+    allocator_peak_bytes,
     device_fit_bytes,
     fits_within,
     reserved_peak_bytes,
@@ -87,6 +88,9 @@ class Simulation:
     timeline_bytes: tuple[int, ...]
     timeline: MemoryTimeline
     reserved_peak_bytes: int | None = None  # cuda: what the caching allocator holds (max_memory_reserved)
+    # cuda: max_memory_allocated as the caching allocator counts it (whole blocks where it hands out
+    # a cached block unsplit), from the same replay; peak_bytes is the live tensors' bytes
+    allocated_peak_bytes: int | None = None
     # cuda: the band's low end, every cuDNN convolution workspace 0 bytes (peak_bytes and
     # reserved_peak_bytes are the high end; memplan.estimator.cuda.cudnn)
     conv_workspace_free_peak_bytes: int | None = None
@@ -477,7 +481,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     transients = {**exact, **conv}
     timeline = memory_timeline(traced, lifetimes, workspaces, transients)
     config = traced.settings.allocator_config
-    reserved = reserved_peak_bytes(timeline, config) if traced.settings.device == "cuda" else None
+    allocated, reserved = allocator_peak_bytes(timeline, config) if traced.settings.device == "cuda" else (None, None)
     low_peak = low_reserved = None  # only where there are convolutions on cuda
     if conv:
         low_peak = _live_bytes(traced, lifetimes, sum(workspaces), _rounded(exact, traced.settings))[1]
@@ -502,6 +506,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         timeline_bytes=tuple(live_bytes),
         timeline=timeline,
         reserved_peak_bytes=reserved,
+        allocated_peak_bytes=allocated,
         conv_workspace_free_peak_bytes=low_peak,
         conv_workspace_free_reserved_peak_bytes=low_reserved,
         smallest_device_bytes=device_fit_bytes(timeline, config) if reserved is not None else None,

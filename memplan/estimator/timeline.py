@@ -258,9 +258,19 @@ def reserved_peak_bytes(
     simulator, on a device of `capacity_bytes` for torch where given (the allocator then releases
     its cache and retries where a request does not fit, and cuDNN runs a plan without workspace
     where its workspace does not; OutOfMemory where the step does not complete)."""
+    return allocator_peak_bytes(timeline, config, capacity_bytes)[1]
+
+
+def allocator_peak_bytes(
+    timeline: MemoryTimeline, config: AllocatorConfig = DEFAULT_CONFIG, capacity_bytes: int | None = None
+) -> tuple[int, int]:
+    """max_memory_allocated and max_memory_reserved of the steady-state iteration, from one replay
+    (reserved_peak_bytes says how). The allocated figure is the allocator's own count: a request
+    served by a cached block it does not split (a large block at most 1 MiB bigger, kSmallSize in
+    CUDACachingAllocator.cpp) counts that whole block, as torch's allocated_bytes statistic does."""
     allocator = CachingAllocator(config, capacity_bytes)
     replay_steady_state(timeline, allocator)
-    return allocator.max_reserved_bytes
+    return allocator.max_allocated_bytes, allocator.max_reserved_bytes
 
 
 def completes_within(timeline: MemoryTimeline, capacity_bytes: int, config: AllocatorConfig = DEFAULT_CONFIG) -> bool:

@@ -107,7 +107,9 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         if key == "communication" and result.settings.parallel in FSDP_MODES:
             label = _FSDP_COMMUNICATION_LABEL
         table.add_row(label, format_bytes(value), f"{share:.1%}")
-    table.add_row("[bold]peak[/bold] (max_memory_allocated)", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
+    table.add_row("[bold]peak[/bold] (live tensors)", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
+    if result.allocated_peak_bytes is not None:
+        table.add_row("max_memory_allocated (blocks handed out)", format_bytes(result.allocated_peak_bytes), "")
     if result.reserved_peak_bytes is not None:
         table.add_row("reserved by the caching allocator", format_bytes(result.reserved_peak_bytes), "")
     if result.device_peak_bytes is not None:

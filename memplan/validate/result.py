@@ -19,7 +19,9 @@ class ValidationResult:
     model: str
     settings: dict[str, Any]
     device: str  # the target measured: cuda or cpu
-    predicted_peak_bytes: int | None  # None when the prediction itself failed (see error)
+    # cuda: EstimateResult.allocated_peak_bytes (max_memory_allocated, whole blocks); cpu: peak_bytes.
+    # None when the prediction itself failed (see error)
+    predicted_peak_bytes: int | None
     measured_peak_bytes: int | None  # None when the run failed before measuring
     predicted_reserved_bytes: int | None
     measured_reserved_bytes: int | None

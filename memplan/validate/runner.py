@@ -90,7 +90,8 @@ def validate_config(
         model=spec.name,
         settings=prediction.settings.to_dict(),
         device=settings.device,
-        predicted_peak_bytes=prediction.peak_bytes,
+        # cuda: what max_memory_allocated counts, the allocator's whole blocks (the live tensors elsewhere)
+        predicted_peak_bytes=prediction.allocated_peak_bytes or prediction.peak_bytes,
         measured_peak_bytes=measured.get("peak_bytes"),
         predicted_reserved_bytes=prediction.reserved_peak_bytes,
         measured_reserved_bytes=measured.get("reserved_bytes"),
