@@ -82,6 +82,7 @@ _SETTING_NAMES = {
     "target_len": "target length",
     "image_size": "image size",
     "cuda_context": "CUDA context (bytes)",
+    "nccl_memory": "NCCL memory (bytes)",
     "cudnn_workspace_cap_mib": "cuDNN workspace cap (MiB)",
     "lora_rank": "LoRA rank",
 }
@@ -95,13 +96,17 @@ def _check_types(values: dict[str, Any]) -> dict[str, Any]:
         optional = kind.endswith("| None")
         if value is None and optional:
             continue
-        if name == "cuda_context" and isinstance(value, str):
-            checked[name] = parse_size(value)  # "600MiB", as the CLI's --cuda-context takes it
+        if name in ("cuda_context", "nccl_memory") and isinstance(value, str):
+            checked[name] = parse_size(value)  # "600MiB", as the CLI's --cuda-context and --nccl-memory take it
             continue
         base = kind.removesuffix("| None").strip()
         if base == "int":
             if value is None or isinstance(value, bool) or not isinstance(value, int):
-                what = "an integer" if name in ("cuda_context", "cudnn_workspace_cap_mib") else "a positive integer"
+                what = (
+                    "an integer"
+                    if name in ("cuda_context", "nccl_memory", "cudnn_workspace_cap_mib")
+                    else "a positive integer"
+                )
                 raise SettingsError(f"{_SETTING_NAMES.get(name, name)} must be {what}, got {value!r}")
         elif base == "bool":
             if not isinstance(value, bool):
@@ -178,7 +183,7 @@ def _budget(budget: str | int | None, settings: TrainingSettings) -> int | None:
         if isinstance(budget, bool) or not isinstance(budget, str | int | float):
             raise SettingsError(f"budget must be a size such as '24GiB', '80GB' or a number of bytes; got {budget!r}")
         return parse_size(budget)
-    return gpu_named(settings.gpu).total_bytes - settings.context_bytes if settings.gpu is not None else None
+    return gpu_named(settings.gpu).total_bytes - settings.outside_allocator_bytes if settings.gpu is not None else None
 
 
 def _progress(progress: Any) -> Any:

@@ -196,6 +196,9 @@ class TrainingSettings:
     # FSDP2's MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32): float32 shards,
     # gathered and computed in this dtype ("bf16" or "fp16"), gradients reduced in float32; None: off.
     fsdp_mixed_precision: str | None = None
+    # Bytes NCCL's communicator holds on the rank, outside torch's allocator (what nvidia-smi shows of it);
+    # None: the top of memplan's modelled band (memplan.distributed.nccl), with --parallel on cuda.
+    nccl_memory: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -333,6 +336,14 @@ class TrainingSettings:
                 f"--parallel {self.parallel} with --quantize: FSDP2 over bitsandbytes' quantized layers is not traced "
                 "yet; leave out one of them"
             )
+        if self.nccl_memory is not None:
+            if self.parallel == "none" or self.device != "cuda":
+                raise SettingsError(
+                    "--nccl-memory is what NCCL holds on one GPU of a data-parallel job: give --parallel ddp, zero1, "
+                    "fsdp or fsdp-grad-op on the cuda target"
+                )
+            if self.nccl_memory < 0:
+                raise SettingsError(f"NCCL memory must be 0 or more bytes, got {self.nccl_memory}")
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
                 f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1 or fsdp, or "
@@ -359,6 +370,26 @@ class TrainingSettings:
     def context_bytes(self) -> int:
         """The CUDA context counted in device-level figures and taken off a GPU's memory for budgets."""
         return CONTEXT_BYTES if self.cuda_context is None else self.cuda_context
+
+    @property
+    def communicator_band_bytes(self) -> tuple[int, int]:
+        """The least and most device memory NCCL's communicator holds on this rank, outside torch's
+        allocator: --nccl-memory where given, else memplan's model (memplan.distributed.nccl); none
+        without data parallelism or off cuda."""
+        if self.nccl_memory is not None:
+            return self.nccl_memory, self.nccl_memory
+        if self.parallel == "none" or self.device != "cuda":
+            return 0, 0
+        from memplan.distributed.nccl import communicator_band
+        from memplan.gpus import DEFAULT_GPU
+
+        return communicator_band(self.world_size, gpu_named(self.gpu or DEFAULT_GPU).compute_capability)
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """What nvidia-smi shows beyond torch's reserved memory: the CUDA context and, on a data-parallel
+        rank, the top of NCCL's band. Counted in the device figure and taken off a GPU's memory for fits."""
+        return self.context_bytes + self.communicator_band_bytes[1]
 
     @property
     def is_amp(self) -> bool:

@@ -200,6 +200,13 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "dtype, gradients reduced in float32 (torchtitan's default).",
         ),
         click.option(
+            "--nccl-memory",
+            type=SizeType(),
+            help="With --parallel on the cuda target: what NCCL's communicator holds on the GPU, outside torch's "
+            "allocator (e.g. 500MiB), counted in the device total and taken off --gpu's memory [default: the top "
+            "of memplan's modelled band, 768 MiB to 1 GiB on 8 ranks].",
+        ),
+        click.option(
             "--step",
             metavar="MODULE:FN",
             help="Your own training iteration instead of the loop: fn(model, batch, optimizer) runs one "

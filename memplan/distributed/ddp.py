@@ -27,7 +27,8 @@ What the fake group needs, for the trace only:
   `allreduce_hook`, ddp_comm_hooks/default_hooks.py) with NCCL: divide the bucket by the world size
   in place, all-reduce it in place, hand it back.
 
-Not traced: NCCL's own communication buffers, outside torch's allocator.
+Not traced: NCCL's own communication buffers, outside torch's allocator (modelled as a band in
+memplan.distributed.nccl and counted in the device figure, not here).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ on its reduce-scatter stream, and the caching allocator keeps each freed block f
 the fake CPU tensors of a trace FSDP2 selects torch.cpu's stand-in streams, which the recorder numbers
 (memplan.estimator.recorder.current_side_stream) and the allocator simulation keeps apart.
 
-Not traced: NCCL's own buffers, outside torch's allocator.
+Not traced: NCCL's own buffers, outside torch's allocator (modelled as a band in memplan.distributed.nccl
+and counted in the device figure, not here).
 """
 
 from __future__ import annotations

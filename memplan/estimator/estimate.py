@@ -63,15 +63,14 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
         notes.append(
             f"one rank of {settings.world_size}: torch's DistributedDataParallel traced on a fake process group, its "
             "gradient buckets (every trainable gradient once more) included; every micro-batch all-reduces (no "
-            "no_sync()); NCCL's own buffers, outside torch's allocator, are not"
+            "no_sync())"
         )
     if settings.parallel == "zero1":
         notes.append(
             f"one rank of {settings.world_size}: torch's DistributedDataParallel and ZeroRedundancyOptimizer traced "
             "on a fake process group; the optimizer state is this rank's share of the parameters (whole parameters, "
             "largest first, to the rank with the fewest elements so far), every gradient and DDP's gradient buckets "
-            "whole; DeepSpeed's ZeRO-1 partitions and buckets differ and are not modelled; NCCL's own buffers are not "
-            "counted"
+            "whole; DeepSpeed's ZeRO-1 partitions and buckets differ and are not modelled"
         )
     if settings.parallel in FSDP_MODES:
         reshard = "after each forward and backward" if settings.parallel == "fsdp" else "after each backward only"
@@ -79,9 +78,23 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f"one rank of {settings.world_size}: torch's FSDP2 (fully_shard on each repeated block, then the root) "
             f"traced on a fake process group; parameters, gradients and optimizer state sharded, each module's "
             f"parameters all-gathered before its forward and backward and resharded {reshard}; its collectives' "
-            "buffers allocated on their own CUDA streams, as FSDP2 does; NCCL's own buffers are not counted"
+            "buffers allocated on their own CUDA streams, as FSDP2 does"
         )
+    if settings.parallel != "none" and settings.device == "cuda":
+        notes.append(_nccl_note(settings))
     return notes
+
+
+def _nccl_note(settings: TrainingSettings) -> str:
+    """What the device figure counts for NCCL (memplan.distributed.nccl)."""
+    if settings.nccl_memory is not None:
+        return f"NCCL: {format_bytes(settings.nccl_memory)} (--nccl-memory) counted in the device figure and fits"
+    low, high = settings.communicator_band_bytes
+    return (
+        f"NCCL's communicator holds {format_bytes(low)} to {format_bytes(high)} on the GPU outside torch's allocator "
+        "(modelled from NCCL's buffer sizes, not traced: the channels and algorithms NCCL picks depend on the "
+        f"machine); the device figure and fits count the top, {format_bytes(high)}: give yours with --nccl-memory"
+    )
 
 
 def _quantize_note(settings: TrainingSettings) -> str:
@@ -356,9 +369,11 @@ def run_estimate(
         conv_workspace_free_peak_bytes=main.conv_workspace_free_peak_bytes,
         conv_workspace_free_reserved_peak_bytes=main.conv_workspace_free_reserved_peak_bytes,
         roofline_step_seconds=step_seconds(traced),
-        device_peak_bytes=main.reserved_peak_bytes + settings.context_bytes
+        device_peak_bytes=main.reserved_peak_bytes + settings.outside_allocator_bytes
         if main.reserved_peak_bytes is not None
         else None,
+        communicator_low_bytes=settings.communicator_band_bytes[0] if settings.parallel != "none" else None,
+        communicator_bytes=settings.communicator_band_bytes[1] if settings.parallel != "none" else None,
         smallest_device_bytes=main.smallest_device_bytes,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,

@@ -52,7 +52,13 @@ class EstimateResult:
     # cuda: max_memory_allocated as the caching allocator counts it, from the same simulator: peak_bytes
     # (the live tensors) plus what it hands out whole (a cached block up to 1 MiB larger, unsplit)
     allocated_peak_bytes: int | None = None
-    device_peak_bytes: int | None = None  # cuda: reserved + the CUDA context, what nvidia-smi shows
+    # cuda: reserved + the CUDA context (+ on a data-parallel rank NCCL's buffers, the band's top), what
+    # nvidia-smi shows
+    device_peak_bytes: int | None = None
+    # --parallel: NCCL's communicator on this rank, outside torch's allocator, modelled as a band
+    # (memplan.distributed.nccl; --nccl-memory gives one figure): its low end and its top
+    communicator_low_bytes: int | None = None
+    communicator_bytes: int | None = None
     # cuda: the least memory (for torch) the iteration completes in, the allocator freeing its cached
     # segments (or, with expandable segments, unmapping free pages) and retrying when memory runs
     # out; with convolutions, the larger of the workspace band's two ends. `fits`, the largest batch

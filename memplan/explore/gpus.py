@@ -2,8 +2,9 @@
 
 Each card is its own estimate: its compute capability picks the CUDA kernels (attention backend,
 cuBLAS workspace size, TF32 convolutions) and so the trace, and its usable memory (memory less the
-CUDA context) is the budget, with the largest batch size that fits. Prices come from
-memplan.prices, with their source and date; a card without a listed price is never the cheapest.
+CUDA context and, on a data-parallel rank, NCCL's buffers) is the budget, with the largest batch
+size that fits. Prices come from memplan.prices, with their source and date; a card without a
+listed price is never the cheapest.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def run_gpu_choice(
     labels = [f"[{number}/{len(names)}] {name}" for number, name in enumerate(names, start=1)]
     for name, label in zip(names, labels, strict=True):
         on_card = settings.replace(gpu=name)
-        budget = gpu_named(name).total_bytes - on_card.context_bytes
+        budget = gpu_named(name).total_bytes - on_card.outside_allocator_bytes
         estimate = run_estimate(
             spec,
             on_card,

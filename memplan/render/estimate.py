@@ -114,8 +114,19 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         table.add_row("reserved by the caching allocator", format_bytes(result.reserved_peak_bytes), "")
     if result.device_peak_bytes is not None:
         context = format_bytes(result.settings.context_bytes)
+        with_nccl = result.communicator_bytes is not None
+        if with_nccl:
+            given = result.settings.nccl_memory is not None
+            low = format_bytes(result.communicator_low_bytes or 0)
+            table.add_row(
+                "NCCL buffers (--nccl-memory)" if given else f"NCCL buffers (modelled top; at least {low})",
+                format_bytes(result.communicator_bytes or 0),
+                "",
+            )
         table.add_row(
-            f"device total with {context} CUDA context (nvidia-smi)", format_bytes(result.device_peak_bytes), ""
+            f"device total with {context} CUDA context{' and NCCL' if with_nccl else ''} (nvidia-smi)",
+            format_bytes(result.device_peak_bytes),
+            "",
         )
     console.print(table)
     if result.conv_workspace_free_reserved_peak_bytes is not None:

@@ -1,0 +1,117 @@
+"""NCCL's buffers on a data-parallel rank (memplan.distributed.nccl): modelled, not traced.
+
+Truth: the sizes NCCL's source gives, worked out here by hand from the quantities its files name
+(src/init.cc's protocol buffer sizes, src/transport/p2p.cc's rounding to CUDA IPC's 2 MiB,
+src/transport/nvls.cc), not from memplan's constants; and the device figure and the budget as
+plain sums of what the estimate reports beside them."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+import memplan
+from memplan.cli import main
+from memplan.distributed.nccl import communicator_band
+from memplan.errors import SettingsError
+from memplan.gpus import gpu_named
+
+MiB = 1 << 20
+SOURCE = {"inputs": "tests.ddp_models:rows", "loss": "tests.ddp_models:mean_square"}
+
+# One channel's connection to one peer: LL (8 lines x 512 threads x 8 steps x 16 B = 512 KiB),
+# LL128 (120 elements x 640 threads x 8 steps x 8 B = 4,915,200 B) and Simple (4 MiB) received,
+# 9,633,792 B and a header rounded up to 2 MiB = 10 MiB; the send side 2 MiB.
+CONNECTION = 10 * MiB + 2 * MiB
+
+
+@pytest.mark.parametrize(
+    ("world_size", "gpu", "expected"),
+    [
+        (1, "H100-80GB", (0, 0)),  # no peer, nothing to connect
+        (2, "T4", (2 * CONNECTION, 32 * 2 * CONNECTION)),  # rings on 2 channels .. rings and trees on 32
+        (2, "H100-80GB", (2 * CONNECTION, 32 * 2 * CONNECTION)),  # NVLS needs 3 GPUs in the node
+        (4, "A100-40GB", (2 * CONNECTION, 32 * 2 * CONNECTION)),  # NVLS needs Hopper
+        (8, "H100-80GB", (2 * CONNECTION, 32 * 2 * CONNECTION + 16 * 2 * MiB * 8)),  # + NVLS: 256 MiB
+        (64, "H200", (2 * CONNECTION, 32 * 2 * CONNECTION + 16 * 2 * MiB * 8)),  # NVLS spans one node's 8
+    ],
+)
+def test_the_band_is_what_nccls_buffer_sizes_give(world_size, gpu, expected):
+    assert communicator_band(world_size, gpu_named(gpu).compute_capability) == expected
+
+
+def test_a_published_measurement_falls_inside_the_band():
+    """NVIDIA/nccl#964: 688 MB of NCCL memory per process in a group of four NVLink A100s."""
+    low, high = communicator_band(4, gpu_named("A100-40GB").compute_capability)
+    assert low <= 688 * 10**6 <= high
+
+
+def test_the_device_figure_and_the_budget_count_the_bands_top():
+    card = gpu_named("A100-40GB")
+    ranked = memplan.estimate(
+        "tests.ddp_models:stack", **SOURCE, batch_size=16, gpu="A100-40GB", parallel="ddp", world_size=8
+    )
+    top = 32 * 2 * CONNECTION
+    assert (ranked.communicator_low_bytes, ranked.communicator_bytes) == (2 * CONNECTION, top)
+    context = ranked.settings.context_bytes
+    assert ranked.device_peak_bytes == ranked.reserved_peak_bytes + context + top
+    assert ranked.budget_bytes == card.total_bytes - context - top
+
+    given = memplan.estimate(
+        "tests.ddp_models:stack",
+        **SOURCE,
+        batch_size=16,
+        gpu="A100-40GB",
+        parallel="ddp",
+        world_size=8,
+        nccl_memory="100MiB",
+    )
+    assert (given.communicator_low_bytes, given.communicator_bytes) == (100 * MiB, 100 * MiB)
+    assert given.device_peak_bytes == given.reserved_peak_bytes + context + 100 * MiB
+    assert given.budget_bytes == card.total_bytes - context - 100 * MiB
+    assert given.reserved_peak_bytes == ranked.reserved_peak_bytes  # torch's own memory does not move
+
+    alone = memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=16, gpu="A100-40GB")
+    assert alone.communicator_bytes is None
+    assert alone.device_peak_bytes == alone.reserved_peak_bytes + context
+    assert alone.budget_bytes == card.total_bytes - context
+
+
+def test_nccl_memory_without_a_data_parallel_cuda_rank_is_refused():
+    for settings in ({}, {"parallel": "ddp", "world_size": 2, "device": "cpu"}):
+        with pytest.raises(SettingsError, match="--nccl-memory"):
+            memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=2, nccl_memory="1GiB", **settings)
+    with pytest.raises(SettingsError, match="NCCL memory must be"):
+        memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=2, parallel="ddp", nccl_memory=-1)
+    done = CliRunner().invoke(main, ["estimate", "tests.ddp_models:stack", "-b", "2", "--nccl-memory", "1GiB"])
+    assert done.exit_code == 2 and "--nccl-memory" in done.output and "Traceback" not in done.output
+
+
+def test_the_table_shows_the_band_and_the_device_total_says_it_counts_nccl():
+    done = CliRunner().invoke(
+        main,
+        ["estimate", "tests.ddp_models:stack", "--inputs", SOURCE["inputs"], "--loss", SOURCE["loss"], "-b", "4"]
+        + ["--parallel", "fsdp", "--world-size", "8", "--gpu", "H100", "--no-cache"],
+        env={"COLUMNS": "160"},
+    )
+    assert done.exit_code == 0, done.output
+    assert "NCCL buffers (modelled top; at least 24.00 MiB)" in done.output
+    assert "1.00 GiB" in done.output  # 768 MiB of rings and trees + 256 MiB of NVLS on 8 Hopper GPUs
+    assert "CUDA context and NCCL (nvidia-smi)" in done.output
+
+
+def test_validation_leaves_nccl_out_of_the_device_figure_it_compares(monkeypatch):
+    """A measured rank runs on torch's fake process group, which makes no NCCL communicator: the
+    prediction it is compared with is reserved + the CUDA context alone."""
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+    from memplan.validate import runner
+
+    monkeypatch.setattr(runner, "measure_in_subprocess", lambda *args, **kwargs: {"device_used_bytes": 1})
+    spec = resolve_model("tests.ddp_models:stack", inputs=SOURCE["inputs"], loss=SOURCE["loss"])
+    settings = TrainingSettings(batch_size=16, gpu="A100-40GB", parallel="ddp", world_size=8)
+    validated = runner.validate_config(spec, settings)
+    estimated = memplan.estimate(
+        "tests.ddp_models:stack", **SOURCE, batch_size=16, gpu="A100-40GB", parallel="ddp", world_size=8
+    )
+    assert validated.predicted_device_bytes == estimated.reserved_peak_bytes + estimated.settings.context_bytes
