@@ -25,15 +25,24 @@ SOURCE = {"inputs": "tests.ddp_models:rows", "loss": "tests.ddp_models:mean_squa
 CONNECTION = 10 * MiB + 2 * MiB
 
 
+# Rings on the search's one channel doubled (one connection each); rings (one) and trees (a chain in a
+# node: two; across nodes up to three children and a parent: four) on 32 channels.
+LOW = 2 * 1 * CONNECTION
+TOP_IN_NODE = 32 * (1 + 2) * CONNECTION  # 1,152 MiB
+TOP_ACROSS_NODES = 32 * (1 + 4) * CONNECTION
+NVLS_8 = 16 * 2 * (128 * 1024 * 8) * 8  # 16 channels x 2 x 1 MiB x 8 GPUs: 256 MiB
+
+
 @pytest.mark.parametrize(
     ("world_size", "gpu", "expected"),
     [
         (1, "H100-80GB", (0, 0)),  # no peer, nothing to connect
-        (2, "T4", (2 * CONNECTION, 32 * 2 * CONNECTION)),  # rings on 2 channels .. rings and trees on 32
-        (2, "H100-80GB", (2 * CONNECTION, 32 * 2 * CONNECTION)),  # NVLS needs 3 GPUs in the node
-        (4, "A100-40GB", (2 * CONNECTION, 32 * 2 * CONNECTION)),  # NVLS needs Hopper
-        (8, "H100-80GB", (2 * CONNECTION, 32 * 2 * CONNECTION + 16 * 2 * MiB * 8)),  # + NVLS: 256 MiB
-        (64, "H200", (2 * CONNECTION, 32 * 2 * CONNECTION + 16 * 2 * MiB * 8)),  # NVLS spans one node's 8
+        (2, "T4", (LOW, TOP_IN_NODE)),
+        (2, "H100-80GB", (LOW, TOP_IN_NODE)),  # NVLS needs 3 GPUs in the node
+        (4, "A100-40GB", (LOW, TOP_IN_NODE)),  # NVLS needs Hopper
+        (8, "H100-80GB", (LOW, TOP_IN_NODE + NVLS_8)),
+        (64, "H200", (LOW, TOP_ACROSS_NODES + NVLS_8)),  # trees span nodes; NVLS one node's 8 GPUs
+        (16, "A100-80GB", (LOW, TOP_ACROSS_NODES)),
     ],
 )
 def test_the_band_is_what_nccls_buffer_sizes_give(world_size, gpu, expected):
@@ -51,7 +60,7 @@ def test_the_device_figure_and_the_budget_count_the_bands_top():
     ranked = memplan.estimate(
         "tests.ddp_models:stack", **SOURCE, batch_size=16, gpu="A100-40GB", parallel="ddp", world_size=8
     )
-    top = 32 * 2 * CONNECTION
+    top = TOP_IN_NODE
     assert (ranked.communicator_low_bytes, ranked.communicator_bytes) == (2 * CONNECTION, top)
     context = ranked.settings.context_bytes
     assert ranked.device_peak_bytes == ranked.reserved_peak_bytes + context + top
@@ -96,7 +105,7 @@ def test_the_table_shows_the_band_and_the_device_total_says_it_counts_nccl():
     )
     assert done.exit_code == 0, done.output
     assert "NCCL buffers (modelled top; at least 24.00 MiB)" in done.output
-    assert "1.00 GiB" in done.output  # 768 MiB of rings and trees + 256 MiB of NVLS on 8 Hopper GPUs
+    assert "1.38 GiB" in done.output  # 1,152 MiB of rings and trees + 256 MiB of NVLS on 8 Hopper GPUs
     assert "CUDA context and NCCL (nvidia-smi)" in done.output
 
 

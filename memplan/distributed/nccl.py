@@ -7,7 +7,7 @@ them and `max_memory_reserved` does not, and no trace sees them. Their size depe
 channels NCCL's topology search picks on the machine and which algorithms the job's messages use,
 which only the machine knows: memplan gives a band, and fits and the device figure take its top.
 
-The rules, from NCCL's source (2.21-2.27; torch 2.7 and later ship NCCL 2.26 or newer):
+The rules, from NCCL's source (read at 2.28.3; torch 2.7 and later ship NCCL 2.26 or newer):
 - Each connection of a channel to a peer holds a receive buffer for each protocol, LL
   (`DEFAULT_LL_BUFFSIZE`, 512 KiB), LL128 (`DEFAULT_LL128_BUFFSIZE`, 4,915,200 B) and Simple
   (`NCCL_BUFFSIZE`, 4 MiB by default, "the buffer used by NCCL when communicating data between
@@ -15,19 +15,28 @@ The rules, from NCCL's source (2.21-2.27; torch 2.7 and later ship NCCL 2.26 or 
   granularity of CUDA IPC memory: 10 MiB; and a send side (`ncclSendMem`) rounded up the same way:
   2 MiB (src/init.cc; src/transport/p2p.cc, `CUDA_IPC_MIN` in src/include/comm.h). All three
   protocols are allocated whichever one runs.
-- A ring connects each channel to one peer each way; a tree adds its own connections. Since NCCL
-  2.22 (`NCCL_RUNTIME_CONNECT`, on by default: "Dynamically connect peers during runtime ...
-  instead of init stage") an algorithm's buffers are allocated at its first collective, so a job
-  whose collectives all run as rings holds the ring's alone.
-- Channels: at most 32 per communicator (`MAXCHANNELS`) by default; NCCL picks as many as the
-  links' bandwidth calls for, from two on a PCIe box to tens on NVLink/NVSwitch machines.
-- NVLink SHARP (NVLS), on Hopper and later NVSwitch systems with more than two GPUs in the node
-  (src/transport/nvls.cc; `NCCL_NVLS_ENABLE=0` turns it off): 16 channels x 2 x 1 MiB per GPU of
-  the node, allocated at the first collective NVLS runs (2.22 and later).
+- A ring connects each channel to one peer each way: one connection. A tree connects each channel
+  to its parent and children both ways (two `ncclTransportP2pConnect` calls in
+  src/transport/generic.cc): inside a node the tree is a chain (a parent and a child, two connections); across
+  nodes a node's head also has up to two children in other nodes (NCCL_MAX_TREE_ARITY 3 children
+  and a parent, four). Since NCCL 2.22 (`NCCL_RUNTIME_CONNECT`, on by default: "Dynamically connect
+  peers during runtime ... instead of init stage") an algorithm's buffers are allocated at its first
+  collective, so a job whose collectives all run as rings holds the ring's alone.
+- Channels: the ring search finds at least one and at most 32 (`maxChannels = MAXCHANNELS/2`,
+  src/init.cc), and NCCL doubles what it found (src/graph/connect.cc: `nChannels*2`): 2 at least.
+  At most it is 64 since NCCL 2.25 (`MAXCHANNELS`, src/include/device.h), but published NCCL logs
+  of 8-GPU NVLink machines show 8 to 24 collective channels (NVIDIA/nccl#892: 16 on 8 H800s;
+  #1259: channels up to 22 and more on 8 H100s; #634: 10 on A100 nodes; #1189: 8 on H20s): the
+  band's top takes 32.
+- NVLink SHARP (NVLS), on Hopper NVSwitch systems with more than two GPUs in the node
+  (src/transport/nvls.cc; `NCCL_NVLS_ENABLE=0` turns it off): 16 channels (`NVLS_NCHANNELS_SM90`)
+  x 2 x 1 MiB (`NVLS_CHUNKSIZE` 128 KiB x 8 steps) per GPU of the node, allocated at the first
+  collective NVLS runs (2.22 and later; Blackwell uses 24-32 channels, not in memplan's GPU list).
 Not modelled: NCCL's device-side structures (work FIFO, channel structs) and kernel images, which
 no source sizes; communicators beyond the default group's (HSDP's second group, point-to-point
 pairs). A check against a measurement someone published: 688 MB of NCCL memory per process for a
-four-A100 NVLink group (NVIDIA/nccl#964), inside this band's 24 MiB to 768 MiB.
+four-A100 NVLink group (NVIDIA/nccl#964; its NCCL version not stated), inside this band's 24 MiB
+to 1,152 MiB.
 """
 
 from __future__ import annotations
@@ -39,11 +48,13 @@ LL128_BUFFER_BYTES = 120 * 640 * 8 * 8  # NCCL_LL128_ELEMS_PER_THREAD x threads 
 SIMPLE_BUFFER_BYTES = 4 * MiB  # NCCL_BUFFSIZE's default
 IPC_GRANULARITY_BYTES = 2 * MiB  # CUDA_IPC_MIN: each side of a connection is rounded up to it
 SEND_SIDE_BYTES = IPC_GRANULARITY_BYTES  # ncclSendMem (a few KiB) rounded up
-MIN_RING_CHANNELS = 2  # the fewest a ring runs on
-MAX_CHANNELS = 32  # MAXCHANNELS, the default cap (NCCL_MAX_CTAS raises or lowers it)
-ALGORITHMS_WITH_CONNECTIONS = 2  # ring and tree: each connects every channel once
-NVLS_CHANNELS = 16
-NVLS_BUFFER_BYTES = 1 * MiB  # per channel, per direction, per GPU of the node (2.22 and later)
+MIN_RING_CHANNELS = 2  # the ring search's one channel, doubled
+TOP_CHANNELS = 32  # what published logs of NVLink machines stay within (module docstring); NCCL allows 64
+RING_CONNECTIONS = 1  # the previous rank and the next
+TREE_CONNECTIONS_IN_NODE = 2  # a chain: the parent and one child
+TREE_CONNECTIONS_ACROSS_NODES = 4  # NCCL_MAX_TREE_ARITY (3) children and the parent
+NVLS_CHANNELS = 16  # NVLS_NCHANNELS_SM90
+NVLS_BUFFER_BYTES = 128 * 1024 * 8  # NVLS_CHUNKSIZE x NCCL_STEPS: 1 MiB per channel, per direction, per GPU of the node
 NVLS_MIN_GPUS = 3  # NVLS is never used with two GPUs or fewer in the node
 NVLS_COMPUTE_CAPABILITY = (9, 0)  # Hopper and later
 GPUS_PER_NODE = 8  # an HGX/DGX node: the ranks of one node, where the job is larger
@@ -69,12 +80,13 @@ def nvls_bytes(ranks_on_node: int, compute_capability: tuple[int, int]) -> int:
 
 def communicator_band(world_size: int, compute_capability: tuple[int, int]) -> tuple[int, int]:
     """The least and the most device memory the default group's NCCL communicator holds on one rank
-    of `world_size`: rings on the fewest channels, against rings and trees on every channel plus
-    NVLink SHARP. A group of one rank has no peers to connect to."""
+    of `world_size`: rings on the fewest channels, against rings and trees on the band's top channel
+    count plus NVLink SHARP. A group of one rank has no peers to connect to."""
     if world_size < 2:
         return 0, 0
     connection = connection_bytes()
-    low = MIN_RING_CHANNELS * connection
+    low = MIN_RING_CHANNELS * RING_CONNECTIONS * connection
     ranks_on_node = min(world_size, GPUS_PER_NODE)
-    high = MAX_CHANNELS * ALGORITHMS_WITH_CONNECTIONS * connection + nvls_bytes(ranks_on_node, compute_capability)
+    tree = TREE_CONNECTIONS_IN_NODE if world_size <= GPUS_PER_NODE else TREE_CONNECTIONS_ACROSS_NODES
+    high = TOP_CHANNELS * (RING_CONNECTIONS + tree) * connection + nvls_bytes(ranks_on_node, compute_capability)
     return low, high
