@@ -80,6 +80,9 @@ def test_the_device_figure_and_the_budget_count_the_bands_top():
     assert given.budget_bytes == card.total_bytes - context - 100 * MiB
     assert given.reserved_peak_bytes == ranked.reserved_peak_bytes  # torch's own memory does not move
 
+    on_cpu = memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=16, device="cpu", parallel="ddp")
+    assert (on_cpu.communicator_low_bytes, on_cpu.communicator_bytes, on_cpu.device_peak_bytes) == (None, None, None)
+
     alone = memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=16, gpu="A100-40GB")
     assert alone.communicator_bytes is None
     assert alone.device_peak_bytes == alone.reserved_peak_bytes + context
