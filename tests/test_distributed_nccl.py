@@ -39,6 +39,7 @@ NVLS_8 = 16 * 2 * (128 * 1024 * 8) * 8  # 16 channels x 2 x 1 MiB x 8 GPUs: 256 
         (1, "H100-80GB", (0, 0)),  # no peer, nothing to connect
         (2, "T4", (LOW, TOP_IN_NODE)),
         (2, "H100-80GB", (LOW, TOP_IN_NODE)),  # NVLS needs 3 GPUs in the node
+        (3, "H100-80GB", (LOW, TOP_IN_NODE + 16 * 2 * MiB * 3)),
         (4, "A100-40GB", (LOW, TOP_IN_NODE)),  # NVLS needs Hopper
         (8, "H100-80GB", (LOW, TOP_IN_NODE + NVLS_8)),
         (64, "H200", (LOW, TOP_ACROSS_NODES + NVLS_8)),  # trees span nodes; NVLS one node's 8 GPUs
@@ -46,7 +47,8 @@ NVLS_8 = 16 * 2 * (128 * 1024 * 8) * 8  # 16 channels x 2 x 1 MiB x 8 GPUs: 256 
     ],
 )
 def test_the_band_is_what_nccls_buffer_sizes_give(world_size, gpu, expected):
-    assert communicator_band(world_size, gpu_named(gpu).compute_capability) == expected
+    band = communicator_band(world_size, gpu_named(gpu).compute_capability)
+    assert band == expected and all(isinstance(end, int) for end in band)  # whole bytes, as the JSON gives them
 
 
 def test_a_published_measurement_falls_inside_the_band():
