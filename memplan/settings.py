@@ -8,9 +8,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from memplan.distributed.nccl import communicator_band
 from memplan.errors import SettingsError, SizeParseError
 from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
-from memplan.gpus import CONTEXT_BYTES, gpu_named
+from memplan.gpus import CONTEXT_BYTES, DEFAULT_GPU, gpu_named
 
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16")
 # bitsandbytes' 4-bit data types (bnb_4bit_quant_type).
@@ -380,9 +381,6 @@ class TrainingSettings:
             return self.nccl_memory, self.nccl_memory
         if self.parallel == "none" or self.device != "cuda":
             return 0, 0
-        from memplan.distributed.nccl import communicator_band
-        from memplan.gpus import DEFAULT_GPU
-
         return communicator_band(self.world_size, gpu_named(self.gpu or DEFAULT_GPU).compute_capability)
 
     @property
