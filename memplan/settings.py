@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.distributed.nccl import communicator_band
+from memplan.distributed.nccl import SIMPLE_BUFFER_BYTES, NcclConfig, communicator_band
 from memplan.errors import SettingsError, SizeParseError
 from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
 from memplan.gpus import CONTEXT_BYTES, DEFAULT_GPU, gpu_named
@@ -200,6 +200,11 @@ class TrainingSettings:
     # Bytes NCCL's communicator holds on the rank, outside torch's allocator (what nvidia-smi shows of it);
     # None: the top of memplan's modelled band (memplan.distributed.nccl), with --parallel on cuda.
     nccl_memory: int | None = None
+    # The NCCL variables that size its buffers (memplan.distributed.nccl.NcclConfig): NCCL_BUFFSIZE,
+    # NCCL_MAX_CTAS (or NCCL_MAX_NCHANNELS), NCCL_NVLS_ENABLE; None / True: NCCL's defaults.
+    nccl_buffsize: int | None = None
+    nccl_max_ctas: int | None = None
+    nccl_nvls: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("batch size", self.batch_size)
@@ -337,19 +342,33 @@ class TrainingSettings:
                 f"--parallel {self.parallel} with --quantize: FSDP2 over bitsandbytes' quantized layers is not traced "
                 "yet; leave out one of them"
             )
-        if self.nccl_memory is not None:
-            if self.parallel == "none" or self.device != "cuda":
-                raise SettingsError(
-                    "--nccl-memory is what NCCL holds on one GPU of a data-parallel job: give --parallel ddp, zero1, "
-                    "fsdp or fsdp-grad-op on the cuda target"
-                )
-            if self.nccl_memory < 0:
-                raise SettingsError(f"NCCL memory must be 0 or more bytes, got {self.nccl_memory}")
+        self._check_nccl()
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
                 f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1 or fsdp, or "
                 "leave it out"
             )
+
+    def _check_nccl(self) -> None:
+        given = [
+            option
+            for option, value, default in (
+                ("--nccl-memory", self.nccl_memory, None),
+                ("--nccl-buffsize (NCCL_BUFFSIZE)", self.nccl_buffsize, None),
+                ("--nccl-max-ctas (NCCL_MAX_CTAS)", self.nccl_max_ctas, None),
+                ("--no-nccl-nvls (NCCL_NVLS_ENABLE=0)", self.nccl_nvls, True),
+            )
+            if value != default
+        ]
+        if given and (self.parallel == "none" or self.device != "cuda"):
+            raise SettingsError(
+                f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel ddp, zero1, "
+                "fsdp or fsdp-grad-op on the cuda target"
+            )
+        if self.nccl_memory is not None and self.nccl_memory < 0:
+            raise SettingsError(f"NCCL memory must be 0 or more bytes, got {self.nccl_memory}")
+        _check_positive("NCCL buffer size (NCCL_BUFFSIZE)", self.nccl_buffsize)
+        _check_positive("NCCL channel cap (NCCL_MAX_CTAS)", self.nccl_max_ctas)
 
     def _check_quantize(self) -> None:
         if self.quantize is None:
@@ -381,7 +400,8 @@ class TrainingSettings:
             return self.nccl_memory, self.nccl_memory
         if self.parallel == "none" or self.device != "cuda":
             return 0, 0
-        return communicator_band(self.world_size, gpu_named(self.gpu or DEFAULT_GPU).compute_capability)
+        config = NcclConfig(self.nccl_buffsize or SIMPLE_BUFFER_BYTES, self.nccl_max_ctas, self.nccl_nvls)
+        return communicator_band(self.world_size, gpu_named(self.gpu or DEFAULT_GPU).compute_capability, config)
 
     @property
     def outside_allocator_bytes(self) -> int:

@@ -7,12 +7,14 @@ plain sums of what the estimate reports beside them."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
 import memplan
 from memplan.cli import main
-from memplan.distributed.nccl import communicator_band
+from memplan.distributed.nccl import NcclConfig, communicator_band
 from memplan.errors import SettingsError
 from memplan.gpus import gpu_named
 
@@ -129,3 +131,35 @@ def test_validation_leaves_nccl_out_of_the_device_figure_it_compares(monkeypatch
         "tests.ddp_models:stack", **SOURCE, batch_size=16, gpu="A100-40GB", parallel="ddp", world_size=8
     )
     assert validated.predicted_device_bytes == estimated.reserved_peak_bytes + estimated.settings.context_bytes
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        # NCCL_BUFFSIZE 2 MiB: 524,288 + 4,915,200 + 2,097,152 = 7,536,640 B received, rounded up to 8 MiB;
+        # with the 2 MiB sent, 10 MiB a connection.
+        (NcclConfig(buffsize_bytes=2 * MiB), (2 * 10 * MiB, 32 * 3 * 10 * MiB + NVLS_8)),
+        # NCCL_MAX_CTAS 8 caps the rings, the trees and NVLS's 16 channels alike.
+        (NcclConfig(max_ctas=8), (LOW, 8 * 3 * CONNECTION + 8 * 2 * MiB * 8)),
+        (NcclConfig(max_ctas=1), (1 * CONNECTION, 1 * 3 * CONNECTION + 1 * 2 * MiB * 8)),
+        (NcclConfig(nvls=False), (LOW, TOP_IN_NODE)),  # NCCL_NVLS_ENABLE=0
+    ],
+)
+def test_the_jobs_nccl_variables_resize_the_band(config, expected):
+    assert communicator_band(8, gpu_named("H100-80GB").compute_capability, config) == expected
+
+
+def test_nccl_variables_come_from_the_environment_for_a_data_parallel_rank_only():
+    command = ["estimate", "tests.ddp_models:stack", "--inputs", SOURCE["inputs"], "--loss", SOURCE["loss"], "-b", "4"]
+    rank = ["--parallel", "fsdp", "--world-size", "8", "--gpu", "H100", "--no-cache", "--json"]
+    environment = {"NCCL_NVLS_ENABLE": "0", "NCCL_MAX_CTAS": "8"}
+    done = CliRunner().invoke(main, command + rank, env=environment)
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["communicator_bytes"] == 8 * 3 * CONNECTION  # 8 channels, no NVLS
+    # The same shell running a single-GPU estimate: the variables mean nothing there and are set aside.
+    alone = CliRunner().invoke(main, command + ["--no-cache", "--json"], env=environment)
+    assert alone.exit_code == 0, alone.output
+    assert json.loads(alone.stdout)["settings"]["nccl_max_ctas"] is None
+    # Given as flags without --parallel, they are a mistake.
+    refused = CliRunner().invoke(main, command + ["--no-nccl-nvls"])
+    assert refused.exit_code == 2 and "--no-nccl-nvls" in refused.output

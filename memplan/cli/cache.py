@@ -39,7 +39,7 @@ _UNCACHED_OPTIONS = ("inputs", "loss", "step", "plot", "snapshot")
 _FILE_OPTIONS = ("hf_args", "checkpoint")
 # Environment variables that change an answer (memplan reads the CUDA libraries' own switches, the
 # allocator's configuration and its own settings from them) or how it is shown.
-_ENVIRONMENT_PREFIXES = ("PYTORCH_", "CUBLAS_", "CUDNN_", "TORCH_", "MEMPLAN_")
+_ENVIRONMENT_PREFIXES = ("PYTORCH_", "CUBLAS_", "CUDNN_", "TORCH_", "MEMPLAN_", "NCCL_")
 _DISPLAY_VARIABLES = ("COLUMNS", "LINES", "TERM", "NO_COLOR", "FORCE_COLOR", "COLORTERM")
 _PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "click", "rich")
 _MEMPLAN_DIR = Path(__file__).resolve().parents[1]

@@ -207,6 +207,29 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "of memplan's modelled band, 1.13-1.38 GiB on 8 ranks of one node].",
         ),
         click.option(
+            "--nccl-buffsize",
+            type=click.IntRange(min=1),
+            metavar="BYTES",
+            envvar="NCCL_BUFFSIZE",
+            show_envvar=True,
+            help="With --parallel: the job's NCCL_BUFFSIZE (NCCL's Simple buffer per connection, 4 MiB by default).",
+        ),
+        click.option(
+            "--nccl-max-ctas",
+            type=click.IntRange(min=1),
+            metavar="N",
+            envvar=["NCCL_MAX_CTAS", "NCCL_MAX_NCHANNELS"],
+            show_envvar=True,
+            help="With --parallel: the job's NCCL_MAX_CTAS (or NCCL_MAX_NCHANNELS), a cap on NCCL's channels.",
+        ),
+        click.option(
+            "--nccl-nvls/--no-nccl-nvls",
+            default=True,
+            envvar="NCCL_NVLS_ENABLE",
+            show_envvar=True,
+            help="With --parallel on Hopper: whether NCCL may use NVLink SHARP (NCCL_NVLS_ENABLE=0 turns it off).",
+        ),
+        click.option(
             "--step",
             metavar="MODULE:FN",
             help="Your own training iteration instead of the loop: fn(model, batch, optimizer) runs one "

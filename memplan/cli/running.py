@@ -172,6 +172,12 @@ _ENVIRONMENT_OPTIONS = {
     "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
     "cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
 }
+# NCCL's, which size its buffers on a data-parallel rank only (memplan.distributed.nccl).
+_NCCL_ENVIRONMENT_OPTIONS = {
+    "nccl_buffsize": ("NCCL_BUFFSIZE", None),
+    "nccl_max_ctas": ("NCCL_MAX_CTAS", None),
+    "nccl_nvls": ("NCCL_NVLS_ENABLE", True),
+}
 
 
 def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
@@ -184,6 +190,13 @@ def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]
             continue
         if settings.get("device") == "cpu":
             settings[name] = None
+        elif not as_json and not _quiet():
+            _stderr_console().print(f"[dim]from the environment: {variable}={settings[name]}[/dim]")
+    for name, (variable, default) in _NCCL_ENVIRONMENT_OPTIONS.items():
+        if context.get_parameter_source(name) != ParameterSource.ENVIRONMENT:
+            continue
+        if settings.get("device") == "cpu" or settings.get("parallel", "none") == "none":
+            settings[name] = default  # a shell's NCCL settings mean nothing to one process
         elif not as_json and not _quiet():
             _stderr_console().print(f"[dim]from the environment: {variable}={settings[name]}[/dim]")
     return settings

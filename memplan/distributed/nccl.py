@@ -34,12 +34,15 @@ The rules, from NCCL's source (read at 2.28.3; torch 2.7 and later ship NCCL 2.2
   collective NVLS runs (2.22 and later; Blackwell uses 24-32 channels, not in memplan's GPU list).
 Not modelled: NCCL's device-side structures (work FIFO, channel structs) and kernel images, which
 no source sizes; communicators beyond the default group's (HSDP's second group, point-to-point
-pairs). A check against a measurement someone published: 688 MB of NCCL memory per process for a
-four-A100 NVLink group (NVIDIA/nccl#964; its NCCL version not stated), inside this band's 24 MiB
-to 1,152 MiB.
+pairs). The job's `NCCL_BUFFSIZE`, `NCCL_MAX_CTAS` (or `NCCL_MAX_NCHANNELS`) and `NCCL_NVLS_ENABLE`
+resize the band (NcclConfig; memplan's options of the same names read them). A check against a
+measurement someone published: 688 MB of NCCL memory per process for a four-A100 NVLink group
+(NVIDIA/nccl#964; its NCCL version not stated), inside this band's 24 MiB to 1,152 MiB.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 MiB = 1 << 20
 
@@ -64,29 +67,48 @@ def _rounded_up(num_bytes: int, granularity: int) -> int:
     return -(-num_bytes // granularity) * granularity
 
 
-def connection_bytes() -> int:
+@dataclass(frozen=True)
+class NcclConfig:
+    """The NCCL environment variables that size its buffers, as the job sets them."""
+
+    buffsize_bytes: int = SIMPLE_BUFFER_BYTES  # NCCL_BUFFSIZE: the Simple protocol's buffer
+    max_ctas: int | None = None  # NCCL_MAX_CTAS (NCCL_MAX_NCHANNELS before 2.25): caps every channel count
+    nvls: bool = True  # NCCL_NVLS_ENABLE=0: no NVLink SHARP buffers
+
+
+DEFAULT_NCCL = NcclConfig()
+
+
+def connection_bytes(config: NcclConfig = DEFAULT_NCCL) -> int:
     """One channel's connection to one peer: the receive side's three protocol buffers (and a header of a
     few KiB, inside the rounding) plus the send side, each rounded up to CUDA IPC's granularity."""
-    receive = _rounded_up(LL_BUFFER_BYTES + LL128_BUFFER_BYTES + SIMPLE_BUFFER_BYTES + 1, IPC_GRANULARITY_BYTES)
+    receive = _rounded_up(LL_BUFFER_BYTES + LL128_BUFFER_BYTES + config.buffsize_bytes + 1, IPC_GRANULARITY_BYTES)
     return receive + SEND_SIDE_BYTES
 
 
-def nvls_bytes(ranks_on_node: int, compute_capability: tuple[int, int]) -> int:
+def _channels(channels: int, config: NcclConfig) -> int:
+    """`channels`, capped by NCCL_MAX_CTAS (src/init.cc: `maxCTAs`; nvls.cc caps NVLS's the same way)."""
+    return channels if config.max_ctas is None else min(channels, config.max_ctas)
+
+
+def nvls_bytes(ranks_on_node: int, compute_capability: tuple[int, int], config: NcclConfig = DEFAULT_NCCL) -> int:
     """NVLink SHARP's buffers on one GPU, where NCCL can use it."""
-    if compute_capability < NVLS_COMPUTE_CAPABILITY or ranks_on_node < NVLS_MIN_GPUS:
+    if not config.nvls or compute_capability < NVLS_COMPUTE_CAPABILITY or ranks_on_node < NVLS_MIN_GPUS:
         return 0
-    return NVLS_CHANNELS * 2 * NVLS_BUFFER_BYTES * ranks_on_node
+    return _channels(NVLS_CHANNELS, config) * 2 * NVLS_BUFFER_BYTES * ranks_on_node
 
 
-def communicator_band(world_size: int, compute_capability: tuple[int, int]) -> tuple[int, int]:
+def communicator_band(
+    world_size: int, compute_capability: tuple[int, int], config: NcclConfig = DEFAULT_NCCL
+) -> tuple[int, int]:
     """The least and the most device memory the default group's NCCL communicator holds on one rank
     of `world_size`: rings on the fewest channels, against rings and trees on the band's top channel
     count plus NVLink SHARP. A group of one rank has no peers to connect to."""
     if world_size < 2:
         return 0, 0
-    connection = connection_bytes()
-    low = MIN_RING_CHANNELS * RING_CONNECTIONS * connection
+    connection = connection_bytes(config)
+    low = _channels(MIN_RING_CHANNELS, config) * RING_CONNECTIONS * connection
     ranks_on_node = min(world_size, GPUS_PER_NODE)
     tree = TREE_CONNECTIONS_IN_NODE if world_size <= GPUS_PER_NODE else TREE_CONNECTIONS_ACROSS_NODES
-    high = TOP_CHANNELS * (RING_CONNECTIONS + tree) * connection + nvls_bytes(ranks_on_node, compute_capability)
-    return low, high
+    top = _channels(TOP_CHANNELS, config) * (RING_CONNECTIONS + tree) * connection
+    return low, top + nvls_bytes(ranks_on_node, compute_capability, config)

@@ -95,9 +95,19 @@ def _nccl_note(settings: TrainingSettings) -> str:
     if settings.nccl_memory is not None:
         return f"NCCL: {format_bytes(settings.nccl_memory)} (--nccl-memory) counted in the device figure and fits"
     low, high = settings.communicator_band_bytes
+    variables = [
+        f"{name}={value}"
+        for name, value, default in (
+            ("NCCL_BUFFSIZE", settings.nccl_buffsize, None),
+            ("NCCL_MAX_CTAS", settings.nccl_max_ctas, None),
+            ("NCCL_NVLS_ENABLE", int(settings.nccl_nvls), 1),
+        )
+        if value != default
+    ]
     return (
         f"NCCL's communicator holds {format_bytes(low)} to {format_bytes(high)} on the GPU outside torch's allocator "
-        "(modelled from NCCL's buffer sizes, not traced: the channels and algorithms NCCL picks depend on the "
+        + (f"with {', '.join(variables)} " if variables else "")
+        + "(modelled from NCCL's buffer sizes, not traced: the channels and algorithms NCCL picks depend on the "
         f"machine); the device figure and fits count the top, {format_bytes(high)}: give yours with --nccl-memory"
     )
 
