@@ -91,6 +91,11 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise SettingsError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
+def _options_given(*options: tuple[str, Any, Any]) -> list[str]:
+    """The names of the (name, value, default) options whose value is not their default."""
+    return [name for name, value, default in options if value != default]
+
+
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise SettingsError(f"{name} must be a positive integer, got {value!r}")
@@ -249,17 +254,13 @@ class TrainingSettings:
     def _check_cuda_libraries(self) -> None:
         from memplan.estimator.cuda.cublas import config_bytes
 
-        given = [
-            flag
-            for flag, value, default in (
-                ("--cudnn-benchmark", self.cudnn_benchmark, False),
-                ("--no-cudnn-tf32", self.cudnn_allow_tf32, True),
-                ("--cudnn-workspace-cap (CUDNN_CONV_WSCAP_DBG)", self.cudnn_workspace_cap_mib, None),
-                ("--cublas-workspace-config (CUBLAS_WORKSPACE_CONFIG)", self.cublas_workspace_config, None),
-                ("--cuda-alloc-conf (PYTORCH_CUDA_ALLOC_CONF)", self.cuda_alloc_conf, None),
-            )
-            if value != default
-        ]
+        given = _options_given(
+            ("--cudnn-benchmark", self.cudnn_benchmark, False),
+            ("--no-cudnn-tf32", self.cudnn_allow_tf32, True),
+            ("--cudnn-workspace-cap (CUDNN_CONV_WSCAP_DBG)", self.cudnn_workspace_cap_mib, None),
+            ("--cublas-workspace-config (CUBLAS_WORKSPACE_CONFIG)", self.cublas_workspace_config, None),
+            ("--cuda-alloc-conf (PYTORCH_CUDA_ALLOC_CONF)", self.cuda_alloc_conf, None),
+        )
         if given and self.device != "cuda":
             raise SettingsError(f"{given[0]} configures a CUDA library; it has no meaning with --device cpu")
         cap = self.cudnn_workspace_cap_mib
@@ -350,16 +351,12 @@ class TrainingSettings:
             )
 
     def _check_nccl(self) -> None:
-        given = [
-            option
-            for option, value, default in (
-                ("--nccl-memory", self.nccl_memory, None),
-                ("--nccl-buffsize (NCCL_BUFFSIZE)", self.nccl_buffsize, None),
-                ("--nccl-max-ctas (NCCL_MAX_CTAS)", self.nccl_max_ctas, None),
-                ("--no-nccl-nvls (NCCL_NVLS_ENABLE=0)", self.nccl_nvls, True),
-            )
-            if value != default
-        ]
+        given = _options_given(
+            ("--nccl-memory", self.nccl_memory, None),
+            ("--nccl-buffsize (NCCL_BUFFSIZE)", self.nccl_buffsize, None),
+            ("--nccl-max-ctas (NCCL_MAX_CTAS)", self.nccl_max_ctas, None),
+            ("--no-nccl-nvls (NCCL_NVLS_ENABLE=0)", self.nccl_nvls, True),
+        )
         if given and (self.parallel == "none" or self.device != "cuda"):
             raise SettingsError(
                 f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel ddp, zero1, "
