@@ -6,6 +6,10 @@ import pytest
 # command that a test runs again after changing what it depends on through a patch. The cache's
 # own tests turn it on for themselves.
 os.environ["MEMPLAN_NO_CACHE"] = "1"
+# Where stderr is no terminal, a command prints plain progress lines once it has run 3 s
+# (memplan.cli.running): a test that reads a command's whole output as one line would then depend on
+# how busy the machine is (pytest -n shares the cores). The progress tests set their own threshold.
+os.environ["MEMPLAN_PROGRESS_AFTER_SECONDS"] = "600"
 
 from tests.zoo import TINY_HF_CONFIGS, write_tiny_config
 
