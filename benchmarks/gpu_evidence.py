@@ -300,7 +300,7 @@ def predict(name: str, gpu: str, out: Path, only: set[str] | None) -> None:
                 "predicted_live_tensor_peak_bytes": result.peak_bytes,
                 "predicted_reserved_bytes": result.reserved_peak_bytes,
                 # the measured rank runs on torch's fake process group: no NCCL communicator to count
-                "predicted_device_bytes": result.device_peak_bytes - (result.communicator_bytes or 0),
+                "predicted_device_bytes": result.device_bytes_without_nccl,
                 "predicted_smallest_device_bytes": result.smallest_device_bytes,
                 "predicted_conv_band_low_reserved_bytes": result.conv_workspace_free_reserved_peak_bytes,
                 "predicted_paged_optimizer_bytes": result.paged_optimizer_bytes,

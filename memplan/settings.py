@@ -389,14 +389,14 @@ class TrainingSettings:
         return CONTEXT_BYTES if self.cuda_context is None else self.cuda_context
 
     @property
-    def communicator_band_bytes(self) -> tuple[int, int]:
+    def communicator_band_bytes(self) -> tuple[int, int] | None:
         """The least and most device memory NCCL's communicator holds on this rank, outside torch's
-        allocator: --nccl-memory where given, else memplan's model (memplan.distributed.nccl); none
-        without data parallelism or off cuda."""
+        allocator: --nccl-memory where given, else memplan's model (memplan.distributed.nccl); None
+        without data parallelism or off cuda (no communicator)."""
+        if self.parallel == "none" or self.device != "cuda":
+            return None
         if self.nccl_memory is not None:
             return self.nccl_memory, self.nccl_memory
-        if self.parallel == "none" or self.device != "cuda":
-            return 0, 0
         config = NcclConfig(self.nccl_buffsize or SIMPLE_BUFFER_BYTES, self.nccl_max_ctas, self.nccl_nvls)
         return communicator_band(self.world_size, gpu_named(self.gpu or DEFAULT_GPU).compute_capability, config)
 
@@ -404,7 +404,8 @@ class TrainingSettings:
     def outside_allocator_bytes(self) -> int:
         """What nvidia-smi shows beyond torch's reserved memory: the CUDA context and, on a data-parallel
         rank, the top of NCCL's band. Counted in the device figure and taken off a GPU's memory for fits."""
-        return self.context_bytes + self.communicator_band_bytes[1]
+        band = self.communicator_band_bytes
+        return self.context_bytes + (band[1] if band is not None else 0)
 
     @property
     def is_amp(self) -> bool:

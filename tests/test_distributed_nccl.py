@@ -156,6 +156,10 @@ def test_nccl_variables_come_from_the_environment_for_a_data_parallel_rank_only(
     done = CliRunner().invoke(main, command + rank, env=environment)
     assert done.exit_code == 0, done.output
     assert json.loads(done.stdout)["communicator_bytes"] == 8 * 3 * CONNECTION  # 8 channels, no NVLS
+    # NCCL_MAX_NCHANNELS, the older name, sets the same cap, and the message names the variable that did.
+    older = CliRunner().invoke(main, command + rank[:-1], env={"NCCL_MAX_NCHANNELS": "8"})
+    assert "from the environment: NCCL_MAX_NCHANNELS=8" in older.stderr
+    assert "NCCL_MAX_CTAS=8 (modelled" in " ".join(older.stdout.split())  # the cap, as the note names it
     # The same shell running a single-GPU estimate: the variables mean nothing there and are set aside.
     alone = CliRunner().invoke(main, command + ["--no-cache", "--json"], env=environment)
     assert alone.exit_code == 0, alone.output

@@ -166,39 +166,34 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
     return merged
 
 
-# Options a CUDA library's own environment variable also sets (click's envvar=).
-_ENVIRONMENT_OPTIONS = {
-    "cudnn_workspace_cap_mib": "CUDNN_CONV_WSCAP_DBG",
-    "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
-    "cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF",
-}
-# NCCL's, which size its buffers on a data-parallel rank only (memplan.distributed.nccl).
-_NCCL_ENVIRONMENT_OPTIONS = {
-    "nccl_buffsize": ("NCCL_BUFFSIZE", None),
-    "nccl_max_ctas": ("NCCL_MAX_CTAS", None),
-    "nccl_nvls": ("NCCL_NVLS_ENABLE", True),
+# Options a CUDA library's or NCCL's own environment variable also sets (click's envvar=): the
+# variables, the option's default, and whether it means something only on a data-parallel rank
+# (NCCL's size its buffers there, memplan.distributed.nccl).
+_ENVIRONMENT_OPTIONS: dict[str, tuple[tuple[str, ...], Any, bool]] = {
+    "cudnn_workspace_cap_mib": (("CUDNN_CONV_WSCAP_DBG",), None, False),
+    "cublas_workspace_config": (("CUBLAS_WORKSPACE_CONFIG",), None, False),
+    "cuda_alloc_conf": (("PYTORCH_CUDA_ALLOC_CONF",), None, False),
+    "nccl_buffsize": (("NCCL_BUFFSIZE",), None, True),
+    "nccl_max_ctas": (("NCCL_MAX_CTAS", "NCCL_MAX_NCHANNELS"), None, True),
+    "nccl_nvls": (("NCCL_NVLS_ENABLE",), True, True),
 }
 
 
 def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
-    """Say which settings came from the environment; a CUDA variable means nothing for a cpu target."""
+    """Say which settings came from the environment; a CUDA variable means nothing for a cpu target,
+    an NCCL one nothing for one process either."""
     from click.core import ParameterSource
 
     context = click.get_current_context()
-    for name, variable in _ENVIRONMENT_OPTIONS.items():
+    for name, (variables, default, data_parallel_only) in _ENVIRONMENT_OPTIONS.items():
         if context.get_parameter_source(name) != ParameterSource.ENVIRONMENT:
             continue
-        if settings.get("device") == "cpu":
-            settings[name] = None
+        one_process = settings.get("parallel", "none") == "none"
+        if settings.get("device") == "cpu" or (data_parallel_only and one_process):
+            settings[name] = default
         elif not as_json and not _quiet():
-            _stderr_console().print(f"[dim]from the environment: {variable}={settings[name]}[/dim]")
-    for name, (variable, default) in _NCCL_ENVIRONMENT_OPTIONS.items():
-        if context.get_parameter_source(name) != ParameterSource.ENVIRONMENT:
-            continue
-        if settings.get("device") == "cpu" or settings.get("parallel", "none") == "none":
-            settings[name] = default  # a shell's NCCL settings mean nothing to one process
-        elif not as_json and not _quiet():
-            _stderr_console().print(f"[dim]from the environment: {variable}={settings[name]}[/dim]")
+            variable = next(variable for variable in variables if variable in os.environ)
+            _stderr_console().print(f"[dim]from the environment: {variable}={os.environ[variable]}[/dim]")
     return settings
 
 

@@ -80,21 +80,16 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f"parameters all-gathered before its forward and backward and resharded {reshard}; its collectives' "
             "buffers allocated on their own CUDA streams, as FSDP2 does"
         )
-    if _has_nccl(settings):
-        notes.append(_nccl_note(settings))
+    band = settings.communicator_band_bytes
+    if band is not None:
+        notes.append(_nccl_note(settings, *band))
     return notes
 
 
-def _has_nccl(settings: TrainingSettings) -> bool:
-    """A data-parallel rank on the cuda target: its collectives run on an NCCL communicator."""
-    return settings.parallel != "none" and settings.device == "cuda"
-
-
-def _nccl_note(settings: TrainingSettings) -> str:
+def _nccl_note(settings: TrainingSettings, low: int, high: int) -> str:
     """What the device figure counts for NCCL (memplan.distributed.nccl)."""
     if settings.nccl_memory is not None:
         return f"NCCL: {format_bytes(settings.nccl_memory)} (--nccl-memory) counted in the device figure and fits"
-    low, high = settings.communicator_band_bytes
     variables = [
         f"{name}={value}"
         for name, value, default in (
@@ -387,8 +382,8 @@ def run_estimate(
         device_peak_bytes=main.reserved_peak_bytes + settings.outside_allocator_bytes
         if main.reserved_peak_bytes is not None
         else None,
-        communicator_low_bytes=settings.communicator_band_bytes[0] if _has_nccl(settings) else None,
-        communicator_bytes=settings.communicator_band_bytes[1] if _has_nccl(settings) else None,
+        communicator_low_bytes=band[0] if (band := settings.communicator_band_bytes) is not None else None,
+        communicator_bytes=band[1] if band is not None else None,
         smallest_device_bytes=main.smallest_device_bytes,
         per_sample_activation_bytes=slope,
         fixed_bytes=main.peak_bytes - slope * batch_size,

@@ -87,6 +87,14 @@ class EstimateResult:
     timeline: MemoryTimeline | None = field(default=None, compare=False, repr=False)
 
     @property
+    def device_bytes_without_nccl(self) -> int | None:
+        """device_peak_bytes less NCCL's band top: what a rank on torch's fake process group (memplan's
+        validation runs, which make no NCCL communicator) shows."""
+        if self.device_peak_bytes is None:
+            return None
+        return self.device_peak_bytes - (self.communicator_bytes or 0)
+
+    @property
     def fit_bytes(self) -> int:
         """What a budget must hold: on cuda the least device memory the step completes in, the
         allocator retrying after freeing its cached segments (smallest_device_bytes, across a

@@ -63,14 +63,6 @@ def measure_in_subprocess(
     return {"error": f"the measuring process died (exit {completed.returncode}): {tail or 'no output'}"}
 
 
-def _without_nccl(device_bytes: int | None, communicator_bytes: int | None) -> int | None:
-    """The device figure a measured rank can show: it runs on torch's fake process group (memplan.
-    distributed.fake_group), which makes no NCCL communicator, so the prediction's NCCL band is left out."""
-    if device_bytes is None:
-        return None
-    return device_bytes - (communicator_bytes or 0)
-
-
 def validate_config(
     spec: ModelSpec,
     settings: TrainingSettings,
@@ -103,7 +95,8 @@ def validate_config(
         measured_peak_bytes=measured.get("peak_bytes"),
         predicted_reserved_bytes=prediction.reserved_peak_bytes,
         measured_reserved_bytes=measured.get("reserved_bytes"),
-        predicted_device_bytes=_without_nccl(prediction.device_peak_bytes, prediction.communicator_bytes),
+        # the measured rank runs on torch's fake process group: no NCCL communicator to count
+        predicted_device_bytes=prediction.device_bytes_without_nccl,
         measured_device_bytes=measured.get("device_used_bytes"),
         device_name=measured.get("device_name", "unknown"),
         torch_version=measured.get("torch_version", "unknown"),
