@@ -204,7 +204,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             type=SizeType(),
             help="With --parallel on the cuda target: what NCCL's communicator holds on the GPU, outside torch's "
             "allocator (e.g. 500MiB), counted in the device total and taken off --gpu's memory [default: the top "
-            "of memplan's modelled band, 1.13-1.38 GiB on 8 ranks of one node].",
+            "of memplan's modelled band, 1,152-1,408 MiB on 8 ranks of one node].",
         ),
         click.option(
             "--nccl-buffsize",
