@@ -35,6 +35,8 @@ def _normalise(text: str) -> str:
 def run(command: str) -> str:
     words = command.replace("\\\n", " ").split()
     with tempfile.TemporaryDirectory() as folder:
+        # The commands name files as a reader types them in a checkout (examples/ds_config_zero2.json).
+        os.symlink(ROOT / "examples", Path(folder) / "examples")
         environment = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT), "TERM": "dumb", "MEMPLAN_NO_CACHE": "1"}
         done = subprocess.run(
             [sys.executable, "-m", "memplan", *words[1:]],

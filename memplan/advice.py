@@ -43,6 +43,8 @@ def _sharding(settings: TrainingSettings) -> str:
         )
     if settings.parallel == "zero1":
         return "--parallel fsdp on the same ranks (parameters and gradients sharded too, not only the optimizer state)"
+    if settings.parallel == "zero2":
+        return "--parallel fsdp on the same ranks (the parameters sharded too, not only gradients and optimizer state)"
     return "--parallel fsdp --world-size N (FSDP2 shards parameters, gradients and optimizer state across N GPUs)"
 
 

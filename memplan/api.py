@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.compat import require_supported_torch
+from memplan.distributed.fake_group import leaves_no_process_group
 
 require_supported_torch()  # before the imports below, which need a torch memplan knows
 
@@ -143,6 +145,8 @@ def _settings(
         )
     if callable(overrides.get("step")):
         overrides = {**overrides, "step": _step_path(overrides["step"])}
+    if isinstance(overrides.get("deepspeed_config"), dict):  # a DeepSpeed configuration, as deepspeed takes it
+        overrides = {**overrides, "deepspeed_config": json.dumps(overrides["deepspeed_config"], sort_keys=True)}
     overrides = _check_types(overrides)
     checkpoint = overrides.get("checkpoint")
     plan = None
@@ -234,6 +238,7 @@ def _checked_against_plan(spec: ModelSpec, settings: TrainingSettings, plan: Pla
     return settings
 
 
+@leaves_no_process_group
 def estimate(
     model: str,
     settings: TrainingSettings | None = None,
@@ -272,6 +277,7 @@ def estimate(
     )
 
 
+@leaves_no_process_group
 def sweep(
     model: str,
     settings: TrainingSettings | None = None,
@@ -307,6 +313,7 @@ def sweep(
     )
 
 
+@leaves_no_process_group
 def which_gpu(
     model: Any,
     gpus: str | list[str] | tuple[str, ...],
@@ -334,6 +341,7 @@ def which_gpu(
     return run_gpu_choice(spec, settings, list(names), progress=_progress(progress))
 
 
+@leaves_no_process_group
 def compare(
     model: str,
     settings: TrainingSettings | None = None,
@@ -358,6 +366,7 @@ def compare(
     return run_compare(spec, settings, gpus=gpus, budget_bytes=_budget(budget, settings), progress=_progress(progress))
 
 
+@leaves_no_process_group
 def plan(
     model: str,
     settings: TrainingSettings | None = None,
@@ -421,6 +430,7 @@ def _plan_inputs(
     return _source(model, inputs, loss, task), settings, budget_bytes
 
 
+@leaves_no_process_group
 def plan_batch(
     model: str,
     settings: TrainingSettings | None = None,
@@ -461,6 +471,7 @@ def _run_limits(warmup: Any, timeout_s: Any) -> tuple[int, float]:
     return warmup, float(timeout_s)
 
 
+@leaves_no_process_group
 def validate(
     model: str,
     settings: TrainingSettings | None = None,
@@ -504,6 +515,7 @@ def validate(
     )
 
 
+@leaves_no_process_group
 def validate_suite(
     name: str,
     results: str | Path,

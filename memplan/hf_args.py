@@ -131,6 +131,50 @@ def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
     return described
 
 
+def _deepspeed_config(value: object, path: Path) -> dict[str, Any]:
+    """TrainingArguments.deepspeed: a ds_config.json path (as the Trainer resolves it, from the working
+    directory; memplan also tries the arguments file's folder) or the configuration itself."""
+    if isinstance(value, dict):
+        return value
+    candidates = [Path(str(value)), path.parent / str(value)]
+    found = next((candidate for candidate in candidates if candidate.is_file()), None)
+    if found is None:
+        raise HfArgsError(f"--hf-args {path} sets deepspeed {value!r}, which is not a file here or beside {path.name}")
+    try:
+        config = json.loads(found.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise HfArgsError(f"--hf-args {path}: cannot read its deepspeed file {found} as JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise HfArgsError(f"--hf-args {path}: its deepspeed file {found} is not a DeepSpeed configuration object")
+    return config
+
+
+def _with_deepspeed(
+    config: dict[str, Any], data: dict[str, Any], path: Path, settings: dict[str, Any], notes: list[str]
+) -> None:
+    """A Trainer run under DeepSpeed: one ZeRO-2 rank traced with DeepSpeed itself (the Trainer hands
+    bf16 to DeepSpeed's own, not to autocast); the other stages are refused in one line."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if stage != 2:
+        raise HfArgsError(
+            f"--hf-args {path} runs DeepSpeed's ZeRO stage {stage}; memplan traces stage 2 (--parallel zero2). For "
+            "stage 1 as torch implements it remove deepspeed and give --parallel zero1, for sharded parameters "
+            "(like stage 3) --parallel fsdp, each with --world-size N"
+        )
+    if _flag(data, "fp16"):
+        raise HfArgsError(
+            f"--hf-args {path} sets fp16 with DeepSpeed, whose fp16 loss scaling memplan does not trace yet: "
+            "use bf16, or remove fp16"
+        )
+    settings["parallel"] = "zero2"
+    settings["deepspeed_config"] = json.dumps(config, sort_keys=True)
+    if _flag(data, "bf16"):
+        settings["precision"] = "bf16"  # DeepSpeed's bf16: a 16-bit model, float32 master weights
+    notes.append(
+        "deepspeed: one ZeRO-2 rank traced with DeepSpeed itself; give --world-size N for the job's data-parallel ranks"
+    )
+
+
 def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTrainingArgs:
     """Settings from a TrainingArguments JSON/YAML file (as saved by `TrainingArguments.to_json_string`).
 
@@ -150,12 +194,7 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
             "does not read yet: remove fsdp from the file and give --parallel fsdp (or fsdp-grad-op) --world-size N, "
             "which traces one FSDP2 rank"
         )
-    if data.get("deepspeed"):
-        raise HfArgsError(
-            f"--hf-args {path} sets deepspeed, whose own ZeRO buffers memplan does not model: remove it from the "
-            "file and give --parallel zero1 --world-size N for ZeRO stage 1's sharding as torch implements it "
-            "(ZeroRedundancyOptimizer), --parallel fsdp for FSDP2's (like stage 3), or neither for one GPU"
-        )
+    deepspeed = _deepspeed_config(data.get("deepspeed"), path) if data.get("deepspeed") else None
     batch_size = _positive_int(data, "per_device_train_batch_size", path)
     if batch_size is not None:
         settings["batch_size"] = batch_size
@@ -170,6 +209,8 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
         settings["precision"] = "amp-bf16"
     elif _flag(data, "fp16"):
         settings["precision"] = "amp-fp16"
+    if deepspeed is not None:
+        _with_deepspeed(deepspeed, data, path, settings, notes)
     optim = str(data.get("optim") or DEFAULT_OPTIM).lower() if read_optim else None
     if optim is not None and optim not in OPTIMS:
         raise HfArgsError(
@@ -189,8 +230,9 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
         settings.update(deterministic=True, cudnn_benchmark=False, cublas_workspace_config=":16:8")
     if data.get("tf32") is not None:
         settings["cudnn_allow_tf32"] = _flag(data, "tf32")
-    # Trainer's own loop: clipping to max_grad_norm before the step, model.zero_grad() after it.
-    settings["loop"] = "hf-trainer"
+    # Trainer's own loop: clipping to max_grad_norm before the step, model.zero_grad() after it;
+    # with DeepSpeed, the engine's (its backward and step, clipping inside it).
+    settings["loop"] = "canonical" if deepspeed is not None else "hf-trainer"
     max_grad_norm = data.get("max_grad_norm", 1.0)
     if not max_grad_norm:
         notes.append("max_grad_norm 0 turns Trainer's clipping off; memplan traces it anyway (a few scalars in excess)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,13 @@ CHECKPOINT_POLICIES = ("full", "selective")
 DEVICES = ("cuda", "cpu")
 # Data parallelism, per rank (memplan.distributed): "none" (one process), torch's DDP, DDP with the
 # optimizer state sharded by torch's ZeroRedundancyOptimizer ("zero1"), or FSDP2's fully_shard
-# resharding after the forward ("fsdp") or only after the backward ("fsdp-grad-op").
-PARALLEL_MODES = ("none", "ddp", "zero1", "fsdp", "fsdp-grad-op")
+# resharding after the forward ("fsdp") or only after the backward ("fsdp-grad-op"), or DeepSpeed's
+# own ZeRO stage 2 ("zero2"; stage 3 is not traced exactly yet: memplan/distributed/deepspeed.py).
+PARALLEL_MODES = ("none", "ddp", "zero1", "fsdp", "fsdp-grad-op", "zero2")
 DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op")
+DEEPSPEED_MODES = ("zero2",)  # DeepSpeed's engine wraps the model and the optimizer
+DEEPSPEED_PRECISIONS = ("fp32", "bf16")  # bf16: DeepSpeed's own (16-bit model, float32 master partition)
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
 FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -202,6 +206,9 @@ class TrainingSettings:
     # FSDP2's MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32): float32 shards,
     # gathered and computed in this dtype ("bf16" or "fp16"), gradients reduced in float32; None: off.
     fsdp_mixed_precision: str | None = None
+    # With zero2/zero3: the user's DeepSpeed configuration (`--deepspeed ds_config.json`) as JSON text,
+    # whose zero_optimization section DeepSpeed applies; None: DeepSpeed's defaults.
+    deepspeed_config: str | None = None
     # Bytes NCCL's communicator holds on the rank, outside torch's allocator (what nvidia-smi shows of it);
     # None: the top of memplan's modelled band (memplan.distributed.nccl), with --parallel on cuda.
     nccl_memory: int | None = None
@@ -338,6 +345,7 @@ class TrainingSettings:
                     f"--fsdp-mixed-precision casts float32 parameters, and --precision {self.precision} stores them in "
                     f"{self.precision}: give --precision fp32 (or amp-bf16, amp-fp16) with it"
                 )
+        self._check_deepspeed()
         if self.parallel in FSDP_MODES and self.quantize is not None:
             raise SettingsError(
                 f"--parallel {self.parallel} with --quantize: FSDP2 over bitsandbytes' quantized layers is not traced "
@@ -346,8 +354,46 @@ class TrainingSettings:
         self._check_nccl()
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
-                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1 or fsdp, or "
-                "leave it out"
+                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1, zero2 or "
+                "fsdp, or leave it out"
+            )
+
+    def _check_deepspeed(self) -> None:
+        if self.deepspeed_config is not None and self.parallel not in DEEPSPEED_MODES:
+            raise SettingsError("--deepspeed configures DeepSpeed's ZeRO: give --parallel zero2 with it")
+        if self.parallel not in DEEPSPEED_MODES:
+            return
+        option = f"--parallel {self.parallel}"
+        if self.deepspeed_config is not None:
+            try:
+                config = json.loads(self.deepspeed_config)
+            except json.JSONDecodeError as error:
+                raise SettingsError(f"--deepspeed: the configuration is not JSON ({error})") from error
+            if not isinstance(config, dict):
+                raise SettingsError("--deepspeed: the configuration must be a JSON object, as ds_config.json files are")
+            stage = (config.get("zero_optimization") or {}).get("stage")
+            if stage not in (None, 2):
+                raise SettingsError(
+                    f"--deepspeed sets ZeRO stage {stage}, and memplan traces stage 2 (--parallel zero2); stage 1 as "
+                    "torch implements it is --parallel zero1, stage 3 is not traced yet"
+                )
+        if self.optimizer == "none":
+            raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")
+        if self.precision not in DEEPSPEED_PRECISIONS:
+            raise SettingsError(
+                f"{option} traces DeepSpeed in fp32 or its own bf16 (--precision bf16: a 16-bit model, float32 master "
+                f"weights in the optimizer); --precision {self.precision} with DeepSpeed is not traced yet"
+            )
+        unsupported = _options_given(
+            ("--grad-accum", self.grad_accum, 1),
+            ("--step", self.step, None),
+            ("--quantize", self.quantize, None),
+            ("--loop", self.loop, "canonical"),
+        )
+        if unsupported:
+            raise SettingsError(
+                f"{option} with {unsupported[0]}: DeepSpeed runs its own loop (engine.backward, engine.step), and "
+                "memplan traces it for one micro-batch per step, its canonical loop, unquantized; leave it out"
             )
 
     def _check_nccl(self) -> None:
@@ -360,7 +406,7 @@ class TrainingSettings:
         if given and (self.parallel == "none" or self.device != "cuda"):
             raise SettingsError(
                 f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel ddp, zero1, "
-                "fsdp or fsdp-grad-op on the cuda target"
+                "zero2, fsdp or fsdp-grad-op on the cuda target"
             )
         if self.nccl_memory is not None and self.nccl_memory < 0:
             raise SettingsError(f"NCCL memory must be 0 or more bytes, got {self.nccl_memory}")

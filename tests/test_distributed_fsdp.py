@@ -125,8 +125,9 @@ def test_compare_offers_both_fsdp2_modes_beside_a_ddp_rank():
     from memplan.explore.compare import techniques
 
     offered = {t.name: t.changes for t in techniques(TrainingSettings(parallel="ddp", world_size=4))}
-    assert offered["FSDP2 (reshard after forward)"] == {"parallel": "fsdp", "ddp_bucket_view": False}
-    assert offered["FSDP2, no reshard after forward"] == {"parallel": "fsdp-grad-op", "ddp_bucket_view": False}
+    unset = {"ddp_bucket_view": False, "deepspeed_config": None}
+    assert offered["FSDP2 (reshard after forward)"] == {"parallel": "fsdp", **unset}
+    assert offered["FSDP2, no reshard after forward"] == {"parallel": "fsdp-grad-op", **unset}
     on_fsdp = {t.name for t in techniques(TrainingSettings(parallel="fsdp", world_size=4))}
     assert "FSDP2, no reshard after forward" in on_fsdp and "FSDP2 (reshard after forward)" not in on_fsdp
     assert not any("FSDP2" in t.name for t in techniques(TrainingSettings()))
@@ -148,7 +149,7 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
             {"parallel": "fsdp-grad-op", "world_size": 2, "ddp_bucket_view": True},
             "--ddp-bucket-view is an option of DDP",
         ),
-        ({"world_size": 2}, "give --parallel ddp, zero1 or fsdp"),
+        ({"world_size": 2}, "give --parallel ddp, zero1, zero2 or fsdp"),
         ({"parallel": "ddp", "world_size": 2, "fsdp_mixed_precision": "bf16"}, "is FSDP2's policy"),
         (
             {"parallel": "fsdp", "world_size": 2, "fsdp_mixed_precision": "bf16", "precision": "bf16"},

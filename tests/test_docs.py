@@ -70,13 +70,14 @@ def test_every_documented_command_parses(doc, line):
 
 @pytest.mark.parametrize(("doc", "line"), COMMAND_LINES, ids=[f"{doc}:{line[:60]}" for doc, line in COMMAND_LINES])
 def test_files_and_modules_the_documented_commands_read_are_shipped(doc, line):
-    """A command a reader copies must find its inputs: --hf-args files and examples.* modules exist."""
+    """A command a reader copies must find its inputs: --hf-args and --deepspeed files and examples.*
+    modules exist."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     words = shlex.split(line.split(" #")[0])
     for flag, value in zip(words, words[1:], strict=False):
-        if flag == "--hf-args":
+        if flag in ("--hf-args", "--deepspeed"):
             assert (root / value).is_file(), f"{doc}: {line}"
     for word in words:
         if word.startswith("examples.") and ":" in word:

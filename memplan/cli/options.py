@@ -35,6 +35,25 @@ class SizeType(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
+def _deepspeed_config_text(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    """--deepspeed's file, read: its JSON text (TrainingSettings.deepspeed_config); the path is kept
+    among the command's input files, which no output may overwrite."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise click.BadParameter(f"cannot read {path} as JSON ({error})", ctx, param) from error
+    if not isinstance(config, dict):
+        kind = type(config).__name__
+        raise click.BadParameter(f"{path} holds a JSON {kind}, not a DeepSpeed configuration object", ctx, param)
+    ctx.meta["memplan.deepspeed_path"] = path
+    return json.dumps(config, sort_keys=True)
+
+
 def _quiet() -> bool:
     context = click.get_current_context(silent=True)
     return bool(context is not None and context.find_root().meta.get("memplan.quiet"))
@@ -192,6 +211,16 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             is_flag=True,
             help="With --parallel ddp or zero1: DistributedDataParallel(gradient_as_bucket_view=True), the gradients "
             "views into DDP's buckets instead of a second copy.",
+        ),
+        click.option(
+            "--deepspeed",
+            "deepspeed_config",
+            type=click.Path(exists=True, dir_okay=False),
+            callback=_deepspeed_config_text,
+            metavar="DS_CONFIG.json",
+            help="With --parallel zero2: the job's DeepSpeed configuration, whose zero_optimization section "
+            "(reduce_bucket_size, overlap_comm, contiguous_gradients) DeepSpeed applies as it runs; the batch, "
+            "precision and optimizer come from memplan's options.",
         ),
         click.option(
             "--fsdp-mixed-precision",

@@ -126,6 +126,7 @@ def _check_output_paths(**paths: str | None) -> None:
     context = click.get_current_context()
     force = bool(context.find_root().meta.get("memplan.force"))
     inputs = [context.params.get(name) for name in ("hf_args", "checkpoint")]
+    inputs.append(context.meta.get("memplan.deepspeed_path"))
     for option, path in paths.items():
         if path is not None:
             check_output(option, path, inputs=[given for given in inputs if isinstance(given, str)], force=force)

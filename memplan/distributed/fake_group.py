@@ -11,11 +11,49 @@ and refused otherwise (memplan never touches a job's real group).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memplan.errors import SettingsError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# A fake default group memplan made and left in place, because what runs on it needs it for as long
+# as it lives (a DeepSpeed rank: memplan.distributed.deepspeed); destroyed before memplan makes another.
+_lingering: list[object] = []
+
+
+def take_lingering_group() -> None:
+    """The default group just made is memplan's, to stay until memplan needs another."""
+    import torch.distributed as dist
+
+    _lingering[:] = [dist.group.WORLD]
+
+
+def leaves_no_process_group(function: Callable[P, R]) -> Callable[P, R]:
+    """A library entry point after which the process has no group memplan made (a DeepSpeed rank's
+    lingers while the rank is traced), as it had none before."""
+
+    @functools.wraps(function)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return function(*args, **kwargs)
+        finally:
+            release_lingering_group()
+
+    return run
+
+
+def release_lingering_group() -> None:
+    """Destroy the default group memplan left in place, if it is still the default group."""
+    import torch.distributed as dist
+
+    if _lingering and dist.is_initialized() and dist.group.WORLD is _lingering[0]:
+        dist.destroy_process_group()
+    _lingering.clear()
 
 
 @contextlib.contextmanager
@@ -26,6 +64,7 @@ def fake_default_group(world_size: int, option: str) -> Iterator[None]:
 
     made = False
     with unset_fake_temporarily():  # what the group makes (a DeviceMesh's rank tensor) must be real
+        release_lingering_group()
         if dist.is_initialized():
             if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
                 raise SettingsError(

@@ -219,6 +219,13 @@ class EagerLifetimes(TorchDispatchMode):
         if not self._hooked:  # the backward's first Node, inside its formula: the rest get hooks
             self._hooked = self._formula_starting = True
             self._hook_graph([autograd_node], running=autograd_node)
+        if type(autograd_node).__name__ == "AccumulateGrad":
+            # AccumulateGrad moves its incoming gradient into .grad (`new_grad = std::move(grads[0])`,
+            # torch/csrc/autograd/functions/accumulate_grad.h), so the engine holds nothing through what
+            # it and its hooks run: DeepSpeed's post-accumulate hook copies the gradient into its bucket
+            # and points .grad elsewhere (`.data`), which frees it there.
+            self._current = autograd_node
+            return out
         if autograd_node is not self._current:
             self.backward_node_ops.append([])
             self._current = autograd_node

@@ -32,6 +32,7 @@ backward at its first optimizer.step().
 from __future__ import annotations
 
 import contextlib
+import json
 import types
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -49,7 +50,7 @@ from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
-from memplan.settings import DDP_MODES, FSDP_MODES, TrainingSettings
+from memplan.settings import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES, TrainingSettings
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,
@@ -129,10 +130,22 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
             mixed_precision=FSDP_PARAM_DTYPES.get(settings.fsdp_mixed_precision or ""),
         )
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
+    optimizer = build_optimizer(trainable, settings)
+    if settings.parallel in DEEPSPEED_MODES:  # DeepSpeed's engine wraps the model and the optimizer
+        from memplan.distributed.deepspeed import STAGES, DeepSpeedRank, deepspeed_config
+
+        assert optimizer is not None  # settings refuse --optimizer none
+        user_config = json.loads(settings.deepspeed_config) if settings.deepspeed_config else None
+        hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)  # transformers' "auto"
+        config = deepspeed_config(
+            STAGES[settings.parallel], settings.batch_size, settings.precision, user_config, hidden_size
+        )
+        data_parallel = DeepSpeedRank(model, optimizer, settings.world_size, config)
+        model = data_parallel.wrapper
     state = TrainingState(
         model=model,
         batch=batch,
-        optimizer=build_optimizer(trainable, settings),
+        optimizer=optimizer,
         loss_of=spec.loss_of,
         settings=settings,
         trainable=trainable,
@@ -171,7 +184,8 @@ def gradients_outlive_the_step(settings: TrainingSettings) -> bool:
 
 def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
     settings = state.settings
-    with autocast_context(settings, state.autocast_device):
+    engine = _engine(state)
+    with autocast_context(settings, state.autocast_device), engine.forward_context() if engine else nullcontext():
         output = call_model(state.model, state.batch)
         loss = state.loss_of(output, state.batch)
     if settings.loop != "keep-output":
@@ -184,7 +198,10 @@ def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
         loss = loss / settings.grad_accum
     if state.loss_scale is not None:
         loss = loss * state.loss_scale
-    loss.backward()
+    if _engine(state) is not None:
+        _engine(state).backward(loss)
+    else:
+        loss.backward()
     marker("backward")
 
 
@@ -192,8 +209,15 @@ def model_tensors(state: TrainingState) -> list[torch.Tensor]:
     return [*state.model.parameters(), *state.model.buffers()]
 
 
+def _engine(state: TrainingState) -> Any:
+    """A data-parallel wrapper that runs the backward and the step itself (DeepSpeed's engine), or None."""
+    return state.data_parallel if hasattr(state.data_parallel, "step") else None
+
+
 def optimizer_tensors(state: TrainingState) -> list[torch.Tensor]:
     """The optimizer's state, and GradScaler's scale and found-inf flag (amp-fp16)."""
+    if _engine(state) is not None:
+        return _engine(state).optimizer_tensors()
     scaler = [tensor for tensor in (state.loss_scale, state.found_inf) if tensor is not None]
     return optimizer_state_tensors(state.optimizer) + scaler
 
@@ -223,6 +247,9 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
             by_dtype.setdefault(grad.dtype, []).append(grad)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, state.found_inf, inv_scale)
+    if _engine(state) is not None:
+        _engine(state).step()  # the optimizer over the rank's partition, and zero_grad, inside the engine
+        return grads
     loop = state.settings.loop
     if loop == "hf-trainer" and grads:
         torch.nn.utils.clip_grad_norm_(state.trainable, HF_TRAINER_MAX_GRAD_NORM)

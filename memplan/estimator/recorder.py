@@ -64,6 +64,10 @@ class GraphRecorder(TorchDispatchMode):
         self._node_of = WeakTensorKeyDictionary()  # tensor -> the node whose output it is now
         self._constants = 0
         self.recording: OptimizerRecording | None = None  # when set, every op is appended to it
+        # Set where a library swaps tensors' storages outside dispatch (`tensor.data = other`, as
+        # DeepSpeed does): a tensor is then read from the op that made its storage now, not the op
+        # that made it first. None: not checked (it costs a lookup per input).
+        self.producers: dict[int, OpNode] | None = None  # storage's C++ address -> the op that made it
         for index, tensor in enumerate(inputs):
             node = self.graph.add(OpNode("placeholder", f"input_{index}"))
             node.meta["val"] = alias(tensor)
@@ -74,6 +78,10 @@ class GraphRecorder(TorchDispatchMode):
 
     def node_of(self, tensor: torch.Tensor) -> OpNode:
         node = self._node_of.get(tensor)
+        if node is not None and self.producers is not None:
+            storage = tensor.untyped_storage()._cdata
+            if node.meta["val"].untyped_storage()._cdata != storage:  # its .data was set to another tensor's
+                node = self.producers.get(storage)
         if node is None:
             node = self.graph.add(OpNode("get_attr", f"_constant_{self._constants}"))
             self._constants += 1
@@ -116,6 +124,8 @@ class GraphRecorder(TorchDispatchMode):
         if isinstance(out, torch.Tensor):
             node.meta["val"] = alias(out) if val is None else val
             self._node_of[out] = node  # in-place ops: later readers read the mutated value here
+            if self.producers is not None:
+                self.producers[out.untyped_storage()._cdata] = node
         elif isinstance(out, tuple | list):
             node.meta["val"] = type(out)(_snapshot(item) for item in out) if val is None else val
             for index, item in enumerate(out):
@@ -123,6 +133,8 @@ class GraphRecorder(TorchDispatchMode):
                     element = self.graph.add(OpNode("call_function", operator.getitem, (node, index), None, [node]))
                     element.meta["val"] = node.meta["val"][index]
                     self._node_of[item] = element
+                    if self.producers is not None:
+                        self.producers[item.untyped_storage()._cdata] = element
         else:
             node.meta["val"] = out
         return node.meta["val"]

@@ -293,6 +293,10 @@ def _categorize(
             key = storage_key(tensor)
             categories[key] = category
             sizes[key] = local_tensor(tensor).untyped_storage().nbytes()
+    # What a data-parallel wrapper made and let go inside the step (DeepSpeed's buckets and gradients).
+    for key, nbytes, category in getattr(state.data_parallel, "noted_storages", list)():
+        categories.setdefault(key, category)
+        sizes.setdefault(key, nbytes)
     return categories, sizes
 
 
@@ -438,6 +442,10 @@ def trace_step(
     inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
     recorder = GraphRecorder(inputs)
+    if getattr(state.data_parallel, "swaps_storages", False):
+        recorder.producers = {}
+    if hasattr(state.data_parallel, "before_traced_iteration"):
+        state.data_parallel.before_traced_iteration()
     if settings.step is not None:
         return _trace_custom_step(spec, settings, state, fake_mode, recorder, previous_grads, started)
 
@@ -457,6 +465,11 @@ def trace_step(
             eager_lifetimes.finish()
             grads = current_grads(state)
             step_start = recorder.node_count()
+            # No module runs in the step. A module whose forward a checkpoint's recomputation stopped
+            # early (torch.utils.checkpoint stops once it has what the backward needs) never ran its
+            # forward hook, and would otherwise be named as where the step's peak falls.
+            tracker.stack.clear()
+            tracker.transitions.append((step_start, None))
             if optimizer_replay is not None and optimizer_replay.matches(grads):
                 recorder.replay(optimizer_replay, grads)
                 drop_grads(state)

@@ -70,11 +70,19 @@ def techniques(base: TrainingSettings) -> list[Technique]:
             "communication: all-gathers in forward and backward, reduce-scatters",
         ),
         ("fsdp-grad-op", "FSDP2, no reshard after forward", "communication: all-gathers in forward, reduce-scatters"),
+        (
+            "zero2",
+            "DeepSpeed ZeRO-2 (optimizer state and gradients partitioned)",
+            "communication: gradient buckets reduced, parameters all-gathered after each step",
+        ),
     )
     if base.parallel != "none":  # the same ranks, sharded
         for parallel, name, cost in sharding:
             if base.parallel != parallel:
-                found.append(Technique(name, {"parallel": parallel, "ddp_bucket_view": False}, cost))
+                # A --deepspeed configuration belongs to the zero2 row it was given with, if any.
+                keep = base.deepspeed_config if parallel == "zero2" else None
+                overrides = {"parallel": parallel, "ddp_bucket_view": False, "deepspeed_config": keep}
+                found.append(Technique(name, overrides, cost))
     if base.checkpoint == "none":
         found.append(Technique("checkpoint all blocks", {"checkpoint": "all"}, "recompute"))
         if base.precision != "amp-bf16":

@@ -11,7 +11,7 @@ from memplan.advice import when_nothing_fits
 from memplan.estimator.result import EstimateResult
 from memplan.gpus import DEFAULT_GPU
 from memplan.render.units import format_flops, format_seconds
-from memplan.settings import FSDP_MODES, MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import DEEPSPEED_MODES, FSDP_MODES, MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
 
 _CATEGORY_LABELS = {
     "parameters": "parameters (+ buffers)",
@@ -26,6 +26,8 @@ _CATEGORY_LABELS = {
 }
 # Under FSDP2 the communication line is its collectives' flat buffers.
 _FSDP_COMMUNICATION_LABEL = "all-gather / reduce-scatter buffers"
+# Under DeepSpeed's ZeRO-2, the buckets its gradients are copied into to be reduced.
+_DEEPSPEED_COMMUNICATION_LABEL = "DeepSpeed reduce buckets"
 
 
 def to_json(result: EstimateResult) -> str:
@@ -60,6 +62,7 @@ def _describe_parallel(s: TrainingSettings) -> str:
         "zero1": "ZeRO-1 (DDP, optimizer state sharded)",
         "fsdp": "FSDP2",
         "fsdp-grad-op": "FSDP2 (no reshard after forward)",
+        "zero2": "DeepSpeed ZeRO-2",
     }[s.parallel]
     mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
     return (
@@ -106,6 +109,8 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         label = _CATEGORY_LABELS[key]
         if key == "communication" and result.settings.parallel in FSDP_MODES:
             label = _FSDP_COMMUNICATION_LABEL
+        if key == "communication" and result.settings.parallel in DEEPSPEED_MODES:
+            label = _DEEPSPEED_COMMUNICATION_LABEL
         table.add_row(label, format_bytes(value), f"{share:.1%}")
     table.add_row("[bold]peak[/bold] (live tensors)", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
     if result.allocated_peak_bytes is not None:

@@ -1,0 +1,312 @@
+"""DeepSpeed's ZeRO stage 2, one rank (`--parallel zero2 --world-size N`): DeepSpeed itself, traced.
+
+memplan runs DeepSpeed's own engine (`deepspeed.initialize` with memplan's optimizer as the client
+optimizer, the engine's forward, `engine.backward(loss)`, `engine.step()`) on rank 0 of torch's fake
+process group over fake tensors, as it runs torch's DDP and FSDP2, so what the rank holds is what
+DeepSpeed allocates (runtime/zero/stage_1_and_2.py): every rank keeps the whole model (16-bit with
+`--precision bf16`, float32 otherwise), flattened into one buffer per parameter group; the optimizer's
+float32 master copy of the rank's 1/N partition and its state; in the backward, each gradient copied
+as it becomes ready into a reduce bucket of `reduce_bucket_size` elements (500,000,000 by default:
+2 GB in float32, 1 GB in bf16, whatever the model's size), reduced, and the rank's share kept in a
+partition-sized buffer for the step. The rest of DeepSpeed's configuration (`--deepspeed
+ds_config.json`: its `zero_optimization` section, bucket sizes, `overlap_comm`,
+`contiguous_gradients`) is DeepSpeed's to apply, as in a real run.
+
+What the fake tensors need from DeepSpeed (each a check of values, not an allocation): its overflow
+test reads a tensor as a bool (taken as no overflow, as a healthy step has none), and its cross-rank
+consistency assertions compare values that fake tensors do not have (skipped). DeepSpeed keeps the
+default process group it first sees in module globals, so each rank's engine is built on a fresh fake
+group and those globals are cleared first; the group lives as long as the rank, since every forward,
+backward and step uses it (memplan.distributed.fake_group releases it before it makes another).
+DeepSpeed points tensors at other storages with `tensor.data = ...` (each gradient at its place in
+the bucket), which no dispatch mode sees: the recorder then reads such a tensor from the op that made
+its storage (memplan.estimator.recorder, `producers`).
+
+Not traced yet: ZeRO stage 3 (its parameters gathered and released through `.data` as well, and the
+gathered storages a step starts with freed during it, which the trace counts to the step's end:
+10-25% high against real runs), gradient accumulation inside the engine, offload to the host, fp16
+with loss scaling, and torch's autocast around DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import io
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+from unittest.mock import patch
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memplan.errors import SettingsError
+
+STAGES = {"zero2": 2, "zero3": 3}
+
+
+# Keys of a DeepSpeed configuration that memplan's own settings decide (batch, accumulation,
+# precision, optimizer): the user's values for them are replaced.
+MEMPLAN_SETS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "bf16",
+    "fp16",
+    "torch_autocast",
+)
+# transformers' HfDeepSpeedConfig fills "auto" bucket sizes from the model's hidden size
+# (integrations/deepspeed.py, trainer_config_finalize): reduce_bucket_size = hidden_size².
+AUTO_FROM_HIDDEN_SIZE = {"reduce_bucket_size": lambda hidden: hidden * hidden}
+
+
+def deepspeed_config(
+    stage: int, batch_size: int, precision: str, user_config: dict[str, Any] | None, hidden_size: int | None = None
+) -> dict:
+    """The configuration the rank's engine is built with: the user's (`--deepspeed`), with the ZeRO
+    stage, batch, accumulation, precision and optimizer set from memplan's settings, and the
+    "auto" values transformers would fill."""
+    config = {key: value for key, value in (user_config or {}).items() if key not in MEMPLAN_SETS}
+    zero = dict(config.get("zero_optimization") or {})
+    for key, value in list(zero.items()):
+        if value != "auto":
+            continue
+        if key in AUTO_FROM_HIDDEN_SIZE and hidden_size is not None:
+            zero[key] = AUTO_FROM_HIDDEN_SIZE[key](hidden_size)
+        elif key.startswith("stage3_"):
+            del zero[key]  # stage 3's settings: ZeRO-2 does not read them
+        else:
+            raise SettingsError(
+                f'--deepspeed: zero_optimization.{key} is "auto", which transformers fills from the model\'s '
+                "config and memplan cannot here: give a number"
+            )
+    zero["stage"] = stage
+    config["zero_optimization"] = zero
+    config["train_micro_batch_size_per_gpu"] = batch_size
+    config["gradient_accumulation_steps"] = 1
+    config["bf16"] = {"enabled": precision == "bf16"}
+    return config
+
+
+def _import_deepspeed() -> Any:
+    """deepspeed, imported with its log handler moved to stderr: DeepSpeed logs to stdout (a
+    StreamHandler made at import, deepspeed/utils/logging.py), where it would break `--json`. What it
+    says while it is imported (which accelerator it detected) is dropped; its messages while memplan
+    drives it are quietened to errors (_fake_tensors_tolerated)."""
+    first_import = "deepspeed" not in sys.modules
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            import deepspeed
+    except ImportError as error:
+        raise SettingsError(
+            f"--parallel zero2 traces DeepSpeed's own ZeRO, which is not installed ({error}): "
+            "pip install deepspeed (or memplan[deepspeed])"
+        ) from error
+    if first_import:
+        from deepspeed.utils.logging import logger
+
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                handler.setStream(sys.stderr)
+    return deepspeed
+
+
+def _fresh_fake_group(world_size: int) -> None:
+    """A fake default group of `world_size` ranks for DeepSpeed, its own cached groups forgotten."""
+    import deepspeed.comm.comm as deepspeed_comm
+    import deepspeed.utils.groups as groups
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memplan.distributed.fake_group import release_lingering_group, take_lingering_group
+
+    with unset_fake_temporarily():
+        release_lingering_group()
+        if dist.is_initialized():
+            raise SettingsError(
+                f"--parallel zero2/zero3 runs on a fake process group of {world_size} ranks, and this process has "
+                "initialized torch.distributed already: estimate in a process of its own (the memplan command)"
+            )
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        take_lingering_group()
+    deepspeed_comm.cdb = None
+    groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    groups.mesh_device = None
+
+
+@functools.cache
+def _cpu_accelerator() -> Any:
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    return CPU_Accelerator()
+
+
+@contextlib.contextmanager
+def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Iterator[None]:
+    """What DeepSpeed reads of values, answered without them (module docstring), and the launcher's
+    variables it reads (rank 0 of `world_size`) set meanwhile. `truth_values=False` leaves a fake
+    tensor's truth value unanswered (the model's forward: its own code must not be steered by it)."""
+    # (`import deepspeed.comm.torch as ...` would bind torch itself: deepspeed.comm has an attribute `torch`)
+    deepspeed_torch_backend = importlib.import_module("deepspeed.comm.torch")
+    import deepspeed.runtime.zero.partition_parameters as partition_parameters
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+    import deepspeed.runtime.zero.stage3 as stage3
+    import deepspeed.runtime.zero.utils as zero_utils
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def skip(*_: Any, **__: Any) -> None:
+        return None
+
+    saved = [
+        (deepspeed_torch_backend, "build_shm_op", deepspeed_torch_backend.build_shm_op),
+        (zero_utils, "assert_ints_same_as_other_ranks", zero_utils.assert_ints_same_as_other_ranks),
+        (zero_utils, "assert_lst_len_same_as_other_ranks", zero_utils.assert_lst_len_same_as_other_ranks),
+        (coordinator, "assert_ints_same_as_other_ranks", coordinator.assert_ints_same_as_other_ranks),
+        (stage3, "assert_ints_same_as_other_ranks", stage3.assert_ints_same_as_other_ranks),
+        (partition_parameters, "assert_ints_same_as_other_ranks", partition_parameters.assert_ints_same_as_other_ranks),
+    ]
+    deepspeed_torch_backend.build_shm_op = skip  # a shared-memory kernel for real CPU collectives
+    for owner, name, _ in saved[1:]:
+        setattr(owner, name, skip)
+    if truth_values:
+        saved.append((FakeTensor, "__bool__", FakeTensor.__dict__.get("__bool__")))
+        FakeTensor.__bool__ = lambda self: False  # type: ignore[method-assign]
+    from deepspeed.accelerator import real_accelerator
+
+    # DeepSpeed runs its CPU accelerator over fake CPU tensors (the allocations are the same ops),
+    # whatever accelerator the process has chosen, which it gets back afterwards.
+    saved.append((real_accelerator, "ds_accelerator", real_accelerator.ds_accelerator))
+    real_accelerator.ds_accelerator = _cpu_accelerator()
+    from deepspeed.utils.logging import logger
+
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its notices (accelerator, config, a skipped step) are not the user's
+    launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}
+    try:
+        with patch.dict(os.environ, launcher), warnings.catch_warnings():
+            # DeepSpeed reads data_ptr() for alignment asserts (fake tensors warn that it is deprecated for
+            # them) and calls torch.distributed's deprecated all_gather_into_tensor: neither is the user's.
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor", category=UserWarning)
+            warnings.filterwarnings("ignore", message=".*all_gather_into_tensor", category=FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+        for owner, name, original in saved:
+            if original is None and owner is FakeTensor:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+class DeepSpeedRank:
+    """Rank 0 of a DeepSpeed ZeRO job over fake tensors: its engine is the model the loop calls."""
+
+    # DeepSpeed points tensors at other storages with `tensor.data = ...` (ZeRO-2's gradients at
+    # their bucket, ZeRO-3's parameters at their gathered or empty buffers), which no dispatch mode
+    # sees: the recorder reads such a tensor from the op that made its storage now.
+    swaps_storages = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        world_size: int,
+        config: dict[str, Any],
+    ) -> None:
+        deepspeed = _import_deepspeed()
+        from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
+
+        if not any(param.requires_grad for param in model.parameters()):
+            raise SettingsError("--parallel zero2: the model has no trainable parameter; leave out --parallel")
+        LIBRARIES_HOLDING_TENSORS.add(os.path.dirname(os.path.dirname(deepspeed.runtime.engine.__file__)))
+        self.world_size = world_size
+        _fresh_fake_group(world_size)
+        with _fake_tensors_tolerated(self.world_size):
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.module: nn.Module = self.engine.module
+        self.wrapper = self.engine
+        self._noted: dict[StorageWeakRef, tuple[int, str]] = {}
+        self._note_released_buckets()
+        self._no_overflow()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with _fake_tensors_tolerated(self.world_size):
+            self.engine.backward(loss)
+        # The rank's reduced gradient partition, which the step reads and then drops.
+        for value in getattr(self.engine.optimizer, "averaged_gradients", {}).values():
+            for tensor in value if isinstance(value, list | tuple) else [value]:
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    self._noted[StorageWeakRef(storage)] = (storage.nbytes(), "gradients")
+
+    def step(self) -> None:
+        """DeepSpeed's step: the optimizer over the rank's partition, the parameters gathered back
+        (ZeRO-2) and the gradients zeroed, all inside the engine."""
+        with _fake_tensors_tolerated(self.world_size):
+            self.engine.step()
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        return _fake_tensors_tolerated(self.world_size, truth_values=False)
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """The rank's float32 partitions (the inner optimizer's parameters) and their state."""
+        inner = self.engine.optimizer.optimizer
+        tensors = [param for group in inner.param_groups for param in group["params"]]
+        for state in inner.state.values():
+            tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
+        return tensors
+
+    def buckets(self) -> list[torch.Tensor]:
+        """None kept between steps: ZeRO-2 makes its reduce buckets in each backward (noted_storages)."""
+        return []
+
+    def noted_storages(self) -> list[tuple[StorageWeakRef, int, str]]:
+        """What DeepSpeed made and let go inside the traced step, by category: the reduce buckets,
+        made at each backward's start and released at its end (`_release_ipg_buffers`), and the
+        gradient partition the step reads."""
+        return [(key, nbytes, category) for key, (nbytes, category) in self._noted.items()]
+
+    def _no_overflow(self) -> None:
+        """The overflow check runs (its temporaries count) and finds none, as in a healthy step: it
+        reads its verdict with `.item()` on a byte tensor, which fake tensors have no value for (with
+        bf16 and fp16 it would otherwise skip every step, and the optimizer state would never exist)."""
+        zero = self.engine.optimizer
+        check = getattr(zero, "has_overflow", None)
+        if check is None:
+            return
+
+        def has_overflow(*args: Any, **kwargs: Any) -> bool:
+            check(*args, **kwargs)
+            return False
+
+        zero.has_overflow = has_overflow
+
+    def _note_released_buckets(self) -> None:
+        zero = self.engine.optimizer
+        release = getattr(zero, "_release_ipg_buffers", None)
+        if release is None or not hasattr(zero, "ipg_buckets"):
+            return
+
+        def noted_release() -> None:
+            for bucket in zero.ipg_buckets.values():
+                for buffer in bucket.buffer if isinstance(bucket.buffer, list) else []:
+                    storage = buffer.untyped_storage()
+                    self._noted[StorageWeakRef(storage)] = (storage.nbytes(), "communication")
+            release()
+
+        zero._release_ipg_buffers = noted_release
+
+    def after_warm_up(self) -> None:
+        return None
+
+    def before_traced_iteration(self) -> None:
+        self._noted.clear()  # what the warm-up or an earlier trace noted is gone: only this step's count

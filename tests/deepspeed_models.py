@@ -1,0 +1,108 @@
+"""One rank of DeepSpeed's ZeRO stage 2 or 3 the way users run it, for
+tests/test_distributed_deepspeed.py: `deepspeed.initialize` over torch's fake process group as the
+default group (its collectives move nothing; the memory is DeepSpeed's own), the engine's forward,
+`engine.backward(loss)` and `engine.step()`, measured by torch's CPU allocator's own allocation and
+free events. Nothing of memplan's is used."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+from unittest.mock import patch
+
+import torch
+import torch.distributed as dist
+
+from tests.hand_measure import profiled_third_iteration_peak
+
+
+def bf16_rows(batch_size: int) -> torch.Tensor:
+    """tests.fsdp_models' rows in bf16, the dtype of a model DeepSpeed trains in its own bf16."""
+    from tests.fsdp_models import rows
+
+    return rows(batch_size).to(torch.bfloat16)
+
+
+def deepspeed_config(stage: int, batch_size: int, precision: str, zero: dict[str, Any] | None = None) -> dict:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, **(zero or {})},
+    }
+    if precision == "bf16":
+        # The fake group's collectives write nothing, so a bucket's unwritten tail (torch.empty) can
+        # read as inf in the gradient norm and skip the step as an overflow; a healthy step has none.
+        # The norm is computed either way: the check's flag changes no allocation.
+        config["bf16"] = {"enabled": True, "check_grad_overflow": False}
+    return config
+
+
+def _forget_deepspeeds_groups() -> None:
+    """DeepSpeed keeps the default group it first saw in module globals; each run here makes a new one."""
+    import deepspeed.comm.comm as deepspeed_comm
+    import deepspeed.utils.groups as groups
+
+    deepspeed_comm.cdb = None
+    groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    groups.mesh_device = None
+
+
+def measured_peak(
+    model_factory: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], torch.Tensor],
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    world_size: int,
+    config: dict,
+) -> int:
+    """Rank 0's peak bytes in the third iteration of the real DeepSpeed step (two warm up), AdamW
+    (torch's, handed to deepspeed.initialize as the client optimizer), with the variables deepspeed's
+    launcher sets."""
+    with patch.dict(os.environ, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}):
+        import deepspeed
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        # (`import deepspeed.comm.torch as ...` would bind torch itself: deepspeed.comm has an attribute `torch`)
+        deepspeed_torch_backend = importlib.import_module("deepspeed.comm.torch")
+
+        deepspeed_torch_backend.build_shm_op = lambda: None  # a CPU shared-memory kernel, compiled on first use
+        _forget_deepspeeds_groups()
+        if dist.is_initialized():  # a group an earlier test left behind
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+
+            def build() -> Callable[[], None]:
+                torch.manual_seed(0)
+                model = model_factory()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+                rows = make_batch(config["train_micro_batch_size_per_gpu"])  # as the inputs function makes it
+
+                def iteration() -> None:
+                    loss = loss_of(engine(rows), rows)
+                    engine.backward(loss)
+                    engine.step()
+
+                return iteration
+
+            return profiled_third_iteration_peak(build)
+        finally:
+            dist.destroy_process_group()
+
+
+class Branching(torch.nn.Module):
+    """A forward that branches on a value, which fake tensors do not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 30, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x)
+        return out * 2 if out.sum() > 0 else out
+
+
+def branching() -> torch.nn.Module:
+    return Branching()

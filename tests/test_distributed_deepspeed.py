@@ -1,0 +1,313 @@
+"""`--parallel zero2` (memplan.distributed.deepspeed): one rank of DeepSpeed's ZeRO stage 2, traced.
+
+Truth: DeepSpeed's own engine run for real on the CPU, on rank 0 of torch's fake process group, and
+measured by torch's CPU allocator's own allocation and free events (tests/deepspeed_models.py, built
+without memplan); DeepSpeed's documented default bucket size (500,000,000 elements) and transformers'
+"auto" rule (hidden_size²) for the bucket lines."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from click.testing import CliRunner
+
+import memplan
+from memplan.cli import main
+from memplan.distributed.deepspeed import deepspeed_config
+from memplan.errors import SettingsError
+from tests import deepspeed_models, fsdp_models
+from tests.two_layer_mlp import mean_square, rows, two_layer
+
+MODELS = {  # model, --inputs, and the same two for the hand-built run; batch size
+    "two-layer": ("tests.two_layer_mlp:two_layer", "tests.two_layer_mlp:rows", two_layer, rows, 4),
+    "stack": ("tests.fsdp_models:stack", "tests.fsdp_models:rows", fsdp_models.stack, fsdp_models.rows, 16),
+    "stack-bf16": (
+        "tests.fsdp_models:stack",
+        "tests.deepspeed_models:bf16_rows",
+        fsdp_models.stack,
+        deepspeed_models.bf16_rows,
+        16,
+    ),
+}
+SMALL_BUCKET = {"reduce_bucket_size": 20_000}  # elements: a bucket that fills and is reduced several times
+DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # elements (deepspeed/runtime/zero/config.py, reduce_bucket_size)
+
+
+def _estimate(name: str, world_size: int, precision: str = "fp32", zero: dict | None = None, **options):
+    reference, inputs, *_, batch_size = MODELS[name]
+    config = {"zero_optimization": zero} if zero is not None else None
+    return memplan.estimate(
+        reference,
+        inputs=inputs,
+        loss="tests.two_layer_mlp:mean_square",
+        batch_size=batch_size,
+        device="cpu",
+        optimizer="adamw",
+        precision=precision,
+        parallel="zero2",
+        world_size=world_size,
+        deepspeed_config=config,
+        **options,
+    )
+
+
+def _measured(name: str, world_size: int, precision: str = "fp32", zero: dict | None = None) -> int:
+    _, _, factory, make_batch, batch_size = MODELS[name]
+    config = deepspeed_models.deepspeed_config(2, batch_size, precision, zero)
+    return deepspeed_models.measured_peak(factory, make_batch, mean_square, world_size, config)
+
+
+@pytest.mark.parametrize(
+    ("name", "world_size", "precision"),
+    [
+        ("two-layer", 2, "fp32"),
+        ("two-layer", 8, "fp32"),
+        ("stack", 2, "fp32"),
+        ("stack", 4, "fp32"),
+        ("stack-bf16", 4, "bf16"),
+    ],
+)
+def test_a_zero2_rank_is_the_real_deepspeed_run(name, world_size, precision):
+    measured = _measured(name, world_size, precision, SMALL_BUCKET)
+    predicted = _estimate(name, world_size, precision, SMALL_BUCKET)
+    assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
+
+
+def test_deepspeeds_default_bucket_is_two_gigabytes_whatever_the_model():
+    """reduce_bucket_size's default, 5e8 elements, in the gradients' float32: the rank's peak is the
+    bucket and a tiny model around it, as the real run shows."""
+    predicted = _estimate("two-layer", 4)
+    assert predicted.breakdown.communication == DEEPSPEED_DEFAULT_BUCKET * 4
+    measured = _measured("two-layer", 4)
+    assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
+
+
+def test_the_optimizer_state_is_one_nth_of_the_flattened_model():
+    """DeepSpeed flattens the parameters, padded to a multiple of 2 × N elements
+    (`nccl_start_alignment_factor` 2 × the data-parallel size, stage_1_and_2.py), and partitions them
+    evenly: rank 0 keeps the whole flat model as parameters, and a float32 master copy and AdamW's two
+    moments of 1/N of it (plus a 4-byte step) as optimizer state."""
+    parameters = sum(p.numel() for p in fsdp_models.stack().parameters())
+    for world_size in (2, 4):
+        result = _estimate("stack", world_size, zero=SMALL_BUCKET)
+        padded = -(-parameters // (2 * world_size)) * 2 * world_size
+        assert result.breakdown.parameters == padded * 4
+        assert result.breakdown.optimizer_state == 3 * (padded // world_size) * 4 + 4
+
+
+def test_auto_bucket_sizes_are_filled_as_transformers_fills_them(tiny_model_dirs):
+    """A Trainer's ds_config.json says "auto": transformers sets reduce_bucket_size to hidden_size²
+    (the same estimate as that number given), and drops stage 3's settings for stage 2."""
+    directory = Path(tiny_model_dirs["gpt2"])
+    hidden = json.loads((directory / "config.json").read_text())["n_embd"]
+    common = {"batch_size": 2, "seq_len": 32, "device": "cpu", "parallel": "zero2", "world_size": 2}
+    auto = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+    }
+    filled = {"zero_optimization": {"stage": 2, "reduce_bucket_size": hidden * hidden}}
+    other = {"zero_optimization": {"stage": 2, "reduce_bucket_size": hidden * hidden * 64}}
+    from_auto = memplan.estimate(str(directory), **common, deepspeed_config=auto)
+    from_number = memplan.estimate(str(directory), **common, deepspeed_config=filled)
+    assert from_auto.peak_bytes == from_number.peak_bytes
+    assert from_auto.breakdown == from_number.breakdown
+    # and the bucket size matters to this model's peak, so the equality says something
+    assert memplan.estimate(str(directory), **common, deepspeed_config=other).peak_bytes != from_auto.peak_bytes
+
+
+def test_the_cli_reads_the_config_and_names_the_rank(tmp_path):
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, **SMALL_BUCKET}}))
+    args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows"]
+    args += ["--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero2"]
+    result = CliRunner().invoke(main, [*args, "--world-size", "4", "--deepspeed", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "one DeepSpeed ZeRO-2 rank of 4" in result.output and "DeepSpeed reduce buckets" in result.output
+    # 20,000 float32 elements, at the peak in the backward
+    assert json.loads(
+        CliRunner().invoke(main, [*args, "--world-size", "4", "--deepspeed", str(config), "--json"]).output
+    )["breakdown"]["communication"] in (0, 80_000)
+
+
+def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
+    """The two-layer MLP (or `model` on its rows) estimated on the cpu target at batch 4."""
+    source = {"inputs": "tests.two_layer_mlp:rows", "loss": "tests.two_layer_mlp:mean_square"}
+    return memplan.estimate(model, **source, batch_size=4, device="cpu", **settings)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"grad_accum": 2}, "--parallel zero2 with --grad-accum"),
+        ({"precision": "amp-bf16"}, "--precision amp-bf16 with DeepSpeed is not traced yet"),
+        ({"optimizer": "none"}, "--optimizer none has none"),
+        ({"deepspeed_config": {"zero_optimization": {"stage": 3}}}, "sets ZeRO stage 3"),
+        ({"deepspeed_config": {"zero_optimization": {"overlap_comm": "auto"}}}, 'overlap_comm is "auto"'),
+    ],
+)
+def test_zero2_mistakes_are_one_line(options, message):
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        _mlp(**{"optimizer": "adamw", "parallel": "zero2", "world_size": 2, **options})
+
+
+def test_a_deepspeed_config_without_zero2_is_refused():
+    with pytest.raises(SettingsError, match="give --parallel zero2 with it"):
+        _mlp(deepspeed_config={"zero_optimization": {"stage": 2}})
+
+
+def test_the_rank_s_group_gives_way_to_the_next_estimate():
+    """A ZeRO-2 rank keeps its fake group while it lives; an FSDP2 estimate of another world size
+    after it gets a group of its own, and the process is left without one."""
+    _estimate("two-layer", 4, zero=SMALL_BUCKET)
+    memplan.estimate(
+        "tests.fsdp_models:stack",
+        inputs="tests.fsdp_models:rows",
+        loss="tests.fsdp_models:mean_square",
+        batch_size=4,
+        device="cpu",
+        parallel="fsdp",
+        world_size=2,
+    )
+    assert not dist.is_initialized()
+
+
+def test_without_deepspeed_installed_it_is_one_line(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise ImportError("No module named 'deepspeed'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_deepspeed)
+    with pytest.raises(SettingsError, match=r"pip install deepspeed"):
+        _estimate("two-layer", 2, zero=SMALL_BUCKET)
+
+
+def test_the_engines_configuration_is_the_users_with_memplans_settings():
+    """What the rank's engine is built with: the user's zero_optimization, "auto" bucket sizes as
+    transformers fills them (hidden_size², integrations/deepspeed.py), and memplan's batch,
+    accumulation and precision in place of the user's."""
+    user = {
+        "train_batch_size": 512,
+        "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True},
+    }
+    config = deepspeed_config(2, 8, "bf16", user, hidden_size=768)
+    assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 768 * 768, "overlap_comm": True}
+    assert config["train_micro_batch_size_per_gpu"] == 8 and config["gradient_accumulation_steps"] == 1
+    assert config["bf16"] == {"enabled": True}
+    assert "optimizer" not in config and "train_batch_size" not in config and "fp16" not in config
+
+
+def test_the_process_is_left_as_it_was():
+    """No fake group, launcher variables or DeepSpeed accelerator of memplan's outlive the estimate
+    (a later Trainer or DeepSpeed run in the same process must not find them)."""
+    import os
+
+    from deepspeed.accelerator import real_accelerator
+
+    before = (
+        {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+        real_accelerator.ds_accelerator,
+    )
+    _estimate("two-layer", 4, zero=SMALL_BUCKET)
+    after = (
+        {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+        real_accelerator.ds_accelerator,
+    )
+    assert after[0] == before[0] and after[1] is before[1]
+    assert not dist.is_initialized()
+
+
+def test_the_step_s_peak_is_in_no_module_after_checkpointed_blocks():
+    """Checkpointed blocks' recomputation stops early, so the last one recomputed never runs its
+    forward hook; the step's peak must still be named as in no module (it was `blocks.0.down`)."""
+    result = _estimate("stack", 2, zero=SMALL_BUCKET, checkpoint="all")
+    assert result.phase == "optimizer" and result.peak_module is None
+
+
+def test_a_process_with_its_own_group_is_told_to_estimate_elsewhere():
+    """memplan never touches a job's real group: a process that initialized torch.distributed gets one line."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(SettingsError, match="initialized torch.distributed already"):
+            _estimate("two-layer", 2, zero=SMALL_BUCKET)
+        assert dist.is_initialized() and dist.get_backend() == "gloo"  # left as it was
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_step_finds_the_gradient_partition_buffer_as_gradients():
+    """At the step, the rank's reduced gradients are in the buffer DeepSpeed keeps for its partition,
+    which holds each parameter the partition overlaps, whole (stage_1_and_2.py, grads_in_partition):
+    rank 0's first 12,032 of the 24,064 flat elements lie in the first weight, 16,384 elements."""
+    result = _estimate("two-layer", 2, zero=SMALL_BUCKET)
+    assert result.phase == "optimizer"
+    assert result.breakdown.gradients == 256 * 64 * 4
+
+
+def test_the_json_on_stdout_is_json_when_deepspeed_is_first_imported():
+    """DeepSpeed logs to stdout from its import on (the accelerator it detects, its configuration); a
+    fresh process, where memplan imports it, must still print nothing but the JSON there."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "memplan", "estimate", "tests.two_layer_mlp:two_layer", "--inputs"]
+    command += ["tests.two_layer_mlp:rows", "--loss", "tests.two_layer_mlp:mean_square", "-b", "4"]
+    command += ["--device", "cpu", "--parallel", "zero2", "--world-size", "2", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["settings"]["parallel"] == "zero2"
+    assert "[WARNING]" not in done.stderr and "[INFO]" not in done.stderr
+
+
+def test_a_model_with_nothing_to_train_is_one_line():
+    from torch import nn
+
+    from memplan.distributed.deepspeed import DeepSpeedRank
+
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(SettingsError, match="--parallel zero2: the model has no trainable parameter"):
+        DeepSpeedRank(frozen, None, 2, {})  # type: ignore[arg-type]
+
+
+def test_deepspeeds_log_goes_to_stderr_after_memplan_imports_it():
+    """What DeepSpeed logs later in the process (its errors) reaches stderr, not a swallowed buffer."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, memplan\n"
+        "memplan.estimate('tests.two_layer_mlp:two_layer', inputs='tests.two_layer_mlp:rows', "
+        "loss='tests.two_layer_mlp:mean_square', batch_size=4, device='cpu', parallel='zero2', world_size=2, "
+        "deepspeed_config={'zero_optimization': {'reduce_bucket_size': 1000}})\n"
+        "from deepspeed.utils.logging import logger\n"
+        "print(all(h.stream is sys.stderr for h in logger.handlers), len(logger.handlers))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "1"]
+
+
+def test_a_forward_that_branches_on_a_value_is_refused_not_guessed():
+    """memplan answers DeepSpeed's own value checks (its overflow test) without values, never the
+    model's: a forward that branches on a tensor's value is a one-line trace error, as without DeepSpeed."""
+    from memplan.errors import TraceError
+
+    with pytest.raises(TraceError, match="depends on tensor values"):
+        _mlp(
+            "tests.deepspeed_models:branching",
+            parallel="zero2",
+            world_size=2,
+            deepspeed_config={"zero_optimization": SMALL_BUCKET},
+        )
