@@ -311,3 +311,13 @@ def test_a_forward_that_branches_on_a_value_is_refused_not_guessed():
             world_size=2,
             deepspeed_config={"zero_optimization": SMALL_BUCKET},
         )
+
+
+@pytest.mark.parametrize(("content", "message"), [("{not json", "cannot read"), ("[1, 2]", "holds a JSON list")])
+def test_a_deepspeed_file_that_is_not_a_configuration_is_a_usage_error(tmp_path, content, message):
+    config = tmp_path / "ds_config.json"
+    config.write_text(content)
+    args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows", "-b", "4"]
+    result = CliRunner().invoke(main, [*args, "--device", "cpu", "--parallel", "zero2", "--deepspeed", str(config)])
+    assert result.exit_code == 2 and message in result.output
+    assert "Traceback" not in result.output and config.read_text() == content  # the user's file untouched
