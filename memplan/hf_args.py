@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import HfArgsError
+from memplan.errors import HfArgsError, SettingsError
+from memplan.settings import parse_deepspeed_config
 
 # TrainingArguments.optim -> (memplan optimizer, optimizer implementation).
 OPTIMS: dict[str, tuple[str, str]] = {
@@ -141,12 +142,9 @@ def _deepspeed_config(value: object, path: Path) -> dict[str, Any]:
     if found is None:
         raise HfArgsError(f"--hf-args {path} sets deepspeed {value!r}, which is not a file here or beside {path.name}")
     try:
-        config = json.loads(found.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise HfArgsError(f"--hf-args {path}: cannot read its deepspeed file {found} as JSON ({error})") from error
-    if not isinstance(config, dict):
-        raise HfArgsError(f"--hf-args {path}: its deepspeed file {found} is not a DeepSpeed configuration object")
-    return config
+        return parse_deepspeed_config(found.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SettingsError) as error:
+        raise HfArgsError(f"--hf-args {path}: its deepspeed file {found}: {error}") from error
 
 
 def _with_deepspeed(

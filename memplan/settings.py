@@ -100,6 +100,19 @@ def _options_given(*options: tuple[str, Any, Any]) -> list[str]:
     return [name for name, value, default in options if value != default]
 
 
+def parse_deepspeed_config(text: str) -> dict[str, Any]:
+    """A DeepSpeed configuration's JSON text, as the object DeepSpeed takes; one line where it is not one."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SettingsError(f"the DeepSpeed configuration is not JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise SettingsError(
+            f"the DeepSpeed configuration holds a JSON {type(config).__name__}, not an object as ds_config.json does"
+        )
+    return config
+
+
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise SettingsError(f"{name} must be a positive integer, got {value!r}")
@@ -365,13 +378,7 @@ class TrainingSettings:
             return
         option = f"--parallel {self.parallel}"
         if self.deepspeed_config is not None:
-            try:
-                config = json.loads(self.deepspeed_config)
-            except json.JSONDecodeError as error:
-                raise SettingsError(f"--deepspeed: the configuration is not JSON ({error})") from error
-            if not isinstance(config, dict):
-                raise SettingsError("--deepspeed: the configuration must be a JSON object, as ds_config.json files are")
-            stage = (config.get("zero_optimization") or {}).get("stage")
+            stage = (self.deepspeed_settings.get("zero_optimization") or {}).get("stage")
             if stage not in (None, 2):
                 raise SettingsError(
                     f"--deepspeed sets ZeRO stage {stage}, and memplan traces stage 2 (--parallel zero2); stage 1 as "
@@ -395,6 +402,11 @@ class TrainingSettings:
                 f"{option} with {unsupported[0]}: DeepSpeed runs its own loop (engine.backward, engine.step), and "
                 "memplan traces it for one micro-batch per step, its canonical loop, unquantized; leave it out"
             )
+
+    @property
+    def deepspeed_settings(self) -> dict[str, Any]:
+        """deepspeed_config as the object DeepSpeed takes ({} without one)."""
+        return parse_deepspeed_config(self.deepspeed_config) if self.deepspeed_config is not None else {}
 
     def _check_nccl(self) -> None:
         given = _options_given(

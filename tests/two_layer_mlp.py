@@ -5,6 +5,8 @@ not divide (FSDP2 pads rank 0's shard)."""
 import torch
 from torch import nn
 
+from tests.fsdp_models import mean_square  # the loss, as --loss tests.two_layer_mlp:mean_square names it
+
 IN, HIDDEN, OUT = 64, 256, 30
 
 
@@ -26,5 +28,4 @@ def rows(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, IN)
 
 
-def mean_square(output: torch.Tensor, _batch: object) -> torch.Tensor:
-    return output.square().mean()
+__all__ = ["IN", "HIDDEN", "OUT", "TwoLayer", "two_layer", "rows", "mean_square"]

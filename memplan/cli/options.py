@@ -42,14 +42,14 @@ def _deepspeed_config_text(ctx: click.Context, param: click.Parameter, path: str
         return None
     import json
 
+    from memplan.errors import SettingsError
+    from memplan.settings import parse_deepspeed_config
+
     try:
         with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise click.BadParameter(f"cannot read {path} as JSON ({error})", ctx, param) from error
-    if not isinstance(config, dict):
-        kind = type(config).__name__
-        raise click.BadParameter(f"{path} holds a JSON {kind}, not a DeepSpeed configuration object", ctx, param)
+            config = parse_deepspeed_config(handle.read())
+    except (OSError, UnicodeDecodeError, SettingsError) as error:
+        raise click.BadParameter(f"{path}: {error}", ctx, param) from error
     ctx.meta["memplan.deepspeed_path"] = path
     return json.dumps(config, sort_keys=True)
 

@@ -26,13 +26,6 @@ R = TypeVar("R")
 _lingering: list[object] = []
 
 
-def take_lingering_group() -> None:
-    """The default group just made is memplan's, to stay until memplan needs another."""
-    import torch.distributed as dist
-
-    _lingering[:] = [dist.group.WORLD]
-
-
 def leaves_no_process_group(function: Callable[P, R]) -> Callable[P, R]:
     """A library entry point after which the process has no group memplan made (a DeepSpeed rank's
     lingers while the rank is traced), as it had none before."""
@@ -56,23 +49,47 @@ def release_lingering_group() -> None:
     _lingering.clear()
 
 
+def _refusal(world_size: int, option: str) -> SettingsError:
+    return SettingsError(
+        f"{option} runs on a fake process group of {world_size} ranks, and this process has initialized "
+        "torch.distributed already: estimate in a process of its own (the memplan command)"
+    )
+
+
+def _init_fake_group(world_size: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def lingering_fake_group(world_size: int, option: str) -> None:
+    """A new fake default group of `world_size` ranks, left in place for what needs it as long as it
+    lives (a DeepSpeed rank); released before memplan makes another, and when a library call returns
+    (leaves_no_process_group). `option` names the setting that needs it, for the refusal."""
+    import torch.distributed as dist
+
+    with unset_fake_temporarily():
+        release_lingering_group()
+        if dist.is_initialized():
+            raise _refusal(world_size, option)
+        _init_fake_group(world_size)
+        _lingering[:] = [dist.group.WORLD]
+
+
 @contextlib.contextmanager
 def fake_default_group(world_size: int, option: str) -> Iterator[None]:
     """`option` names the setting that needs the group, for the refusal."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     made = False
     with unset_fake_temporarily():  # what the group makes (a DeviceMesh's rank tensor) must be real
         release_lingering_group()
         if dist.is_initialized():
             if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
-                raise SettingsError(
-                    f"{option} runs on a fake process group of {world_size} ranks, and this process has initialized "
-                    "torch.distributed already: estimate in a process of its own (the memplan command)"
-                )
+                raise _refusal(world_size, option)
         else:
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+            _init_fake_group(world_size)
             made = True
     try:
         yield

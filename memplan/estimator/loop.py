@@ -32,7 +32,6 @@ backward at its first optimizer.step().
 from __future__ import annotations
 
 import contextlib
-import json
 import types
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -132,14 +131,11 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
     optimizer = build_optimizer(trainable, settings)
     if settings.parallel in DEEPSPEED_MODES:  # DeepSpeed's engine wraps the model and the optimizer
-        from memplan.distributed.deepspeed import STAGES, DeepSpeedRank, deepspeed_config
+        from memplan.distributed.deepspeed import DeepSpeedRank, deepspeed_config
 
         assert optimizer is not None  # settings refuse --optimizer none
-        user_config = json.loads(settings.deepspeed_config) if settings.deepspeed_config else None
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)  # transformers' "auto"
-        config = deepspeed_config(
-            STAGES[settings.parallel], settings.batch_size, settings.precision, user_config, hidden_size
-        )
+        config = deepspeed_config(settings.batch_size, settings.precision, settings.deepspeed_settings, hidden_size)
         data_parallel = DeepSpeedRank(model, optimizer, settings.world_size, config)
         model = data_parallel.wrapper
     state = TrainingState(
@@ -198,8 +194,8 @@ def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
         loss = loss / settings.grad_accum
     if state.loss_scale is not None:
         loss = loss * state.loss_scale
-    if _engine(state) is not None:
-        _engine(state).backward(loss)
+    if engine is not None:
+        engine.backward(loss)
     else:
         loss.backward()
     marker("backward")
@@ -216,8 +212,8 @@ def _engine(state: TrainingState) -> Any:
 
 def optimizer_tensors(state: TrainingState) -> list[torch.Tensor]:
     """The optimizer's state, and GradScaler's scale and found-inf flag (amp-fp16)."""
-    if _engine(state) is not None:
-        return _engine(state).optimizer_tensors()
+    if (engine := _engine(state)) is not None:
+        return engine.optimizer_tensors()
     scaler = [tensor for tensor in (state.loss_scale, state.found_inf) if tensor is not None]
     return optimizer_state_tensors(state.optimizer) + scaler
 
@@ -247,8 +243,8 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
             by_dtype.setdefault(grad.dtype, []).append(grad)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, state.found_inf, inv_scale)
-    if _engine(state) is not None:
-        _engine(state).step()  # the optimizer over the rank's partition, and zero_grad, inside the engine
+    if (engine := _engine(state)) is not None:
+        engine.step()  # the optimizer over the rank's partition, and zero_grad, inside the engine
         return grads
     loop = state.settings.loop
     if loop == "hf-trainer" and grads:
