@@ -44,7 +44,12 @@ def _sharding(settings: TrainingSettings) -> str:
     if settings.parallel == "zero1":
         return "--parallel fsdp on the same ranks (parameters and gradients sharded too, not only the optimizer state)"
     if settings.parallel == "zero2":
-        return "--parallel fsdp on the same ranks (the parameters sharded too, not only gradients and optimizer state)"
+        return (
+            "--parallel zero3 or fsdp on the same ranks (the parameters sharded too, not only gradients and optimizer "
+            "state)"
+        )
+    if settings.parallel == "zero3":
+        return "more ranks (a larger --world-size: ZeRO-3 divides parameters, gradients and optimizer state by it)"
     return "--parallel fsdp --world-size N (FSDP2 shards parameters, gradients and optimizer state across N GPUs)"
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import HfArgsError, SettingsError
-from memplan.settings import parse_deepspeed_config
+from memplan.settings import DEEPSPEED_STAGES, parse_deepspeed_config
 
 # TrainingArguments.optim -> (memplan optimizer, optimizer implementation).
 OPTIMS: dict[str, tuple[str, str]] = {
@@ -150,26 +150,27 @@ def _deepspeed_config(value: object, path: Path) -> dict[str, Any]:
 def _with_deepspeed(
     config: dict[str, Any], data: dict[str, Any], path: Path, settings: dict[str, Any], notes: list[str]
 ) -> None:
-    """A Trainer run under DeepSpeed: one ZeRO-2 rank traced with DeepSpeed itself (the Trainer hands
-    bf16 to DeepSpeed's own, not to autocast); the other stages are refused in one line."""
+    """A Trainer run under DeepSpeed: one ZeRO-2 or ZeRO-3 rank traced with DeepSpeed itself (the
+    Trainer hands bf16 to DeepSpeed's own, not to autocast); the other stages are refused in one line."""
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    if stage != 2:
+    modes = {number: mode for mode, number in DEEPSPEED_STAGES.items()}
+    if stage not in modes:
         raise HfArgsError(
-            f"--hf-args {path} runs DeepSpeed's ZeRO stage {stage}; memplan traces stage 2 (--parallel zero2). For "
-            "stage 1 as torch implements it remove deepspeed and give --parallel zero1, for sharded parameters "
-            "(like stage 3) --parallel fsdp, each with --world-size N"
+            f"--hf-args {path} runs DeepSpeed's ZeRO stage {stage}; memplan traces stages 2 and 3 (--parallel zero2, "
+            "zero3). For stage 1 as torch implements it remove deepspeed and give --parallel zero1 with --world-size N"
         )
     if _flag(data, "fp16"):
         raise HfArgsError(
             f"--hf-args {path} sets fp16 with DeepSpeed, whose fp16 loss scaling memplan does not trace yet: "
             "use bf16, or remove fp16"
         )
-    settings["parallel"] = "zero2"
+    settings["parallel"] = modes[stage]
     settings["deepspeed_config"] = json.dumps(config, sort_keys=True)
     if _flag(data, "bf16"):
         settings["precision"] = "bf16"  # DeepSpeed's bf16: a 16-bit model, float32 master weights
     notes.append(
-        "deepspeed: one ZeRO-2 rank traced with DeepSpeed itself; give --world-size N for the job's data-parallel ranks"
+        f"deepspeed: one ZeRO-{stage} rank traced with DeepSpeed itself; give --world-size N for the job's "
+        "data-parallel ranks"
     )
 
 

@@ -33,11 +33,12 @@ DEVICES = ("cuda", "cpu")
 # Data parallelism, per rank (memplan.distributed): "none" (one process), torch's DDP, DDP with the
 # optimizer state sharded by torch's ZeroRedundancyOptimizer ("zero1"), or FSDP2's fully_shard
 # resharding after the forward ("fsdp") or only after the backward ("fsdp-grad-op"), or DeepSpeed's
-# own ZeRO stage 2 ("zero2"; stage 3 is not traced exactly yet: memplan/distributed/deepspeed.py).
-PARALLEL_MODES = ("none", "ddp", "zero1", "fsdp", "fsdp-grad-op", "zero2")
+# own ZeRO stage 2 or 3 ("zero2", "zero3": memplan/distributed/deepspeed.py).
+PARALLEL_MODES = ("none", "ddp", "zero1", "fsdp", "fsdp-grad-op", "zero2", "zero3")
 DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op")
-DEEPSPEED_MODES = ("zero2",)  # DeepSpeed's engine wraps the model and the optimizer
+DEEPSPEED_STAGES = {"zero2": 2, "zero3": 3}  # DeepSpeed's engine wraps the model and the optimizer
+DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
 DEEPSPEED_PRECISIONS = ("fp32", "bf16")  # bf16: DeepSpeed's own (16-bit model, float32 master partition)
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
 FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
@@ -367,23 +368,23 @@ class TrainingSettings:
         self._check_nccl()
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
-                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1, zero2 or "
-                "fsdp, or leave it out"
+                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1, zero2, "
+                "zero3 or fsdp, or leave it out"
             )
 
     def _check_deepspeed(self) -> None:
         if self.deepspeed_config is not None and self.parallel not in DEEPSPEED_MODES:
-            raise SettingsError("--deepspeed configures DeepSpeed's ZeRO: give --parallel zero2 with it")
+            raise SettingsError("--deepspeed configures DeepSpeed's ZeRO: give --parallel zero2 or zero3 with it")
         if self.parallel not in DEEPSPEED_MODES:
             return
         option = f"--parallel {self.parallel}"
+        traced = DEEPSPEED_STAGES[self.parallel]
         if self.deepspeed_config is not None:
             stage = (self.deepspeed_settings.get("zero_optimization") or {}).get("stage")
-            if stage not in (None, 2):
-                raise SettingsError(
-                    f"--deepspeed sets ZeRO stage {stage}, and memplan traces stage 2 (--parallel zero2); stage 1 as "
-                    "torch implements it is --parallel zero1, stage 3 is not traced yet"
-                )
+            if stage not in (None, traced):
+                modes = {number: mode for mode, number in DEEPSPEED_STAGES.items()}
+                instead = f"give --parallel {modes[stage]}" if stage in modes else "stage 1 as torch runs it is zero1"
+                raise SettingsError(f"--deepspeed sets ZeRO stage {stage}; {option} traces stage {traced}: {instead}")
         if self.optimizer == "none":
             raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")
         if self.precision not in DEEPSPEED_PRECISIONS:
@@ -418,7 +419,7 @@ class TrainingSettings:
         if given and (self.parallel == "none" or self.device != "cuda"):
             raise SettingsError(
                 f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel ddp, zero1, "
-                "zero2, fsdp or fsdp-grad-op on the cuda target"
+                "zero2, zero3, fsdp or fsdp-grad-op on the cuda target"
             )
         if self.nccl_memory is not None and self.nccl_memory < 0:
             raise SettingsError(f"NCCL memory must be 0 or more bytes, got {self.nccl_memory}")

@@ -146,8 +146,8 @@ def test_a_parameter_the_loss_never_reaches_is_one_line_as_ddp_refuses_it():
         ({"world_size": 4}, "--world-size 4 counts data-parallel ranks: give --parallel ddp"),
         ({"parallel": "ddp", "world_size": 0}, "world size must be a positive integer"),
         (
-            {"parallel": "zero3", "world_size": 2},
-            "parallel mode must be one of none, ddp, zero1, fsdp, fsdp-grad-op, zero2",
+            {"parallel": "zero4", "world_size": 2},
+            "parallel mode must be one of none, ddp, zero1, fsdp, fsdp-grad-op, zero2, zero3",
         ),
         ({"ddp_bucket_view": True}, "--ddp-bucket-view is an option of DDP: give --parallel ddp or zero1"),
     ],
@@ -177,7 +177,7 @@ def test_compare_counts_the_ranks_in_the_effective_batch():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["rows"]
     assert {row["effective_batch_size"] for row in rows if row["settings"]["grad_accum"] == 1} == {16 * 8}
-    sharding_rows = ("FSDP2", "ZeRO-1", "DeepSpeed ZeRO-2")
+    sharding_rows = ("FSDP2", "ZeRO-1", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3")
     assert all(row["settings"]["parallel"] == "ddp" for row in rows if not row["name"].startswith(sharding_rows))
     assert all(row["settings"]["world_size"] == 8 for row in rows)
     bucket_view = next(row for row in rows if row["name"] == "DDP gradient_as_bucket_view")
@@ -191,6 +191,11 @@ def test_compare_counts_the_ranks_in_the_effective_batch():
     deepspeed = next(row for row in rows if row["name"].startswith("DeepSpeed ZeRO-2"))
     assert deepspeed["settings"]["parallel"] == "zero2"
     assert deepspeed["breakdown"]["communication"] == 500_000_000 * 4  # DeepSpeed's default bucket, float32
+    stage3 = next(row for row in rows if row["name"].startswith("DeepSpeed ZeRO-3"))
+    assert stage3["settings"]["parallel"] == "zero3"
+    # ZeRO-3's bucket is made once and kept: the same 2 GB at its peak; its parameters are sharded too
+    assert stage3["breakdown"]["communication"] == 500_000_000 * 4
+    assert stage3["breakdown"]["parameters"] < as_given["breakdown"]["parameters"] / 4
     clash = CliRunner().invoke(main, [*command[:-1], "--gpus", "4"])
     assert clash.exit_code == 2 and "--gpus 4 and --world-size 8" in clash.output
 

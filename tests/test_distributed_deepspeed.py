@@ -1,4 +1,4 @@
-"""`--parallel zero2` (memplan.distributed.deepspeed): one rank of DeepSpeed's ZeRO stage 2, traced.
+"""`--parallel zero2|zero3` (memplan.distributed.deepspeed): one rank of DeepSpeed's ZeRO stage 2 or 3, traced.
 
 Truth: DeepSpeed's own engine run for real on the CPU, on rank 0 of torch's fake process group, and
 measured by torch's CPU allocator's own allocation and free events (tests/deepspeed_models.py, built
@@ -19,6 +19,7 @@ import memplan
 from memplan.cli import main
 from memplan.distributed.deepspeed import deepspeed_config
 from memplan.errors import SettingsError
+from memplan.settings import DEEPSPEED_STAGES
 from tests import deepspeed_models, fsdp_models
 from tests.two_layer_mlp import mean_square, rows, two_layer
 
@@ -37,7 +38,9 @@ SMALL_BUCKET = {"reduce_bucket_size": 20_000}  # elements: a bucket that fills a
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # elements (deepspeed/runtime/zero/config.py, reduce_bucket_size)
 
 
-def _estimate(name: str, world_size: int, precision: str = "fp32", zero: dict | None = None, **options):
+def _estimate(
+    name: str, world_size: int, precision: str = "fp32", zero: dict | None = None, parallel: str = "zero2", **options
+):
     reference, inputs, *_, batch_size = MODELS[name]
     config = {"zero_optimization": zero} if zero is not None else None
     return memplan.estimate(
@@ -48,33 +51,74 @@ def _estimate(name: str, world_size: int, precision: str = "fp32", zero: dict | 
         device="cpu",
         optimizer="adamw",
         precision=precision,
-        parallel="zero2",
+        parallel=parallel,
         world_size=world_size,
         deepspeed_config=config,
         **options,
     )
 
 
-def _measured(name: str, world_size: int, precision: str = "fp32", zero: dict | None = None) -> int:
+def _measured(name: str, world_size: int, precision: str = "fp32", zero: dict | None = None, stage: int = 2) -> int:
     _, _, factory, make_batch, batch_size = MODELS[name]
-    config = deepspeed_models.deepspeed_config(2, batch_size, precision, zero)
+    config = deepspeed_models.deepspeed_config(stage, batch_size, precision, zero)
     return deepspeed_models.measured_peak(factory, make_batch, mean_square, world_size, config)
 
 
+FP32_CASES = [("two-layer", 2, "fp32"), ("two-layer", 8, "fp32"), ("stack", 2, "fp32"), ("stack", 4, "fp32")]
+
+
 @pytest.mark.parametrize(
-    ("name", "world_size", "precision"),
+    ("parallel", "name", "world_size", "precision"),
     [
-        ("two-layer", 2, "fp32"),
-        ("two-layer", 8, "fp32"),
-        ("stack", 2, "fp32"),
-        ("stack", 4, "fp32"),
-        ("stack-bf16", 4, "bf16"),
+        *(("zero2", *case) for case in [*FP32_CASES, ("stack-bf16", 4, "bf16")]),
+        *(("zero3", *case) for case in FP32_CASES),
     ],
 )
-def test_a_zero2_rank_is_the_real_deepspeed_run(name, world_size, precision):
-    measured = _measured(name, world_size, precision, SMALL_BUCKET)
-    predicted = _estimate(name, world_size, precision, SMALL_BUCKET)
+def test_a_deepspeed_rank_is_the_real_deepspeed_run(parallel, name, world_size, precision):
+    """ZeRO-3 gathers each module's parameters before it runs and releases them after, except those
+    under the persistence threshold (100,000 elements by default: here all of them), which the step
+    releases at its start and gathers again at its end: the trace must see those storages die and
+    the new ones live on (memplan.estimator.swapped_storages).
+
+    ZeRO-3 not in bf16 here: the real bf16 run peaks inside a CPU matmul (LinearFunctionForZeroStage3's
+    backward), whose kernel takes 91,904 B of scratch from the CPU allocator that no dispatch mode
+    sees (the profiler's events, `aten::mm`); memplan's cpu target does not model CPU BLAS scratch,
+    and on CUDA that op's scratch is cuBLAS's workspace, which the cuda target does."""
+    stage = DEEPSPEED_STAGES[parallel]
+    measured = _measured(name, world_size, precision, SMALL_BUCKET, stage=stage)
+    predicted = _estimate(name, world_size, precision, SMALL_BUCKET, parallel=parallel)
     assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
+
+
+def test_a_zero3_rank_gathering_each_module_is_the_real_deepspeed_run():
+    """With no parameter persistent (threshold 0), each block's parameters are gathered for its
+    forward and again for its backward, and released after each."""
+    zero = {**SMALL_BUCKET, "stage3_param_persistence_threshold": 0}
+    measured = _measured("stack", 2, "fp32", zero, stage=3)
+    predicted = _estimate("stack", 2, "fp32", zero, parallel="zero3")
+    assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
+
+
+def _unsharded(result):
+    return [a for a in result.timeline.allocations if a.category == "unsharded_parameters"]
+
+
+def test_zero3_gathers_each_parameter_when_its_module_runs_and_releases_persistent_ones_in_the_step():
+    """DeepSpeed's rules for when a ZeRO-3 parameter is whole: with no parameter persistent, none is
+    gathered as the iteration starts (every gathered storage is made in it, by a module's fetch); with
+    all of them persistent, the ones the iteration starts with live until the step partitions them as
+    it begins (stage3.py `step`: `_partition_all_parameters`), past their last reader in the backward,
+    and new ones are gathered after it (`_post_step`) and kept to the end."""
+    released = _estimate("stack", 2, "fp32", {**SMALL_BUCKET, "stage3_param_persistence_threshold": 0}, "zero3")
+    assert _unsharded(released) and all(a.allocated_at > 0 for a in _unsharded(released))
+    kept = _estimate("stack", 2, "fp32", SMALL_BUCKET, "zero3")
+    timeline = kept.timeline
+    at_start = [a for a in _unsharded(kept) if a.allocated_at == 0]
+    after_step = [a for a in _unsharded(kept) if a.allocated_at >= timeline.backward_end]
+    parameters = len(list(fsdp_models.stack().parameters()))
+    assert len(at_start) == len(after_step) == parameters
+    assert all(timeline.backward_end <= a.freed_at < timeline.node_count for a in at_start)
+    assert all(a.freed_at == timeline.node_count for a in after_step)
 
 
 def test_deepspeeds_default_bucket_is_two_gigabytes_whatever_the_model():
@@ -99,6 +143,24 @@ def test_the_optimizer_state_is_one_nth_of_the_flattened_model():
         assert result.breakdown.optimizer_state == 3 * (padded // world_size) * 4 + 4
 
 
+def test_a_zero3_rank_keeps_one_nth_of_everything_and_gathers_what_persists():
+    """ZeRO-3's rank keeps 1/N of the flattened model (rounded up) as its 16-bit partition, the same
+    of gradients, and a float32 master copy and AdamW's two moments of it (plus a 4-byte step); every
+    parameter of the stack is under the persistence threshold (100,000 elements by default), so at
+    the peak all of them are gathered whole; and the parameter count is the model's, not the empty
+    tensors ZeRO-3 leaves in the modules."""
+    parameters = sum(p.numel() for p in fsdp_models.stack().parameters())
+    assert max(p.numel() for p in fsdp_models.stack().parameters()) < 100_000
+    for world_size in (2, 4):
+        result = _estimate("stack", world_size, zero=SMALL_BUCKET, parallel="zero3")
+        partition = -(-parameters // world_size) * 4
+        assert result.breakdown.parameters == partition and result.breakdown.gradients == partition
+        assert result.breakdown.optimizer_state == 3 * partition + 4
+        assert result.breakdown.unsharded_parameters == -(-parameters // world_size) * world_size * 4
+        assert result.breakdown.communication == SMALL_BUCKET["reduce_bucket_size"] * 4  # made once, kept
+        assert result.parameter_count == parameters
+
+
 def test_auto_bucket_sizes_are_filled_as_transformers_fills_them(tiny_model_dirs):
     """A Trainer's ds_config.json says "auto": transformers sets reduce_bucket_size to hidden_size²
     (the same estimate as that number given), and drops stage 3's settings for stage 2."""
@@ -118,6 +180,35 @@ def test_auto_bucket_sizes_are_filled_as_transformers_fills_them(tiny_model_dirs
     assert from_auto.breakdown == from_number.breakdown
     # and the bucket size matters to this model's peak, so the equality says something
     assert memplan.estimate(str(directory), **common, deepspeed_config=other).peak_bytes != from_auto.peak_bytes
+
+
+def test_transformers_auto_sizes_for_stage_3_are_filled_as_it_fills_them():
+    """transformers fills stage 3's "auto" prefetch bucket and persistence threshold from the hidden size
+    (int(0.9 × hidden²) and 10 × hidden, integrations/deepspeed.py) and DeepSpeed's defaults serve for
+    the stage-3 keys that size no buffer."""
+    user = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_gather_16bit_weights_on_model_save": "auto",
+        }
+    }
+    config = deepspeed_config(3, 1, "bf16", user, hidden_size=1000)
+    assert config["zero_optimization"] == {
+        "stage": 3,
+        "stage3_prefetch_bucket_size": 900_000,
+        "stage3_param_persistence_threshold": 10_000,
+    }
+    assert deepspeed_config(2, 1, "bf16", user, hidden_size=1000)["zero_optimization"] == {"stage": 2}
+
+
+def test_the_cli_names_a_zero3_rank():
+    args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows"]
+    args += ["--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero3"]
+    result = CliRunner().invoke(main, [*args, "--world-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "one DeepSpeed ZeRO-3 rank of 2" in result.output
 
 
 def test_the_cli_reads_the_config_and_names_the_rank(tmp_path):
@@ -146,7 +237,11 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
         ({"grad_accum": 2}, "--parallel zero2 with --grad-accum"),
         ({"precision": "amp-bf16"}, "--precision amp-bf16 with DeepSpeed is not traced yet"),
         ({"optimizer": "none"}, "--optimizer none has none"),
-        ({"deepspeed_config": {"zero_optimization": {"stage": 3}}}, "sets ZeRO stage 3"),
+        (
+            {"deepspeed_config": {"zero_optimization": {"stage": 3}}},
+            "sets ZeRO stage 3; --parallel zero2 traces stage 2: give --parallel zero3",
+        ),
+        ({"deepspeed_config": {"zero_optimization": {"stage": 1}}}, "stage 1 as torch runs it is zero1"),
         ({"deepspeed_config": {"zero_optimization": {"overlap_comm": "auto"}}}, 'overlap_comm is "auto"'),
         ({"deepspeed_config": "[1, 2]"}, "the DeepSpeed configuration holds a JSON list, not an object"),
     ],
@@ -157,7 +252,7 @@ def test_zero2_mistakes_are_one_line(options, message):
 
 
 def test_a_deepspeed_config_without_zero2_is_refused():
-    with pytest.raises(SettingsError, match="give --parallel zero2 with it"):
+    with pytest.raises(SettingsError, match="give --parallel zero2 or zero3 with it"):
         _mlp(deepspeed_config={"zero_optimization": {"stage": 2}})
 
 
@@ -203,7 +298,7 @@ def test_the_engines_configuration_is_the_users_with_memplans_settings():
         "fp16": {"enabled": "auto"},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True},
     }
-    config = deepspeed_config(8, "bf16", user, hidden_size=768)
+    config = deepspeed_config(2, 8, "bf16", user, hidden_size=768)
     assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 768 * 768, "overlap_comm": True}
     assert config["train_micro_batch_size_per_gpu"] == 8 and config["gradient_accumulation_steps"] == 1
     assert config["bf16"] == {"enabled": True}
@@ -228,6 +323,32 @@ def test_the_process_is_left_as_it_was():
     )
     assert after[0] == before[0] and after[1] is before[1]
     assert not dist.is_initialized()
+
+
+def test_zero3_leaves_torch_s_own_linear_in_place():
+    """DeepSpeed's stage 3 puts its own linear in torch.nn.functional for the rest of the process
+    (partition_parameters.py, _enable_mem_efficient_linear); the rank's model runs with it (its
+    backward is what the real run's is), and memplan's process gets torch's back."""
+    import torch
+
+    linear = torch._C._nn.linear  # torch's own, which torch.nn.functional.linear is
+    assert torch.nn.functional.linear is linear
+    seen = []
+    from tests import fsdp_models as models
+
+    original = models.Stack.forward
+
+    def forward(self, x):
+        seen.append(torch.nn.functional.linear)
+        return original(self, x)
+
+    models.Stack.forward = forward
+    try:
+        _estimate("stack", 2, zero=SMALL_BUCKET, parallel="zero3")
+    finally:
+        models.Stack.forward = original
+    assert torch.nn.functional.linear is linear
+    assert seen and all(function is not linear for function in seen)
 
 
 def test_the_step_s_peak_is_in_no_module_after_checkpointed_blocks():
@@ -278,8 +399,8 @@ def test_a_model_with_nothing_to_train_is_one_line():
     from memplan.distributed.deepspeed import DeepSpeedRank
 
     frozen = nn.Linear(4, 4).requires_grad_(False)
-    with pytest.raises(SettingsError, match="--parallel zero2: the model has no trainable parameter"):
-        DeepSpeedRank(frozen, None, 2, {})  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="--parallel zero3: the model has no trainable parameter"):
+        DeepSpeedRank(frozen, None, 2, {"zero_optimization": {"stage": 3}})  # type: ignore[arg-type]
 
 
 def test_deepspeeds_log_goes_to_stderr_after_memplan_imports_it():

@@ -149,7 +149,7 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
             {"parallel": "fsdp-grad-op", "world_size": 2, "ddp_bucket_view": True},
             "--ddp-bucket-view is an option of DDP",
         ),
-        ({"world_size": 2}, "give --parallel ddp, zero1, zero2 or fsdp"),
+        ({"world_size": 2}, "give --parallel ddp, zero1, zero2, zero3 or fsdp"),
         ({"parallel": "ddp", "world_size": 2, "fsdp_mixed_precision": "bf16"}, "is FSDP2's policy"),
         (
             {"parallel": "fsdp", "world_size": 2, "fsdp_mixed_precision": "bf16", "precision": "bf16"},

@@ -218,8 +218,9 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             type=click.Path(exists=True, dir_okay=False),
             callback=_deepspeed_config_text,
             metavar="DS_CONFIG.json",
-            help="With --parallel zero2: the job's DeepSpeed configuration, whose zero_optimization section "
-            "(reduce_bucket_size, overlap_comm, contiguous_gradients) DeepSpeed applies as it runs; the batch, "
+            help="With --parallel zero2 or zero3: the job's DeepSpeed configuration, whose zero_optimization section "
+            "(reduce_bucket_size, overlap_comm, contiguous_gradients, stage3_* thresholds) DeepSpeed applies as it "
+            "runs; the batch, "
             "precision and optimizer come from memplan's options.",
         ),
         click.option(

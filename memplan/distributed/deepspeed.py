@@ -1,31 +1,39 @@
-"""DeepSpeed's ZeRO stage 2, one rank (`--parallel zero2 --world-size N`): DeepSpeed itself, traced.
+"""DeepSpeed's ZeRO stages 2 and 3, one rank (`--parallel zero2|zero3 --world-size N`): DeepSpeed itself, traced.
 
 memplan runs DeepSpeed's own engine (`deepspeed.initialize` with memplan's optimizer as the client
 optimizer, the engine's forward, `engine.backward(loss)`, `engine.step()`) on rank 0 of torch's fake
 process group over fake tensors, as it runs torch's DDP and FSDP2, so what the rank holds is what
-DeepSpeed allocates (runtime/zero/stage_1_and_2.py): every rank keeps the whole model (16-bit with
-`--precision bf16`, float32 otherwise), flattened into one buffer per parameter group; the optimizer's
-float32 master copy of the rank's 1/N partition and its state; in the backward, each gradient copied
-as it becomes ready into a reduce bucket of `reduce_bucket_size` elements (500,000,000 by default:
-2 GB in float32, 1 GB in bf16, whatever the model's size), reduced, and the rank's share kept in a
-partition-sized buffer for the step. The rest of DeepSpeed's configuration (`--deepspeed
-ds_config.json`: its `zero_optimization` section, bucket sizes, `overlap_comm`,
-`contiguous_gradients`) is DeepSpeed's to apply, as in a real run.
+DeepSpeed allocates.
+- Stage 2 (runtime/zero/stage_1_and_2.py): every rank keeps the whole model (16-bit with
+  `--precision bf16`, float32 otherwise), flattened into one buffer per parameter group; the
+  optimizer's float32 master copy of the rank's 1/N partition and its state; in the backward, each
+  gradient copied as it becomes ready into a reduce bucket of `reduce_bucket_size` elements
+  (500,000,000 by default: 2 GB in float32, 1 GB in bf16, whatever the model's size), reduced, and
+  the rank's share kept in a partition-sized buffer for the step.
+- Stage 3 (runtime/zero/stage3.py, partition_parameters.py): the parameters are partitioned too.
+  Each is an empty tensor between uses; before a module runs its parameters are gathered into a new
+  buffer, and after it they are released, except those under `stage3_param_persistence_threshold`
+  elements (100,000 by default), which stay gathered from one step's end to the next step's start.
+  Prefetching (`stage3_prefetch_bucket_size`, `stage3_max_live_parameters`) and the reduce bucket
+  are DeepSpeed's to apply, as in a real run.
+The rest of DeepSpeed's configuration (`--deepspeed ds_config.json`: its `zero_optimization`
+section, bucket sizes, `overlap_comm`, `contiguous_gradients`) is DeepSpeed's to apply too.
 
 What the fake tensors need from DeepSpeed (each a check of values, not an allocation): its overflow
 test reads tensors as bools and a byte tensor with `.item()` (answered: no overflow, as a healthy step
-has none). DeepSpeed keeps the
+has none); stage 3's cross-rank consistency assertions (`assert_ints_same_as_other_ranks`) compare
+values across ranks, which a fake group does not have (skipped). DeepSpeed keeps the
 default process group it first sees in module globals, so each rank's engine is built on a fresh fake
 group and those globals are cleared first; the group lives as long as the rank, since every forward,
 backward and step uses it (memplan.distributed.fake_group releases it before it makes another).
 DeepSpeed points tensors at other storages with `tensor.data = ...` (each gradient at its place in
-the bucket), which no dispatch mode sees: the recorder then reads such a tensor from the op that made
-its storage (memplan.estimator.recorder, `producers`).
+the bucket; stage 3's parameters at their gathered or empty buffers), which no dispatch mode sees:
+the recorder then reads such a tensor from the op that made its storage (memplan.estimator.recorder,
+`producers`), and the storages' lifetimes are settled from what the run still holds at the
+iteration's end (memplan.estimator.swapped_storages).
 
-Not traced yet: ZeRO stage 3 (its parameters gathered and released through `.data` as well, and the
-gathered storages a step starts with freed during it, which the trace would count to the step's end),
-gradient accumulation inside the engine, offload to the host, fp16 with loss scaling, and torch's
-autocast around DeepSpeed.
+Not traced yet: gradient accumulation inside the engine, offload to the host, fp16 with loss
+scaling, torch's autocast around DeepSpeed, and stage 1 (torch's own is `--parallel zero1`).
 """
 
 from __future__ import annotations
@@ -47,10 +55,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.errors import SettingsError
-
-OPTION = "--parallel zero2"
-ZERO_STAGE = 2
-
+from memplan.settings import DEEPSPEED_STAGES
 
 # Keys of a DeepSpeed configuration that memplan's own settings decide (batch, accumulation,
 # precision, optimizer): the user's values for them are replaced.
@@ -64,13 +69,19 @@ MEMPLAN_SETS = (
     "fp16",
     "torch_autocast",
 )
-# transformers' HfDeepSpeedConfig fills "auto" bucket sizes from the model's hidden size
-# (integrations/deepspeed.py, trainer_config_finalize): reduce_bucket_size = hidden_size².
-AUTO_FROM_HIDDEN_SIZE = {"reduce_bucket_size": lambda hidden: hidden * hidden}
+# transformers' HfDeepSpeedConfig fills "auto" sizes from the model's hidden size
+# (integrations/deepspeed.py, trainer_config_finalize): reduce_bucket_size = hidden_size², and with
+# stage 3 stage3_prefetch_bucket_size = int(0.9 × hidden_size²), stage3_param_persistence_threshold =
+# 10 × hidden_size.
+AUTO_FROM_HIDDEN_SIZE = {
+    "reduce_bucket_size": lambda hidden: hidden * hidden,
+    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
+    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
+}
 
 
 def deepspeed_config(
-    batch_size: int, precision: str, user_config: dict[str, Any] | None, hidden_size: int | None = None
+    stage: int, batch_size: int, precision: str, user_config: dict[str, Any] | None, hidden_size: int | None = None
 ) -> dict:
     """The configuration the rank's engine is built with: the user's (`--deepspeed`), with the ZeRO
     stage, batch, accumulation, precision and optimizer set from memplan's settings, and the
@@ -80,16 +91,16 @@ def deepspeed_config(
     for key, value in list(zero.items()):
         if value != "auto":
             continue
-        if key in AUTO_FROM_HIDDEN_SIZE and hidden_size is not None:
+        if key.startswith("stage3_") and (stage != 3 or key not in AUTO_FROM_HIDDEN_SIZE):
+            del zero[key]  # stage 3's settings that size no buffer (or a stage that reads none): DeepSpeed's default
+        elif key in AUTO_FROM_HIDDEN_SIZE and hidden_size is not None:
             zero[key] = AUTO_FROM_HIDDEN_SIZE[key](hidden_size)
-        elif key.startswith("stage3_"):
-            del zero[key]  # stage 3's settings: ZeRO-2 does not read them
         else:
             raise SettingsError(
                 f'--deepspeed: zero_optimization.{key} is "auto", which transformers fills from the model\'s '
                 "config and memplan cannot here: give a number"
             )
-    zero["stage"] = ZERO_STAGE
+    zero["stage"] = stage
     config["zero_optimization"] = zero
     config["train_micro_batch_size_per_gpu"] = batch_size
     config["gradient_accumulation_steps"] = 1
@@ -108,7 +119,7 @@ def _import_deepspeed() -> Any:
             import deepspeed
     except ImportError as error:
         raise SettingsError(
-            f"--parallel zero2 traces DeepSpeed's own ZeRO, which is not installed ({error}): "
+            f"--parallel zero2/zero3 trace DeepSpeed's own ZeRO, which is not installed ({error}): "
             "pip install deepspeed (or memplan[deepspeed])"
         ) from error
     if first_import:
@@ -120,14 +131,14 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-def _fresh_fake_group(world_size: int) -> None:
+def _fresh_fake_group(world_size: int, option: str) -> None:
     """A fake default group of `world_size` ranks for DeepSpeed, its own cached groups forgotten."""
     import deepspeed.comm.comm as deepspeed_comm
     import deepspeed.utils.groups as groups
 
     from memplan.distributed.fake_group import lingering_fake_group
 
-    lingering_fake_group(world_size, OPTION)
+    lingering_fake_group(world_size, option)
     deepspeed_comm.cdb = None
     groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     groups.mesh_device = None
@@ -147,10 +158,21 @@ def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Itera
     tensor's truth value unanswered (the model's forward: its own code must not be steered by it)."""
     # (`import deepspeed.comm.torch as ...` would bind torch itself: deepspeed.comm has an attribute `torch`)
     deepspeed_torch_backend = importlib.import_module("deepspeed.comm.torch")
+    import deepspeed.runtime.zero.partition_parameters as partition_parameters
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+    import deepspeed.runtime.zero.stage3 as stage3
+    import deepspeed.runtime.zero.utils as zero_utils
     from torch._subclasses.fake_tensor import FakeTensor
 
-    saved = [(deepspeed_torch_backend, "build_shm_op", deepspeed_torch_backend.build_shm_op)]
+    saved: list[tuple[Any, str, Any]] = [
+        (deepspeed_torch_backend, "build_shm_op", deepspeed_torch_backend.build_shm_op)
+    ]
     deepspeed_torch_backend.build_shm_op = lambda: None  # a shared-memory kernel for real CPU collectives
+    # Stage 3 asserts that every rank sees the same counts (all-reduced values: none on a fake group);
+    # each module imports the check by name.
+    for owner in (zero_utils, coordinator, stage3, partition_parameters):
+        saved.append((owner, "assert_ints_same_as_other_ranks", owner.assert_ints_same_as_other_ranks))
+        owner.assert_ints_same_as_other_ranks = _same_on_every_rank
     if truth_values:
         saved.append((FakeTensor, "__bool__", FakeTensor.__dict__.get("__bool__")))
         FakeTensor.__bool__ = lambda self: False  # type: ignore[method-assign]
@@ -171,6 +193,7 @@ def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Itera
             # them) and calls torch.distributed's deprecated all_gather_into_tensor: neither is the user's.
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor", category=UserWarning)
             warnings.filterwarnings("ignore", message=".*all_gather_into_tensor", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor", category=FutureWarning)
             yield
     finally:
         logger.setLevel(level)
@@ -179,6 +202,10 @@ def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Itera
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+def _same_on_every_rank(*_: Any, **__: Any) -> None:
+    return None  # what rank 0 sees is what every rank of a fake group sees
 
 
 class DeepSpeedRank:
@@ -196,16 +223,32 @@ class DeepSpeedRank:
         world_size: int,
         config: dict[str, Any],
     ) -> None:
+        """`config`: as deepspeed_config makes it (its zero_optimization.stage is 2 or 3)."""
         deepspeed = _import_deepspeed()
         from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
 
+        stage = config["zero_optimization"]["stage"]
+        option = f"--parallel {next(mode for mode, number in DEEPSPEED_STAGES.items() if number == stage)}"
+
         if not any(param.requires_grad for param in model.parameters()):
-            raise SettingsError("--parallel zero2: the model has no trainable parameter; leave out --parallel")
+            raise SettingsError(f"{option}: the model has no trainable parameter; leave out --parallel")
         LIBRARIES_HOLDING_TENSORS.add(os.path.dirname(os.path.dirname(deepspeed.runtime.engine.__file__)))
+        # Stage 3's all-gather handles keep their flat buffer until a fetch's last parameter is waited for
+        # (the file only: in its directory, stage 2's code points tensors at other storages, which a
+        # holder's lifetime would extend to the tensor's).
+        LIBRARIES_HOLDING_TENSORS.add(deepspeed.runtime.zero.partition_parameters.__file__)
         self.world_size = world_size
-        _fresh_fake_group(world_size)
-        with _fake_tensors_tolerated(self.world_size):
-            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        _fresh_fake_group(world_size, option)
+        linear = torch.nn.functional.linear
+        try:
+            with _fake_tensors_tolerated(self.world_size):
+                self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        finally:
+            # Stage 3 puts its own linear in torch.nn.functional for the rest of the process
+            # (partition_parameters.py, _enable_mem_efficient_linear: "This will persist unless manually
+            # reset"): the rank's model runs with it, as in the job, and the rest of memplan's process without.
+            self._linear = torch.nn.functional.linear
+            torch.nn.functional.linear = linear
         self.module: nn.Module = self.engine.module
         self.wrapper = self.engine
         self._noted: dict[StorageWeakRef, tuple[int, str]] = {}
@@ -213,7 +256,7 @@ class DeepSpeedRank:
         self._no_overflow()
 
     def backward(self, loss: torch.Tensor) -> None:
-        with _fake_tensors_tolerated(self.world_size):
+        with self._running():
             self.engine.backward(loss)
         # The rank's reduced gradient partition, which the step reads and then drops.
         for value in getattr(self.engine.optimizer, "averaged_gradients", {}).values():
@@ -225,29 +268,53 @@ class DeepSpeedRank:
     def step(self) -> None:
         """DeepSpeed's step: the optimizer over the rank's partition, the parameters gathered back
         (ZeRO-2) and the gradients zeroed, all inside the engine."""
-        with _fake_tensors_tolerated(self.world_size):
+        with self._running():
             self.engine.step()
 
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
-        return _fake_tensors_tolerated(self.world_size, truth_values=False)
+        return self._running(truth_values=False)
+
+    @contextlib.contextmanager
+    def _running(self, truth_values: bool = True) -> Iterator[None]:
+        """While DeepSpeed runs the rank: what fake tensors need from it, and the linear it put in place."""
+        linear = torch.nn.functional.linear
+        torch.nn.functional.linear = self._linear
+        try:
+            with _fake_tensors_tolerated(self.world_size, truth_values):
+                yield
+        finally:
+            torch.nn.functional.linear = linear
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        """The rank's float32 partitions (the inner optimizer's parameters) and their state."""
+        """The rank's float32 partitions (the inner optimizer's parameters; ZeRO-3 hands them to it only
+        while it steps, stage3.py `_optimizer_step`) and their state."""
         inner = self.engine.optimizer.optimizer
         tensors = [param for group in inner.param_groups for param in group["params"]]
+        tensors.extend(getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", []))
         for state in inner.state.values():
             tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
         return tensors
 
     def buckets(self) -> list[torch.Tensor]:
-        """None kept between steps: ZeRO-2 makes its reduce buckets in each backward (noted_storages)."""
-        return []
+        """The reduce buckets kept between steps: ZeRO-3's, made once (stage3.py, IPGBucketZ3.buffer);
+        ZeRO-2 makes its own in each backward (noted_storages)."""
+        buckets = getattr(self.engine.optimizer, "ipg_buckets", {}).values()
+        return [bucket.buffer for bucket in buckets if isinstance(bucket.buffer, torch.Tensor)]
 
     def noted_storages(self) -> list[tuple[StorageWeakRef, int, str]]:
         """What DeepSpeed made and let go inside the traced step, by category: the reduce buckets,
         made at each backward's start and released at its end (`_release_ipg_buffers`), and the
-        gradient partition the step reads."""
-        return [(key, nbytes, category) for key, (nbytes, category) in self._noted.items()]
+        gradient partition the step reads; and what ZeRO-3 keeps beside the (empty) parameters: their
+        16-bit partitions and the partitions' gradient buffer."""
+        noted = [(key, nbytes, category) for key, (nbytes, category) in self._noted.items()]
+        zero = self.engine.optimizer
+        kept = [(flat, "parameters") for flat in getattr(zero, "fp16_partitioned_groups_flat", [])]
+        kept.append((getattr(zero, "grad_partitions_flat_buffer", None), "gradients"))
+        for tensor, category in kept:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                noted.append((StorageWeakRef(storage), storage.nbytes(), category))
+        return noted
 
     def _no_overflow(self) -> None:
         """The overflow check runs (its temporaries count) and finds none, as in a healthy step: it
@@ -284,3 +351,9 @@ class DeepSpeedRank:
 
     def before_traced_iteration(self) -> None:
         self._noted.clear()  # what the warm-up or an earlier trace noted is gone: only this step's count
+        if getattr(self.engine, "zero_optimization_stage", lambda: 0)() == 3:
+            # ZeRO-3's parameters gathered as the step starts: the persistent ones (the rest are empty)
+            for param in self.module.parameters():
+                storage = param.untyped_storage()
+                if storage.nbytes():
+                    self._noted[StorageWeakRef(storage)] = (storage.nbytes(), "unsharded_parameters")

@@ -116,9 +116,17 @@ class EagerLifetimes(TorchDispatchMode):
         self._formula_starting = False  # a Node's pre-hook ran: the next ops are its formula's
         self._in_formula = False
         self._hooked = False
+        self._finished = False  # finish() ran: the step it watched is over
 
     def _formula_called(self, grad_outputs: object) -> None:
         self._formula_starting = True
+        # The frames that returned since the last op are let go now, not at the next op: a Python
+        # autograd Function's backward (DeepSpeed's ZeRO-3 linear) returns a weight's gradient from
+        # its frame's locals, which live on in the frame while memplan holds it, and AccumulateGrad,
+        # which may run next, adopts an incoming gradient only where nothing else refers to it
+        # (accumulate_grad.h, is_tensor_stealable): it would copy it instead, which the run does not.
+        if not self._finished:  # a Node of an earlier trace's graph, run later, keeps its hooks
+            self._observe_frames(self.node_count() - 1)
 
     def _formula_returned(self, grad_inputs: object, grad_outputs: object) -> None:
         self._formula_done = True
@@ -193,6 +201,7 @@ class EagerLifetimes(TorchDispatchMode):
         self.local_lifetimes.append((key, self.node_count() - 1))
 
     def finish(self) -> None:
+        self._finished = True
         end = self.node_count() - 1
         for frame in self._frames:
             self._record_locals(frame, end)

@@ -111,22 +111,26 @@ def _grad_fn(tensor: torch.Tensor) -> object | None:
     return node if isinstance(node, torch.autograd.function.BackwardCFunction) else None
 
 
-# Source folders of libraries that keep tensors they make in Python objects past their last use by
-# an op, until they drop them: what an op called from their code makes lives until its Python object
-# is freed. FSDP2 keeps the last all-gather's buffers until the next all-gather, and the last
+# Source folders (or single files) of libraries that keep tensors they make in Python objects past
+# their last use by an op, until they drop them: what an op called from their code makes lives until
+# its Python object is freed. FSDP2 keeps the last all-gather's buffers until the next all-gather, and the last
 # reduce-scatter's input until the next reduce-scatter (AllGatherState, ReduceScatterState in
 # _fsdp_param_group.py: on CUDA, until the collective's stream is done with them). Registered by
-# memplan.distributed.fsdp.
+# memplan.distributed.fsdp and .deepspeed.
 LIBRARIES_HOLDING_TENSORS: set[str] = set()
 _OPS_FILE = os.path.join(os.path.dirname(torch.__file__), "_ops.py")
 
 
 def called_from_holding_library(frame: FrameType | None) -> bool:
     """Whether the Python code that called an op (`frame`, the first frame outside the dispatch mode)
-    is a library's in LIBRARIES_HOLDING_TENSORS; torch.ops' own call wrapper is looked through."""
+    is a library's in LIBRARIES_HOLDING_TENSORS (its directory, or the file itself); torch.ops' own call
+    wrapper is looked through."""
     if frame is not None and frame.f_code.co_filename == _OPS_FILE:
         frame = frame.f_back
-    return frame is not None and os.path.dirname(frame.f_code.co_filename) in LIBRARIES_HOLDING_TENSORS
+    if frame is None:
+        return False
+    filename = frame.f_code.co_filename
+    return filename in LIBRARIES_HOLDING_TENSORS or os.path.dirname(filename) in LIBRARIES_HOLDING_TENSORS
 
 
 _OPTIMIZER_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep

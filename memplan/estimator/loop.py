@@ -49,7 +49,7 @@ from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
-from memplan.settings import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES, TrainingSettings
+from memplan.settings import DDP_MODES, DEEPSPEED_MODES, DEEPSPEED_STAGES, FSDP_MODES, TrainingSettings
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,
@@ -135,7 +135,10 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
 
         assert optimizer is not None  # settings refuse --optimizer none
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)  # transformers' "auto"
-        config = deepspeed_config(settings.batch_size, settings.precision, settings.deepspeed_settings, hidden_size)
+        stage = DEEPSPEED_STAGES[settings.parallel]
+        config = deepspeed_config(
+            stage, settings.batch_size, settings.precision, settings.deepspeed_settings, hidden_size
+        )
         data_parallel = DeepSpeedRank(model, optimizer, settings.world_size, config)
         model = data_parallel.wrapper
     state = TrainingState(

@@ -35,6 +35,7 @@ from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+_ALIAS = torch.ops.aten.alias.default
 
 
 def fake_device_query(func: object, args: Sequence[object]) -> torch.device | None:
@@ -78,15 +79,30 @@ class GraphRecorder(TorchDispatchMode):
 
     def node_of(self, tensor: torch.Tensor) -> OpNode:
         node = self._node_of.get(tensor)
-        if node is not None and self.producers is not None:
+        if self.producers is not None:
             storage = tensor.untyped_storage()._cdata
-            if node.meta["val"].untyped_storage()._cdata != storage:  # its .data was set to another tensor's
-                node = self.producers.get(storage)
+            # Its .data was set to another tensor's (or it is read first, a parameter pointed at a storage
+            # an op made: ZeRO-3's gathered parameters): the op that made that storage.
+            if node is None or node.meta["val"].untyped_storage()._cdata != storage:
+                node = self._view_of_producer(tensor, self.producers.get(storage))
         if node is None:
             node = self.graph.add(OpNode("get_attr", f"_constant_{self._constants}"))
             self._constants += 1
             node.meta["val"] = alias(tensor)
             self._node_of[tensor] = node
+        return node
+
+    def _view_of_producer(self, tensor: torch.Tensor, producer: OpNode | None) -> OpNode | None:
+        """`tensor` as a view of the op output that made its storage (an `aten.alias` node with its own
+        shape and strides, which ops reading it see), or None where no recorded op made it."""
+        if producer is None:
+            return None
+        made = producer.meta["val"]
+        if isinstance(made, torch.Tensor) and (made.shape, made.stride()) == (tensor.shape, tensor.stride()):
+            return producer
+        node = self.graph.add(OpNode("call_function", _ALIAS, (producer,), None, [producer]))
+        node.meta["val"] = alias(tensor)
+        self._node_of[tensor] = node
         return node
 
     def _argument(self, value: Any, inputs: list[OpNode]) -> Any:

@@ -52,6 +52,7 @@ from memplan.estimator.loop import (
 from memplan.estimator.opgraph import OpGraph
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
+from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
 from memplan.finetune.bnb_kernels import int8_matmul_as_on_cuda
 from memplan.finetune.quantize import logical_numel
 from memplan.models.source import ModelSpec
@@ -83,6 +84,8 @@ class TracedStep:
     released_early: tuple[tuple[StorageWeakRef, int, int], ...] = ()
     # --parallel fsdp: FSDP2's unsharded parameter storages, allocated and freed by resizing, in order.
     storage_resizes: tuple[StorageResize, ...] = ()
+    # --parallel zero2/zero3: the storages DeepSpeed swapped under parameters (memplan.estimator.swapped_storages).
+    swapped_storages: SwappedStorages | None = None
 
 
 @contextlib.contextmanager
@@ -226,6 +229,7 @@ class _Observed:
     started: float  # perf_counter when the trace began
     unknown_ops: set[str]  # ran with a target behaviour memplan does not know
     resizes: list[StorageResize]  # FSDP2's
+    swapped: SwappedStorages | None = None  # where a library swaps storages under parameters
 
 
 def _traced_step(
@@ -250,8 +254,8 @@ def _traced_step(
         storage_categories=stored[0],
         storage_bytes=stored[1],
         node_modules=observed.tracker.per_node(node_count),
-        parameter_count=sum(logical_numel(p) for p in state.model.parameters()),
-        trainable_parameter_count=sum(p.numel() for p in state.trainable),
+        parameter_count=sum(_weights(p) for p in state.model.parameters()),
+        trainable_parameter_count=sum(_weights(p) for p in state.trainable),
         checkpointed_blocks=state.checkpointed_blocks,
         python_lifetimes=observed.eager_lifetimes.local_lifetimes,
         backward_node_ops=observed.eager_lifetimes.backward_node_ops,
@@ -260,7 +264,15 @@ def _traced_step(
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
         released_early=tuple(released_early),
         storage_resizes=tuple(observed.resizes),
+        swapped_storages=observed.swapped,
     )
+
+
+def _weights(param: torch.Tensor) -> int:
+    """The weights a parameter stands for: a 4-bit layer's packed bytes hold two each, and a ZeRO-3
+    parameter, an empty tensor between uses, keeps its full size as `ds_numel` (partition_parameters.py)."""
+    full = getattr(param, "ds_numel", None)
+    return int(full) if full is not None else logical_numel(param)
 
 
 def _note_when_freed(
@@ -459,7 +471,17 @@ def trace_step(
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).
         target_kernels = _target_kernels(settings)
         resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
-        with fake_mode, tracker, real_run_paths(), target_kernels as unknown_ops, recorder, resizes_recorded as resizes:
+        swapping = recorder.producers is not None
+        swaps = parameter_data_swaps(recorder.node_count) if swapping else contextlib.nullcontext()
+        with (
+            fake_mode,
+            tracker,
+            real_run_paths(),
+            target_kernels as unknown_ops,
+            recorder,
+            resizes_recorded as resizes,
+            swaps as swaps_seen,
+        ):
             with lifetimes_tracked(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()
@@ -487,10 +509,15 @@ def trace_step(
                 # What outlives one trace of the fake model, besides the gradients.
                 if not recording.is_replayable(model_tensors(state) + optimizer_tensors(state)) or resizes:
                     recording = None  # FSDP2's step runs on local shards a replay cannot substitute
+            if swaps_seen is not None:
+                # DeepSpeed's step swaps storages too (stage 3 partitions and gathers parameters):
+                # watched through it, and never replayed (the recording's tensors would count as held).
+                recording = None
     except MemplanError:
         raise
     except Exception as error:  # any failure inside the user's model becomes one clear message
         raise _trace_failure(error, tracker.current(), spec, state.batch) from error
+    held_at_end = storages_held_by_fake_tensors() if swaps_seen is not None else None
     graph = recorder.finish(grads)
     categories, sizes = _categorize(state, grads)
     released_early = []
@@ -498,5 +525,9 @@ def trace_step(
         for key, nbytes in previous_grads:
             categories[key] = "gradients"
             released_early.append((key, nbytes, boundaries["zero_grad"] - 1))
-    observed = _Observed(tracker, eager_lifetimes, started, unknown_ops, resizes)
+    swapped = None if swaps_seen is None else SwappedStorages(swaps_seen, held_at_end or frozenset())
+    for key in swaps_seen.entered.values() if swaps_seen is not None else ():
+        if categories.get(key, "parameters") == "parameters":  # ZeRO-3's gathered parameters, whole
+            categories[key] = "unsharded_parameters"
+    observed = _Observed(tracker, eager_lifetimes, started, unknown_ops, resizes, swapped)
     return _traced_step(graph, state, boundaries, (categories, sizes), observed, recording, released_early)

@@ -12,6 +12,7 @@ largest where a dimension does not divide evenly).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
-from memplan.settings import DDP_MODES, TrainingSettings
+from memplan.settings import DDP_MODES, DEEPSPEED_MODES, TrainingSettings
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,16 @@ class Technique:
     name: str
     changes: dict[str, Any]
     cost: str  # what it trades for memory, in words
+
+
+def _for_stage_of(parallel: str, base: TrainingSettings) -> str | None:
+    """The base's DeepSpeed configuration (JSON text) for a row of another ZeRO stage: its stage left
+    to the row's --parallel, the rest (bucket sizes, thresholds) kept."""
+    if base.deepspeed_config is None:
+        return None
+    config = base.deepspeed_settings
+    zero = {key: value for key, value in (config.get("zero_optimization") or {}).items() if key != "stage"}
+    return json.dumps({**config, "zero_optimization": zero}, sort_keys=True)
 
 
 def techniques(base: TrainingSettings) -> list[Technique]:
@@ -75,12 +86,17 @@ def techniques(base: TrainingSettings) -> list[Technique]:
             "DeepSpeed ZeRO-2 (optimizer state and gradients partitioned)",
             "communication: gradient buckets reduced, parameters all-gathered after each step",
         ),
+        (
+            "zero3",
+            "DeepSpeed ZeRO-3 (parameters partitioned too)",
+            "communication: parameters gathered for each module's forward and backward, gradient buckets reduced",
+        ),
     )
     if base.parallel != "none":  # the same ranks, sharded
         for parallel, name, cost in sharding:
             if base.parallel != parallel:
-                # A --deepspeed configuration belongs to the zero2 row it was given with, if any.
-                keep = base.deepspeed_config if parallel == "zero2" else None
+                # A --deepspeed configuration goes to the other DeepSpeed rows, with their own stage.
+                keep = _for_stage_of(parallel, base) if parallel in DEEPSPEED_MODES else None
                 overrides = {"parallel": parallel, "ddp_bucket_view": False, "deepspeed_config": keep}
                 found.append(Technique(name, overrides, cost))
     if base.checkpoint == "none":

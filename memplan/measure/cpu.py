@@ -3,11 +3,15 @@
 A dispatch mode sees every op's outputs; each storage is counted once from its first appearance
 until a weakref finalizer reports it freed. Storages that existed before the measured iteration
 (parameters, buffers, optimizer state, the batch, cached constants the model reads) are counted
-for the whole iteration.
+for the whole iteration, except under a data-parallel wrapper that swaps storages under its
+parameters (DeepSpeed: ZeRO-3 releases the gathered parameters an iteration starts with), where every
+tensor Python holds as the iteration starts is counted until it is freed.
 """
 
 from __future__ import annotations
 
+import gc
+import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -43,14 +47,21 @@ class CpuMeasurement:
 class LiveStorageCounter(TorchDispatchMode):
     """Counts bytes of live tensor storages created or read while active."""
 
-    def __init__(self) -> None:
+    def __init__(self, statics_may_be_freed: bool = False) -> None:
+        """`statics_may_be_freed`: a storage alive before the iteration is counted until it is freed, not
+        to the iteration's end (where a library frees what the iteration started with: ZeRO-3's
+        gathered parameters, released as its step begins)."""
         super().__init__()
+        self._statics_may_be_freed = statics_may_be_freed
         self.static_bytes = 0
         self.dynamic_bytes = 0
         self.dynamic_peak_bytes = 0
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
 
     def add_static(self, tensor: torch.Tensor) -> None:
+        if self._statics_may_be_freed:
+            self.add_live(tensor)
+            return
         storage = local_tensor(tensor).untyped_storage()
         key = storage._cdata
         if key not in self._live:
@@ -133,6 +144,15 @@ def _static_tensors(state: TrainingState) -> list[torch.Tensor]:
     return model_tensors(state) + optimizer_tensors(state) + tensors_in(state.batch)
 
 
+def _tensors_alive() -> list[torch.Tensor]:
+    """Every tensor Python holds now: what a library that swaps storages under its parameters keeps
+    beside them (DeepSpeed's partitions, buckets and gathered parameters)."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() reads __class__ of deprecated aliases (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
+
+
 def measure_cpu(
     spec: ModelSpec, settings: TrainingSettings, *, warmup_iterations: int = 1, seed: int = 0
 ) -> CpuMeasurement:
@@ -141,8 +161,9 @@ def measure_cpu(
     state = prepare(spec, settings)
     for _ in range(warmup_iterations):
         iteration(state)
-    counter = LiveStorageCounter()
-    for tensor in _static_tensors(state):
+    swaps = getattr(state.data_parallel, "swaps_storages", False)
+    counter = LiveStorageCounter(statics_may_be_freed=swaps)
+    for tensor in _static_tensors(state) + (_tensors_alive() if swaps else []):
         counter.add_static(tensor)
     for grad in current_grads(state):
         counter.add_live(grad)

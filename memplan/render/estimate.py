@@ -63,6 +63,7 @@ def _describe_parallel(s: TrainingSettings) -> str:
         "fsdp": "FSDP2",
         "fsdp-grad-op": "FSDP2 (no reshard after forward)",
         "zero2": "DeepSpeed ZeRO-2",
+        "zero3": "DeepSpeed ZeRO-3",
     }[s.parallel]
     mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
     return (
@@ -103,7 +104,7 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             continue
         if key == "communication" and result.settings.parallel == "none":
             continue
-        if key == "unsharded_parameters" and result.settings.parallel not in FSDP_MODES:
+        if key == "unsharded_parameters" and result.settings.parallel not in (*FSDP_MODES, "zero3"):
             continue
         share = value / result.peak_bytes if result.peak_bytes else 0.0
         label = _CATEGORY_LABELS[key]

@@ -22,7 +22,7 @@ CATEGORY_LABELS = {
     "inputs": "inputs",
     "workspaces": "cuBLAS / cuDNN workspaces",
     "communication": "communication buffers (DDP buckets, FSDP2 collectives)",
-    "unsharded_parameters": "unsharded parameters (FSDP2)",
+    "unsharded_parameters": "unsharded parameters (FSDP2, ZeRO-3)",
 }
 CATEGORY_COLOURS = {  # matplotlib's tab10, one colour per category
     "parameters": "#1f77b4",

@@ -1,0 +1,48 @@
+"""memplan.estimator.swapped_storages: which storages parameters' `.data` left and entered, and which a
+fake tensor still holds, on tensors built here."""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memplan.estimator.swapped_storages import parameter_data_swaps, storages_held_by_fake_tensors
+
+
+def test_a_parameter_pointed_elsewhere_is_noted_with_the_op_count_then():
+    param = torch.nn.Parameter(torch.zeros(4))
+    first = param.untyped_storage()._cdata
+    gathered = torch.ones(8)
+    count = iter([3, 7])
+    with parameter_data_swaps(lambda: next(count)) as swaps:
+        param.data = gathered[:4]  # onto a storage of 32 bytes
+        param.data = torch.empty(0)  # released, as ZeRO-3's free_param does
+    assert swaps.left_at == {first: 3, gathered.untyped_storage()._cdata: 7}
+    assert list(swaps.entered) == [gathered.untyped_storage()._cdata]  # the empty placeholder is not noted
+    assert "data" not in torch.nn.Parameter.__dict__  # the property is gone afterwards
+    param.data = torch.ones(2)
+    assert param.tolist() == [1.0, 1.0]
+
+
+def test_a_fake_parameter_is_watched_and_a_plain_tensor_is_not():
+    with FakeTensorMode():
+        param = torch.nn.Parameter(torch.zeros(4))  # a FakeTensor marked as a parameter
+        plain = torch.zeros(4)
+        replacement = torch.zeros(6)
+        with parameter_data_swaps(lambda: 1) as swaps:
+            plain.data = torch.zeros(5)
+            param.data = replacement
+    assert type(param) is not torch.nn.Parameter and isinstance(param, torch.nn.Parameter)
+    assert list(swaps.entered) == [replacement.untyped_storage()._cdata] and len(swaps.left_at) == 1
+
+
+def test_only_storages_a_fake_tensor_still_refers_to_are_held():
+    with FakeTensorMode():
+        kept = torch.zeros(16)
+        view_only = torch.zeros(16)[2:4]  # its base's storage, through the view
+        dropped = torch.zeros(16)
+        dropped_storage = dropped.untyped_storage()._cdata
+        del dropped
+    held = storages_held_by_fake_tensors()
+    assert kept.untyped_storage()._cdata in held and view_only.untyped_storage()._cdata in held
+    assert dropped_storage not in held
