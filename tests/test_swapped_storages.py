@@ -46,3 +46,27 @@ def test_only_storages_a_fake_tensor_still_refers_to_are_held():
     held = storages_held_by_fake_tensors()
     assert kept.untyped_storage()._cdata in held and view_only.untyped_storage()._cdata in held
     assert dropped_storage not in held
+
+
+def test_lifetimes_settle_as_the_run_held_the_storages():
+    """A storage the iteration started with and nothing holds at its end lives to its last reader or
+    until a parameter left it, whichever is later; one a parameter entered that is still held lives to
+    the end; the rest keep what the graph says."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from memplan.estimator.swapped_storages import ParameterSwaps, SwappedStorages, settle_lifetimes
+
+    tensors = [torch.zeros(4) for _ in range(5)]
+    released_late, released_early, kept_static, regathered, temporary = (
+        StorageWeakRef(tensor.untyped_storage()) for tensor in tensors
+    )
+    swaps = ParameterSwaps(
+        left_at={released_late.cdata: 31, released_early.cdata: 5},
+        entered={regathered.cdata: regathered, temporary.cdata: temporary},
+    )
+    held = frozenset({kept_static.cdata, regathered.cdata})
+    static = {released_late, released_early, kept_static}
+    read_until = {released_late: 12, released_early: 20, kept_static: 3, regathered: 41, temporary: 42}
+    last_use = {released_late: 50, released_early: 50, kept_static: 50, regathered: 41, temporary: 42}
+    settle_lifetimes(SwappedStorages(swaps, held), static, read_until, last_use, 50)
+    assert last_use == {released_late: 30, released_early: 20, kept_static: 50, regathered: 50, temporary: 42}

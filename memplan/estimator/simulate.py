@@ -30,7 +30,7 @@ from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.loop import LOOPS_KEEPING_GRADIENTS
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
-from memplan.estimator.swapped_storages import SwappedStorages
+from memplan.estimator.swapped_storages import settle_lifetimes
 from memplan.estimator.timeline import (
     BREAKDOWN_KEYS,
     PHASES,
@@ -296,7 +296,7 @@ def liveness(traced: TracedStep) -> Liveness:
     for key in static:
         last_use[key] = end
     if traced.swapped_storages is not None:
-        _settle_swapped(traced.swapped_storages, static, read_until, last_use, end)
+        settle_lifetimes(traced.swapped_storages, static, read_until, last_use, end)
     for source in nodes[-1].all_input_nodes if nodes and nodes[-1].op == "output" else []:
         for key, _ in storages[index_of[source]]:
             last_use[key] = end
@@ -313,27 +313,6 @@ def liveness(traced: TracedStep) -> Liveness:
     unsupported.update(dict.fromkeys(traced.unknown_target_ops))
     size = {key: round_for_device(nbytes, traced.settings) for key, nbytes in requested.items()}
     return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested, streams)
-
-
-def _settle_swapped(
-    swapped: SwappedStorages,
-    static: set[Any],
-    read_until: dict[Any, int],
-    last_use: dict[Any, int],
-    end: int,
-) -> None:
-    """Lifetimes where a library swapped storages under parameters (memplan.estimator.swapped_storages):
-    a storage the iteration started with that nothing holds at its end lives through its last reader
-    or the last op before a parameter left it, whichever is later; one made during it that a parameter
-    was pointed at and something still holds lives to the end (ZeRO-3's persistent parameters, gathered
-    again after the step)."""
-    for key in last_use:
-        if not isinstance(key, StorageWeakRef):
-            continue
-        if key in static and key.cdata not in swapped.held_at_end:
-            last_use[key] = max(read_until.get(key, 0), swapped.swaps.left_at.get(key.cdata, 0) - 1)
-        elif key not in static and key.cdata in swapped.swaps.entered and key.cdata in swapped.held_at_end:
-            last_use[key] = end
 
 
 def cublas_workspaces(traced: TracedStep) -> list[int]:

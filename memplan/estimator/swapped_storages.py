@@ -27,6 +27,7 @@ import gc
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -84,3 +85,25 @@ class SwappedStorages:
 
     swaps: ParameterSwaps
     held_at_end: frozenset[int]  # storage addresses some fake tensor still refers to as the iteration ends
+
+
+def settle_lifetimes(
+    swapped: SwappedStorages,
+    static: set[Any],
+    read_until: dict[Any, int],
+    last_use: dict[Any, int],
+    end: int,
+) -> None:
+    """Lifetimes (`last_use`, by storage key, node indices; `read_until`: the last reader of each) where a
+    library swapped storages under parameters (module docstring):
+    a storage the iteration started with that nothing holds at its end lives through its last reader
+    or the last op before a parameter left it, whichever is later; one made during it that a parameter
+    was pointed at and something still holds lives to the end (ZeRO-3's persistent parameters, gathered
+    again after the step)."""
+    for key in last_use:
+        if not isinstance(key, StorageWeakRef):
+            continue
+        if key in static and key.cdata not in swapped.held_at_end:
+            last_use[key] = max(read_until.get(key, 0), swapped.swaps.left_at.get(key.cdata, 0) - 1)
+        elif key not in static and key.cdata in swapped.swaps.entered and key.cdata in swapped.held_at_end:
+            last_use[key] = end

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -49,6 +48,7 @@ from memplan.estimator.loop import (
     optimizer_tensors,
     prepare,
 )
+from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.opgraph import OpGraph
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
@@ -111,49 +111,6 @@ def constant_item() -> Iterator[None]:
             FakeTensor.item = previous  # type: ignore[method-assign]
 
 
-class _ModuleTracker:
-    """Records which module is running as graph nodes are added, to name where the peak falls."""
-
-    def __init__(self, model: nn.Module, node_count: Callable[[], int]) -> None:
-        self.names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
-        self.stack: list[str] = []
-        self.transitions: list[tuple[int, str | None]] = [(0, None)]
-        self.handles: list = []
-        self._node_count = node_count
-
-    def _pre(self, module: nn.Module, args: object) -> None:
-        name = self.names.get(id(module))
-        if name is not None:
-            self.stack.append(name)
-            self.transitions.append((self._node_count(), name))
-
-    def _post(self, module: nn.Module, args: object, output: object) -> None:
-        if self.names.get(id(module)) is not None and self.stack:
-            self.stack.pop()
-            self.transitions.append((self._node_count(), self.stack[-1] if self.stack else None))
-
-    def current(self) -> str | None:
-        return self.stack[-1] if self.stack else None
-
-    def __enter__(self) -> _ModuleTracker:
-        self.handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._pre),
-            nn.modules.module.register_module_forward_hook(self._post),  # not on error: keep the failing module
-        ]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def per_node(self, node_count: int) -> list[str | None]:
-        result: list[str | None] = [None] * node_count
-        for (start, name), (end, _) in zip(self.transitions, self.transitions[1:] + [(node_count, None)], strict=True):
-            for index in range(start, min(end, node_count)):
-                result[index] = name
-        return result
-
-
 def _warm_up_optimizer(state: TrainingState) -> None:
     """Create the optimizer state a steady-state iteration finds (one untraced step on zero grads)."""
     if state.optimizer is None:
@@ -191,7 +148,7 @@ def _trace_custom_step(
         seen.extend((storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in grads)
 
     eager_lifetimes = EagerLifetimes(recorder.node_count)
-    tracker = _ModuleTracker(state.built_model, recorder.node_count)
+    tracker = ModuleTracker(state.built_model, recorder.node_count)
     try:
         target_kernels = _target_kernels(settings)
         resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
@@ -224,7 +181,7 @@ def _trace_custom_step(
 class _Observed:
     """What watched a recording besides the recorder, as it left it."""
 
-    tracker: _ModuleTracker  # which module ran each op
+    tracker: ModuleTracker  # which module ran each op
     eager_lifetimes: EagerLifetimes
     started: float  # perf_counter when the trace began
     unknown_ops: set[str]  # ran with a target behaviour memplan does not know
@@ -465,7 +422,7 @@ def trace_step(
         boundaries[phase] = recorder.node_count()
 
     eager_lifetimes = EagerLifetimes(recorder.node_count)
-    tracker = _ModuleTracker(state.built_model, recorder.node_count)
+    tracker = ModuleTracker(state.built_model, recorder.node_count)
     try:
         # Autocast's weight-cast cache stays on, as in the real run: EagerLifetimes records how
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).
