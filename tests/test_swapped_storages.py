@@ -49,24 +49,37 @@ def test_only_storages_a_fake_tensor_still_refers_to_are_held():
 
 
 def test_lifetimes_settle_as_the_run_held_the_storages():
-    """A storage the iteration started with and nothing holds at its end lives to its last reader or
-    until a parameter left it, whichever is later; one a parameter entered that is still held lives to
-    the end; the rest keep what the graph says."""
+    """A storage the iteration started with that a parameter left and nothing holds at its end lives to
+    its last reader or until the parameter left it, whichever is later; one a parameter entered that is
+    still held lives to the end; the rest keep what the graph says (a static storage no parameter left:
+    to the end, since nothing says when it went)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from memplan.estimator.swapped_storages import ParameterSwaps, SwappedStorages, settle_lifetimes
 
-    tensors = [torch.zeros(4) for _ in range(5)]
-    released_late, released_early, kept_static, regathered, temporary = (
+    tensors = [torch.zeros(4) for _ in range(7)]
+    released_late, released_early, kept_static, regathered, temporary, read_only, never_read = (
         StorageWeakRef(tensor.untyped_storage()) for tensor in tensors
     )
+    resized = "a storage FSDP2 resized"  # keys of other kinds are left as they are
     swaps = ParameterSwaps(
         left_at={released_late.cdata: 31, released_early.cdata: 5},
         entered={regathered.cdata: regathered, temporary.cdata: temporary},
     )
     held = frozenset({kept_static.cdata, regathered.cdata})
-    static = {released_late, released_early, kept_static}
-    read_until = {released_late: 12, released_early: 20, kept_static: 3, regathered: 41, temporary: 42}
-    last_use = {released_late: 50, released_early: 50, kept_static: 50, regathered: 41, temporary: 42}
+    # read_only: no parameter left it; never_read: a storage the graph never reads (noted by a wrapper)
+    static = {released_late, released_early, kept_static, read_only, never_read}
+    read_until = {released_late: 12, released_early: 20, kept_static: 3, regathered: 41, temporary: 42, read_only: 7}
+    last_use = {resized: 9, released_late: 50, released_early: 50, kept_static: 50, regathered: 41, temporary: 42}
+    last_use |= {read_only: 50, never_read: 50}
     settle_lifetimes(SwappedStorages(swaps, held), static, read_until, last_use, 50)
-    assert last_use == {released_late: 30, released_early: 20, kept_static: 50, regathered: 50, temporary: 42}
+    assert last_use == {
+        resized: 9,
+        released_late: 30,
+        released_early: 20,
+        kept_static: 50,
+        regathered: 50,
+        temporary: 42,
+        read_only: 50,
+        never_read: 50,
+    }

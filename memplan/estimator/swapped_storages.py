@@ -15,9 +15,11 @@ drops it after (`free_param`: `param.data = torch.empty(0)`), so
 Both are settled from the run itself at the iteration's end: which storages a fake tensor of the
 program still holds (every FakeTensor object Python still has, found through the cyclic collector's
 list of objects; memplan's own records of the graph hold detached meta tensors, not fake ones), and
-for each storage a Parameter's `.data` left, the last op before it did (a property on
-nn.Parameter while the iteration runs). Only for data-parallel wrappers that say they swap storages
-(`swaps_storages`), where it costs a scan of Python's objects.
+for each storage a parameter's `.data` left or entered, the last op before it did (a property on
+nn.Parameter and FakeTensor while the iteration runs: a parameter made from a fake tensor is a
+FakeTensor marked `_is_param`). A storage the iteration starts with dies early only where a parameter
+left it; with no such evidence it stays to the end, the safe side. Only for data-parallel wrappers that
+say they swap storages (`swaps_storages`), where it costs a scan of Python's objects.
 """
 
 from __future__ import annotations
@@ -96,14 +98,15 @@ def settle_lifetimes(
 ) -> None:
     """Lifetimes (`last_use`, by storage key, node indices; `read_until`: the last reader of each) where a
     library swapped storages under parameters (module docstring):
-    a storage the iteration started with that nothing holds at its end lives through its last reader
-    or the last op before a parameter left it, whichever is later; one made during it that a parameter
-    was pointed at and something still holds lives to the end (ZeRO-3's persistent parameters, gathered
-    again after the step)."""
+    a storage the iteration started with that a parameter left and nothing holds at its end lives
+    through its last reader or the last op before the parameter left it, whichever is later (one that
+    no parameter left keeps the graph's answer, to the end: nothing says when it went); one made during
+    it that a parameter was pointed at and something still holds lives to the end (ZeRO-3's persistent
+    parameters, gathered again after the step)."""
     for key in last_use:
         if not isinstance(key, StorageWeakRef):
             continue
-        if key in static and key.cdata not in swapped.held_at_end:
-            last_use[key] = max(read_until.get(key, 0), swapped.swaps.left_at.get(key.cdata, 0) - 1)
+        if key in static and key.cdata not in swapped.held_at_end and key.cdata in swapped.swaps.left_at:
+            last_use[key] = max(read_until.get(key, 0), swapped.swaps.left_at[key.cdata] - 1)
         elif key not in static and key.cdata in swapped.swaps.entered and key.cdata in swapped.held_at_end:
             last_use[key] = end
