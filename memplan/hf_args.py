@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import HfArgsError, SettingsError
-from memplan.settings import DEEPSPEED_STAGES, parse_deepspeed_config
+from memplan.settings import DEEPSPEED_MODE_OF_STAGE, parse_deepspeed_config
 
 # TrainingArguments.optim -> (memplan optimizer, optimizer implementation).
 OPTIMS: dict[str, tuple[str, str]] = {
@@ -153,8 +153,7 @@ def _with_deepspeed(
     """A Trainer run under DeepSpeed: one ZeRO-2 or ZeRO-3 rank traced with DeepSpeed itself (the
     Trainer hands bf16 to DeepSpeed's own, not to autocast); the other stages are refused in one line."""
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    modes = {number: mode for mode, number in DEEPSPEED_STAGES.items()}
-    if stage not in modes:
+    if stage not in DEEPSPEED_MODE_OF_STAGE:
         raise HfArgsError(
             f"--hf-args {path} runs DeepSpeed's ZeRO stage {stage}; memplan traces stages 2 and 3 (--parallel zero2, "
             "zero3). For stage 1 as torch implements it remove deepspeed and give --parallel zero1 with --world-size N"
@@ -164,7 +163,7 @@ def _with_deepspeed(
             f"--hf-args {path} sets fp16 with DeepSpeed, whose fp16 loss scaling memplan does not trace yet: "
             "use bf16, or remove fp16"
         )
-    settings["parallel"] = modes[stage]
+    settings["parallel"] = DEEPSPEED_MODE_OF_STAGE[stage]
     settings["deepspeed_config"] = json.dumps(config, sort_keys=True)
     if _flag(data, "bf16"):
         settings["precision"] = "bf16"  # DeepSpeed's bf16: a 16-bit model, float32 master weights

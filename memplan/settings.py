@@ -39,6 +39,7 @@ DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op")
 DEEPSPEED_STAGES = {"zero2": 2, "zero3": 3}  # DeepSpeed's engine wraps the model and the optimizer
 DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
+DEEPSPEED_MODE_OF_STAGE = {stage: mode for mode, stage in DEEPSPEED_STAGES.items()}
 DEEPSPEED_PRECISIONS = ("fp32", "bf16")  # bf16: DeepSpeed's own (16-bit model, float32 master partition)
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
 FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
@@ -382,8 +383,8 @@ class TrainingSettings:
         if self.deepspeed_config is not None:
             stage = (self.deepspeed_settings.get("zero_optimization") or {}).get("stage")
             if stage not in (None, traced):
-                modes = {number: mode for mode, number in DEEPSPEED_STAGES.items()}
-                instead = f"give --parallel {modes[stage]}" if stage in modes else "stage 1 as torch runs it is zero1"
+                mode = DEEPSPEED_MODE_OF_STAGE.get(stage)
+                instead = f"give --parallel {mode}" if mode else "stage 1 as torch runs it is zero1"
                 raise SettingsError(f"--deepspeed sets ZeRO stage {stage}; {option} traces stage {traced}: {instead}")
         if self.optimizer == "none":
             raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")

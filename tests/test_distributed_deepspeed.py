@@ -222,6 +222,44 @@ def test_transformers_auto_sizes_for_stage_3_are_filled_as_it_fills_them():
     assert deepspeed_config(2, 1, "bf16", user, hidden_size=1000)["zero_optimization"] == {"stage": 2}
 
 
+def test_compare_takes_the_file_to_the_other_stage_s_row(tmp_path):
+    """From a ZeRO-2 base with a --deepspeed file, the ZeRO-3 row runs that file's settings with its own
+    stage: the file's 20,000-element bucket, not DeepSpeed's default 500,000,000 (ZeRO-3 keeps it made
+    once: 20,000 float32 elements at its peak); the rows of torch's strategies take no file."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, **SMALL_BUCKET}}))
+    args = ["compare", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows", "--loss"]
+    args += ["tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero2"]
+    result = CliRunner().invoke(main, [*args, "--world-size", "2", "--deepspeed", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    stage3 = next(row for row in rows if row["settings"]["parallel"] == "zero3")
+    assert json.loads(stage3["settings"]["deepspeed_config"])["zero_optimization"] == SMALL_BUCKET
+    assert stage3["breakdown"]["communication"] == SMALL_BUCKET["reduce_bucket_size"] * 4
+    others = [row for row in rows if row["settings"]["parallel"] not in ("zero2", "zero3")]
+    assert others and all(row["settings"]["deepspeed_config"] is None for row in others)
+
+
+@pytest.mark.parametrize("parallel", ["zero2", "zero3"])
+def test_the_cpu_validator_measures_a_deepspeed_rank_as_the_allocator_does(parallel):
+    """`validate --device cpu` counts storages by dispatch (memplan.measure.cpu.measure_cpu); under
+    ZeRO-3 the gathered parameters an iteration starts with are freed in it, so the counter counts what
+    Python holds as it starts until it is freed. Its measurement against the allocator's own events
+    for the same run (tests/deepspeed_models.py)."""
+    from memplan.measure.cpu import measure_cpu
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    spec = resolve_model(
+        "tests.two_layer_mlp:two_layer", inputs="tests.two_layer_mlp:rows", loss="tests.two_layer_mlp:mean_square"
+    )
+    config = json.dumps({"zero_optimization": SMALL_BUCKET})
+    settings = TrainingSettings(batch_size=4, device="cpu", parallel=parallel, world_size=2, deepspeed_config=config)
+    counted = measure_cpu(spec, spec.settings_for(settings)).peak_bytes
+    measured = _measured("two-layer", 2, "fp32", SMALL_BUCKET, stage=DEEPSPEED_STAGES[parallel])
+    assert abs(counted - measured) <= 32, (counted, measured)
+
+
 def test_the_cli_names_a_zero3_rank():
     args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows"]
     args += ["--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero3"]

@@ -55,7 +55,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.errors import SettingsError
-from memplan.settings import DEEPSPEED_STAGES
+from memplan.settings import DEEPSPEED_MODE_OF_STAGE
 
 # Keys of a DeepSpeed configuration that memplan's own settings decide (batch, accumulation,
 # precision, optimizer): the user's values for them are replaced.
@@ -68,6 +68,7 @@ MEMPLAN_SETS = (
     "bf16",
     "fp16",
     "torch_autocast",
+    "zero_allow_untested_optimizer",
 )
 # transformers' HfDeepSpeedConfig fills "auto" sizes from the model's hidden size
 # (integrations/deepspeed.py, trainer_config_finalize): reduce_bucket_size = hidden_size², and with
@@ -105,6 +106,10 @@ def deepspeed_config(
     config["train_micro_batch_size_per_gpu"] = batch_size
     config["gradient_accumulation_steps"] = 1
     config["bf16"] = {"enabled": precision == "bf16"}
+    # memplan hands DeepSpeed its optimizer as the client optimizer, as transformers' Trainer does, which
+    # then allows optimizers DeepSpeed has not tested with ZeRO (integrations/deepspeed.py,
+    # deepspeed_optim_sched): without it torch's Adafactor or bitsandbytes' 8-bit Adam fail an assertion.
+    config["zero_allow_untested_optimizer"] = True
     return config
 
 
@@ -227,8 +232,8 @@ class DeepSpeedRank:
         deepspeed = _import_deepspeed()
         from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
 
-        stage = config["zero_optimization"]["stage"]
-        option = f"--parallel {next(mode for mode, number in DEEPSPEED_STAGES.items() if number == stage)}"
+        self.stage = config["zero_optimization"]["stage"]
+        option = f"--parallel {DEEPSPEED_MODE_OF_STAGE[self.stage]}"
 
         if not any(param.requires_grad for param in model.parameters()):
             raise SettingsError(f"{option}: the model has no trainable parameter; leave out --parallel")
@@ -351,7 +356,7 @@ class DeepSpeedRank:
 
     def before_traced_iteration(self) -> None:
         self._noted.clear()  # what the warm-up or an earlier trace noted is gone: only this step's count
-        if getattr(self.engine, "zero_optimization_stage", lambda: 0)() == 3:
+        if self.stage == 3:
             # ZeRO-3's parameters gathered as the step starts: the persistent ones (the rest are empty)
             for param in self.module.parameters():
                 storage = param.untyped_storage()

@@ -73,12 +73,17 @@ def parameter_data_swaps(node_count: Callable[[], int]) -> Iterator[ParameterSwa
         del torch.nn.Parameter.data, FakeTensor.data
 
 
-def storages_held_by_fake_tensors() -> frozenset[int]:
-    """The C++ addresses of the storages that some FakeTensor object Python still has refers to."""
-    gc.collect()  # tensors only a dropped cycle refers to are not the program's
+def tensors_python_holds(kind: type[torch.Tensor] = torch.Tensor) -> list[torch.Tensor]:
+    """Every tensor of `kind` Python still has, tensors only a dropped cycle refers to collected first."""
+    gc.collect()
     with warnings.catch_warnings():  # isinstance() reads __class__ of deprecated aliases (torch.distributed.reduce_op)
         warnings.simplefilter("ignore")
-        return frozenset(obj.untyped_storage()._cdata for obj in gc.get_objects() if isinstance(obj, FakeTensor))
+        return [obj for obj in gc.get_objects() if isinstance(obj, kind)]
+
+
+def storages_held_by_fake_tensors() -> frozenset[int]:
+    """The C++ addresses of the storages that some FakeTensor object Python still has refers to."""
+    return frozenset(tensor.untyped_storage()._cdata for tensor in tensors_python_holds(FakeTensor))
 
 
 @dataclass(frozen=True)

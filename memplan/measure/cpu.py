@@ -10,8 +10,6 @@ tensor Python holds as the iteration starts is counted until it is freed.
 
 from __future__ import annotations
 
-import gc
-import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -19,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -32,10 +31,11 @@ from memplan.estimator.loop import (
     optimizer_tensors,
     prepare,
 )
+from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
-from memplan.settings import FSDP_MODES, TrainingSettings
+from memplan.settings import DEEPSPEED_MODES, FSDP_MODES, TrainingSettings
 
 
 @dataclass(frozen=True)
@@ -144,13 +144,9 @@ def _static_tensors(state: TrainingState) -> list[torch.Tensor]:
     return model_tensors(state) + optimizer_tensors(state) + tensors_in(state.batch)
 
 
-def _tensors_alive() -> list[torch.Tensor]:
-    """Every tensor Python holds now: what a library that swaps storages under its parameters keeps
-    beside them (DeepSpeed's partitions, buckets and gathered parameters)."""
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() reads __class__ of deprecated aliases (torch.distributed.reduce_op)
-        warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not obj.is_meta]
+def _real(tensor: torch.Tensor) -> bool:
+    """A tensor with memory behind it: not a meta tensor, nor a fake one (an estimate's, in this process)."""
+    return not tensor.is_meta and not isinstance(tensor, FakeTensor)
 
 
 def measure_cpu(
@@ -158,12 +154,19 @@ def measure_cpu(
 ) -> CpuMeasurement:
     """Run `warmup_iterations` real iterations, then measure one steady-state iteration."""
     torch.manual_seed(seed)
+    # The process's own tensors before the run (kept referenced, so that no id is another's later).
+    before = tensors_python_holds() if settings.parallel in DEEPSPEED_MODES else []
     state = prepare(spec, settings)
     for _ in range(warmup_iterations):
         iteration(state)
     swaps = getattr(state.data_parallel, "swaps_storages", False)
     counter = LiveStorageCounter(statics_may_be_freed=swaps)
-    for tensor in _static_tensors(state) + (_tensors_alive() if swaps else []):
+    # Under a wrapper that swaps storages, every real tensor the run made that Python holds as the
+    # iteration starts (DeepSpeed's partitions, buckets and gathered parameters, beside the model's and
+    # the optimizer's tensors).
+    ours = {id(tensor) for tensor in before}
+    held = [tensor for tensor in tensors_python_holds() if id(tensor) not in ours and _real(tensor)] if swaps else []
+    for tensor in _static_tensors(state) + held:
         counter.add_static(tensor)
     for grad in current_grads(state):
         counter.add_live(grad)
