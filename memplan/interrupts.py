@@ -6,6 +6,16 @@ and an exception raised there is printed as "Exception ignored in ..." and dropp
 on. While `reliable_interrupts()` is active, SIGINT also sets a flag, and `raise_if_interrupted()`
 (called for every op a trace records, and between traces) raises KeyboardInterrupt again at a
 point where it propagates.
+
+Inside `deferred()` (importing torch, building and tracing a model under fake tensors) SIGINT only
+sets the flag. There Python code runs as callbacks of torch's C++ (static initialisers at import,
+hooks, finalizers, dispatch), and an exception raised at an arbitrary point of such a callback can
+cross a C++ frame that cannot pass it on: the process aborted ("terminate called after throwing an
+instance of 'python_error'", or pybind11's error_already_set while `import torch` ran; seen in CI
+and reproduced by signalling `python -c "import torch"`, 1 abort in 150). The interrupt is raised
+instead where an exception is routine: at the next op the trace records (an exception from
+__torch_dispatch__ is how torch reports an unsupported op) or where the block ends. A second
+Ctrl-C raises at once, for a user who insists.
 """
 
 from __future__ import annotations
@@ -21,17 +31,32 @@ requested = False  # read directly on hot paths (one attribute load per recorded
 # one (cleanup code failing on state the interrupt left half-done) is reported as the interrupt,
 # not as an internal error or a usage error.
 seen = False
+_deferring = 0  # depth of nested `deferred()` blocks
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     global requested, seen
+    insisted = requested
     requested = seen = True
-    raise KeyboardInterrupt
+    if _deferring == 0 or insisted:
+        raise KeyboardInterrupt
 
 
 def raise_if_interrupted() -> None:
     if requested:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Ctrl-C inside only sets the flag (see the module's docstring); it is raised when the block ends."""
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    raise_if_interrupted()
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from memplan import interrupts
 from memplan.cli.options import _quiet
 from memplan.compat import require_supported_torch
 from memplan.errors import MemplanError
-from memplan.interrupts import reliable_interrupts
+from memplan.interrupts import deferred, reliable_interrupts
 
 _ACTIVE_PROGRESS: list[Any] = []  # rich Status spinners on stderr, stopped before anything else prints
 
@@ -67,9 +67,11 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         _show_debug_messages()
     message, code = None, 0
     try:
-        require_supported_torch()
         try:
             with reliable_interrupts():
+                with deferred():  # imports torch: an interrupt must not land inside its C++ initialisers
+                    require_supported_torch()
+                    import torch  # noqa: F401  (also where MEMPLAN_ALLOW_UNSUPPORTED_TORCH skips the check)
                 action()
         finally:
             _stop_progress()
@@ -253,7 +255,8 @@ def _progress(as_json: bool) -> Callable[[str], None] | None:
 
 
 def _quiet_transformers() -> None:
-    from transformers.utils import logging as transformers_logging
+    with deferred():  # imports transformers (and torch): not interrupted inside their initialisers
+        from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()  # its config warnings are not the user's problem here
 

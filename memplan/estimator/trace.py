@@ -55,6 +55,7 @@ from memplan.estimator.replay import OptimizerRecording
 from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
 from memplan.finetune.bnb_kernels import int8_matmul_as_on_cuda
 from memplan.finetune.quantize import logical_numel
+from memplan.interrupts import deferred
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -333,6 +334,7 @@ class FakeSetup:
     state: TrainingState
 
 
+@deferred()
 def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
@@ -379,6 +381,7 @@ def _step_failure(error: Exception, settings: TrainingSettings) -> TraceError:
     )
 
 
+@deferred()
 def trace_step(
     spec: ModelSpec,
     settings: TrainingSettings,
