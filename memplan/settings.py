@@ -394,7 +394,6 @@ class TrainingSettings:
                 f"weights in the optimizer); --precision {self.precision} with DeepSpeed is not traced yet"
             )
         unsupported = _options_given(
-            ("--grad-accum", self.grad_accum, 1),
             ("--step", self.step, None),
             ("--quantize", self.quantize, None),
             ("--loop", self.loop, "canonical"),
@@ -402,7 +401,7 @@ class TrainingSettings:
         if unsupported:
             raise SettingsError(
                 f"{option} with {unsupported[0]}: DeepSpeed runs its own loop (engine.backward, engine.step), and "
-                "memplan traces it for one micro-batch per step, its canonical loop, unquantized; leave it out"
+                "memplan traces it as accelerate runs it (the canonical loop), unquantized; leave it out"
             )
 
     @property

@@ -25,10 +25,12 @@ def bf16_rows(batch_size: int) -> torch.Tensor:
     return rows(batch_size).to(torch.bfloat16)
 
 
-def deepspeed_config(stage: int, batch_size: int, precision: str, zero: dict[str, Any] | None = None) -> dict:
+def deepspeed_config(
+    stage: int, batch_size: int, precision: str, zero: dict[str, Any] | None = None, grad_accum: int = 1
+) -> dict:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch_size,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": grad_accum,
         "zero_optimization": {"stage": stage, **(zero or {})},
     }
     if precision == "bf16":
@@ -58,7 +60,8 @@ def measured_peak(
 ) -> int:
     """Rank 0's peak bytes in the third iteration of the real DeepSpeed step (two warm up), AdamW
     (torch's, handed to deepspeed.initialize as the client optimizer), with the variables deepspeed's
-    launcher sets."""
+    launcher sets. An iteration is `gradient_accumulation_steps` micro-batches, each followed by
+    `engine.step()` as accelerate calls it (the engine steps the optimizer at the last)."""
     with patch.dict(os.environ, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}):
         import deepspeed
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -82,9 +85,10 @@ def measured_peak(
                 rows = make_batch(config["train_micro_batch_size_per_gpu"])  # as the inputs function makes it
 
                 def iteration() -> None:
-                    loss = loss_of(engine(rows), rows)
-                    engine.backward(loss)
-                    engine.step()
+                    for _ in range(config["gradient_accumulation_steps"]):
+                        loss = loss_of(engine(rows), rows)
+                        engine.backward(loss)
+                        engine.step()
 
                 return iteration
 

@@ -83,3 +83,25 @@ def test_lifetimes_settle_as_the_run_held_the_storages():
         read_only: 50,
         never_read: 50,
     }
+
+
+def test_a_storage_the_library_says_it_drops_lives_to_its_last_reader():
+    """DeepSpeed's word that it drops a storage the iteration started with (ZeRO-2's accumulated
+    gradients) is evidence like a parameter leaving it: with nothing holding it at the end, it lives
+    through its last reader; still held, or never said, to the end."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from memplan.estimator.swapped_storages import ParameterSwaps, SwappedStorages, settle_lifetimes
+
+    tensors = [torch.zeros(4) for _ in range(4)]
+    dropped, dropped_but_held, dropped_after_a_parameter_left, unsaid = (
+        StorageWeakRef(tensor.untyped_storage()) for tensor in tensors
+    )
+    swaps = ParameterSwaps(left_at={dropped_after_a_parameter_left.cdata: 33})
+    said = frozenset({dropped.cdata, dropped_but_held.cdata, dropped_after_a_parameter_left.cdata})
+    static = {dropped, dropped_but_held, dropped_after_a_parameter_left, unsaid}
+    read_until = {dropped: 17, dropped_but_held: 17, dropped_after_a_parameter_left: 17, unsaid: 17}
+    last_use = {key: 50 for key in static}
+    held = frozenset({dropped_but_held.cdata})
+    settle_lifetimes(SwappedStorages(swaps, held, said), static, read_until, last_use, 50)
+    assert last_use == {dropped: 17, dropped_but_held: 50, dropped_after_a_parameter_left: 32, unsaid: 50}

@@ -32,8 +32,14 @@ the recorder then reads such a tensor from the op that made its storage (memplan
 `producers`), and the storages' lifetimes are settled from what the run still holds at the
 iteration's end (memplan.estimator.swapped_storages).
 
-Not traced yet: gradient accumulation inside the engine, offload to the host, fp16 with loss
-scaling, torch's autocast around DeepSpeed, and stage 1 (torch's own is `--parallel zero1`).
+Gradient accumulation (`--grad-accum N`) is DeepSpeed's own: `gradient_accumulation_steps` is N, the
+engine divides each micro-batch's loss by it and reduces each micro-batch's gradients into the rank's
+partition as they become ready, and the loop calls `engine.step()` after every micro-batch, as
+accelerate does; the optimizer runs at the last. The traced micro-batch is a step's last, after one
+untraced micro-batch made the accumulated partition.
+
+Not traced yet: offload to the host, fp16 with loss scaling, torch's autocast around DeepSpeed, and
+stage 1 (torch's own is `--parallel zero1`).
 """
 
 from __future__ import annotations
@@ -82,7 +88,12 @@ AUTO_FROM_HIDDEN_SIZE = {
 
 
 def deepspeed_config(
-    stage: int, batch_size: int, precision: str, user_config: dict[str, Any] | None, hidden_size: int | None = None
+    stage: int,
+    batch_size: int,
+    precision: str,
+    user_config: dict[str, Any] | None,
+    hidden_size: int | None = None,
+    grad_accum: int = 1,
 ) -> dict:
     """The configuration the rank's engine is built with: the user's (`--deepspeed`), with the ZeRO
     stage, batch, accumulation, precision and optimizer set from memplan's settings, and the
@@ -101,10 +112,17 @@ def deepspeed_config(
                 f'--deepspeed: zero_optimization.{key} is "auto", which transformers fills from the model\'s '
                 "config and memplan cannot here: give a number"
             )
+    for section in ("offload_optimizer", "offload_param"):
+        device = (zero.get(section) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise SettingsError(
+                f'--deepspeed: zero_optimization.{section} moves state to the host ("{device}"), which memplan '
+                f"does not trace yet (it would count that state on the GPU): remove {section} for a bound from above"
+            )
     zero["stage"] = stage
     config["zero_optimization"] = zero
     config["train_micro_batch_size_per_gpu"] = batch_size
-    config["gradient_accumulation_steps"] = 1
+    config["gradient_accumulation_steps"] = grad_accum  # the engine counts the micro-batches (after_micro_batch)
     config["bf16"] = {"enabled": precision == "bf16"}
     # memplan hands DeepSpeed its optimizer as the client optimizer, as transformers' Trainer does, which
     # then allows optimizers DeepSpeed has not tested with ZeRO (integrations/deepspeed.py,
@@ -257,6 +275,7 @@ class DeepSpeedRank:
         self.module: nn.Module = self.engine.module
         self.wrapper = self.engine
         self._noted: dict[StorageWeakRef, tuple[int, str]] = {}
+        self._accumulated: frozenset[int] = frozenset()
         self._note_released_buckets()
         self._no_overflow()
 
@@ -275,6 +294,20 @@ class DeepSpeedRank:
         (ZeRO-2) and the gradients zeroed, all inside the engine."""
         with self._running():
             self.engine.step()
+
+    def after_micro_batch(self) -> None:
+        """What a job's loop calls after each micro-batch but a step's last: `engine.step()`, which
+        there only counts the micro-batch (engine.py `step`: the optimizer runs only at the
+        accumulation boundary, which the engine's `micro_steps` tells). accelerate, and so the Trainer,
+        calls it after every backward (accelerate/utils/deepspeed.py, DeepSpeedEngineWrapper.backward)."""
+        with self._running():
+            self.engine.step()
+
+    def skip_micro_batches(self, count: int) -> None:
+        """Count `count` micro-batches as run without running them: a later micro-batch of a step finds
+        what the first left (the accumulated gradient partition; the ZeRO optimizer's `micro_step_id`
+        past 0, so it adds rather than copies), and only the engine's counter tells the step's last."""
+        self.engine.micro_steps += count
 
     def forward_context(self) -> contextlib.AbstractContextManager[None]:
         return self._running(truth_values=False)
@@ -354,8 +387,20 @@ class DeepSpeedRank:
     def after_warm_up(self) -> None:
         return None
 
+    def dropped_in_step(self) -> frozenset[int]:
+        """The storages (C++ addresses) the traced iteration started with that DeepSpeed drops in it:
+        ZeRO-2's gradients accumulated over the step's earlier micro-batches (`all_grad_tensors`),
+        added into once more by the last micro-batch's backward and dropped at its end
+        (stage_1_and_2.py, `independent_gradient_partition_epilogue`: `self.all_grad_tensors[i] = None`
+        at the accumulation boundary)."""
+        return self._accumulated
+
     def before_traced_iteration(self) -> None:
         self._noted.clear()  # what the warm-up or an earlier trace noted is gone: only this step's count
+        accumulated = getattr(self.engine.optimizer, "all_grad_tensors", {}).values()
+        self._accumulated = frozenset(
+            tensor.untyped_storage()._cdata for tensors in accumulated for tensor in tensors or [] if tensor is not None
+        )
         if self.stage == 3:
             # ZeRO-3's parameters gathered as the step starts: the persistent ones (the rest are empty)
             for param in self.module.parameters():

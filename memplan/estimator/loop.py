@@ -136,8 +136,9 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         assert optimizer is not None  # settings refuse --optimizer none
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)  # transformers' "auto"
         stage = DEEPSPEED_STAGES[settings.parallel]
+        user_config = settings.deepspeed_settings
         config = deepspeed_config(
-            stage, settings.batch_size, settings.precision, settings.deepspeed_settings, hidden_size
+            stage, settings.batch_size, settings.precision, user_config, hidden_size, settings.grad_accum
         )
         data_parallel = DeepSpeedRank(model, optimizer, settings.world_size, config)
         model = data_parallel.wrapper
@@ -193,7 +194,7 @@ def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
     if settings.loop == "zero-grad-before-backward" and current_grads(state) and not _accumulating(state):
         drop_grads(state)
         marker("zero_grad")
-    if settings.grad_accum > 1:
+    if settings.grad_accum > 1 and engine is None:  # DeepSpeed's engine.backward divides by it itself
         loss = loss / settings.grad_accum
     if state.loss_scale is not None:
         loss = loss * state.loss_scale
@@ -336,7 +337,10 @@ def iteration(state: TrainingState, marker: Marker = _no_marker) -> None:
     if state.settings.step is not None:
         custom_step(state, marker)
         return
-    for _ in range(state.settings.grad_accum):
+    engine = _engine(state)
+    for index in range(state.settings.grad_accum):
         micro_batch(state, marker)
         state.micro_batches_done += 1
+        if engine is not None and index < state.settings.grad_accum - 1:
+            engine.after_micro_batch()
     optimizer_step(state)

@@ -18,7 +18,8 @@ list of objects; memplan's own records of the graph hold detached meta tensors, 
 for each storage a parameter's `.data` left or entered, the last op before it did (a property on
 nn.Parameter and FakeTensor while the iteration runs: a parameter made from a fake tensor is a
 FakeTensor marked `_is_param`). A storage the iteration starts with dies early only where a parameter
-left it; with no such evidence it stays to the end, the safe side. Only for data-parallel wrappers that
+left it or the library says it drops it (DeepSpeed's accumulated gradients, after their last reader);
+with no such evidence it stays to the end, the safe side. Only for data-parallel wrappers that
 say they swap storages (`swaps_storages`), where it costs a scan of Python's objects.
 """
 
@@ -92,6 +93,9 @@ class SwappedStorages:
 
     swaps: ParameterSwaps
     held_at_end: frozenset[int]  # storage addresses some fake tensor still refers to as the iteration ends
+    # Storages the iteration starts with that the library itself drops in it (its own word, e.g.
+    # DeepSpeed's accumulated gradients; memplan.distributed.deepspeed): evidence like a parameter leaving.
+    dropped: frozenset[int] = frozenset()
 
 
 def settle_lifetimes(
@@ -104,14 +108,16 @@ def settle_lifetimes(
     """Lifetimes (`last_use`, by storage key, node indices; `read_until`: the last reader of each) where a
     library swapped storages under parameters (module docstring):
     a storage the iteration started with that a parameter left and nothing holds at its end lives
-    through its last reader or the last op before the parameter left it, whichever is later (one that
-    no parameter left keeps the graph's answer, to the end: nothing says when it went); one made during
+    through its last reader or the last op before the parameter left it, whichever is later, and one
+    the library says it drops, through its last reader (one with neither keeps the graph's answer, to
+    the end: nothing says when it went); one made during
     it that a parameter was pointed at and something still holds lives to the end (ZeRO-3's persistent
     parameters, gathered again after the step)."""
     for key in last_use:
         if not isinstance(key, StorageWeakRef):
             continue
-        if key in static and key.cdata not in swapped.held_at_end and key.cdata in swapped.swaps.left_at:
-            last_use[key] = max(read_until.get(key, 0), swapped.swaps.left_at[key.cdata] - 1)
+        dropped_by = swapped.swaps.left_at.get(key.cdata, 0 if key.cdata in swapped.dropped else None)
+        if key in static and key.cdata not in swapped.held_at_end and dropped_by is not None:
+            last_use[key] = max(read_until.get(key, 0), dropped_by - 1)
         elif key not in static and key.cdata in swapped.swaps.entered and key.cdata in swapped.held_at_end:
             last_use[key] = end

@@ -364,12 +364,18 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
 def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSettings, fake_mode: FakeTensorMode) -> None:
     """The gradients a DDP rank's last micro-batch (or a loop that keeps them) finds, made as DDP makes
     them: with gradient_as_bucket_view they are views into its buckets, not tensors of their own. What
-    the warm-up left is kept; where the loop dropped them, one untraced micro-batch makes them."""
-    if all(param.grad is not None for param in state.trainable):
+    the warm-up left is kept; where the loop dropped them, one untraced micro-batch makes them.
+    DeepSpeed's engine keeps a step's gradients in its own partition, not in `.grad`, and counts the
+    micro-batches itself: it always runs the untraced one, and is told the traced one is the step's last."""
+    engine_counts = hasattr(state.data_parallel, "after_micro_batch") and settings.grad_accum > 1
+    if not engine_counts and all(param.grad is not None for param in state.trainable):
         return
     state.micro_batches_done = max(settings.grad_accum - 2, 0)
     with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
         micro_batch(state)
+        if engine_counts:
+            state.data_parallel.after_micro_batch()
+            state.data_parallel.skip_micro_batches(settings.grad_accum - 2)
     state.micro_batches_done = settings.grad_accum - 1
 
 
@@ -485,7 +491,8 @@ def trace_step(
         for key, nbytes in previous_grads:
             categories[key] = "gradients"
             released_early.append((key, nbytes, boundaries["zero_grad"] - 1))
-    swapped = None if swaps_seen is None else SwappedStorages(swaps_seen, held_at_end or frozenset())
+    dropped = getattr(state.data_parallel, "dropped_in_step", frozenset)()
+    swapped = None if swaps_seen is None else SwappedStorages(swaps_seen, held_at_end or frozenset(), dropped)
     for key in swaps_seen.entered.values() if swaps_seen is not None else ():
         if categories.get(key, "parameters") == "parameters":  # ZeRO-3's gathered parameters, whole
             categories[key] = "unsharded_parameters"
