@@ -158,15 +158,17 @@ def _with_deepspeed(
             f"--hf-args {path} runs DeepSpeed's ZeRO stage {stage}; memplan traces stages 2 and 3 (--parallel zero2, "
             "zero3). For stage 1 as torch implements it remove deepspeed and give --parallel zero1 with --world-size N"
         )
-    if _flag(data, "fp16"):
+    if _flag(data, "fp16") and stage == 3:
         raise HfArgsError(
-            f"--hf-args {path} sets fp16 with DeepSpeed, whose fp16 loss scaling memplan does not trace yet: "
-            "use bf16, or remove fp16"
+            f"--hf-args {path} sets fp16 with DeepSpeed's ZeRO-3, which memplan does not trace yet (ZeRO-2's it "
+            "does): use bf16, or remove fp16"
         )
     settings["parallel"] = DEEPSPEED_MODE_OF_STAGE[stage]
     settings["deepspeed_config"] = json.dumps(config, sort_keys=True)
     if _flag(data, "bf16"):
         settings["precision"] = "bf16"  # DeepSpeed's bf16: a 16-bit model, float32 master weights
+    elif _flag(data, "fp16"):
+        settings["precision"] = "fp16"  # DeepSpeed's fp16: the same, with its dynamic loss scale
     notes.append(
         f"deepspeed: one ZeRO-{stage} rank traced with DeepSpeed itself; give --world-size N for the job's "
         "data-parallel ranks"

@@ -25,6 +25,13 @@ def bf16_rows(batch_size: int) -> torch.Tensor:
     return rows(batch_size).to(torch.bfloat16)
 
 
+def fp16_rows(batch_size: int) -> torch.Tensor:
+    """tests.fsdp_models' rows in fp16, the dtype of a model DeepSpeed trains in its own fp16."""
+    from tests.fsdp_models import rows
+
+    return rows(batch_size).to(torch.float16)
+
+
 def deepspeed_config(
     stage: int, batch_size: int, precision: str, zero: dict[str, Any] | None = None, grad_accum: int = 1
 ) -> dict:
@@ -38,7 +45,21 @@ def deepspeed_config(
         # read as inf in the gradient norm and skip the step as an overflow; a healthy step has none.
         # The norm is computed either way: the check's flag changes no allocation.
         config["bf16"] = {"enabled": True, "check_grad_overflow": False}
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True}  # its overflow check always runs: measured_peak has it find none
     return config
+
+
+def _no_overflow(engine: Any) -> None:
+    """fp16's overflow check runs (its temporaries count) and finds none, as in a healthy step: the fake
+    group's collectives write nothing, so a bucket's unwritten tail can read as inf and skip the step."""
+    check = engine.optimizer.has_overflow
+
+    def has_overflow(*args: Any, **kwargs: Any) -> bool:
+        check(*args, **kwargs)
+        return False
+
+    engine.optimizer.has_overflow = has_overflow
 
 
 def _forget_deepspeeds_groups() -> None:
@@ -64,6 +85,7 @@ def measured_peak(
     `engine.step()` as accelerate calls it (the engine steps the optimizer at the last)."""
     with patch.dict(os.environ, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}):
         import deepspeed
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         # (`import deepspeed.comm.torch as ...` would bind torch itself: deepspeed.comm has an attribute `torch`)
@@ -81,7 +103,11 @@ def measured_peak(
                 torch.manual_seed(0)
                 model = model_factory()
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+                # DeepSpeed's CPU accelerator offers fp16 only with oneDNN's fp16 kernels; torch's CPU ops run it.
+                with patch.object(CPU_Accelerator, "is_fp16_supported", lambda self: True):
+                    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+                if config.get("fp16", {}).get("enabled"):
+                    _no_overflow(engine)
                 rows = make_batch(config["train_micro_batch_size_per_gpu"])  # as the inputs function makes it
 
                 def iteration() -> None:

@@ -35,6 +35,13 @@ MODELS = {  # model, --inputs, and the same two for the hand-built run; batch si
         deepspeed_models.bf16_rows,
         16,
     ),
+    "stack-fp16": (
+        "tests.fsdp_models:stack",
+        "tests.deepspeed_models:fp16_rows",
+        fsdp_models.stack,
+        deepspeed_models.fp16_rows,
+        16,
+    ),
 }
 SMALL_BUCKET = {"reduce_bucket_size": 20_000}  # elements: a bucket that fills and is reduced several times
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000  # elements (deepspeed/runtime/zero/config.py, reduce_bucket_size)
@@ -72,7 +79,7 @@ FP32_CASES = [("two-layer", 2, "fp32"), ("two-layer", 8, "fp32"), ("stack", 2, "
 @pytest.mark.parametrize(
     ("parallel", "name", "world_size", "precision"),
     [
-        *(("zero2", *case) for case in [*FP32_CASES, ("stack-bf16", 4, "bf16")]),
+        *(("zero2", *case) for case in [*FP32_CASES, ("stack-bf16", 4, "bf16"), ("stack-fp16", 4, "fp16")]),
         *(("zero3", *case) for case in FP32_CASES),
     ],
 )
@@ -115,6 +122,7 @@ def test_a_checkpointed_deepspeed_rank_is_the_real_deepspeed_run(parallel, world
         ("zero2", "stack", 2, "fp32", 2),
         ("zero2", "stack", 4, "fp32", 3),
         ("zero2", "stack-bf16", 4, "bf16", 2),
+        ("zero2", "stack-fp16", 2, "fp16", 2),
         ("zero3", "stack", 2, "fp32", 3),
     ],
 )
@@ -325,7 +333,8 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
             {"deepspeed_config": {"zero_optimization": {"offload_param": {"device": "nvme"}}}},
             'zero_optimization.offload_param moves state to the host ("nvme")',
         ),
-        ({"precision": "amp-bf16"}, "--precision amp-bf16 with DeepSpeed is not traced yet"),
+        ({"precision": "amp-bf16"}, "--precision amp-bf16 with --parallel zero2 is not traced yet"),
+        ({"precision": "fp16", "parallel": "zero3"}, "--precision fp16 with --parallel zero3 is not traced yet"),
         ({"optimizer": "none"}, "--optimizer none has none"),
         (
             {"deepspeed_config": {"zero_optimization": {"stage": 3}}},
@@ -392,8 +401,9 @@ def test_the_engines_configuration_is_the_users_with_memplans_settings():
     assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 768 * 768, "overlap_comm": True}
     assert config["train_micro_batch_size_per_gpu"] == 8 and config["gradient_accumulation_steps"] == 1
     assert deepspeed_config(2, 8, "bf16", user, 768, grad_accum=4)["gradient_accumulation_steps"] == 4
-    assert config["bf16"] == {"enabled": True}
-    assert "optimizer" not in config and "train_batch_size" not in config and "fp16" not in config
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert deepspeed_config(2, 8, "fp16", user, 768)["fp16"] == {"enabled": True}
+    assert "optimizer" not in config and "train_batch_size" not in config
 
 
 def test_the_process_is_left_as_it_was():

@@ -38,7 +38,10 @@ partition as they become ready, and the loop calls `engine.step()` after every m
 accelerate does; the optimizer runs at the last. The traced micro-batch is a step's last, after one
 untraced micro-batch made the accumulated partition.
 
-Not traced yet: offload to the host, fp16 with loss scaling, torch's autocast around DeepSpeed, and
+`--precision bf16` and `fp16` are DeepSpeed's own: a 16-bit model and a float32 master partition, fp16
+with DeepSpeed's dynamic loss scale (ZeRO-2 only: settings.DEEPSPEED_PRECISIONS says why).
+
+Not traced yet: offload to the host (refused), fp16 under ZeRO-3, torch's autocast around DeepSpeed, and
 stage 1 (torch's own is `--parallel zero1`).
 """
 
@@ -124,6 +127,9 @@ def deepspeed_config(
     config["train_micro_batch_size_per_gpu"] = batch_size
     config["gradient_accumulation_steps"] = grad_accum  # the engine counts the micro-batches (after_micro_batch)
     config["bf16"] = {"enabled": precision == "bf16"}
+    # fp16: DeepSpeed's own, a 16-bit model, float32 master partition and a dynamic loss scale (a
+    # Python number it multiplies the loss by and divides the gradients by in the step).
+    config["fp16"] = {"enabled": precision == "fp16"}
     # memplan hands DeepSpeed its optimizer as the client optimizer, as transformers' Trainer does, which
     # then allows optimizers DeepSpeed has not tested with ZeRO (integrations/deepspeed.py,
     # deepspeed_optim_sched): without it torch's Adafactor or bitsandbytes' 8-bit Adam fail an assertion.
@@ -171,7 +177,11 @@ def _fresh_fake_group(world_size: int, option: str) -> None:
 def _cpu_accelerator() -> Any:
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    return CPU_Accelerator()
+    accelerator = CPU_Accelerator()
+    # It offers fp16 only where the CPU has oneDNN's fp16 kernels (cpu_accelerator.py, is_fp16_supported);
+    # the job's GPUs have fp16, and fake tensors run it as they run any dtype.
+    accelerator.is_fp16_supported = lambda: True
+    return accelerator
 
 
 @contextlib.contextmanager
