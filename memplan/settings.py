@@ -39,8 +39,10 @@ DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op")
 DEEPSPEED_STAGES = {"zero2": 2, "zero3": 3}  # DeepSpeed's engine wraps the model and the optimizer
 DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
-DEEPSPEED_MODE_OF_STAGE = {stage: mode for mode, stage in DEEPSPEED_STAGES.items()}
-# bf16, fp16: DeepSpeed's own (16-bit model, float32 master partition); fp16 under ZeRO-2 only: a ZeRO-3
+# The --parallel mode of each ZeRO stage DeepSpeed runs: stage 1 is `zero1` with a --deepspeed file
+# (without one, `zero1` is torch's ZeroRedundancyOptimizer; TrainingSettings.deepspeed_stage).
+DEEPSPEED_MODE_OF_STAGE = {1: "zero1", **{stage: mode for mode, stage in DEEPSPEED_STAGES.items()}}
+# bf16, fp16: DeepSpeed's own (16-bit model, float32 master partition); fp16 under stages 1 and 2 only: a ZeRO-3
 # rank in fp16 missed DeepSpeed's real CPU run by -8.8% on 8 ranks, not understood yet.
 DEEPSPEED_PRECISIONS = ("fp32", "bf16", "fp16")
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
@@ -375,23 +377,33 @@ class TrainingSettings:
                 "zero3 or fsdp, or leave it out"
             )
 
+    @property
+    def deepspeed_stage(self) -> int | None:
+        """The ZeRO stage of the DeepSpeed rank traced, or None: zero2 and zero3 are DeepSpeed's, and zero1
+        is DeepSpeed's stage 1 where a --deepspeed file is given (torch's ZeroRedundancyOptimizer otherwise)."""
+        if self.parallel in DEEPSPEED_STAGES:
+            return DEEPSPEED_STAGES[self.parallel]
+        return 1 if self.parallel == "zero1" and self.deepspeed_config is not None else None
+
     def _check_deepspeed(self) -> None:
-        if self.deepspeed_config is not None and self.parallel not in DEEPSPEED_MODES:
-            raise SettingsError("--deepspeed configures DeepSpeed's ZeRO: give --parallel zero2 or zero3 with it")
-        if self.parallel not in DEEPSPEED_MODES:
+        if self.deepspeed_config is not None and self.parallel not in (*DEEPSPEED_MODES, "zero1"):
+            raise SettingsError(
+                "--deepspeed configures DeepSpeed's ZeRO: give --parallel zero1, zero2 or zero3 with it"
+            )
+        traced = self.deepspeed_stage
+        if traced is None:
             return
         option = f"--parallel {self.parallel}"
-        traced = DEEPSPEED_STAGES[self.parallel]
         if self.deepspeed_config is not None:
             stage = (self.deepspeed_settings.get("zero_optimization") or {}).get("stage")
             if stage not in (None, traced):
                 mode = DEEPSPEED_MODE_OF_STAGE.get(stage)
-                instead = f"give --parallel {mode}" if mode else "stage 1 as torch runs it is zero1"
+                instead = f"give --parallel {mode}" if mode else "memplan traces stages 1 to 3"
                 raise SettingsError(f"--deepspeed sets ZeRO stage {stage}; {option} traces stage {traced}: {instead}")
         if self.optimizer == "none":
             raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")
         if self.precision not in DEEPSPEED_PRECISIONS or (self.precision == "fp16" and traced == 3):
-            fp16 = ", and under ZeRO-2 its fp16 (--precision fp16, with its loss scale)" if traced == 3 else ""
+            fp16 = ", and under stages 1 and 2 its fp16 (--precision fp16, with its loss scale)" if traced == 3 else ""
             raise SettingsError(
                 f"{option} traces DeepSpeed in fp32 or its own bf16 (--precision bf16: a 16-bit model, float32 master "
                 f"weights in the optimizer){fp16}; --precision {self.precision} with {option} is not traced yet"

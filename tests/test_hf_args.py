@@ -89,7 +89,7 @@ def test_fields_map_to_settings(tmp_path, fields, expected):
         ({"optim": "lion_8bit"}, "cannot model optim 'lion_8bit'; it models adamw_torch, adamw_torch_fused"),
         ({"fsdp": "full_shard"}, "sets fsdp, which the Trainer hands to accelerate's FSDP plugin"),
         ({"deepspeed": "ds_config.json"}, "sets deepspeed 'ds_config.json', which is not a file here or beside"),
-        ({"deepspeed": {"zero_optimization": {"stage": 1}}}, "runs DeepSpeed's ZeRO stage 1; memplan traces stages 2"),
+        ({"deepspeed": {"zero_optimization": {"stage": 0}}}, "runs DeepSpeed's ZeRO stage 0; memplan traces stages 1"),
         ({"deepspeed": {"zero_optimization": {"stage": 3}}, "fp16": True}, "fp16 with DeepSpeed's ZeRO-3"),
         ({"bf16": True, "fp16": True}, "sets both bf16 and fp16"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be a positive integer"),
@@ -117,6 +117,13 @@ def test_a_trainer_in_fp16_under_deepspeed_zero2_traces_deepspeeds_fp16_with_its
     loaded = read_training_args(write(tmp_path, "args.json", fields))
     assert loaded.settings["parallel"] == "zero2" and loaded.settings["precision"] == "fp16"
     assert loaded.settings["grad_accum"] == 4
+
+
+def test_a_trainer_under_deepspeed_stage_1_is_one_traced_deepspeed_zero1_rank(tmp_path):
+    write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 1}})
+    loaded = read_training_args(write(tmp_path, "args.json", {"deepspeed": "ds_config.json"}))
+    assert loaded.settings["parallel"] == "zero1" and loaded.settings["deepspeed_config"] is not None
+    assert any("one ZeRO-1 rank" in note for note in loaded.notes)
 
 
 def test_a_trainer_under_deepspeed_zero3_is_one_traced_zero3_rank(tmp_path):

@@ -218,10 +218,10 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             type=click.Path(exists=True, dir_okay=False),
             callback=_deepspeed_config_text,
             metavar="DS_CONFIG.json",
-            help="With --parallel zero2 or zero3: the job's DeepSpeed configuration, whose zero_optimization section "
+            help="With --parallel zero2 or zero3 (or zero1: DeepSpeed's stage 1 instead of torch's "
+            "ZeroRedundancyOptimizer): the job's DeepSpeed configuration, whose zero_optimization section "
             "(reduce_bucket_size, overlap_comm, contiguous_gradients, stage3_* thresholds) DeepSpeed applies as it "
-            "runs; the batch, "
-            "precision and optimizer come from memplan's options.",
+            "runs; the batch, accumulation, precision and optimizer come from memplan's options.",
         ),
         click.option(
             "--fsdp-mixed-precision",

@@ -1,4 +1,5 @@
-"""DeepSpeed's ZeRO stages 2 and 3, one rank (`--parallel zero2|zero3 --world-size N`): DeepSpeed itself, traced.
+"""DeepSpeed's ZeRO stages 1, 2 and 3, one rank (`--parallel zero2|zero3 --world-size N`, and `zero1` with a
+--deepspeed file): DeepSpeed itself, traced.
 
 memplan runs DeepSpeed's own engine (`deepspeed.initialize` with memplan's optimizer as the client
 optimizer, the engine's forward, `engine.backward(loss)`, `engine.step()`) on rank 0 of torch's fake
@@ -10,6 +11,8 @@ DeepSpeed allocates.
   gradient copied as it becomes ready into a reduce bucket of `reduce_bucket_size` elements
   (500,000,000 by default: 2 GB in float32, 1 GB in bf16, whatever the model's size), reduced, and
   the rank's share kept in a partition-sized buffer for the step.
+- Stage 1 (the same optimizer without partitioning the gradients): whole gradients, accumulated in each
+  parameter's own `.grad` and reduced in the step, and 1/N of the master copy and optimizer state.
 - Stage 3 (runtime/zero/stage3.py, partition_parameters.py): the parameters are partitioned too.
   Each is an empty tensor between uses; before a module runs its parameters are gathered into a new
   buffer, and after it they are released, except those under `stage3_param_persistence_threshold`
@@ -39,10 +42,9 @@ accelerate does; the optimizer runs at the last. The traced micro-batch is a ste
 untraced micro-batch made the accumulated partition.
 
 `--precision bf16` and `fp16` are DeepSpeed's own: a 16-bit model and a float32 master partition, fp16
-with DeepSpeed's dynamic loss scale (ZeRO-2 only: settings.DEEPSPEED_PRECISIONS says why).
+with DeepSpeed's dynamic loss scale (stages 1 and 2 only: settings.DEEPSPEED_PRECISIONS says why).
 
-Not traced yet: offload to the host (refused), fp16 under ZeRO-3, torch's autocast around DeepSpeed, and
-stage 1 (torch's own is `--parallel zero1`).
+Not traced yet: offload to the host (refused), fp16 under ZeRO-3, and torch's autocast around DeepSpeed.
 """
 
 from __future__ import annotations
@@ -407,10 +409,15 @@ class DeepSpeedRank:
 
     def before_traced_iteration(self) -> None:
         self._noted.clear()  # what the warm-up or an earlier trace noted is gone: only this step's count
-        accumulated = getattr(self.engine.optimizer, "all_grad_tensors", {}).values()
-        self._accumulated = frozenset(
-            tensor.untyped_storage()._cdata for tensors in accumulated for tensor in tensors or [] if tensor is not None
-        )
+        accumulated = [
+            tensor
+            for tensors in getattr(self.engine.optimizer, "all_grad_tensors", {}).values()
+            for tensor in tensors or []
+            if tensor is not None
+        ]
+        if self.stage == 1:  # stage 1 accumulates in the parameters' own gradients, reduced and dropped in the step
+            accumulated += [param.grad for param in self.module.parameters() if param.grad is not None]
+        self._accumulated = frozenset(tensor.untyped_storage()._cdata for tensor in accumulated)
         if self.stage == 3:
             # ZeRO-3's parameters gathered as the step starts: the persistent ones (the rest are empty)
             for param in self.module.parameters():

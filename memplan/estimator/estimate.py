@@ -65,7 +65,7 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             "gradient buckets (every trainable gradient once more) included; every micro-batch all-reduces (no "
             "no_sync())"
         )
-    if settings.parallel == "zero1":
+    if settings.parallel == "zero1" and settings.deepspeed_stage is None:
         notes.append(
             f"one rank of {settings.world_size}: torch's DistributedDataParallel and ZeroRedundancyOptimizer traced "
             "on a fake process group; the optimizer state is this rank's share of the parameters (whole parameters, "

@@ -49,7 +49,7 @@ from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
-from memplan.settings import DDP_MODES, DEEPSPEED_MODES, DEEPSPEED_STAGES, FSDP_MODES, TrainingSettings
+from memplan.settings import DDP_MODES, FSDP_MODES, TrainingSettings
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,
@@ -109,7 +109,8 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     batch = spec.make_batch(settings, dtype)
     trainable = [param for param in model.parameters() if param.requires_grad]
     data_parallel = None
-    if settings.parallel in DDP_MODES:  # wraps the model as built, adapted and checkpointed, as scripts do
+    # DDP wraps the model as built, adapted and checkpointed, as scripts do (not under DeepSpeed's stage 1).
+    if settings.parallel in DDP_MODES and settings.deepspeed_stage is None:
         from memplan.distributed.ddp import DataParallelRank
 
         data_parallel = DataParallelRank(
@@ -130,12 +131,12 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         )
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
     optimizer = build_optimizer(trainable, settings)
-    if settings.parallel in DEEPSPEED_MODES:  # DeepSpeed's engine wraps the model and the optimizer
+    if settings.deepspeed_stage is not None:  # DeepSpeed's engine wraps the model and the optimizer
         from memplan.distributed.deepspeed import DeepSpeedRank, deepspeed_config
 
         assert optimizer is not None  # settings refuse --optimizer none
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)  # transformers' "auto"
-        stage = DEEPSPEED_STAGES[settings.parallel]
+        stage = settings.deepspeed_stage
         user_config = settings.deepspeed_settings
         config = deepspeed_config(
             stage, settings.batch_size, settings.precision, user_config, hidden_size, settings.grad_accum

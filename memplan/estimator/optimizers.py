@@ -55,7 +55,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], settings: TrainingSett
     if settings.optimizer == "none" or not params:
         return None
     optimizer_class, arguments = optimizer_recipe(settings)
-    if settings.parallel == "zero1":
+    if settings.parallel == "zero1" and settings.deepspeed_stage is None:  # (DeepSpeed's stage 1 shards it itself)
         from memplan.distributed.zero import ShardedOptimizerRank
 
         return ShardedOptimizerRank(params, optimizer_class, settings.world_size, **arguments)

@@ -35,7 +35,7 @@ from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
-from memplan.settings import DEEPSPEED_MODES, FSDP_MODES, TrainingSettings
+from memplan.settings import FSDP_MODES, TrainingSettings
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def measure_cpu(
     """Run `warmup_iterations` real iterations, then measure one steady-state iteration."""
     torch.manual_seed(seed)
     # The process's own tensors before the run (kept referenced, so that no id is another's later).
-    before = tensors_python_holds() if settings.parallel in DEEPSPEED_MODES else []
+    before = tensors_python_holds() if settings.deepspeed_stage is not None else []
     state = prepare(spec, settings)
     for _ in range(warmup_iterations):
         iteration(state)

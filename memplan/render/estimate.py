@@ -11,7 +11,7 @@ from memplan.advice import when_nothing_fits
 from memplan.estimator.result import EstimateResult
 from memplan.gpus import DEFAULT_GPU
 from memplan.render.units import format_flops, format_seconds
-from memplan.settings import DEEPSPEED_MODES, FSDP_MODES, MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import FSDP_MODES, MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
 
 _CATEGORY_LABELS = {
     "parameters": "parameters (+ buffers)",
@@ -65,6 +65,8 @@ def _describe_parallel(s: TrainingSettings) -> str:
         "zero2": "DeepSpeed ZeRO-2",
         "zero3": "DeepSpeed ZeRO-3",
     }[s.parallel]
+    if s.deepspeed_stage == 1:
+        rank = "DeepSpeed ZeRO-1"
     mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
     return (
         f"one {rank} rank of {s.world_size}{mixed} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = "
@@ -110,7 +112,7 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         label = _CATEGORY_LABELS[key]
         if key == "communication" and result.settings.parallel in FSDP_MODES:
             label = _FSDP_COMMUNICATION_LABEL
-        if key == "communication" and result.settings.parallel in DEEPSPEED_MODES:
+        if key == "communication" and result.settings.deepspeed_stage is not None:
             label = _DEEPSPEED_COMMUNICATION_LABEL
         table.add_row(label, format_bytes(value), f"{share:.1%}")
     table.add_row("[bold]peak[/bold] (live tensors)", f"[bold]{format_bytes(result.peak_bytes)}[/bold]", "")
