@@ -313,9 +313,14 @@ def test_the_cpu_validator_measures_a_deepspeed_rank_as_the_allocator_does(paral
     assert abs(counted - measured) <= 32, (counted, measured)
 
 
-def test_the_cli_names_a_zero3_rank():
+def _mlp_command(parallel: str) -> list[str]:
+    """`memplan estimate` of the two-layer MLP on the cpu target at batch 4, one rank of `parallel`."""
     args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows"]
-    args += ["--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero3"]
+    return [*args, "--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", parallel]
+
+
+def test_the_cli_names_a_zero3_rank():
+    args = _mlp_command("zero3")
     result = CliRunner().invoke(main, [*args, "--world-size", "2"])
     assert result.exit_code == 0, result.output
     assert "one DeepSpeed ZeRO-3 rank of 2" in result.output
@@ -324,8 +329,7 @@ def test_the_cli_names_a_zero3_rank():
 def test_zero1_is_deepspeeds_stage_1_with_a_deepspeed_file_and_torchs_without(tmp_path):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 1, **SMALL_BUCKET}}))
-    args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows"]
-    args += ["--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero1"]
+    args = _mlp_command("zero1")
     deepspeeds = CliRunner().invoke(main, [*args, "--world-size", "2", "--deepspeed", str(config)])
     assert deepspeeds.exit_code == 0, deepspeeds.output
     assert "one DeepSpeed ZeRO-1 rank of 2" in deepspeeds.output and "ZeroRedundancyOptimizer" not in deepspeeds.output
@@ -337,8 +341,7 @@ def test_zero1_is_deepspeeds_stage_1_with_a_deepspeed_file_and_torchs_without(tm
 def test_the_cli_reads_the_config_and_names_the_rank(tmp_path):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2, **SMALL_BUCKET}}))
-    args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows"]
-    args += ["--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero2"]
+    args = _mlp_command("zero2")
     result = CliRunner().invoke(main, [*args, "--world-size", "4", "--deepspeed", str(config)])
     assert result.exit_code == 0, result.output
     assert "one DeepSpeed ZeRO-2 rank of 4" in result.output and "DeepSpeed reduce buckets" in result.output
