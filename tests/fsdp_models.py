@@ -62,15 +62,20 @@ def measured_peak(
     checkpoint: bool = False,
     optimizer: str = "adamw",
     grad_accum: int = 1,
+    shard_size: int | None = None,
 ) -> int:
-    """Rank 0's peak bytes in the third iteration of the real step (two warm up)."""
+    """Rank 0's peak bytes in the third iteration of the real step (two warm up). With `shard_size`,
+    HSDP: the mesh is world_size / shard_size replicas by shard_size shards, as torch's docs build it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size,))
+        if shard_size is None:
+            mesh = init_device_mesh("cpu", (world_size,))
+        else:
+            mesh = init_device_mesh("cpu", (world_size // shard_size, shard_size), mesh_dim_names=("dp", "shard"))
 
         def build() -> Callable[[], None]:
             torch.manual_seed(0)

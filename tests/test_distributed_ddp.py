@@ -147,7 +147,7 @@ def test_a_parameter_the_loss_never_reaches_is_one_line_as_ddp_refuses_it():
         ({"parallel": "ddp", "world_size": 0}, "world size must be a positive integer"),
         (
             {"parallel": "zero4", "world_size": 2},
-            "parallel mode must be one of none, ddp, zero1, fsdp, fsdp-grad-op, zero2, zero3",
+            "parallel mode must be one of none, ddp, zero1, fsdp, fsdp-grad-op, hsdp, zero2, zero3",
         ),
         ({"ddp_bucket_view": True}, "--ddp-bucket-view is an option of DDP: give --parallel ddp or zero1"),
     ],

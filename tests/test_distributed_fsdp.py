@@ -47,6 +47,21 @@ def test_an_fsdp_rank_is_the_real_fsdp2_run(parallel, world_size, checkpoint, op
     assert abs(predicted.peak_bytes - measured) <= 8, (predicted.peak_bytes, measured)
 
 
+@pytest.mark.parametrize(("world_size", "shard_size", "checkpoint"), [(8, 4, "none"), (6, 2, "all")])
+def test_an_hsdp_rank_is_the_real_fsdp2_run_on_a_2d_mesh(world_size, shard_size, checkpoint):
+    """HSDP (--parallel hsdp --shard-size S): FSDP2 on a 2-D mesh shards each parameter over S ranks and
+    replicates across world_size / S; after the reduce-scatter over the shard group, the gradient shards
+    are all-reduced over the replicas."""
+    stack = {**SOURCE, "batch_size": 16, "device": "cpu", "checkpoint": checkpoint}
+    options = {"parallel": "hsdp", "world_size": world_size, "shard_size": shard_size}
+    predicted = memplan.estimate("tests.fsdp_models:stack", **stack, **options)
+    measured = fsdp_models.measured_peak(world_size, 16, True, checkpoint == "all", shard_size=shard_size)
+    assert abs(predicted.peak_bytes - measured) <= 8, (predicted.peak_bytes, measured)
+    # One shard group's state: the optimizer state is FSDP2's over shard_size ranks, not world_size.
+    sharded = memplan.estimate("tests.fsdp_models:stack", **stack, parallel="fsdp", world_size=shard_size)
+    assert predicted.breakdown.optimizer_state == sharded.breakdown.optimizer_state
+
+
 def test_sharding_divides_the_state_and_adds_what_fsdp2_gathers():
     """Per rank: parameters, gradients and optimizer state are 1/N of the model's (rank 0's shards,
     each padded to whole rows); the unsharded parameters are one module's at a time, not the model's."""
@@ -156,6 +171,11 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
             "--precision fp32",
         ),
         ({"parallel": "fsdp", "world_size": 2, "fsdp_mixed_precision": "fp8"}, "FSDP2 mixed precision must be"),
+        ({"parallel": "fsdp", "world_size": 8, "shard_size": 4}, "--shard-size is HSDP's: give --parallel hsdp"),
+        ({"parallel": "hsdp", "world_size": 8}, "give --shard-size S"),
+        ({"parallel": "hsdp", "world_size": 8, "shard_size": 3}, "--shard-size 3 does not divide --world-size 8"),
+        ({"parallel": "hsdp", "world_size": 8, "shard_size": 0}, "shard size must be"),
+        ({"parallel": "hsdp", "world_size": 8, "shard_size": 4, "grad_accum": 2}, "hsdp with --grad-accum"),
     ],
 )
 def test_fsdp_mistakes_are_settings_errors(options, message):

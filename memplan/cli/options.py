@@ -197,7 +197,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "included); zero1 is DDP with torch's ZeroRedundancyOptimizer (ZeRO stage 1: the optimizer state "
             "sharded, whole parameters per rank); fsdp is FSDP2's fully_shard on each repeated block and the root "
             "(parameters, gradients and optimizer state sharded), fsdp-grad-op the same without resharding after "
-            "the forward. Batch settings are per rank.",
+            "the forward, hsdp the same sharded within groups of --shard-size ranks and replicated across them. "
+            "Batch settings are per rank.",
         ),
         click.option(
             "--world-size",
@@ -205,6 +206,13 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             default=1,
             show_default=True,
             help="Data-parallel ranks with --parallel (the total batch is micro-batch × accumulation × ranks).",
+        ),
+        click.option(
+            "--shard-size",
+            type=int,
+            default=None,
+            help="With --parallel hsdp: the ranks each shard group spans (a divisor of --world-size; often one "
+            "node's GPUs), FSDP2 on a 2-D mesh of world-size / shard-size replicas.",
         ),
         click.option(
             "--ddp-bucket-view",

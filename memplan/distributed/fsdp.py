@@ -75,14 +75,21 @@ COLLECTIVE_OPS = frozenset(
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int, device_type: str) -> Iterator[Any]:
+def _fake_world(world_size: int, device_type: str, shard_size: int | None = None) -> Iterator[Any]:
     """A DeviceMesh of `world_size` ranks over a fake default process group made for the while
-    (memplan.distributed.fake_group): a built FSDP2 module runs on without it."""
+    (memplan.distributed.fake_group): a built FSDP2 module runs on without it. With `shard_size`, HSDP's
+    2-D mesh: world_size / shard_size replicas by shard_size shards (fully_shard then shards over the
+    second dimension and replicates over the first: torch/distributed/fsdp/_fully_shard/_fully_shard.py)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with fake_default_group(world_size, "--parallel fsdp"):
+    option = "--parallel hsdp" if shard_size is not None else "--parallel fsdp"
+    with fake_default_group(world_size, option):
         with unset_fake_temporarily():  # the mesh's rank tensor must be real
-            mesh = init_device_mesh(device_type, (world_size,))
+            if shard_size is None:
+                mesh = init_device_mesh(device_type, (world_size,))
+            else:
+                shape = (world_size // shard_size, shard_size)
+                mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
         yield mesh
 
 
@@ -95,8 +102,10 @@ class FullyShardedRank:
         world_size: int,
         reshard_after_forward: bool = True,
         mixed_precision: torch.dtype | None = None,
+        shard_size: int | None = None,
     ) -> None:
-        """`mixed_precision`: MixedPrecisionPolicy(param_dtype=it, reduce_dtype=torch.float32), or none."""
+        """`mixed_precision`: MixedPrecisionPolicy(param_dtype=it, reduce_dtype=torch.float32), or none;
+        `shard_size`: HSDP, sharded within groups of that many ranks and replicated across them."""
         import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
@@ -113,7 +122,7 @@ class FullyShardedRank:
             param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None
         )
         options = {"reshard_after_forward": reshard_after_forward, "mp_policy": policy}
-        with _fake_world(world_size, device_type) as mesh:
+        with _fake_world(world_size, device_type, shard_size) as mesh:
             for name in block_names(model):
                 fully_shard(model.get_submodule(name), mesh=mesh, **options)
             fully_shard(model, mesh=mesh, **options)

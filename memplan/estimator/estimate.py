@@ -73,7 +73,8 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             "whole; DeepSpeed's ZeRO-1 partitions and buckets differ and are not modelled"
         )
     if settings.parallel in FSDP_MODES:
-        reshard = "after each forward and backward" if settings.parallel == "fsdp" else "after each backward only"
+        resharding = settings.parallel in ("fsdp", "hsdp")
+        reshard = "after each forward and backward" if resharding else "after each backward only"
         notes.append(
             f"one rank of {settings.world_size}: torch's FSDP2 (fully_shard on each repeated block, then the root) "
             f"traced on a fake process group; parameters, gradients and optimizer state sharded, each module's "

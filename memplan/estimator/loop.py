@@ -49,7 +49,7 @@ from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, call_model
-from memplan.settings import DDP_MODES, FSDP_MODES, TrainingSettings
+from memplan.settings import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MODES, TrainingSettings
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,
@@ -126,7 +126,8 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         data_parallel = FullyShardedRank(
             model,
             settings.world_size,
-            reshard_after_forward=settings.parallel == "fsdp",
+            reshard_after_forward=settings.parallel in RESHARDING_FSDP_MODES,
+            shard_size=settings.shard_size,
             mixed_precision=FSDP_PARAM_DTYPES.get(settings.fsdp_mixed_precision or ""),
         )
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors

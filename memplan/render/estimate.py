@@ -62,6 +62,7 @@ def _describe_parallel(s: TrainingSettings) -> str:
         "zero1": "ZeRO-1 (DDP, optimizer state sharded)",
         "fsdp": "FSDP2",
         "fsdp-grad-op": "FSDP2 (no reshard after forward)",
+        "hsdp": f"HSDP (FSDP2 sharded over {s.shard_size}, replicated {s.world_size // (s.shard_size or 1)}×)",
         "zero2": "DeepSpeed ZeRO-2",
         "zero3": "DeepSpeed ZeRO-3",
     }[s.parallel]
