@@ -45,7 +45,8 @@ DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
 # (without one, `zero1` is torch's ZeroRedundancyOptimizer; TrainingSettings.deepspeed_stage).
 DEEPSPEED_MODE_OF_STAGE = {1: "zero1", **{stage: mode for mode, stage in DEEPSPEED_STAGES.items()}}
 # bf16, fp16: DeepSpeed's own (16-bit model, float32 master partition); fp16 under stages 1 and 2 only: a ZeRO-3
-# rank in fp16 missed DeepSpeed's real CPU run by -8.8% on 8 ranks, not understood yet.
+# rank in fp16 missed DeepSpeed's real CPU run by -8.8% on 8 ranks, not understood yet
+# (benchmarks/distributed_real_runs.py --refused).
 DEEPSPEED_PRECISIONS = ("fp32", "bf16", "fp16")
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
 FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
@@ -398,7 +399,8 @@ class TrainingSettings:
         _check_positive("shard size", self.shard_size)
         if self.grad_accum > 1:
             # Against torch's real HSDP run (tests/fsdp_models) the traced rank came out 1.9-4.4% low with
-            # accumulation (one block's gradient shard, more the smaller the shard group), not found yet.
+            # accumulation (one block's gradient shard, more the smaller the shard group), not found yet
+            # (benchmarks/distributed_real_runs.py --refused).
             raise SettingsError(
                 "--parallel hsdp with --grad-accum is not traced yet (it came out low against the real run): "
                 "leave out --grad-accum, or estimate --parallel fsdp over one shard group"

@@ -150,8 +150,8 @@ def _import_deepspeed() -> Any:
             import deepspeed
     except ImportError as error:
         raise SettingsError(
-            f"--parallel zero2/zero3 trace DeepSpeed's own ZeRO, which is not installed ({error}): "
-            "pip install deepspeed (or memplan[deepspeed])"
+            f"--parallel zero2/zero3 (and zero1 with --deepspeed) trace DeepSpeed's own ZeRO, which is not "
+            f"installed ({error}): pip install deepspeed (or memplan[deepspeed])"
         ) from error
     if first_import:
         from deepspeed.utils.logging import logger
@@ -258,7 +258,7 @@ class DeepSpeedRank:
         world_size: int,
         config: dict[str, Any],
     ) -> None:
-        """`config`: as deepspeed_config makes it (its zero_optimization.stage is 2 or 3)."""
+        """`config`: as deepspeed_config makes it (its zero_optimization.stage is 1, 2 or 3)."""
         deepspeed = _import_deepspeed()
         from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
 
@@ -312,8 +312,7 @@ class DeepSpeedRank:
         there only counts the micro-batch (engine.py `step`: the optimizer runs only at the
         accumulation boundary, which the engine's `micro_steps` tells). accelerate, and so the Trainer,
         calls it after every backward (accelerate/utils/deepspeed.py, DeepSpeedEngineWrapper.backward)."""
-        with self._running():
-            self.engine.step()
+        self.step()
 
     def skip_micro_batches(self, count: int) -> None:
         """Count `count` micro-batches as run without running them: a later micro-batch of a step finds

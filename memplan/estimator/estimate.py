@@ -25,7 +25,7 @@ from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
-from memplan.settings import FSDP_MODES, MAX_COUNT, TrainingSettings, format_bytes
+from memplan.settings import FSDP_MODES, MAX_COUNT, RESHARDING_FSDP_MODES, TrainingSettings, format_bytes
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -73,7 +73,7 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             "whole; DeepSpeed's ZeRO-1 partitions and buckets differ and are not modelled"
         )
     if settings.parallel in FSDP_MODES:
-        resharding = settings.parallel in ("fsdp", "hsdp")
+        resharding = settings.parallel in RESHARDING_FSDP_MODES
         reshard = "after each forward and backward" if resharding else "after each backward only"
         notes.append(
             f"one rank of {settings.world_size}: torch's FSDP2 (fully_shard on each repeated block, then the root) "
