@@ -29,48 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' ha
 import memplan  # noqa: E402
 from memplan.settings import TrainingSettings  # noqa: E402
 from tests import deepspeed_models, fsdp_models  # noqa: E402
-from tests.two_layer_mlp import mean_square, rows, two_layer  # noqa: E402
+from tests.test_distributed_deepspeed import MODELS, SMALL_BUCKET, STAGES, _estimate  # noqa: E402
+from tests.two_layer_mlp import mean_square  # noqa: E402
 
-BUCKET = {"reduce_bucket_size": 20_000}  # elements, as tests/test_distributed_deepspeed.py
-MODELS = {  # memplan's reference and --inputs, the hand-built model and batch, the batch size
-    "stack": ("tests.fsdp_models:stack", "tests.fsdp_models:rows", fsdp_models.stack, fsdp_models.rows, 16),
-    "stack-bf16": (
-        "tests.fsdp_models:stack",
-        "tests.deepspeed_models:bf16_rows",
-        fsdp_models.stack,
-        deepspeed_models.bf16_rows,
-        16,
-    ),
-    "stack-fp16": (
-        "tests.fsdp_models:stack",
-        "tests.deepspeed_models:fp16_rows",
-        fsdp_models.stack,
-        deepspeed_models.fp16_rows,
-        16,
-    ),
-    "two-layer": ("tests.two_layer_mlp:two_layer", "tests.two_layer_mlp:rows", two_layer, rows, 4),
-}
-PARALLEL_OF_STAGE = {1: "zero1", 2: "zero2", 3: "zero3"}  # zero1 with a --deepspeed file: DeepSpeed's stage 1
+PARALLEL_OF_STAGE = {stage: parallel for parallel, stage in STAGES.items()}
 
 
 def deepspeed_case(stage: int, name: str, world_size: int, precision: str, grad_accum: int) -> tuple[int, int]:
-    reference, inputs, factory, make_batch, batch_size = MODELS[name]
-    config = deepspeed_models.deepspeed_config(stage, batch_size, precision, BUCKET, grad_accum=grad_accum)
+    _, _, factory, make_batch, batch_size = MODELS[name]
+    config = deepspeed_models.deepspeed_config(stage, batch_size, precision, SMALL_BUCKET, grad_accum=grad_accum)
     measured = deepspeed_models.measured_peak(factory, make_batch, mean_square, world_size, config)
-    predicted = memplan.estimate(
-        reference,
-        inputs=inputs,
-        loss="tests.two_layer_mlp:mean_square",
-        batch_size=batch_size,
-        device="cpu",
-        optimizer="adamw",
-        precision=precision,
-        parallel=PARALLEL_OF_STAGE[stage],
-        world_size=world_size,
-        deepspeed_config={"zero_optimization": BUCKET},
-        grad_accum=grad_accum,
-    ).peak_bytes
-    return measured, predicted
+    parallel = PARALLEL_OF_STAGE[stage]
+    predicted = _estimate(name, world_size, precision, SMALL_BUCKET, parallel, grad_accum=grad_accum)
+    return measured, predicted.peak_bytes
 
 
 def counted_case(stage: int, world_size: int) -> tuple[int, int]:
@@ -81,32 +52,20 @@ def counted_case(stage: int, world_size: int) -> tuple[int, int]:
     from memplan.measure.cpu import measure_cpu
     from memplan.models.source import resolve_model
 
-    spec = resolve_model(
-        "tests.fsdp_models:stack", inputs="tests.deepspeed_models:bf16_rows", loss="tests.two_layer_mlp:mean_square"
-    )
+    reference, inputs, *_ = MODELS["stack-bf16"]
+    spec = resolve_model(reference, inputs=inputs, loss="tests.two_layer_mlp:mean_square")
+    parallel = PARALLEL_OF_STAGE[stage]
     settings = TrainingSettings(
         batch_size=16,
         device="cpu",
-        parallel=PARALLEL_OF_STAGE[stage],
+        parallel=parallel,
         world_size=world_size,
         precision="bf16",
         optimizer="adamw",
-        deepspeed_config=json.dumps({"zero_optimization": BUCKET}),
+        deepspeed_config=json.dumps({"zero_optimization": SMALL_BUCKET}),
     )
     counted = measure_cpu(spec, spec.settings_for(settings)).peak_bytes
-    predicted = memplan.estimate(
-        "tests.fsdp_models:stack",
-        inputs="tests.deepspeed_models:bf16_rows",
-        loss="tests.two_layer_mlp:mean_square",
-        batch_size=16,
-        device="cpu",
-        optimizer="adamw",
-        precision="bf16",
-        parallel=PARALLEL_OF_STAGE[stage],
-        world_size=world_size,
-        deepspeed_config={"zero_optimization": BUCKET},
-    ).peak_bytes
-    return counted, predicted
+    return counted, _estimate("stack-bf16", world_size, "bf16", SMALL_BUCKET, parallel).peak_bytes
 
 
 def hsdp_case(world_size: int, shard_size: int, checkpoint: str, grad_accum: int) -> tuple[int, int]:
