@@ -39,6 +39,9 @@ PARALLEL_MODES = ("none", "ddp", "zero1", "fsdp", "fsdp-grad-op", "hsdp", "zero2
 DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op", "hsdp")
 RESHARDING_FSDP_MODES = ("fsdp", "hsdp")  # reshard_after_forward=True
+# --offload: "params" is FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state on the
+# host, the optimizer step run there); "optimizer" is DeepSpeed's offload_optimizer, not traced yet.
+OFFLOAD_MODES = ("none", "optimizer", "params")
 DEEPSPEED_STAGES = {"zero2": 2, "zero3": 3}  # DeepSpeed's engine wraps the model and the optimizer
 DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
 # The --parallel mode of each ZeRO stage DeepSpeed runs: stage 1 is `zero1` with a --deepspeed file
@@ -231,6 +234,9 @@ class TrainingSettings:
     # With hsdp: the ranks each shard group spans (FSDP2 on a 2-D DeviceMesh of world_size / shard_size
     # replicas by shard_size shards); a divisor of world_size.
     shard_size: int | None = None
+    # With fsdp, fsdp-grad-op or hsdp: "params" offloads the shards, their gradients and the optimizer
+    # state to host memory (FSDP2's CPUOffloadPolicy; memplan.distributed.offload); one of OFFLOAD_MODES.
+    offload: str = "none"
     # With zero2/zero3: the user's DeepSpeed configuration (`--deepspeed ds_config.json`) as JSON text,
     # whose zero_optimization section DeepSpeed applies; None: DeepSpeed's defaults.
     deepspeed_config: str | None = None
@@ -362,6 +368,7 @@ class TrainingSettings:
                 "--parallel zero1 shards the optimizer's state, and --optimizer none has none: give one"
             )
         self._check_shard_size()
+        self._check_offload()
         if self.fsdp_mixed_precision is not None:
             _check_choice("FSDP2 mixed precision", self.fsdp_mixed_precision, FSDP_MIXED_PRECISIONS)
             if self.parallel not in FSDP_MODES:
@@ -410,6 +417,27 @@ class TrainingSettings:
                 f"--shard-size {self.shard_size} does not divide --world-size {self.world_size}: HSDP runs "
                 "world-size / shard-size replicas of one shard group"
             )
+
+    def _check_offload(self) -> None:
+        _check_choice("offload", self.offload, OFFLOAD_MODES)
+        if self.offload == "none":
+            return
+        if self.parallel in DEEPSPEED_MODES or self.parallel == "zero1":
+            raise SettingsError(
+                f"--offload {self.offload} with --parallel {self.parallel}: DeepSpeed's offload_optimizer and "
+                "offload_param are not traced yet; --parallel fsdp --offload params traces FSDP2's CPU offload"
+            )
+        if self.parallel not in FSDP_MODES:
+            raise SettingsError(
+                "--offload moves sharded state to host memory: give --parallel fsdp, fsdp-grad-op or hsdp with it"
+            )
+        if self.offload == "optimizer":
+            raise SettingsError(
+                "FSDP2 offloads the parameters, their gradients and the optimizer state together "
+                "(CPUOffloadPolicy): give --offload params"
+            )
+        if self.step is not None:
+            raise SettingsError("--offload with --step is not traced yet: leave out one of them")
 
     @property
     def deepspeed_stage(self) -> int | None:

@@ -7,13 +7,22 @@ start-up). Nothing of memplan's is used."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._profiler import _EventType
+from torch.profiler import profile, record_function
 
-from tests.hand_measure import checkpoint_each, profiled_third_iteration_peak, training_iteration
+from tests.hand_measure import (
+    checkpoint_each,
+    profiled_third_iteration,
+    profiled_third_iteration_peak,
+    training_iteration,
+)
 
 WIDTH, HIDDEN, BLOCKS = 64, 256, 3
 
@@ -94,3 +103,120 @@ def measured_peak(
         return profiled_third_iteration_peak(build)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _copies_as_on_a_gpu() -> Iterator[None]:
+    """FSDP2's CPUOffloadPolicy copies each shard to the device before its all-gather (`_fsdp_param.py`)
+    and each reduced gradient to the host (`_fsdp_collectives.py`) with `.to(device)`, which on a CPU-only
+    run returns the tensor itself: here each is a copy, as on a GPU, the host ones made inside
+    record_function("host")."""
+    plain_to = torch.Tensor.to
+
+    def to(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = plain_to(tensor, *args, **kwargs)
+        if out is not tensor or not any(isinstance(arg, torch.device) for arg in (*args, *kwargs.values())):
+            return out
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.endswith("_fsdp_collectives.py"):
+            with record_function("host"):
+                return out.clone()
+        return out.clone() if caller.endswith("_fsdp_param.py") else out
+
+    torch.Tensor.to = to
+    try:
+        yield
+    finally:
+        torch.Tensor.to = plain_to
+
+
+def _allocations(profiler: profile) -> list[tuple[int, int, int, bool]]:
+    """Every allocation and free event of the CPU allocator: (time, address, bytes, inside "host")."""
+    found = []
+
+    def walk(events: list, inside_host: bool) -> None:
+        for event in events:
+            if event.tag == _EventType.Allocation:
+                fields = event.extra_fields
+                found.append((event.start_time_ns, fields.ptr, fields.alloc_size, inside_host))
+            walk(event.children, inside_host or event.name == "host")
+
+    walk(profiler.profiler.kineto_results.experimental_event_tree(), False)
+    return sorted(found, key=lambda allocation: allocation[0])
+
+
+def measured_offload_peaks(
+    world_size: int, batch_size: int, reshard_after_forward: bool, checkpoint: bool = False, grad_accum: int = 1
+) -> tuple[int, int, int]:
+    """Rank 0's device and host peaks in the third iteration, and the device's in its last forward (with the
+    loss), under FSDP2's CPUOffloadPolicy (unpinned: this
+    torch has no GPU to pin for), AdamW. Host memory is what was allocated inside record_function("host"):
+    the shards fully_shard makes, the optimizer step (it runs on the host, and makes its state there), and
+    the gradient copies; the rest is the device's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+
+        def build() -> Callable[[], None]:
+            torch.manual_seed(0)
+            model = Stack()
+            if checkpoint:
+                checkpoint_each(model.blocks)
+            with record_function("host"):
+                for block in model.blocks:
+                    fully_shard(block, **options)
+                fully_shard(model, **options)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            batch = rows(batch_size)
+
+            def iteration() -> None:
+                for _ in range(grad_accum):
+                    with record_function("forward"):
+                        loss = mean_square(model(batch), batch)
+                    (loss / grad_accum if grad_accum > 1 else loss).backward()
+                with record_function("host"):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            return iteration
+
+        with _copies_as_on_a_gpu():
+            profiler = profiled_third_iteration(build)
+    finally:
+        dist.destroy_process_group()
+    allocations = _allocations(profiler)
+    device, host = _window_peaks(allocations, _window(profiler, "measured"))
+    forward_device, _ = _window_peaks(allocations, _window(profiler, "forward", last=True))
+    return device, host, forward_device
+
+
+def _window(profiler: profile, name: str, last: bool = False) -> tuple[int, int]:
+    """When the (first or last) record_function `name` began and ended."""
+    windows = [event for event in profiler.profiler.kineto_results.events() if event.name() == name]
+    window = windows[-1] if last else windows[0]
+    return window.start_ns(), window.start_ns() + window.duration_ns()
+
+
+def _window_peaks(allocations: list[tuple[int, int, int, bool]], window: tuple[int, int]) -> tuple[int, int]:
+    """The most device and host bytes live within `window`."""
+    start, end = window
+    live: dict[int, tuple[int, bool]] = {}
+    totals = {False: 0, True: 0}
+    peaks = {False: 0, True: 0}
+    for at, address, nbytes, inside_host in allocations:
+        if nbytes > 0:
+            live[address] = (nbytes, inside_host)
+            totals[inside_host] += nbytes
+        else:
+            freed, was_host = live.pop(address, (0, False))
+            totals[was_host] -= freed
+        if start <= at <= end:
+            for kind in (False, True):
+                peaks[kind] = max(peaks[kind], totals[kind])
+    return peaks[False], peaks[True]

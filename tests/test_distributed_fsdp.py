@@ -47,6 +47,51 @@ def test_an_fsdp_rank_is_the_real_fsdp2_run(parallel, world_size, checkpoint, op
     assert abs(predicted.peak_bytes - measured) <= 8, (predicted.peak_bytes, measured)
 
 
+@pytest.mark.parametrize(
+    ("world_size", "parallel", "checkpoint", "grad_accum"), [(2, "fsdp", "none", 1), (4, "fsdp-grad-op", "all", 2)]
+)
+def test_an_offloading_fsdp_rank_is_the_real_run_on_the_gpu_and_the_host(world_size, parallel, checkpoint, grad_accum):
+    """--offload params (FSDP2's CPUOffloadPolicy) against torch's real run, whose allocator events are told
+    apart: host memory is what fully_shard, the optimizer step and FSDP2's gradient copies to the host
+    allocate (tests/fsdp_models.measured_offload_peaks)."""
+    options = {"parallel": parallel, "world_size": world_size, "checkpoint": checkpoint, "grad_accum": grad_accum}
+    predicted = memplan.estimate(
+        "tests.fsdp_models:stack", **SOURCE, batch_size=16, device="cpu", offload="params", **options
+    )
+    measured = fsdp_models.measured_offload_peaks(world_size, 16, parallel == "fsdp", checkpoint == "all", grad_accum)
+    device, host, forward = measured
+    assert abs(predicted.peak_bytes - device) <= 8, (predicted.peak_bytes, device)
+    # The forward's peak is at an all-gather, with the shards' copies on the device.
+    assert abs(predicted.phase_peak_bytes["forward"] - forward) <= 8, (predicted.phase_peak_bytes, forward)
+    # The step's Python numbers, which torch wraps as 0-d CPU tensors no trace sees: a few hundred bytes.
+    assert abs(predicted.host_peak_bytes - host) <= 1024, (predicted.host_peak_bytes, host)
+    # Nothing of the shards or the optimizer state is on the device.
+    assert predicted.breakdown.parameters == predicted.breakdown.optimizer_state == 0
+    if grad_accum == 1:
+        # The cuda target's host is the same: its step runs on the host as torch picks there (the for-loop,
+        # not foreach), and pinning rounds nothing here, every shard being a power of two bytes.
+        shards = [
+            -(-p.shape[0] // world_size) * (p.numel() // p.shape[0]) * 4 for p in fsdp_models.Stack().parameters()
+        ]
+        assert all(nbytes & (nbytes - 1) == 0 for nbytes in shards)
+        on_cuda = memplan.estimate("tests.fsdp_models:stack", **SOURCE, batch_size=16, offload="params", **options)
+        assert abs(on_cuda.host_peak_bytes - host) <= 1024, (on_cuda.host_peak_bytes, host)
+
+
+def test_offload_copies_each_shard_to_the_device_for_its_gather_and_each_gradient_to_the_host():
+    """Without resharding after the forward, FSDP2 gathers each module once, in the forward: the device gets
+    one copy of every shard there (each padded to whole rows, worked out here from the model) and none in
+    the backward, where the reduced gradients (of both micro-batches) are copied to the host."""
+    options = {"parallel": "fsdp-grad-op", "world_size": 4, "grad_accum": 2, "offload": "params"}
+    predicted = memplan.estimate("tests.fsdp_models:stack", **SOURCE, batch_size=16, device="cpu", **options)
+    timeline = predicted.timeline
+    copies = [a for a in timeline.allocations if a.op == "aten.clone.default"]
+    model = fsdp_models.Stack()
+    padded = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) * 4 for p in model.parameters())
+    assert sum(a.size_bytes for a in copies if a.allocated_at < timeline.forward_end) == padded
+    assert [a for a in copies if a.allocated_at >= timeline.forward_end] == []
+
+
 @pytest.mark.parametrize(("world_size", "shard_size", "checkpoint"), [(8, 4, "none"), (6, 2, "all")])
 def test_an_hsdp_rank_is_the_real_fsdp2_run_on_a_2d_mesh(world_size, shard_size, checkpoint):
     """HSDP (--parallel hsdp --shard-size S): FSDP2 on a 2-D mesh shards each parameter over S ranks and
@@ -178,6 +223,11 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
         ({"parallel": "hsdp", "world_size": 8, "shard_size": 3}, "--shard-size 3 does not divide --world-size 8"),
         ({"parallel": "hsdp", "world_size": 8, "shard_size": 0}, "shard size must be"),
         ({"parallel": "hsdp", "world_size": 8, "shard_size": 4, "grad_accum": 2}, "hsdp with --grad-accum"),
+        ({"offload": "params"}, "give --parallel fsdp, fsdp-grad-op or hsdp with it"),
+        ({"parallel": "ddp", "world_size": 2, "offload": "params"}, "give --parallel fsdp"),
+        ({"parallel": "fsdp", "world_size": 2, "offload": "optimizer"}, "give --offload params"),
+        ({"parallel": "zero2", "world_size": 2, "offload": "optimizer"}, "offload_optimizer and offload_param are not"),
+        ({"parallel": "fsdp", "world_size": 2, "offload": "disk"}, "offload must be one of"),
     ],
 )
 def test_fsdp_mistakes_are_settings_errors(options, message):

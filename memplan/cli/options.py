@@ -14,6 +14,7 @@ from memplan.settings import (
     DEVICES,
     FSDP_MIXED_PRECISIONS,
     LOOPS,
+    OFFLOAD_MODES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PARALLEL_MODES,
@@ -213,6 +214,15 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             default=None,
             help="With --parallel hsdp: the ranks each shard group spans (a divisor of --world-size; often one "
             "node's GPUs), FSDP2 on a 2-D mesh of world-size / shard-size replicas.",
+        ),
+        click.option(
+            "--offload",
+            type=click.Choice(OFFLOAD_MODES),
+            default="none",
+            show_default=True,
+            help="With --parallel fsdp, fsdp-grad-op or hsdp: params is FSDP2's CPUOffloadPolicy (the shards, their "
+            "gradients and the optimizer state in host memory, the optimizer step run there; each module's shards "
+            "copied to the GPU for its all-gather): the GPU figures leave them out and host_peak_bytes counts them.",
         ),
         click.option(
             "--ddp-bucket-view",

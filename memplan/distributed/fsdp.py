@@ -103,9 +103,13 @@ class FullyShardedRank:
         reshard_after_forward: bool = True,
         mixed_precision: torch.dtype | None = None,
         shard_size: int | None = None,
+        offload: bool = False,
+        pins_host_memory: bool = False,
     ) -> None:
         """`mixed_precision`: MixedPrecisionPolicy(param_dtype=it, reduce_dtype=torch.float32), or none;
-        `shard_size`: HSDP, sharded within groups of that many ranks and replicated across them."""
+        `shard_size`: HSDP, sharded within groups of that many ranks and replicated across them; `offload`:
+        CPUOffloadPolicy (memplan.distributed.offload), whose host memory is pinned where `pins_host_memory`
+        (a GPU run's default; made unpinned here, where no GPU is: see after_warm_up)."""
         import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
@@ -116,23 +120,51 @@ class FullyShardedRank:
         LIBRARIES_HOLDING_TENSORS.add(os.path.dirname(fsdp_param_group.__file__))  # its buffers' lifetimes
         # The parameters' device: fake CPU tensors in a trace, cuda in a real run on a GPU (validate).
         device_type = next(model.parameters()).device.type
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         policy = MixedPrecisionPolicy(
             param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None
         )
+        offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         options = {"reshard_after_forward": reshard_after_forward, "mp_policy": policy}
+        options["offload_policy"] = offload_policy
         with _fake_world(world_size, device_type, shard_size) as mesh:
             for name in block_names(model):
                 fully_shard(model.get_submodule(name), mesh=mesh, **options)
             fully_shard(model, mesh=mesh, **options)
         self.module = model  # fully_shard changes it in place (its class becomes an FSDPModule)
+        self.offload = offload
+        self.pins_host_memory = offload and pins_host_memory
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's parameter shards (FSDPParam._sharded_param_data: the local tensors, padding included)."""
+        return [fsdp_param._sharded_param_data for fsdp_param in _fsdp_params(self.module)]
 
     def buckets(self) -> list[torch.Tensor]:
         return []  # FSDP2 keeps no buffer between modules' collectives; what it gathers is traced
 
     def after_warm_up(self) -> None:
-        return None
+        """Where a GPU run pins its host memory, FSDP2 told so once its lazy init (which would pin the
+        shards: no GPU here to pin for) is done: it then copies each gradient to the host as that run does."""
+        if self.pins_host_memory:
+            for fsdp_param in _fsdp_params(self.module):
+                fsdp_param.pin_memory = True
+
+
+def _fsdp_params(model: nn.Module) -> Iterator[Any]:
+    """The FSDPParam of every parameter fully_shard sharded in `model`: each sharded module's state holds
+    its parameter groups (`_fsdp_param_groups` in torch 2.13, one `_fsdp_param_group` before)."""
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            yield from group.fsdp_params
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,18 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f"parameters all-gathered before its forward and backward and resharded {reshard}; its collectives' "
             "buffers allocated on their own CUDA streams, as FSDP2 does"
         )
+    if settings.offload == "params":
+        pinned = (
+            "pinned (torch's CachingHostAllocator rounds each up to a power of two)"
+            if settings.device == "cuda"
+            else "unpinned"
+        )
+        notes.append(
+            "--offload params: FSDP2's CPUOffloadPolicy; the parameter shards, their gradients and the optimizer "
+            f"state live in host memory ({pinned}) and the optimizer step runs there; each module's shards are "
+            "copied to the GPU for its all-gather and each reduced gradient copied back; host_peak_bytes counts the "
+            "host's share, the other figures the GPU's"
+        )
     band = settings.communicator_band_bytes
     if band is not None:
         notes.append(_nccl_note(settings, *band))
@@ -404,6 +416,7 @@ def run_estimate(
         max_seq_len=max_seq_len,
         max_seq_len_is_limit=max_seq_len_is_limit,
         paged_optimizer_bytes=paged,
+        host_peak_bytes=main.host_peak_bytes,
         notes=tuple(_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)),
         timeline=main.timeline,
     )

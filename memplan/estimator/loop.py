@@ -129,6 +129,8 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
             reshard_after_forward=settings.parallel in RESHARDING_FSDP_MODES,
             shard_size=settings.shard_size,
             mixed_precision=FSDP_PARAM_DTYPES.get(settings.fsdp_mixed_precision or ""),
+            offload=settings.offload == "params",
+            pins_host_memory=settings.device == "cuda",
         )
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
     optimizer = build_optimizer(trainable, settings)

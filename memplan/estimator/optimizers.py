@@ -22,7 +22,8 @@ def implementation_kwargs(settings: TrainingSettings) -> dict[str, bool]:
         return {}
     if impl == "fused":
         return {"fused": True}
-    if impl == "foreach" or (impl == "default" and settings.device == "cuda"):
+    # Under --offload params the step runs on host tensors (memplan.distributed.offload): torch's own pick.
+    if impl == "foreach" or (impl == "default" and settings.device == "cuda" and settings.offload == "none"):
         return {"foreach": True}
     if impl == "for-loop":
         return {"foreach": False}

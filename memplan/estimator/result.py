@@ -80,6 +80,9 @@ class EstimateResult:
     # cuda, --optimizer paged-adam8bit: its state in CUDA unified memory, outside torch's allocator
     # (in no peak here; the driver moves it to host memory when the GPU runs short)
     paged_optimizer_bytes: int = 0
+    # --offload params: the most host memory the rank's offloaded state takes at once (its parameter shards,
+    # gradients and optimizer state, and the optimizer step's temporaries), in none of the figures above
+    host_peak_bytes: int | None = None
     notes: tuple[str, ...] = ()
     # batch sizes the largest-batch search answered from confirmed lines through traces, not traced
     interpolated_batch_sizes: int = 0

@@ -101,6 +101,7 @@ class Simulation:
     # (memplan.estimator.timeline.device_fit_bytes)
     smallest_device_bytes: int | None = None
     allocator_config: AllocatorConfig | None = field(default=None, compare=False, repr=False)  # cuda
+    host_peak_bytes: int | None = None  # --offload params: the rank's host memory at its peak
 
     @property
     def fit_bytes(self) -> int:
@@ -189,6 +190,8 @@ class Liveness:
     unsupported_ops: tuple[str, ...]
     requested: dict[StorageWeakRef, int]  # the bytes asked for, before the allocator's rounding
     streams: dict[StorageWeakRef, int] = field(default_factory=dict)  # those allocated on a side stream
+    # --offload params: the storages in host memory, (born, last use, host bytes) each, kept out of the rest
+    host: dict[Any, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -311,8 +314,47 @@ def liveness(traced: TracedStep) -> Liveness:
             if allocation.stream:
                 streams[resized_key] = allocation.stream
     unsupported.update(dict.fromkeys(traced.unknown_target_ops))
+    host = _host_lifetimes(traced, requested, born, last_use, streams)
     size = {key: round_for_device(nbytes, traced.settings) for key, nbytes in requested.items()}
-    return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested, streams)
+    return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested, streams, host)
+
+
+def _host_lifetimes(
+    traced: TracedStep,
+    requested: dict[Any, int],
+    born: dict[Any, int],
+    last_use: dict[Any, int],
+    streams: dict[Any, int],
+) -> dict[Any, tuple[int, int, int]]:
+    """Under --offload params, the host's storages taken out of the device's tables: the rank's shards,
+    gradients, optimizer state and gradient copies (memplan.distributed.offload), and whatever the
+    optimizer step makes (it runs on the host)."""
+    host_memory = traced.host_memory
+    if host_memory is None:
+        return {}
+    host = {}
+    for key in list(requested):
+        base = key.storage if isinstance(key, ResizedStorage) else key
+        if base in host_memory.storages or born[key] >= traced.backward_end:
+            host[key] = (born[key], last_use[key], host_memory.bytes_of(base, requested[key]))
+            for table in (requested, born, last_use, streams):
+                table.pop(key, None)
+    return host
+
+
+def host_peak_bytes(lifetimes: Liveness) -> int | None:
+    """The most host bytes live at once under --offload params (None without it)."""
+    if not lifetimes.host:
+        return None
+    change = [0] * (len(lifetimes.nodes) + 2)
+    for first, last, nbytes in lifetimes.host.values():
+        change[first] += nbytes
+        change[last + 1] -= nbytes
+    live = peak = 0
+    for delta in change:
+        live += delta
+        peak = max(peak, live)
+    return peak
 
 
 def cublas_workspaces(traced: TracedStep) -> list[int]:
@@ -482,6 +524,8 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         **_library_transients(nodes, traced.settings.device),
     }  # in both ends of the band
     conv = _kernel_transients(traced, nodes, CONV_OPS, _conv_workspace)  # the band's top
+    if traced.host_memory is not None:  # the optimizer step runs on the host: no CUDA kernel's scratch
+        exact = {index: requests for index, requests in exact.items() if index < traced.backward_end}
     transients = {**exact, **conv}
     timeline = memory_timeline(traced, lifetimes, workspaces, transients)
     config = traced.settings.allocator_config
@@ -515,6 +559,7 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         conv_workspace_free_reserved_peak_bytes=low_reserved,
         smallest_device_bytes=device_fit_bytes(timeline, config) if reserved is not None else None,
         allocator_config=config if reserved is not None else None,
+        host_peak_bytes=host_peak_bytes(lifetimes),
     )
 
 

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.distributed.fsdp import StorageResize, sharding_categories, storage_resizes_recorded
+from memplan.distributed.offload import HostMemory, copies_made, host_memory
 from memplan.errors import MemplanError, TraceError
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
@@ -87,6 +88,8 @@ class TracedStep:
     storage_resizes: tuple[StorageResize, ...] = ()
     # --parallel zero2/zero3: the storages DeepSpeed swapped under parameters (memplan.estimator.swapped_storages).
     swapped_storages: SwappedStorages | None = None
+    # --offload params: the rank's host memory, out of the device's figures (memplan.distributed.offload).
+    host_memory: HostMemory | None = None
 
 
 @contextlib.contextmanager
@@ -188,6 +191,7 @@ class _Observed:
     unknown_ops: set[str]  # ran with a target behaviour memplan does not know
     resizes: list[StorageResize]  # FSDP2's
     swapped: SwappedStorages | None = None  # where a library swaps storages under parameters
+    host: HostMemory | None = None  # --offload params: the rank's host memory
 
 
 def _traced_step(
@@ -223,6 +227,7 @@ def _traced_step(
         released_early=tuple(released_early),
         storage_resizes=tuple(observed.resizes),
         swapped_storages=observed.swapped,
+        host_memory=observed.host,
     )
 
 
@@ -346,7 +351,8 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
         # step leaves; under DDP, the optimizer's state and the order the gradients became ready,
         # in which the second iteration's forward makes the buckets again.
         try:
-            with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
+            offload_copies = copies_made(state.data_parallel)
+            with fake_mode, real_run_paths(), _target_kernels(settings), constant_item(), offload_copies:
                 iteration(state)  # the user's step, where there is one
                 if state.data_parallel is not None:
                     # Now, not at the traced step's first forward: that would trace the old buckets
@@ -371,7 +377,7 @@ def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSetting
     if not engine_counts and all(param.grad is not None for param in state.trainable):
         return
     state.micro_batches_done = max(settings.grad_accum - 2, 0)
-    with fake_mode, real_run_paths(), _target_kernels(settings), constant_item():
+    with fake_mode, real_run_paths(), _target_kernels(settings), constant_item(), copies_made(state.data_parallel):
         micro_batch(state)
         if engine_counts:
             state.data_parallel.after_micro_batch()
@@ -447,6 +453,7 @@ def trace_step(
             recorder,
             resizes_recorded as resizes,
             swaps as swaps_seen,
+            copies_made(state.data_parallel) as host_copies,
         ):
             with lifetimes_tracked(eager_lifetimes):
                 micro_batch(state, marker)
@@ -497,4 +504,9 @@ def trace_step(
         if categories.get(key, "parameters") == "parameters":  # ZeRO-3's gathered parameters, whole
             categories[key] = "unsharded_parameters"
     observed = _Observed(tracker, eager_lifetimes, started, unknown_ops, resizes, swapped)
+    if getattr(state.data_parallel, "offload", False):
+        rank = state.data_parallel
+        optimizer_state = [local_tensor(tensor) for tensor in optimizer_tensors(state)]
+        gradients = [local_tensor(grad) for grad in grads]
+        observed.host = host_memory(rank.shards(), gradients, optimizer_state, host_copies, rank.pins_host_memory)
     return _traced_step(graph, state, boundaries, (categories, sizes), observed, recording, released_early)

@@ -69,6 +69,8 @@ def _describe_parallel(s: TrainingSettings) -> str:
     if s.deepspeed_stage == 1:
         rank = "DeepSpeed ZeRO-1"
     mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
+    if s.offload == "params":
+        mixed += ", state offloaded to the CPU"
     return (
         f"one {rank} rank of {s.world_size}{mixed} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = "
         f"{total:,})"
@@ -138,6 +140,11 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
             "",
         )
     console.print(table)
+    if result.host_peak_bytes is not None:
+        console.print(
+            f"host memory (--offload params: shards, gradients, optimizer state and step), at its peak: "
+            f"{format_bytes(result.host_peak_bytes)}, in none of the figures above"
+        )
     if result.conv_workspace_free_reserved_peak_bytes is not None:
         without, top = result.conv_workspace_free_reserved_peak_bytes, result.reserved_peak_bytes or 0
         console.print(
