@@ -217,7 +217,14 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _snapshot(value: object) -> object:
-    return alias(value) if isinstance(value, torch.Tensor) else value
+    """What a node keeps of one item of its output: tensors aliased, also inside a list (a collective's
+    `([tensors], work)`), so that the node never keeps the op's own tensor objects, whose finalizers
+    tell when Python lets go of them (memplan.estimator.eager_lifetimes)."""
+    if isinstance(value, torch.Tensor):
+        return alias(value)
+    if isinstance(value, list):
+        return [_snapshot(item) for item in value]
+    return value
 
 
 def record_graph(fn: Callable[..., object], *inputs: torch.Tensor) -> OpGraph:
