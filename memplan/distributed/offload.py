@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,9 @@ class HostCopies:
     (into pinned memory)."""
 
     non_blocking: dict[StorageWeakRef, bool] = field(default_factory=dict)
+    making: bool = False  # while a host copy is being made
+    # Told of each host copy once made (the CPU validator's counter, which leaves host memory out).
+    observers: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
 
 
 def _copy_direction(frame: Any) -> str | None:
@@ -88,9 +91,15 @@ def copies_made(data_parallel: object) -> Iterator[HostCopies]:
         direction = _copy_direction(sys._getframe(1))
         if direction is None:
             return out
-        copy = out.clone()
+        copies.making = direction == "host"
+        try:
+            copy = out.clone()
+        finally:
+            copies.making = False
         if direction == "host":
             copies.non_blocking[StorageWeakRef(copy.untyped_storage())] = bool(kwargs.get("non_blocking", False))
+            for observe in copies.observers:
+                observe(copy)
         return copy
 
     torch.Tensor.to = to  # type: ignore[method-assign]

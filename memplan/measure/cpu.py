@@ -22,12 +22,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memplan.distributed.fsdp import storage_resizes_observed
+from memplan.distributed.offload import HostCopies, copies_made
 from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.loop import (
     TrainingState,
     current_grads,
     iteration,
+    micro_batch,
     model_tensors,
+    optimizer_step,
     optimizer_tensors,
     prepare,
 )
@@ -47,18 +50,29 @@ class CpuMeasurement:
 class LiveStorageCounter(TorchDispatchMode):
     """Counts bytes of live tensor storages created or read while active."""
 
-    def __init__(self, statics_may_be_freed: bool = False) -> None:
+    def __init__(self, statics_may_be_freed: bool = False, host: HostCopies | None = None) -> None:
         """`statics_may_be_freed`: a storage alive before the iteration is counted until it is freed, not
         to the iteration's end (where a library frees what the iteration started with: ZeRO-3's
-        gathered parameters, released as its step begins)."""
+        gathered parameters, released as its step begins). `host` (--offload params): FSDP2's copies to
+        the host, which are not counted, nor is what `leave_out` names (the rest of the host's memory)."""
         super().__init__()
         self._statics_may_be_freed = statics_may_be_freed
+        self._host = host
+        self._host_storages: set[int] = set()
+        if host is not None:
+            host.observers.append(self.leave_out)
         self.static_bytes = 0
         self.dynamic_bytes = 0
         self.dynamic_peak_bytes = 0
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
 
+    def leave_out(self, tensor: torch.Tensor) -> None:
+        """Host memory under --offload params: never counted."""
+        self._host_storages.add(local_tensor(tensor).untyped_storage()._cdata)
+
     def add_static(self, tensor: torch.Tensor) -> None:
+        if local_tensor(tensor).untyped_storage()._cdata in self._host_storages:
+            return
         if self._statics_may_be_freed:
             self.add_live(tensor)
             return
@@ -82,7 +96,7 @@ class LiveStorageCounter(TorchDispatchMode):
     def _add_dynamic(self, tensor: torch.Tensor) -> None:
         storage = local_tensor(tensor).untyped_storage()
         key = storage._cdata
-        if key in self._live:
+        if key in self._live or key in self._host_storages:
             return
         nbytes = storage.nbytes()
         self._live[key] = nbytes
@@ -107,8 +121,13 @@ class LiveStorageCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if wraps_local_tensors(types):
             return NotImplemented  # counted as the ops on its local tensors
+        if self._host is not None and self._host.making:
+            return func(*args, **(kwargs or {}))  # a copy to the host (leave_out is told of it once made)
         for leaf in tree_flatten((args, kwargs))[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            key = leaf.untyped_storage()._cdata
+            if key not in self._live and key not in self._host_storages:
                 self.add_static(leaf)  # existed before the iteration, so live throughout it
         kernel = _python_kernel(func)
         if kernel is None:
@@ -157,6 +176,8 @@ def measure_cpu(
     # The process's own tensors before the run (kept referenced, so that no id is another's later).
     before = tensors_python_holds() if settings.deepspeed_stage is not None else []
     state = prepare(spec, settings)
+    if settings.offload != "none":
+        return _measure_offloaded(state, warmup_iterations)
     for _ in range(warmup_iterations):
         iteration(state)
     swaps = getattr(state.data_parallel, "swaps_storages", False)
@@ -173,4 +194,24 @@ def measure_cpu(
     resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
     with collector_held(), counter, resizes:
         iteration(state)
+    return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)
+
+
+def _measure_offloaded(state: TrainingState, warmup_iterations: int) -> CpuMeasurement:
+    """--offload params: the device's memory of one iteration, the host's left out: the shards, the
+    optimizer state, FSDP2's gradient copies, and the optimizer step, which runs there (each of FSDP2's
+    copies made as on a GPU: memplan.distributed.offload)."""
+    with copies_made(state.data_parallel) as host:
+        for _ in range(warmup_iterations):
+            iteration(state)
+        counter = LiveStorageCounter(host=host)
+        for tensor in state.data_parallel.shards() + optimizer_tensors(state) + current_grads(state):
+            counter.leave_out(tensor)
+        for tensor in model_tensors(state) + tensors_in(state.batch):
+            counter.add_static(tensor)
+        with collector_held(), counter, storage_resizes_observed(counter.resized):
+            for _ in range(state.settings.grad_accum):
+                micro_batch(state)
+                state.micro_batches_done += 1
+        optimizer_step(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)
