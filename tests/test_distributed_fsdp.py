@@ -149,7 +149,6 @@ def test_sharding_divides_the_state_and_adds_what_fsdp2_gathers():
         ("gpt2", 4, "fsdp-grad-op", {"fsdp_mixed_precision": "fp16", "checkpoint": "all"}),
         # CPU offload: the device's memory, FSDP2's copies made as on a GPU (memplan.distributed.offload).
         ("llama", 4, "fsdp", {"offload": "params", "checkpoint": "all", "precision": "amp-bf16"}),
-        ("bert", 2, "fsdp-grad-op", {"offload": "params", "grad_accum": 2}),
     ],
 )
 def test_an_fsdp_rank_of_each_architecture_is_its_real_run(tiny_model_dirs, name, world_size, parallel, options):
