@@ -1,27 +1,22 @@
 """One rank of DeepSpeed's ZeRO stages and of HSDP, predicted beside the real CPU run: the cases the
-docs quote that the tests leave out (to keep the suite short), and the ones memplan refuses because
-they miss.
+docs quote that the tests leave out (to keep the suite short).
 
-    python benchmarks/distributed_real_runs.py            # the cases memplan answers
-    python benchmarks/distributed_real_runs.py --refused  # also those it refuses, settings check bypassed
+    python benchmarks/distributed_real_runs.py
 
 The real run is the tests' hand-built one (tests/deepspeed_models.py, tests/fsdp_models.py: the job's
 own engine or fully_shard on torch's fake process group, rank 0, measured by the CPU allocator's own
 events in the third iteration; in bf16, whose real runs peak in a CPU matmul's scratch that no
 dispatch mode sees, the CPU validator's storage count of the real run, memplan.measure.cpu); memplan's
-side is `memplan.estimate` of the same model, batch and settings. `--refused` patches out the one
-settings check that refuses each case (ZeRO-3 in fp16), to print the miss that check cites. Each line: the case, measured bytes,
+side is `memplan.estimate` of the same model, batch and settings. Each line: the case, measured bytes,
 predicted bytes, and the difference. A few seconds per case on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from unittest.mock import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' harnesses
 
@@ -86,45 +81,32 @@ def hsdp_case(world_size: int, shard_size: int, checkpoint: str, grad_accum: int
     return measured, predicted
 
 
-@contextlib.contextmanager
-def bypassing(check: str) -> Iterator[None]:
-    with patch.object(TrainingSettings, check, lambda self: None):
-        yield
-
-
-Case = tuple[str, Callable[[], tuple[int, int]], str | None]  # label, run, the check that refuses it
+Case = tuple[str, Callable[[], tuple[int, int]]]  # label, run
 CASES: list[Case] = [
-    ("ZeRO-2 stack, 4 ranks, 3 micro-batches", lambda: deepspeed_case(2, "stack", 4, "fp32", 3), None),
-    ("ZeRO-2 stack fp16, 4 ranks", lambda: deepspeed_case(2, "stack-fp16", 4, "fp16", 1), None),
-    ("ZeRO-1 MLP, 8 ranks", lambda: deepspeed_case(1, "two-layer", 8, "fp32", 1), None),
-    ("ZeRO-1 stack fp16, 4 ranks", lambda: deepspeed_case(1, "stack-fp16", 4, "fp16", 1), None),
-    ("ZeRO-1 stack bf16, 4 ranks (the validator's count)", lambda: counted_case(1, 4), None),
-    ("ZeRO-3 stack bf16, 4 ranks (the validator's count)", lambda: counted_case(3, 4), None),
-    ("ZeRO-3 stack bf16, 8 ranks (the validator's count)", lambda: counted_case(3, 8), None),
-    ("HSDP stack, 8 ranks of 2, checkpointed", lambda: hsdp_case(8, 2, "all", 1), None),
-    ("HSDP stack, 6 ranks of 3", lambda: hsdp_case(6, 3, "none", 1), None),
-    ("ZeRO-3 stack fp16, 2 ranks", lambda: deepspeed_case(3, "stack-fp16", 2, "fp16", 1), "_check_deepspeed"),
-    ("ZeRO-3 stack fp16, 4 ranks", lambda: deepspeed_case(3, "stack-fp16", 4, "fp16", 1), "_check_deepspeed"),
-    ("ZeRO-3 stack fp16, 8 ranks", lambda: deepspeed_case(3, "stack-fp16", 8, "fp16", 1), "_check_deepspeed"),
+    ("ZeRO-2 stack, 4 ranks, 3 micro-batches", lambda: deepspeed_case(2, "stack", 4, "fp32", 3)),
+    ("ZeRO-2 stack fp16, 4 ranks", lambda: deepspeed_case(2, "stack-fp16", 4, "fp16", 1)),
+    ("ZeRO-1 MLP, 8 ranks", lambda: deepspeed_case(1, "two-layer", 8, "fp32", 1)),
+    ("ZeRO-1 stack fp16, 4 ranks", lambda: deepspeed_case(1, "stack-fp16", 4, "fp16", 1)),
+    ("ZeRO-1 stack bf16, 4 ranks (the validator's count)", lambda: counted_case(1, 4)),
+    ("ZeRO-3 stack bf16, 4 ranks (the validator's count)", lambda: counted_case(3, 4)),
+    ("ZeRO-3 stack bf16, 8 ranks (the validator's count)", lambda: counted_case(3, 8)),
+    ("ZeRO-3 stack fp16, 2 ranks", lambda: deepspeed_case(3, "stack-fp16", 2, "fp16", 1)),
+    ("ZeRO-3 stack fp16, 4 ranks", lambda: deepspeed_case(3, "stack-fp16", 4, "fp16", 1)),
+    ("HSDP stack, 8 ranks of 2, checkpointed", lambda: hsdp_case(8, 2, "all", 1)),
+    ("HSDP stack, 6 ranks of 3", lambda: hsdp_case(6, 3, "none", 1)),
     *(
-        (f"HSDP stack, 8 ranks of {shard}, 2 micro-batches", lambda shard=shard: hsdp_case(8, shard, "none", 2), None)
+        (f"HSDP stack, 8 ranks of {shard}, 2 micro-batches", lambda shard=shard: hsdp_case(8, shard, "none", 2))
         for shard in (2, 4, 8)
     ),
 ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--refused", action="store_true", help="also the cases memplan refuses (check bypassed)")
-    args = parser.parse_args()
-    for label, run, check in CASES:
-        if check is not None and not args.refused:
-            continue
-        with bypassing(check) if check is not None else contextlib.nullcontext():
-            measured, predicted = run()
-        refused = " (refused by memplan)" if check is not None else ""
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    for label, run in CASES:
+        measured, predicted = run()
         print(
-            f"{label}{refused}: measured {measured:,} B, predicted {predicted:,} B, {predicted - measured:+,} B "
+            f"{label}: measured {measured:,} B, predicted {predicted:,} B, {predicted - measured:+,} B "
             f"({(predicted - measured) / measured:+.2%})",
             flush=True,
         )

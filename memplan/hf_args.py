@@ -158,11 +158,6 @@ def _with_deepspeed(
             f"--hf-args {path} runs DeepSpeed's ZeRO stage {stage}; memplan traces stages 1, 2 and 3 (--parallel "
             "zero1 with the file, zero2, zero3); without ZeRO give --parallel ddp with --world-size N"
         )
-    if _flag(data, "fp16") and stage == 3:
-        raise HfArgsError(
-            f"--hf-args {path} sets fp16 with DeepSpeed's ZeRO-3, which memplan does not trace yet (DeepSpeed's "
-            "fp16 it does under stages 1 and 2): use bf16, or remove fp16"
-        )
     settings["parallel"] = DEEPSPEED_MODE_OF_STAGE[stage]
     settings["deepspeed_config"] = json.dumps(config, sort_keys=True)
     if _flag(data, "bf16"):

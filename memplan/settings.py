@@ -47,9 +47,7 @@ DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
 # The --parallel mode of each ZeRO stage DeepSpeed runs: stage 1 is `zero1` with a --deepspeed file
 # (without one, `zero1` is torch's ZeroRedundancyOptimizer; TrainingSettings.deepspeed_stage).
 DEEPSPEED_MODE_OF_STAGE = {1: "zero1", **{stage: mode for mode, stage in DEEPSPEED_STAGES.items()}}
-# bf16, fp16: DeepSpeed's own (16-bit model, float32 master partition); fp16 under stages 1 and 2 only: a ZeRO-3
-# rank in fp16 missed DeepSpeed's real CPU run by -8.8% on 8 ranks, not understood yet
-# (benchmarks/distributed_real_runs.py --refused).
+# bf16, fp16: DeepSpeed's own (16-bit model, float32 master partition), fp16 with its dynamic loss scale.
 DEEPSPEED_PRECISIONS = ("fp32", "bf16", "fp16")
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
 FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
@@ -456,11 +454,10 @@ class TrainingSettings:
                 raise SettingsError(f"--deepspeed sets ZeRO stage {stage}; {option} traces stage {traced}: {instead}")
         if self.optimizer == "none":
             raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")
-        if self.precision not in DEEPSPEED_PRECISIONS or (self.precision == "fp16" and traced == 3):
-            fp16 = ", and under stages 1 and 2 its fp16 (--precision fp16, with its loss scale)" if traced == 3 else ""
+        if self.precision not in DEEPSPEED_PRECISIONS:
             raise SettingsError(
-                f"{option} traces DeepSpeed in fp32 or its own bf16 (--precision bf16: a 16-bit model, float32 master "
-                f"weights in the optimizer){fp16}; --precision {self.precision} with {option} is not traced yet"
+                f"{option} traces DeepSpeed in fp32 or its own bf16 or fp16 (--precision bf16 or fp16: a 16-bit model, "
+                f"float32 master weights in the optimizer); --precision {self.precision} with {option} is not traced yet"
             )
         unsupported = _options_given(
             ("--step", self.step, None),

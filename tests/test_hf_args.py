@@ -90,7 +90,6 @@ def test_fields_map_to_settings(tmp_path, fields, expected):
         ({"fsdp": "full_shard"}, "sets fsdp, which the Trainer hands to accelerate's FSDP plugin"),
         ({"deepspeed": "ds_config.json"}, "sets deepspeed 'ds_config.json', which is not a file here or beside"),
         ({"deepspeed": {"zero_optimization": {"stage": 0}}}, "runs DeepSpeed's ZeRO stage 0; memplan traces stages 1"),
-        ({"deepspeed": {"zero_optimization": {"stage": 3}}, "fp16": True}, "fp16 with DeepSpeed's ZeRO-3"),
         ({"bf16": True, "fp16": True}, "sets both bf16 and fp16"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be a positive integer"),
     ],

@@ -42,9 +42,9 @@ accelerate does; the optimizer runs at the last. The traced micro-batch is a ste
 untraced micro-batch made the accumulated partition.
 
 `--precision bf16` and `fp16` are DeepSpeed's own: a 16-bit model and a float32 master partition, fp16
-with DeepSpeed's dynamic loss scale (stages 1 and 2 only: settings.DEEPSPEED_PRECISIONS says why).
+with DeepSpeed's dynamic loss scale, at every stage.
 
-Not traced yet: offload to the host (refused), fp16 under ZeRO-3, and torch's autocast around DeepSpeed.
+Not traced yet: offload to the host (refused), and torch's autocast around DeepSpeed.
 """
 
 from __future__ import annotations
