@@ -34,6 +34,11 @@ def _state_options(result: EstimateResult) -> list[str]:
 
 
 def _sharding(settings: TrainingSettings) -> str:
+    if settings.parallel in FSDP_MODES and settings.offload == "none":
+        return (
+            "more ranks (--world-size: each holds a smaller shard), or --offload params (the shards, gradients and "
+            "optimizer state in host memory)"
+        )
     if settings.parallel in FSDP_MODES:
         return "more ranks (--world-size: each holds a smaller shard)"
     if settings.parallel == "ddp":

@@ -379,6 +379,13 @@ class TrainingSettings:
                     f"{self.precision}: give --precision fp32 (or amp-bf16, amp-fp16) with it"
                 )
         self._check_deepspeed()
+        if self.parallel in FSDP_MODES and self.optimizer == "adafactor":
+            # torch 2.13's Adafactor on FSDP2's DTensors: "aten.pow_.Scalar: in-place operations that require
+            # placement changes are not supported" (its row/column norms are Partial), in a real run as in a trace.
+            raise SettingsError(
+                f"--parallel {self.parallel} with --optimizer adafactor: torch's Adafactor does not run on FSDP2's "
+                "sharded parameters (an in-place op on a partial DTensor); use adamw, adam, sgd or adam8bit"
+            )
         if self.parallel in FSDP_MODES and self.quantize is not None:
             raise SettingsError(
                 f"--parallel {self.parallel} with --quantize: FSDP2 over bitsandbytes' quantized layers is not traced "
@@ -456,8 +463,9 @@ class TrainingSettings:
             raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")
         if self.precision not in DEEPSPEED_PRECISIONS:
             raise SettingsError(
-                f"{option} traces DeepSpeed in fp32 or its own bf16 or fp16 (--precision bf16 or fp16: a 16-bit model, "
-                f"float32 master weights in the optimizer); --precision {self.precision} with {option} is not traced yet"
+                f"{option} traces DeepSpeed in fp32 or its own bf16 or fp16 (--precision bf16 or fp16: a 16-bit "
+                f"model, float32 master weights in the optimizer); --precision {self.precision} with {option} is not "
+                "traced yet"
             )
         unsupported = _options_given(
             ("--step", self.step, None),

@@ -56,6 +56,7 @@ def test_a_sharded_rank_is_told_to_shard_further(tiny_model_dirs):
     state = result.breakdown.parameters + result.breakdown.optimizer_state
     advice = when_nothing_fits(result, state - 1)
     assert "more ranks (--world-size" in advice and "--parallel fsdp" not in advice
+    assert "--offload params" in advice  # the state can leave the GPU: FSDP2's CPU offload
 
 
 def test_a_ddp_rank_whose_state_does_not_fit_is_pointed_at_sharding_on_the_same_ranks():

@@ -196,8 +196,18 @@ def test_compare_offers_both_fsdp2_modes_beside_a_ddp_rank():
     unset = {"ddp_bucket_view": False, "deepspeed_config": None}
     assert offered["FSDP2 (reshard after forward)"] == {"parallel": "fsdp", **unset}
     assert offered["FSDP2, no reshard after forward"] == {"parallel": "fsdp-grad-op", **unset}
-    on_fsdp = {t.name for t in techniques(TrainingSettings(parallel="fsdp", world_size=4))}
+    on_fsdp = {t.name: t.changes for t in techniques(TrainingSettings(parallel="fsdp", world_size=4))}
     assert "FSDP2, no reshard after forward" in on_fsdp and "FSDP2 (reshard after forward)" not in on_fsdp
+    assert on_fsdp["FSDP2 CPU offload (state in host memory)"] == {"offload": "params"}
+    assert "Adafactor" not in on_fsdp  # torch's Adafactor does not run on FSDP2's DTensors
+    offloading = {
+        t.name: t.changes for t in techniques(TrainingSettings(parallel="fsdp", world_size=4, offload="params"))
+    }
+    assert "FSDP2 CPU offload (state in host memory)" not in offloading
+    assert offloading["ZeRO-1 (optimizer state sharded)"]["offload"] == "none"  # each row must be a valid setting
+    assert "offload" not in offloading["FSDP2, no reshard after forward"]
+    for changes in offloading.values():
+        TrainingSettings(**{"parallel": "fsdp", "world_size": 4, "offload": "params", **changes})
     assert not any("FSDP2" in t.name for t in techniques(TrainingSettings()))
 
 
@@ -228,6 +238,7 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
         ({"parallel": "hsdp", "world_size": 8}, "give --shard-size S"),
         ({"parallel": "hsdp", "world_size": 8, "shard_size": 3}, "--shard-size 3 does not divide --world-size 8"),
         ({"parallel": "hsdp", "world_size": 8, "shard_size": 0}, "shard size must be"),
+        ({"parallel": "fsdp", "world_size": 2, "optimizer": "adafactor"}, "Adafactor does not run on FSDP2"),
         ({"offload": "params"}, "give --parallel fsdp, fsdp-grad-op or hsdp with it"),
         ({"parallel": "ddp", "world_size": 2, "offload": "params"}, "give --parallel fsdp"),
         ({"parallel": "fsdp", "world_size": 2, "offload": "optimizer"}, "give --offload params"),

@@ -22,7 +22,7 @@ from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
-from memplan.settings import DDP_MODES, DEEPSPEED_MODES, TrainingSettings
+from memplan.settings import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES, TrainingSettings
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def techniques(base: TrainingSettings) -> list[Technique]:
         ("adafactor", "Adafactor", "numerics: factored 2nd moment"),
         ("adam8bit", "8-bit Adam", "numerics: 8-bit state (bitsandbytes)"),
     ):
-        if base.optimizer != optimizer:
+        if base.optimizer != optimizer and not (optimizer == "adafactor" and base.parallel in FSDP_MODES):
             found.append(Technique(name, {"optimizer": optimizer, "optimizer_impl": "default"}, cost))
     if base.lora_rank is not None and base.quantize is None:
         found.append(
@@ -98,7 +98,18 @@ def techniques(base: TrainingSettings) -> list[Technique]:
                 # A --deepspeed configuration goes to the other DeepSpeed rows, with their own stage.
                 keep = _for_stage_of(parallel, base) if parallel in DEEPSPEED_MODES else None
                 overrides = {"parallel": parallel, "ddp_bucket_view": False, "deepspeed_config": keep}
+                if base.offload != "none" and parallel not in FSDP_MODES:
+                    overrides["offload"] = "none"  # FSDP2's CPU offload, which the others do not take
                 found.append(Technique(name, overrides, cost))
+    if base.parallel in FSDP_MODES and base.offload == "none":
+        found.append(
+            Technique(
+                "FSDP2 CPU offload (state in host memory)",
+                {"offload": "params"},
+                "host memory for shards, gradients and optimizer state; every step copies them over PCIe and runs "
+                "the optimizer on the CPU",
+            )
+        )
     if base.checkpoint == "none":
         found.append(Technique("checkpoint all blocks", {"checkpoint": "all"}, "recompute"))
         if base.precision != "amp-bf16":
@@ -126,6 +137,7 @@ class CompareRow:
             "peak_bytes": e.peak_bytes,
             "reserved_peak_bytes": e.reserved_peak_bytes,
             "smallest_device_bytes": e.smallest_device_bytes,
+            "host_peak_bytes": e.host_peak_bytes,  # --offload params: the host's share, in none of the above
             "breakdown": e.breakdown.to_dict(),
             "fits": self.fits,
             "effective_batch_size": self.effective_batch_size,
