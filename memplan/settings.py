@@ -419,7 +419,7 @@ class TrainingSettings:
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         if self.offload == "none":
             return
-        if self.parallel in DEEPSPEED_MODES or self.parallel == "zero1":
+        if self.deepspeed_stage is not None:
             raise SettingsError(
                 f"--offload {self.offload} with --parallel {self.parallel}: DeepSpeed's offload_optimizer and "
                 "offload_param are not traced yet; --parallel fsdp --offload params traces FSDP2's CPU offload"

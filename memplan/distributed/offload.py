@@ -15,7 +15,7 @@ parameter shards, their gradients and the optimizer state in host memory:
 
 memplan traces on fake CPU tensors for either target, where both copies are a `.to()` to the tensor's own
 device, which returns the tensor itself. `copies_made` makes each of them a copy, as a GPU run makes
-it, and notes which are host memory; `host_storages` names all the rank's host memory after the trace,
+it, and notes which are host memory; `host_memory` names all the rank's host memory after the trace,
 which the simulation keeps out of the GPU's figures and counts as `host_peak_bytes`.
 
 Pinned host memory is allocated by torch's CachingHostAllocator, which rounds every request up to a

@@ -143,7 +143,7 @@ class GraphRecorder(TorchDispatchMode):
             if self.producers is not None:
                 self.producers[out.untyped_storage()._cdata] = node
         elif isinstance(out, tuple | list):
-            node.meta["val"] = type(out)(_snapshot(item) for item in out) if val is None else val
+            node.meta["val"] = _snapshot(out) if val is None else val
             for index, item in enumerate(out):
                 if isinstance(item, torch.Tensor):
                     element = self.graph.add(OpNode("call_function", operator.getitem, (node, index), None, [node]))
@@ -217,13 +217,13 @@ def alias(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _snapshot(value: object) -> object:
-    """What a node keeps of one item of its output: tensors aliased, also inside a list (a collective's
+    """What a node keeps of its output: tensors aliased, also inside tuples and lists (a collective's
     `([tensors], work)`), so that the node never keeps the op's own tensor objects, whose finalizers
     tell when Python lets go of them (memplan.estimator.eager_lifetimes)."""
     if isinstance(value, torch.Tensor):
         return alias(value)
-    if isinstance(value, list):
-        return [_snapshot(item) for item in value]
+    if isinstance(value, tuple | list):
+        return type(value)(_snapshot(item) for item in value)
     return value
 
 

@@ -524,8 +524,6 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         **_library_transients(nodes, traced.settings.device),
     }  # in both ends of the band
     conv = _kernel_transients(traced, nodes, CONV_OPS, _conv_workspace)  # the band's top
-    if traced.host_memory is not None:  # the optimizer step runs on the host: no CUDA kernel's scratch
-        exact = {index: requests for index, requests in exact.items() if index < traced.backward_end}
     transients = {**exact, **conv}
     timeline = memory_timeline(traced, lifetimes, workspaces, transients)
     config = traced.settings.allocator_config

@@ -124,11 +124,8 @@ class LiveStorageCounter(TorchDispatchMode):
         if self._host is not None and self._host.making:
             return func(*args, **(kwargs or {}))  # a copy to the host (leave_out is told of it once made)
         for leaf in tree_flatten((args, kwargs))[0]:
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            key = leaf.untyped_storage()._cdata
-            if key not in self._live and key not in self._host_storages:
-                self.add_static(leaf)  # existed before the iteration, so live throughout it
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
+                self.add_static(leaf)  # existed before the iteration, so live throughout it (host memory: never)
         kernel = _python_kernel(func)
         if kernel is None:
             out = func(*args, **(kwargs or {}))
