@@ -34,6 +34,12 @@ def _state_options(result: EstimateResult) -> list[str]:
 
 
 def _sharding(settings: TrainingSettings) -> str:
+    offload = (
+        ", or --offload optimizer (DeepSpeed's offload_optimizer: master weights, their gradients and optimizer "
+        "state in host memory)"
+        if settings.deepspeed_stage is not None and not settings.offloads_to_host
+        else ""
+    )
     if settings.parallel in FSDP_MODES and settings.offload == "none":
         return (
             "more ranks (--world-size: each holds a smaller shard), or --offload params (the shards, gradients and "
@@ -47,14 +53,20 @@ def _sharding(settings: TrainingSettings) -> str:
             "optimizer state sharded) on the same ranks"
         )
     if settings.parallel == "zero1":
-        return "--parallel fsdp on the same ranks (parameters and gradients sharded too, not only the optimizer state)"
+        return (
+            "--parallel fsdp on the same ranks (parameters and gradients sharded too, not only the optimizer state)"
+            f"{offload}"
+        )
     if settings.parallel == "zero2":
         return (
             "--parallel zero3 or fsdp on the same ranks (the parameters sharded too, not only gradients and optimizer "
-            "state)"
+            f"state){offload}"
         )
     if settings.parallel == "zero3":
-        return "more ranks (a larger --world-size: ZeRO-3 divides parameters, gradients and optimizer state by it)"
+        return (
+            "more ranks (a larger --world-size: ZeRO-3 divides parameters, gradients and optimizer state by it)"
+            f"{offload}"
+        )
     return "--parallel fsdp --world-size N (FSDP2 shards parameters, gradients and optimizer state across N GPUs)"
 
 

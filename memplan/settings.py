@@ -40,7 +40,9 @@ DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op", "hsdp")
 RESHARDING_FSDP_MODES = ("fsdp", "hsdp")  # reshard_after_forward=True
 # --offload: "params" is FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state on the
-# host, the optimizer step run there); "optimizer" is DeepSpeed's offload_optimizer, not traced yet.
+# host, the optimizer step run there); "optimizer" is DeepSpeed's offload_optimizer (the float32 master
+# partition, its gradient and the optimizer state on the host, the step run there; DeepSpeed's offload_param
+# is not traced yet).
 OFFLOAD_MODES = ("none", "optimizer", "params")
 DEEPSPEED_STAGES = {"zero2": 2, "zero3": 3}  # DeepSpeed's engine wraps the model and the optimizer
 DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
@@ -420,13 +422,16 @@ class TrainingSettings:
         if self.offload == "none":
             return
         if self.deepspeed_stage is not None:
-            raise SettingsError(
-                f"--offload {self.offload} with --parallel {self.parallel}: DeepSpeed's offload_optimizer and "
-                "offload_param are not traced yet; --parallel fsdp --offload params traces FSDP2's CPU offload"
-            )
+            if self.offload == "params":
+                raise SettingsError(
+                    f"--offload params with --parallel {self.parallel}: DeepSpeed's offload_param (stage 3) is not "
+                    "traced yet; --offload optimizer traces its offload_optimizer"
+                )
+            return
         if self.parallel not in FSDP_MODES:
             raise SettingsError(
-                "--offload moves sharded state to host memory: give --parallel fsdp, fsdp-grad-op or hsdp with it"
+                "--offload moves sharded state to host memory: give --parallel fsdp, fsdp-grad-op or hsdp "
+                "(--offload params), or zero2 or zero3 (--offload optimizer) with it"
             )
         if self.offload == "optimizer":
             raise SettingsError(
@@ -435,6 +440,17 @@ class TrainingSettings:
             )
         if self.step is not None:
             raise SettingsError("--offload with --step is not traced yet: leave out one of them")
+
+    @property
+    def offloads_to_host(self) -> bool:
+        """Whether the rank keeps state in host memory and steps there: FSDP2's CPU offload (--offload params),
+        or DeepSpeed's offload_optimizer (--offload optimizer, or device "cpu" in the --deepspeed file)."""
+        if self.offload != "none":
+            return True
+        if self.deepspeed_stage is None:
+            return False
+        zero = self.deepspeed_settings.get("zero_optimization") or {}
+        return (zero.get("offload_optimizer") or {}).get("device") == "cpu"
 
     @property
     def deepspeed_stage(self) -> int | None:

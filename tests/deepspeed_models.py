@@ -15,8 +15,9 @@ from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
-from tests.hand_measure import profiled_third_iteration_peak
+from tests.hand_measure import peak_in_window, profiled_third_iteration
 
 
 def bf16_rows(batch_size: int) -> torch.Tensor:
@@ -101,6 +102,21 @@ def measured_peak(
     (torch's, handed to deepspeed.initialize as the client optimizer), with the variables deepspeed's
     launcher sets. An iteration is `gradient_accumulation_steps` micro-batches, each followed by
     `engine.step()` as accelerate calls it (the engine steps the optimizer at the last)."""
+    profiler = _profiled_engine_run(model_factory, make_batch, loss_of, world_size, config, [], lambda build: build())
+    return peak_in_window(profiler, "measured")
+
+
+def _profiled_engine_run(
+    model_factory: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], torch.Tensor],
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    world_size: int,
+    config: dict,
+    engines: list,
+    wrap_build: Callable[[Callable[[], Callable[[], None]]], Callable[[], None]],
+) -> Any:
+    """measured_peak's run, profiled (hand_measure.profiled_third_iteration); each engine built is appended
+    to `engines`, and `wrap_build(build)` makes the iteration."""
     with patch.dict(os.environ, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}):
         import deepspeed
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
@@ -124,6 +140,7 @@ def measured_peak(
                 # DeepSpeed's CPU accelerator offers fp16 only with oneDNN's fp16 kernels; torch's CPU ops run it.
                 with patch.object(CPU_Accelerator, "is_fp16_supported", lambda self: True):
                     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+                engines.append(engine)
                 if config.get("fp16", {}).get("enabled"):
                     _no_overflow(engine)
                 rows = make_batch(config["train_micro_batch_size_per_gpu"])  # as the inputs function makes it
@@ -138,10 +155,78 @@ def measured_peak(
 
             fp16 = config.get("fp16", {}).get("enabled")
             with _valid_grad_norms() if fp16 else contextlib.nullcontext():
-                return profiled_third_iteration_peak(build)
+                return profiled_third_iteration(lambda: wrap_build(build))
         finally:
             torch.nn.functional.linear = linear
             dist.destroy_process_group()
+
+
+def measured_offload_peaks(
+    model_factory: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], torch.Tensor],
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    world_size: int,
+    config: dict,
+) -> tuple[int, int]:
+    """Rank 0's device and host peaks in the third iteration of the real DeepSpeed step under
+    offload_optimizer (device "cpu"), run as measured_peak runs it, torch's AdamW the client optimizer
+    (`zero_force_ds_cpu_optimizer: false`, as DeepSpeed asks of a client optimizer with offload).
+    Host memory is what a GPU run would hold on the host, found two ways: what was allocated while the
+    host computes (record_function("host") around the inner optimizer's step, which makes its state there,
+    and around the host's gradient norm), and the host buffers DeepSpeed keeps, by the address of each
+    at the run's end (stage_1_and_2.py and stage3.py make them on `self.device`, "cpu" under offload: the
+    master partitions and their gradients, the 16-bit staging partitions, the one-parameter gradient
+    staging buffer, the gradients accumulated on the host, stage 3's gradient partitions); the rest is
+    the device's."""
+    from tests.fsdp_models import _allocations, _window, _window_peaks
+
+    config = {**config, "zero_force_ds_cpu_optimizer": False}
+    engines = []
+
+    def build_with_host_regions(build: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+        iteration = build()
+        zero = engines[-1].optimizer
+        inner = zero.optimizer
+        for owner, name in ((inner, "step"), (zero, "complete_grad_norm_calculation_for_cpu_offload")):
+            original = getattr(owner, name)
+
+            def on_host(*args: Any, original: Callable = original, **kwargs: Any) -> Any:
+                with record_function("host"):
+                    return original(*args, **kwargs)
+
+            setattr(owner, name, on_host)
+        return iteration
+
+    profiler = _profiled_engine_run(
+        model_factory, make_batch, loss_of, world_size, config, engines, build_with_host_regions
+    )
+    zero = engines[-1].optimizer
+    kept = [value for state in zero.optimizer.state.values() for value in state.values()]
+    for partition in [
+        *getattr(zero, "single_partition_of_fp32_groups", []),
+        *getattr(zero, "fp32_partitioned_groups_flat", []),
+    ]:
+        kept += [partition, partition.grad]
+    kept += getattr(zero, "param_buffer_of_bit16_for_cpu_offload_groups", [])
+    kept += list(getattr(zero, "accumulated_grads_in_cpu", {}).values())
+    kept += [
+        getattr(zero, "temp_grad_buffer_for_cpu_offload", None),
+        getattr(zero, "grad_partitions_flat_buffer", None),
+    ]
+    host_addresses = {tensor.untyped_storage().data_ptr() for tensor in kept if isinstance(tensor, torch.Tensor)}
+    allocations = _allocations(profiler)
+    live_at_end: dict[int, int] = {}  # address -> index of its allocation still live at the end
+    for index, (_, address, nbytes, _) in enumerate(allocations):
+        if nbytes > 0:
+            live_at_end[address] = index
+        else:
+            live_at_end.pop(address, None)
+    kept_indices = {index for address, index in live_at_end.items() if address in host_addresses}
+    allocations = [
+        (at, address, nbytes, inside_host or index in kept_indices)
+        for index, (at, address, nbytes, inside_host) in enumerate(allocations)
+    ]
+    return _window_peaks(allocations, _window(profiler, "measured"))
 
 
 class Branching(torch.nn.Module):

@@ -351,6 +351,44 @@ def test_the_cli_reads_the_config_and_names_the_rank(tmp_path):
     assert json.loads(as_json)["breakdown"]["communication"] == 20_000 * 4
 
 
+OFFLOAD_CASES = [("zero1", "stack", 2, 3), ("zero2", "two-layer", 8, 1), ("zero3", "stack", 4, 2)]
+
+
+@pytest.mark.parametrize(("parallel", "name", "world_size", "grad_accum"), OFFLOAD_CASES)
+def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(parallel, name, world_size, grad_accum):
+    """--offload optimizer (DeepSpeed's offload_optimizer) against DeepSpeed's real run, whose allocator events
+    are told apart by tests/deepspeed_models.measured_offload_peaks (the host's: what the optimizer's step and
+    the host's gradient norm allocate, and the host buffers DeepSpeed keeps)."""
+    _, _, factory, make_batch, batch_size = MODELS[name]
+    predicted = _estimate(
+        name, world_size, zero=SMALL_BUCKET, parallel=parallel, grad_accum=grad_accum, offload="optimizer"
+    )
+    zero = {**SMALL_BUCKET, "offload_optimizer": {"device": "cpu"}}
+    config = deepspeed_models.deepspeed_config(STAGES[parallel], batch_size, "fp32", zero, grad_accum)
+    device, host = deepspeed_models.measured_offload_peaks(factory, make_batch, mean_square, world_size, config)
+    assert abs(predicted.peak_bytes - device) <= 8, (predicted.peak_bytes, device)
+    # The step's Python numbers that torch wraps as 0-d tensors (AdamW's step counts), which no trace sees.
+    assert abs(predicted.host_peak_bytes - host) <= 64, (predicted.host_peak_bytes, host)
+    assert predicted.breakdown.optimizer_state == 0  # the master partition and the optimizer's state: the host's
+
+
+def test_deepspeed_s_pinned_host_buffers_are_counted_as_torch_pins_them():
+    """On a GPU, DeepSpeed pins the master partition, its gradient and the 16-bit staging partition
+    (stage_1_and_2.py, pin_memory: true), and torch's CachingHostAllocator rounds each up to a power of two
+    (CachingHostAllocator.h, PowerOf2Ceil). The two-layer MLP on 8 ranks: a partition of 24,064 / 8 = 3,008
+    float32 elements (12,032 B) takes 16,384 B pinned, three times; the one-parameter staging buffer
+    (64 x 256 float32, 65,536 B) is a power of two already."""
+    options = {"parallel": "zero2", "world_size": 8, "optimizer": "adamw", "offload": "optimizer"}
+    source = {"inputs": "tests.two_layer_mlp:rows", "loss": "tests.two_layer_mlp:mean_square", "batch_size": 4}
+    unpinned = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+    pinned = memplan.estimate("tests.two_layer_mlp:two_layer", **source, **options)
+    not_pinned = memplan.estimate("tests.two_layer_mlp:two_layer", **source, **options, deepspeed_config=unpinned)
+    on_the_cpu = _mlp(**options)
+    partition_bytes = 24_064 // 8 * 4
+    assert pinned.host_peak_bytes - not_pinned.host_peak_bytes == 3 * (16_384 - partition_bytes)
+    assert not_pinned.host_peak_bytes == on_the_cpu.host_peak_bytes  # the step runs on the host either way
+
+
 def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
     """The two-layer MLP (or `model` on its rows) estimated on the cpu target at batch 4."""
     source = {"inputs": "tests.two_layer_mlp:rows", "loss": "tests.two_layer_mlp:mean_square"}
@@ -362,13 +400,18 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
     [
         ({"loop": "hf-trainer"}, "--parallel zero2 with --loop"),
         (
-            {"deepspeed_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}},
-            'zero_optimization.offload_optimizer moves state to the host ("cpu")',
+            {"deepspeed_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}},
+            'zero_optimization.offload_optimizer moves the optimizer state to "nvme" (ZeRO-Infinity)',
         ),
         (
-            {"deepspeed_config": {"zero_optimization": {"offload_param": {"device": "nvme"}}}},
-            'zero_optimization.offload_param moves state to the host ("nvme")',
+            {"deepspeed_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}},
+            "offloads part of the optimizer (ratio below 1",
         ),
+        (
+            {"deepspeed_config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}},
+            'zero_optimization.offload_param moves the parameters to the host ("cpu")',
+        ),
+        ({"offload": "params"}, "DeepSpeed's offload_param (stage 3) is not traced yet"),
         ({"precision": "amp-bf16"}, "--precision amp-bf16 with --parallel zero2 is not traced yet"),
         ({"optimizer": "none"}, "--optimizer none has none"),
         (
@@ -586,3 +629,29 @@ def test_a_deepspeed_file_that_is_not_a_configuration_is_a_usage_error(tmp_path,
     result = CliRunner().invoke(main, [*args, "--device", "cpu", "--parallel", "zero2", "--deepspeed", str(config)])
     assert result.exit_code == 2 and message in result.output
     assert "Traceback" not in result.output and config.read_text() == content  # the user's file untouched
+
+
+def test_compare_offers_deepspeed_s_offload_on_a_deepspeed_rank_and_keeps_each_row_valid():
+    """What compare offers (its rows run elsewhere): DeepSpeed's offload_optimizer beside a ZeRO rank that keeps
+    its optimizer on the GPU; from an offloading rank, the other ZeRO stage offloads too and the rest do not
+    (FSDP2 and torch's ZeRO-1 take no --offload optimizer)."""
+    from memplan.explore.compare import techniques
+    from memplan.settings import TrainingSettings
+
+    on_zero2 = {t.name: t.changes for t in techniques(TrainingSettings(parallel="zero2", world_size=4))}
+    assert on_zero2["DeepSpeed offload_optimizer (optimizer in host memory)"] == {"offload": "optimizer"}
+    offloading = TrainingSettings(parallel="zero2", world_size=4, offload="optimizer")
+    rows = {t.name: t.changes for t in techniques(offloading)}
+    assert "DeepSpeed offload_optimizer (optimizer in host memory)" not in rows
+    assert "offload" not in rows["DeepSpeed ZeRO-3 (parameters partitioned too)"]
+    assert rows["FSDP2 (reshard after forward)"]["offload"] == "none"
+    for changes in rows.values():  # the rows that change the sharding are valid settings (compare skips others)
+        if "parallel" in changes:
+            TrainingSettings(**{"parallel": "zero2", "world_size": 4, "offload": "optimizer", **changes})
+    in_the_file = TrainingSettings(
+        parallel="zero3",
+        world_size=4,
+        deepspeed_config='{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}',
+    )
+    assert in_the_file.offloads_to_host
+    assert not any(t.changes.get("offload") == "optimizer" for t in techniques(in_the_file))

@@ -239,10 +239,11 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
         ({"parallel": "hsdp", "world_size": 8, "shard_size": 3}, "--shard-size 3 does not divide --world-size 8"),
         ({"parallel": "hsdp", "world_size": 8, "shard_size": 0}, "shard size must be"),
         ({"parallel": "fsdp", "world_size": 2, "optimizer": "adafactor"}, "Adafactor does not run on FSDP2"),
-        ({"offload": "params"}, "give --parallel fsdp, fsdp-grad-op or hsdp with it"),
+        ({"offload": "params"}, "give --parallel fsdp, fsdp-grad-op or hsdp"),
         ({"parallel": "ddp", "world_size": 2, "offload": "params"}, "give --parallel fsdp"),
         ({"parallel": "fsdp", "world_size": 2, "offload": "optimizer"}, "give --offload params"),
-        ({"parallel": "zero2", "world_size": 2, "offload": "optimizer"}, "offload_optimizer and offload_param are not"),
+        ({"parallel": "zero3", "world_size": 2, "offload": "params"}, r"offload_param \(stage 3\) is not traced yet"),
+        ({"parallel": "ddp", "world_size": 2, "offload": "optimizer"}, r"or zero2 or zero3 \(--offload optimizer\)"),
         ({"parallel": "fsdp", "world_size": 2, "offload": "disk"}, "offload must be one of"),
     ],
 )

@@ -57,7 +57,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest.mock import patch
 
@@ -65,6 +65,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan.distributed.offload import HostCopies, HostMemory
 from memplan.errors import SettingsError
 from memplan.settings import DEEPSPEED_MODE_OF_STAGE
 
@@ -80,6 +81,7 @@ MEMPLAN_SETS = (
     "fp16",
     "torch_autocast",
     "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
 )
 # transformers' HfDeepSpeedConfig fills "auto" sizes from the model's hidden size
 # (integrations/deepspeed.py, trainer_config_finalize): reduce_bucket_size = hidden_size², and with
@@ -99,10 +101,12 @@ def deepspeed_config(
     user_config: dict[str, Any] | None,
     hidden_size: int | None = None,
     grad_accum: int = 1,
+    offload: str = "none",
 ) -> dict:
     """The configuration the rank's engine is built with: the user's (`--deepspeed`), with the ZeRO
-    stage, batch, accumulation, precision and optimizer set from memplan's settings, and the
-    "auto" values transformers would fill."""
+    stage, batch, accumulation, precision and optimizer set from memplan's settings, the
+    "auto" values transformers would fill, and `offload_optimizer` on the host where `offload` is
+    "optimizer" (--offload optimizer)."""
     config = {key: value for key, value in (user_config or {}).items() if key not in MEMPLAN_SETS}
     zero = dict(config.get("zero_optimization") or {})
     for key, value in list(zero.items()):
@@ -117,13 +121,18 @@ def deepspeed_config(
                 f'--deepspeed: zero_optimization.{key} is "auto", which transformers fills from the model\'s '
                 "config and memplan cannot here: give a number"
             )
-    for section in ("offload_optimizer", "offload_param"):
-        device = (zero.get(section) or {}).get("device", "none")
-        if device not in (None, "none"):
-            raise SettingsError(
-                f'--deepspeed: zero_optimization.{section} moves state to the host ("{device}"), which memplan '
-                f"does not trace yet (it would count that state on the GPU): remove {section} for a bound from above"
-            )
+    offload_optimizer = _offload_optimizer(zero, offload)
+    if offload_optimizer is not None:
+        zero["offload_optimizer"] = offload_optimizer
+        # memplan's optimizer is the client optimizer, run on the host as DeepSpeed runs one there when told
+        # it may (engine.py, _configure_optimizer: DeepSpeedCPUAdam is required otherwise).
+        config["zero_force_ds_cpu_optimizer"] = False
+    device = (zero.get("offload_param") or {}).get("device", "none")
+    if device not in (None, "none"):
+        raise SettingsError(
+            f'--deepspeed: zero_optimization.offload_param moves the parameters to the host ("{device}"), which '
+            "memplan does not trace yet (it would count them on the GPU): remove offload_param for a bound from above"
+        )
     zero["stage"] = stage
     config["zero_optimization"] = zero
     config["train_micro_batch_size_per_gpu"] = batch_size
@@ -137,6 +146,30 @@ def deepspeed_config(
     # deepspeed_optim_sched): without it torch's Adafactor or bitsandbytes' 8-bit Adam fail an assertion.
     config["zero_allow_untested_optimizer"] = True
     return config
+
+
+def _offload_optimizer(zero: dict[str, Any], offload: str) -> dict[str, Any] | None:
+    """The zero_optimization.offload_optimizer section the rank runs with: the user's, its device set to
+    "cpu" by --offload optimizer; None where the optimizer stays on the GPU. What memplan does not trace
+    is refused: NVMe (ZeRO-Infinity's swapping), and a partial offload (`ratio` below 1, which keeps some
+    sub-groups' state on the GPU)."""
+    section = dict(zero.get("offload_optimizer") or {})
+    if offload == "optimizer":
+        section["device"] = "cpu"
+    device = section.get("device") or "none"
+    if device == "none":
+        return None
+    if device != "cpu":
+        raise SettingsError(
+            f'--deepspeed: zero_optimization.offload_optimizer moves the optimizer state to "{device}" '
+            '(ZeRO-Infinity), which memplan does not trace: give "cpu", or remove offload_optimizer'
+        )
+    if float(section.get("ratio", 1.0)) != 1.0 or section.get("super_offload"):
+        raise SettingsError(
+            "--deepspeed: zero_optimization.offload_optimizer offloads part of the optimizer (ratio below 1, or "
+            "super_offload), which memplan does not trace: leave them out for the whole state on the host"
+        )
+    return section
 
 
 def _import_deepspeed() -> Any:
@@ -211,6 +244,10 @@ def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Itera
     if truth_values:
         saved.append((FakeTensor, "__bool__", FakeTensor.__dict__.get("__bool__")))
         FakeTensor.__bool__ = lambda self: False  # type: ignore[method-assign]
+        # Stage 3's host gradient norm under offload_optimizer reads a norm with float() (stage3.py,
+        # complete_grad_norm_calculation_for_cpu_offload): a number it only computes with.
+        saved.append((FakeTensor, "__float__", FakeTensor.__dict__.get("__float__")))
+        FakeTensor.__float__ = lambda self: 1.0  # type: ignore[method-assign]
     from deepspeed.accelerator import real_accelerator
 
     # DeepSpeed runs its CPU accelerator over fake CPU tensors (the allocations are the same ops),
@@ -233,7 +270,7 @@ def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Itera
     finally:
         logger.setLevel(level)
         for owner, name, original in saved:
-            if original is None and owner is FakeTensor:
+            if original is None and owner is FakeTensor:  # __bool__, __float__: FakeTensor had none of its own
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
@@ -257,8 +294,11 @@ class DeepSpeedRank:
         optimizer: torch.optim.Optimizer,
         world_size: int,
         config: dict[str, Any],
+        pins_host_memory: bool = False,
     ) -> None:
-        """`config`: as deepspeed_config makes it (its zero_optimization.stage is 1, 2 or 3)."""
+        """`config`: as deepspeed_config makes it (its zero_optimization.stage is 1, 2 or 3). Under
+        offload_optimizer the host memory is pinned where `pins_host_memory` (a GPU run) and DeepSpeed's
+        `pin_memory` say so."""
         deepspeed = _import_deepspeed()
         from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
 
@@ -286,10 +326,45 @@ class DeepSpeedRank:
             torch.nn.functional.linear = linear
         self.module: nn.Module = self.engine.module
         self.wrapper = self.engine
+        offload_config = self.engine.zero_offload_optimizer()  # DeepSpeed's parsed section, its defaults filled
+        device = getattr(offload_config, "device", None)
+        self.offload = getattr(device, "value", device) == "cpu"  # an OffloadDeviceEnum
+        self.pins_host_memory = self.offload and pins_host_memory and bool(offload_config.pin_memory)
+        # Under offload_optimizer, when the host computes (node indices from `node_clock`, which the trace
+        # sets): the optimizer's step over the master partitions, and the gradient norm taken on the host.
+        self.host_windows: list[tuple[int, int]] = []
+        self.node_clock: Callable[[], int] | None = None
+        # A real run measured on the CPU (memplan.measure.cpu): told while the host computes, so that what it
+        # allocates then is left out of the device's count.
+        self.host_copies: HostCopies | None = None
+        if self.offload:
+            zero = self.engine.optimizer
+            self._timed_on_host(zero.optimizer, "step")
+            self._timed_on_host(zero, "complete_grad_norm_calculation_for_cpu_offload")
         self._noted: dict[StorageWeakRef, tuple[int, str]] = {}
         self._accumulated: frozenset[int] = frozenset()
         self._note_released_buckets()
         self._no_overflow()
+
+    def _timed_on_host(self, owner: object, name: str) -> None:
+        """`owner.name` noted in host_windows each time it runs while a node clock is set."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def on_host(*args: Any, **kwargs: Any) -> Any:
+            clock, copies = self.node_clock, self.host_copies
+            start = clock() if clock is not None else None
+            if copies is not None:
+                copies.making = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if copies is not None:
+                    copies.making = False
+                if clock is not None and start is not None:
+                    self.host_windows.append((start, clock()))
+
+        setattr(owner, name, on_host)
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._running():
@@ -344,6 +419,53 @@ class DeepSpeedRank:
             tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
         return tensors
 
+    def host_memory(
+        self, gradients: list[torch.Tensor], optimizer_state: list[torch.Tensor], copies: Any
+    ) -> HostMemory:
+        """Under offload_optimizer, what the rank keeps in host memory (besides what its step makes there):
+        the float32 master partitions and the optimizer's state (`optimizer_state`), the partitions'
+        gradients, and the host buffers DeepSpeed stages gradients and parameters in. Stages 1 and 2
+        (stage_1_and_2.py): a 16-bit copy of each partition the step writes before the GPU's
+        (`param_buffer_of_bit16_for_cpu_offload_groups`), one parameter's gradient
+        (`temp_grad_buffer_for_cpu_offload`), and with accumulation each parameter's gradient accumulated
+        on the host (`accumulated_grads_in_cpu`). Stage 3 (stage3.py): the gradient partitions' flat buffer
+        (`grad_partitions_flat_buffer`). Pinned where DeepSpeed pins them (`pin_memory`, on a GPU run).
+        `gradients` (the model's 16-bit gradients, on the GPU) and `copies` (FSDP2's) are not its."""
+        zero = self.engine.optimizer
+        # Pinned (get_accelerator().pin_memory): stage 1 and 2's master partitions and every buffer above;
+        # not the optimizer's state, which torch's optimizer makes (zeros_like), nor stage 3's master partitions.
+        pinned = [*getattr(zero, "single_partition_of_fp32_groups", []), *self._host_buffers()]
+        pinned_storages = {StorageWeakRef(tensor.untyped_storage()) for tensor in pinned}
+        storages = pinned_storages | {StorageWeakRef(tensor.untyped_storage()) for tensor in optimizer_state}
+        return HostMemory(
+            storages=frozenset(storages),
+            pinned=frozenset(pinned_storages if self.pins_host_memory else ()),
+            windows=tuple(self.host_windows),
+        )
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Under offload_optimizer, every tensor the rank keeps in host memory (none otherwise)."""
+        return [*self.optimizer_tensors(), *self._host_buffers()] if self.offload else []
+
+    def _host_buffers(self) -> list[torch.Tensor]:
+        """Under offload_optimizer, the host buffers DeepSpeed keeps besides the optimizer's parameters and
+        state (host_memory); none otherwise."""
+        if not self.offload:
+            return []
+        zero = self.engine.optimizer
+        tensors = []
+        for partition in [
+            *getattr(zero, "single_partition_of_fp32_groups", []),
+            *getattr(zero, "fp32_partitioned_groups_flat", []),
+        ]:
+            tensors.append(partition.grad)
+        tensors.extend(getattr(zero, "param_buffer_of_bit16_for_cpu_offload_groups", []))
+        tensors.extend(getattr(zero, "accumulated_grads_in_cpu", {}).values())
+        tensors.append(getattr(zero, "temp_grad_buffer_for_cpu_offload", None))
+        if self.stage == 3:
+            tensors.append(zero.grad_partitions_flat_buffer)
+        return [tensor for tensor in tensors if isinstance(tensor, torch.Tensor)]
+
     def buckets(self) -> list[torch.Tensor]:
         """The reduce buckets kept between steps: ZeRO-3's, made once (stage3.py, IPGBucketZ3.buffer);
         ZeRO-2 makes its own in each backward (noted_storages)."""
@@ -357,8 +479,13 @@ class DeepSpeedRank:
         16-bit partitions and the partitions' gradient buffer."""
         noted = [(key, nbytes, category) for key, (nbytes, category) in self._noted.items()]
         zero = self.engine.optimizer
+        gradient_partitions = getattr(zero, "grad_partitions_flat_buffer", None)
         kept = [(flat, "parameters") for flat in getattr(zero, "fp16_partitioned_groups_flat", [])]
-        kept.append((getattr(zero, "grad_partitions_flat_buffer", None), "gradients"))
+        kept.append((gradient_partitions, "gradients"))
+        # Under offload_optimizer, stages 1 and 2 stage an accumulated gradient on its way back from the
+        # host in a buffer of the largest parameter's size, made once on the GPU (stage_1_and_2.py).
+        kept.append((getattr(zero, "temp_grad_buffer_for_gpu_offload", None), "gradients"))
+        kept.extend((tensor, "optimizer") for tensor in self._host_buffers() if tensor is not gradient_partitions)
         for tensor, category in kept:
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
@@ -406,7 +533,9 @@ class DeepSpeedRank:
         at the accumulation boundary)."""
         return self._accumulated
 
-    def before_traced_iteration(self) -> None:
+    def before_traced_iteration(self, node_clock: Callable[[], int]) -> None:
+        self.host_windows.clear()
+        self.node_clock = node_clock
         self._noted.clear()  # what the warm-up or an earlier trace noted is gone: only this step's count
         accumulated = [
             tensor

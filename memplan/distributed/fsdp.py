@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.distributed.fake_group import fake_default_group
+from memplan.distributed.offload import HostCopies, HostMemory, host_memory
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names
 from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
@@ -139,6 +140,12 @@ class FullyShardedRank:
     def shards(self) -> list[torch.Tensor]:
         """This rank's parameter shards (FSDPParam._sharded_param_data: the local tensors, padding included)."""
         return [fsdp_param._sharded_param_data for fsdp_param in _fsdp_params(self.module)]
+
+    def host_memory(
+        self, gradients: list[torch.Tensor], optimizer_state: list[torch.Tensor], copies: HostCopies
+    ) -> HostMemory:
+        """Under offload, the rank's host memory after a traced iteration (memplan.distributed.offload)."""
+        return host_memory(self.shards(), gradients, optimizer_state, copies, self.pins_host_memory)
 
     def buckets(self) -> list[torch.Tensor]:
         return []  # FSDP2 keeps no buffer between modules' collectives; what it gathers is traced

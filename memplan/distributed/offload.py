@@ -53,7 +53,7 @@ class HostCopies:
     (into pinned memory)."""
 
     non_blocking: dict[StorageWeakRef, bool] = field(default_factory=dict)
-    making: bool = False  # while a host copy is being made
+    making: bool = False  # while a host copy is being made (or, under DeepSpeed's offload, the host computes)
     # Told of each host copy once made (the CPU validator's counter, which leaves host memory out).
     observers: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
 
@@ -115,6 +115,9 @@ class HostMemory:
 
     storages: frozenset[StorageWeakRef]
     pinned: frozenset[StorageWeakRef]  # allocated by the CachingHostAllocator (cuda target only)
+    # The nodes [start, end) during which the host computes, whose allocations are the host's; None: the
+    # whole optimizer step (FSDP2's, which runs on the host).
+    windows: tuple[tuple[int, int], ...] | None = None
 
     def bytes_of(self, storage: StorageWeakRef, nbytes: int) -> int:
         """The host bytes a storage of `nbytes` takes."""

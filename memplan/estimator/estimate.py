@@ -93,6 +93,17 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             "copied to the GPU for its all-gather and each reduced gradient copied back; host_peak_bytes counts the "
             "host's share, the other figures the GPU's"
         )
+    if settings.deepspeed_stage is not None and settings.offloads_to_host:
+        pinned = "pinned where its pin_memory says so: torch rounds each pinned buffer up to a power of two"
+        notes.append(
+            "DeepSpeed's offload_optimizer: the float32 master partition, its gradient, the optimizer state and "
+            f"DeepSpeed's staging buffers live in host memory ({pinned if settings.device == 'cuda' else 'unpinned'}), "
+            "and the optimizer step and the gradient norm run there; each reduced gradient is copied to the host in "
+            "the backward and the updated 16-bit partition back after the step. memplan's optimizer runs as the "
+            'client optimizer (zero_force_ds_cpu_optimizer: false); a job with DeepSpeedCPUAdam (an "optimizer" '
+            "section in its config) holds the same state on the GPU and the host, and its step makes no "
+            "temporaries on the host; host_peak_bytes counts the host's share, the other figures the GPU's"
+        )
     band = settings.communicator_band_bytes
     if band is not None:
         notes.append(_nccl_note(settings, *band))

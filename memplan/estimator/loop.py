@@ -142,9 +142,17 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         stage = settings.deepspeed_stage
         user_config = settings.deepspeed_settings
         config = deepspeed_config(
-            stage, settings.batch_size, settings.precision, user_config, hidden_size, settings.grad_accum
+            stage,
+            settings.batch_size,
+            settings.precision,
+            user_config,
+            hidden_size,
+            settings.grad_accum,
+            settings.offload,
         )
-        data_parallel = DeepSpeedRank(model, optimizer, settings.world_size, config)
+        data_parallel = DeepSpeedRank(
+            model, optimizer, settings.world_size, config, pins_host_memory=settings.device == "cuda"
+        )
         model = data_parallel.wrapper
     state = TrainingState(
         model=model,

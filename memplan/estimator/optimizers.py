@@ -22,8 +22,8 @@ def implementation_kwargs(settings: TrainingSettings) -> dict[str, bool]:
         return {}
     if impl == "fused":
         return {"fused": True}
-    # Under --offload params the step runs on host tensors (memplan.distributed.offload): torch's own pick.
-    if impl == "foreach" or (impl == "default" and settings.device == "cuda" and settings.offload == "none"):
+    # Under offload the step runs on host tensors (memplan.distributed.offload, .deepspeed): torch's own pick.
+    if impl == "foreach" or (impl == "default" and settings.device == "cuda" and not settings.offloads_to_host):
         return {"foreach": True}
     if impl == "for-loop":
         return {"foreach": False}

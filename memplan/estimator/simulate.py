@@ -8,6 +8,7 @@ gradients) and graph outputs (gradients, freed by zero_grad at the iteration's e
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -326,16 +327,19 @@ def _host_lifetimes(
     last_use: dict[Any, int],
     streams: dict[Any, int],
 ) -> dict[Any, tuple[int, int, int]]:
-    """Under --offload params, the host's storages taken out of the device's tables: the rank's shards,
-    gradients, optimizer state and gradient copies (memplan.distributed.offload), and whatever the
-    optimizer step makes (it runs on the host)."""
+    """Under offload, the host's storages taken out of the device's tables: what the rank keeps there
+    (FSDP2's shards, gradients, optimizer state and gradient copies: memplan.distributed.offload;
+    DeepSpeed's master partitions, their gradients, optimizer state and staging buffers:
+    memplan.distributed.deepspeed), and whatever the host's computation makes (its windows, or for FSDP2
+    the whole optimizer step)."""
     host_memory = traced.host_memory
     if host_memory is None:
         return {}
+    windows = host_memory.windows if host_memory.windows is not None else ((traced.backward_end, sys.maxsize),)
     host = {}
     for key in list(requested):
         base = key.storage if isinstance(key, ResizedStorage) else key
-        if base in host_memory.storages or born[key] >= traced.backward_end:
+        if base in host_memory.storages or any(start <= born[key] < end for start, end in windows):
             host[key] = (born[key], last_use[key], host_memory.bytes_of(base, requested[key]))
             for table in (requested, born, last_use, streams):
                 table.pop(key, None)

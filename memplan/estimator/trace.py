@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.distributed.fsdp import StorageResize, sharding_categories, storage_resizes_recorded
-from memplan.distributed.offload import HostMemory, copies_made, host_memory
+from memplan.distributed.offload import HostMemory, copies_made
 from memplan.errors import MemplanError, TraceError
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
@@ -429,7 +429,7 @@ def trace_step(
     if getattr(state.data_parallel, "swaps_storages", False):
         recorder.producers = {}
     if hasattr(state.data_parallel, "before_traced_iteration"):
-        state.data_parallel.before_traced_iteration()
+        state.data_parallel.before_traced_iteration(recorder.node_count)
     if settings.step is not None:
         return _trace_custom_step(spec, settings, state, fake_mode, recorder, previous_grads, started)
 
@@ -508,5 +508,5 @@ def trace_step(
         rank = state.data_parallel
         optimizer_state = [local_tensor(tensor) for tensor in optimizer_tensors(state)]
         gradients = [local_tensor(grad) for grad in grads]
-        observed.host = host_memory(rank.shards(), gradients, optimizer_state, host_copies, rank.pins_host_memory)
+        observed.host = rank.host_memory(gradients, optimizer_state, host_copies)
     return _traced_step(graph, state, boundaries, (categories, sizes), observed, recording, released_early)

@@ -98,8 +98,10 @@ def techniques(base: TrainingSettings) -> list[Technique]:
                 # A --deepspeed configuration goes to the other DeepSpeed rows, with their own stage.
                 keep = _for_stage_of(parallel, base) if parallel in DEEPSPEED_MODES else None
                 overrides = {"parallel": parallel, "ddp_bucket_view": False, "deepspeed_config": keep}
-                if base.offload != "none" and parallel not in FSDP_MODES:
-                    overrides["offload"] = "none"  # FSDP2's CPU offload, which the others do not take
+                # FSDP2's CPU offload (params) and DeepSpeed's offload_optimizer each go to their own kind's rows.
+                takes = FSDP_MODES if base.offload == "params" else DEEPSPEED_MODES
+                if base.offload != "none" and parallel not in takes:
+                    overrides["offload"] = "none"
                 found.append(Technique(name, overrides, cost))
     if base.parallel in FSDP_MODES and base.offload == "none":
         found.append(
@@ -108,6 +110,15 @@ def techniques(base: TrainingSettings) -> list[Technique]:
                 {"offload": "params"},
                 "host memory for shards, gradients and optimizer state; every step copies them over PCIe and runs "
                 "the optimizer on the CPU",
+            )
+        )
+    if base.deepspeed_stage is not None and not base.offloads_to_host:
+        found.append(
+            Technique(
+                "DeepSpeed offload_optimizer (optimizer in host memory)",
+                {"offload": "optimizer"},
+                "host memory for the master weights, their gradients and the optimizer state; every step copies "
+                "the gradients and weights over PCIe and runs the optimizer on the CPU",
             )
         )
     if base.checkpoint == "none":

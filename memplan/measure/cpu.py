@@ -173,12 +173,19 @@ def measure_cpu(
     # The process's own tensors before the run (kept referenced, so that no id is another's later).
     before = tensors_python_holds() if settings.deepspeed_stage is not None else []
     state = prepare(spec, settings)
-    if settings.offload != "none":
+    if settings.offload != "none" and settings.deepspeed_stage is None:
         return _measure_offloaded(state, warmup_iterations)
     for _ in range(warmup_iterations):
         iteration(state)
     swaps = getattr(state.data_parallel, "swaps_storages", False)
-    counter = LiveStorageCounter(statics_may_be_freed=swaps)
+    # DeepSpeed's offload_optimizer: what the rank keeps on the host, and what the host's computation
+    # allocates (the rank tells `host` while it runs), left out of the device's count.
+    host = HostCopies() if settings.deepspeed_stage is not None and settings.offloads_to_host else None
+    counter = LiveStorageCounter(statics_may_be_freed=swaps, host=host)
+    if host is not None:
+        state.data_parallel.host_copies = host
+        for tensor in state.data_parallel.host_tensors():
+            counter.leave_out(tensor)
     # Under a wrapper that swaps storages, every real tensor the run made that Python holds as the
     # iteration starts (DeepSpeed's partitions, buckets and gathered parameters, beside the model's and
     # the optimizer's tensors).

@@ -71,10 +71,19 @@ def _describe_parallel(s: TrainingSettings) -> str:
     mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
     if s.offload == "params":
         mixed += ", state offloaded to the CPU"
+    elif s.offloads_to_host:
+        mixed += ", optimizer offloaded to the CPU"
     return (
         f"one {rank} rank of {s.world_size}{mixed} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = "
         f"{total:,})"
     )
+
+
+def _host_contents(s: TrainingSettings) -> str:
+    """What an offloading rank keeps in host memory, for the line under the table."""
+    if s.offload == "params":
+        return "--offload params: shards, gradients, optimizer state and step"
+    return "DeepSpeed's offload_optimizer: master partition, its gradient, optimizer state, staging buffers and step"
 
 
 def _describe_lora(s: TrainingSettings) -> str:
@@ -142,7 +151,7 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     console.print(table)
     if result.host_peak_bytes is not None:
         console.print(
-            f"host memory (--offload params: shards, gradients, optimizer state and step), at its peak: "
+            f"host memory ({_host_contents(result.settings)}), at its peak: "
             f"{format_bytes(result.host_peak_bytes)}, in none of the figures above"
         )
     if result.conv_workspace_free_reserved_peak_bytes is not None:

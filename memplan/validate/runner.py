@@ -74,7 +74,7 @@ def validate_config(
     progress: Callable[[str], None] | None = None,
 ) -> ValidationResult:
     report = progress or (lambda message: None)
-    if settings.offload != "none" and settings.device != "cpu":
+    if settings.offloads_to_host and settings.device != "cpu":
         # On a GPU the model must be built on the host for CPUOffloadPolicy: not written yet (no GPU to check it).
         raise SettingsError("validate --offload runs on the CPU only for now: give --device cpu")
     prediction = run_estimate(spec, settings, progress=progress, plan_fingerprint=plan_fingerprint)
