@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest.mock import patch
@@ -197,9 +198,10 @@ def measured_offload_peaks(
             setattr(owner, name, on_host)
         return iteration
 
-    profiler = _profiled_engine_run(
-        model_factory, make_batch, loss_of, world_size, config, engines, build_with_host_regions
-    )
+    with _gradient_partitions_on_the_host_as_on_a_gpu(engines):
+        profiler = _profiled_engine_run(
+            model_factory, make_batch, loss_of, world_size, config, engines, build_with_host_regions
+        )
     zero = engines[-1].optimizer
     kept = [value for state in zero.optimizer.state.values() for value in state.values()]
     for partition in [
@@ -227,6 +229,39 @@ def measured_offload_peaks(
         for index, (at, address, nbytes, inside_host) in enumerate(allocations)
     ]
     return _window_peaks(allocations, _window(profiler, "measured"))
+
+
+@contextlib.contextmanager
+def _gradient_partitions_on_the_host_as_on_a_gpu(engines: list) -> Iterator[None]:
+    """ZeRO-3 under offload_optimizer keeps its gradient partitions in a host buffer and, on a GPU, brings
+    each over to the GPU to accumulate into it and take its norm (stage3.py, partition_grads: `.to(device)`
+    where the accelerator says the buffer is not on it). On the CPU the accelerator says every tensor is
+    on it and `.to(device)` returns the tensor itself: here the buffer is the host's and each such `.to` a
+    copy, as on a GPU."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    def host_buffer() -> int | None:
+        buffer = getattr(engines[-1].optimizer, "grad_partitions_flat_buffer", None) if engines else None
+        return buffer.untyped_storage().data_ptr() if isinstance(buffer, torch.Tensor) else None
+
+    plain_to = torch.Tensor.to
+    plain_on_accelerator = CPU_Accelerator.on_accelerator
+
+    def on_accelerator(self: Any, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() != host_buffer() and plain_on_accelerator(self, tensor)
+
+    def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = plain_to(tensor, *args, **kwargs)
+        caller = sys._getframe(1).f_code
+        brought_over = caller.co_name == "partition_grads" and caller.co_filename.endswith("stage3.py")
+        return out.clone() if out is tensor and brought_over else out
+
+    torch.Tensor.to = to  # type: ignore[method-assign]
+    try:
+        with patch.object(CPU_Accelerator, "on_accelerator", on_accelerator):
+            yield
+    finally:
+        torch.Tensor.to = plain_to  # type: ignore[method-assign]
 
 
 class Branching(torch.nn.Module):

@@ -564,21 +564,6 @@ def test_the_step_finds_the_gradient_partition_buffer_as_gradients():
     assert result.breakdown.gradients == 256 * 64 * 4
 
 
-def test_the_json_on_stdout_is_json_when_deepspeed_is_first_imported():
-    """DeepSpeed logs to stdout from its import on (the accelerator it detects, its configuration); a
-    fresh process, where memplan imports it, must still print nothing but the JSON there."""
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "memplan", "estimate", "tests.two_layer_mlp:two_layer", "--inputs"]
-    command += ["tests.two_layer_mlp:rows", "--loss", "tests.two_layer_mlp:mean_square", "-b", "4"]
-    command += ["--device", "cpu", "--parallel", "zero2", "--world-size", "2", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["settings"]["parallel"] == "zero2"
-    assert "[WARNING]" not in done.stderr and "[INFO]" not in done.stderr
-
-
 def test_a_model_with_nothing_to_train_is_one_line():
     from torch import nn
 
@@ -589,22 +574,29 @@ def test_a_model_with_nothing_to_train_is_one_line():
         DeepSpeedRank(frozen, None, 2, {"zero_optimization": {"stage": 3}})  # type: ignore[arg-type]
 
 
-def test_deepspeeds_log_goes_to_stderr_after_memplan_imports_it():
-    """What DeepSpeed logs later in the process (its errors) reaches stderr, not a swallowed buffer."""
+def test_deepspeeds_log_goes_to_stderr_and_stdout_keeps_the_json():
+    """DeepSpeed logs to stdout from its import on (the accelerator it detects, its configuration): in a
+    fresh process, where memplan imports it, stdout holds nothing but the JSON, and what DeepSpeed logs
+    later in the process (its errors) reaches stderr, not a swallowed buffer."""
     import subprocess
     import sys
 
+    args = ["estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows", "--loss"]
+    args += ["tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero2"]
+    args += ["--world-size", "2", "--json"]
     script = (
-        "import sys, memplan\n"
-        "memplan.estimate('tests.two_layer_mlp:two_layer', inputs='tests.two_layer_mlp:rows', "
-        "loss='tests.two_layer_mlp:mean_square', batch_size=4, device='cpu', parallel='zero2', world_size=2, "
-        "deepspeed_config={'zero_optimization': {'reduce_bucket_size': 1000}})\n"
+        "import sys\n"
+        "from memplan.cli import main\n"
+        f"main({args!r}, standalone_mode=False)\n"
         "from deepspeed.utils.logging import logger\n"
-        "print(all(h.stream is sys.stderr for h in logger.handlers), len(logger.handlers))\n"
+        "streams = [handler.stream is sys.stderr for handler in logger.handlers]\n"
+        "print('handlers', all(streams), len(streams), file=sys.stderr)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "1"]
+    assert json.loads(done.stdout)["settings"]["parallel"] == "zero2"
+    assert "[WARNING]" not in done.stderr and "[INFO]" not in done.stderr
+    assert done.stderr.split()[-3:] == ["handlers", "True", "1"], done.stderr
 
 
 def test_a_forward_that_branches_on_a_value_is_refused_not_guessed():

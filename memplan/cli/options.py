@@ -222,7 +222,10 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             show_default=True,
             help="With --parallel fsdp, fsdp-grad-op or hsdp: params is FSDP2's CPUOffloadPolicy (the shards, their "
             "gradients and the optimizer state in host memory, the optimizer step run there; each module's shards "
-            "copied to the GPU for its all-gather): the GPU figures leave them out and host_peak_bytes counts them.",
+            "copied to the GPU for its all-gather). With --parallel zero2 or zero3 (or zero1 with --deepspeed): "
+            "optimizer is DeepSpeed's offload_optimizer (the float32 master partition, its gradient and the optimizer "
+            "state in host memory, the step run there). The GPU figures leave the host's share out and "
+            "host_peak_bytes counts it.",
         ),
         click.option(
             "--ddp-bucket-view",

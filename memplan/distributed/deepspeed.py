@@ -400,14 +400,22 @@ class DeepSpeedRank:
 
     @contextlib.contextmanager
     def _running(self, truth_values: bool = True) -> Iterator[None]:
-        """While DeepSpeed runs the rank: what fake tensors need from it, and the linear it put in place."""
+        """While DeepSpeed runs the rank: what fake tensors need from it, and the linear it put in place.
+        Under offload_optimizer the accelerator also tells the host's buffers from the GPU's, which on the CPU
+        it cannot (ZeRO-3 accumulates a gradient on the GPU, brought over from its host buffer, only where
+        `on_accelerator` says the buffer is not there: stage3.py, partition_grads)."""
         linear = torch.nn.functional.linear
         torch.nn.functional.linear = self._linear
+        accelerator = _cpu_accelerator()
+        host = {StorageWeakRef(tensor.untyped_storage()) for tensor in self.host_tensors()}
+        if host:
+            accelerator.on_accelerator = lambda tensor: StorageWeakRef(tensor.untyped_storage()) not in host
         try:
             with _fake_tensors_tolerated(self.world_size, truth_values):
                 yield
         finally:
             torch.nn.functional.linear = linear
+            accelerator.__dict__.pop("on_accelerator", None)
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         """The rank's float32 partitions (the inner optimizer's parameters; ZeRO-3 hands them to it only

@@ -58,11 +58,19 @@ class HostCopies:
     observers: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
 
 
+# DeepSpeed's ZeRO-3 under offload_optimizer (runtime/zero/stage3.py): the functions whose `.to(device)` of a
+# gradient partition's host buffer is a copy to the GPU (partition_grads: the buffer brought over to be
+# accumulated into and its norm taken, then dropped; the unmanaged path's finalization the same).
+_DEEPSPEED_TO_DEVICE = frozenset({"partition_grads", "_finalize_offload_gradient_accumulation"})
+
+
 def _copy_direction(frame: Any) -> str | None:
-    """Which of FSDP2's offload copies the `.to()` called from `frame` is, if any."""
+    """Which of FSDP2's or DeepSpeed's offload copies the `.to()` called from `frame` is, if any."""
     if frame is None:
         return None
     path = frame.f_code.co_filename
+    if path.endswith(os.path.join("zero", "stage3.py")) and frame.f_code.co_name in _DEEPSPEED_TO_DEVICE:
+        return "device"
     if os.path.basename(os.path.dirname(path)) != "_fully_shard":
         return None
     return {_TO_DEVICE: "device", _TO_HOST: "host"}.get(os.path.basename(path))

@@ -80,8 +80,9 @@ class EstimateResult:
     # cuda, --optimizer paged-adam8bit: its state in CUDA unified memory, outside torch's allocator
     # (in no peak here; the driver moves it to host memory when the GPU runs short)
     paged_optimizer_bytes: int = 0
-    # --offload params: the most host memory the rank's offloaded state takes at once (its parameter shards,
-    # gradients and optimizer state, and the optimizer step's temporaries), in none of the figures above
+    # --offload params or optimizer: the most host memory the rank's offloaded state takes at once (FSDP2's
+    # shards, or DeepSpeed's master partition, with their gradients and optimizer state, and the host's
+    # computation's temporaries), in none of the figures above
     host_peak_bytes: int | None = None
     notes: tuple[str, ...] = ()
     # batch sizes the largest-batch search answered from confirmed lines through traces, not traced

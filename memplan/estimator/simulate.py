@@ -102,7 +102,7 @@ class Simulation:
     # (memplan.estimator.timeline.device_fit_bytes)
     smallest_device_bytes: int | None = None
     allocator_config: AllocatorConfig | None = field(default=None, compare=False, repr=False)  # cuda
-    host_peak_bytes: int | None = None  # --offload params: the rank's host memory at its peak
+    host_peak_bytes: int | None = None  # --offload params or optimizer: the rank's host memory at its peak
 
     @property
     def fit_bytes(self) -> int:
@@ -191,7 +191,7 @@ class Liveness:
     unsupported_ops: tuple[str, ...]
     requested: dict[StorageWeakRef, int]  # the bytes asked for, before the allocator's rounding
     streams: dict[StorageWeakRef, int] = field(default_factory=dict)  # those allocated on a side stream
-    # --offload params: the storages in host memory, (born, last use, host bytes) each, kept out of the rest
+    # --offload: the storages in host memory, (born, last use, host bytes) each, kept out of the rest
     host: dict[Any, tuple[int, int, int]] = field(default_factory=dict)
 
 
@@ -347,7 +347,7 @@ def _host_lifetimes(
 
 
 def host_peak_bytes(lifetimes: Liveness) -> int | None:
-    """The most host bytes live at once under --offload params (None without it)."""
+    """The most host bytes live at once under --offload (None without it)."""
     if not lifetimes.host:
         return None
     change = [0] * (len(lifetimes.nodes) + 2)

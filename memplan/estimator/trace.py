@@ -88,7 +88,7 @@ class TracedStep:
     storage_resizes: tuple[StorageResize, ...] = ()
     # --parallel zero2/zero3: the storages DeepSpeed swapped under parameters (memplan.estimator.swapped_storages).
     swapped_storages: SwappedStorages | None = None
-    # --offload params: the rank's host memory, out of the device's figures (memplan.distributed.offload).
+    # --offload params or optimizer: the rank's host memory, out of the device's figures (memplan.distributed.offload).
     host_memory: HostMemory | None = None
 
 
@@ -191,7 +191,7 @@ class _Observed:
     unknown_ops: set[str]  # ran with a target behaviour memplan does not know
     resizes: list[StorageResize]  # FSDP2's
     swapped: SwappedStorages | None = None  # where a library swaps storages under parameters
-    host: HostMemory | None = None  # --offload params: the rank's host memory
+    host: HostMemory | None = None  # --offload: the rank's host memory
 
 
 def _traced_step(

@@ -148,7 +148,7 @@ class CompareRow:
             "peak_bytes": e.peak_bytes,
             "reserved_peak_bytes": e.reserved_peak_bytes,
             "smallest_device_bytes": e.smallest_device_bytes,
-            "host_peak_bytes": e.host_peak_bytes,  # --offload params: the host's share, in none of the above
+            "host_peak_bytes": e.host_peak_bytes,  # --offload: the host's share, in none of the above
             "breakdown": e.breakdown.to_dict(),
             "fits": self.fits,
             "effective_batch_size": self.effective_batch_size,
