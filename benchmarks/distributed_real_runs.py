@@ -1,6 +1,6 @@
-"""One rank of DeepSpeed's ZeRO stages, of HSDP and of FSDP2's CPU offload, predicted beside the real CPU run:
-the figures the docs quote that the tests assert only within a tolerance or leave out (to keep the suite
-short).
+"""One rank of DeepSpeed's ZeRO stages (and their optimizer offload), of HSDP and of FSDP2's CPU offload, predicted
+beside the real CPU run: the figures the docs quote that the tests assert only within a tolerance or leave out (to
+keep the suite short).
 
     python benchmarks/distributed_real_runs.py
 
@@ -85,6 +85,33 @@ def offload_case(world_size: int, parallel: str, checkpoint: str, grad_accum: in
     return (device, predicted.peak_bytes) if figure == "device" else (host, predicted.host_peak_bytes)
 
 
+def deepspeed_offload_case(
+    stage: int, name: str, world_size: int, precision: str, grad_accum: int, figure: str
+) -> tuple[int, int]:
+    """DeepSpeed's offload_optimizer with torch's AdamW as the client optimizer on the host: `figure` "device"
+    or "host", against the real run's allocator events told apart (tests/deepspeed_models.measured_offload_peaks).
+    In bf16 the real run's device peak includes the CPU matmul's scratch (module docstring)."""
+    reference, inputs, factory, make_batch, batch_size = MODELS[name]
+    zero = {**SMALL_BUCKET, "offload_optimizer": {"device": "cpu"}}
+    config = deepspeed_models.deepspeed_config(stage, batch_size, precision, zero, grad_accum=grad_accum)
+    device, host = deepspeed_models.measured_offload_peaks(factory, make_batch, mean_square, world_size, config)
+    predicted = memplan.estimate(
+        reference,
+        inputs=inputs,
+        loss="tests.two_layer_mlp:mean_square",
+        batch_size=batch_size,
+        device="cpu",
+        optimizer="adamw",
+        precision=precision,
+        parallel=PARALLEL_OF_STAGE[stage],
+        world_size=world_size,
+        grad_accum=grad_accum,
+        offload="optimizer",
+        deepspeed_config={"zero_optimization": SMALL_BUCKET, "zero_force_ds_cpu_optimizer": False},
+    )
+    return (device, predicted.peak_bytes) if figure == "device" else (host, predicted.host_peak_bytes)
+
+
 Case = tuple[str, Callable[[], tuple[int, int]]]  # label, run
 CASES: list[Case] = [
     ("ZeRO-2 stack, 4 ranks, 3 micro-batches", lambda: deepspeed_case(2, "stack", 4, "fp32", 3)),
@@ -112,6 +139,19 @@ CASES: list[Case] = [
             lambda case=(world_size, parallel, checkpoint, accum, figure): offload_case(*case),
         )
         for world_size, parallel, checkpoint, accum in ((2, "fsdp", "none", 1), (4, "fsdp-grad-op", "all", 2))
+        for figure in ("device", "host")
+    ),
+    *(
+        (
+            f"DeepSpeed offload ZeRO-{stage} {name}, {world_size} ranks, {accum} micro-batches, {figure}",
+            lambda case=(stage, name, world_size, precision, accum, figure): deepspeed_offload_case(*case),
+        )
+        for stage, name, world_size, precision, accum in (
+            (2, "stack", 2, "fp32", 2),
+            (3, "stack", 2, "fp32", 3),
+            (2, "stack-bf16", 2, "bf16", 1),
+            (2, "stack-bf16", 4, "bf16", 1),
+        )
         for figure in ("device", "host")
     ),
 ]

@@ -359,9 +359,13 @@ def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(pa
     """--offload optimizer (DeepSpeed's offload_optimizer) against DeepSpeed's real run, whose allocator events
     are told apart by tests/deepspeed_models.measured_offload_peaks (the host's: what the optimizer's step and
     the host's gradient norm allocate, and the host buffers DeepSpeed keeps)."""
-    _, _, factory, make_batch, batch_size = MODELS[name]
-    predicted = _estimate(
-        name, world_size, zero=SMALL_BUCKET, parallel=parallel, grad_accum=grad_accum, offload="optimizer"
+    reference, inputs, factory, make_batch, batch_size = MODELS[name]
+    # The real run's optimizer is torch's AdamW, which DeepSpeed runs on the host when told it may.
+    config = {"zero_optimization": SMALL_BUCKET, "zero_force_ds_cpu_optimizer": False}
+    options = {"optimizer": "adamw", "parallel": parallel, "world_size": world_size, "grad_accum": grad_accum}
+    source = {"inputs": inputs, "loss": "tests.two_layer_mlp:mean_square", "batch_size": batch_size}
+    predicted = memplan.estimate(
+        reference, **source, device="cpu", **options, offload="optimizer", deepspeed_config=config
     )
     zero = {**SMALL_BUCKET, "offload_optimizer": {"device": "cpu"}}
     config = deepspeed_models.deepspeed_config(STAGES[parallel], batch_size, "fp32", zero, grad_accum)
@@ -387,6 +391,24 @@ def test_deepspeed_s_pinned_host_buffers_are_counted_as_torch_pins_them():
     partition_bytes = 24_064 // 8 * 4
     assert pinned.host_peak_bytes - not_pinned.host_peak_bytes == 3 * (16_384 - partition_bytes)
     assert not_pinned.host_peak_bytes == on_the_cpu.host_peak_bytes  # the step runs on the host either way
+
+
+def test_an_offloading_rank_steps_as_deepspeed_cpu_adam_unless_told_otherwise():
+    """With offload_optimizer DeepSpeed requires DeepSpeedCPUAdam (accelerate turns the Trainer's optimizer into
+    it): its step makes two float32 moments per partition and no temporaries, so the host holds, at every
+    moment, the two-layer MLP's partition on 8 ranks (24,064 / 8 = 3,008 float32 elements, 12,032 B), its
+    gradient, the staging partition and the two moments, and the one-parameter gradient buffer (64 x 256
+    float32, 65,536 B); torch's AdamW run there instead (`zero_force_ds_cpu_optimizer: false`) makes its
+    for-loop's temporaries on top. The state is the same either way."""
+    options = {"optimizer": "adamw", "parallel": "zero2", "world_size": 8, "offload": "optimizer"}
+    cpu_adam = _mlp(**options)
+    torch_adamw = _mlp(**options, deepspeed_config={"zero_force_ds_cpu_optimizer": False})
+    # (4 B: the gradient norm the step keeps, a 0-d float32 tensor on the host)
+    assert abs(cpu_adam.host_peak_bytes - (5 * 12_032 + 65_536)) <= 4, cpu_adam.host_peak_bytes
+    assert torch_adamw.host_peak_bytes > cpu_adam.host_peak_bytes + 12_032  # at least one temporary
+    assert torch_adamw.peak_bytes == cpu_adam.peak_bytes  # the GPU's share does not depend on it
+    note = next(note for note in cpu_adam.notes if "offload_optimizer" in note)
+    assert "DeepSpeedCPUAdam" in note and "--optimizer adamw" in note
 
 
 def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):

@@ -81,7 +81,6 @@ MEMPLAN_SETS = (
     "fp16",
     "torch_autocast",
     "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
 )
 # transformers' HfDeepSpeedConfig fills "auto" sizes from the model's hidden size
 # (integrations/deepspeed.py, trainer_config_finalize): reduce_bucket_size = hidden_size², and with
@@ -124,8 +123,9 @@ def deepspeed_config(
     offload_optimizer = _offload_optimizer(zero, offload)
     if offload_optimizer is not None:
         zero["offload_optimizer"] = offload_optimizer
-        # memplan's optimizer is the client optimizer, run on the host as DeepSpeed runs one there when told
-        # it may (engine.py, _configure_optimizer: DeepSpeedCPUAdam is required otherwise).
+        # memplan's optimizer is the client optimizer, which DeepSpeed runs on the host when told it may
+        # (engine.py, _configure_optimizer: DeepSpeedCPUAdam is required otherwise); where the job would run
+        # DeepSpeedCPUAdam, the rank runs memplan's optimizer as it (DeepSpeedRank, runs_deepspeed_cpu_adam).
         config["zero_force_ds_cpu_optimizer"] = False
     device = (zero.get("offload_param") or {}).get("device", "none")
     if device not in (None, "none"):
@@ -146,6 +146,36 @@ def deepspeed_config(
     # deepspeed_optim_sched): without it torch's Adafactor or bitsandbytes' 8-bit Adam fail an assertion.
     config["zero_allow_untested_optimizer"] = True
     return config
+
+
+def runs_deepspeed_cpu_adam(user_config: dict[str, Any] | None) -> bool:
+    """Whether a job offloading its optimizer steps with DeepSpeedCPUAdam: DeepSpeed requires it (or its
+    CPU Adagrad or Lion) with offload_optimizer unless the configuration says `zero_force_ds_cpu_optimizer:
+    false` (engine.py, _configure_optimizer), accelerate, and so transformers' Trainer, turns the
+    Trainer's torch optimizer into it (accelerate/utils/deepspeed.py, map_pytorch_optim_to_deepspeed:
+    DeepSpeedCPUAdam for all but Adagrad and bitsandbytes' 32-bit Lion), and DeepSpeed builds it from an
+    "optimizer" section of the file."""
+    return (user_config or {}).get("zero_force_ds_cpu_optimizer", True) is not False
+
+
+def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer` steps as DeepSpeedCPUAdam does (deepspeed/ops/adam/cpu_adam.py, `step`): each parameter's
+    state made once, `exp_avg` and `exp_avg_sq` in float32 (fp32_optimizer_states, its default) like the
+    parameter, and the update done in place by its C++ kernel, which allocates no tensor."""
+
+    def step(closure: Any = None) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = optimizer.state[param]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param.data, dtype=torch.float)
+                    state["exp_avg_sq"] = torch.zeros_like(param.data, dtype=torch.float)
+                state["step"] += 1
+
+    optimizer.step = step  # type: ignore[method-assign]
 
 
 def _offload_optimizer(zero: dict[str, Any], offload: str) -> dict[str, Any] | None:
@@ -295,10 +325,12 @@ class DeepSpeedRank:
         world_size: int,
         config: dict[str, Any],
         pins_host_memory: bool = False,
+        cpu_adam: bool = False,
     ) -> None:
         """`config`: as deepspeed_config makes it (its zero_optimization.stage is 1, 2 or 3). Under
         offload_optimizer the host memory is pinned where `pins_host_memory` (a GPU run) and DeepSpeed's
-        `pin_memory` say so."""
+        `pin_memory` say so, and `optimizer` steps as DeepSpeedCPUAdam where `cpu_adam`
+        (runs_deepspeed_cpu_adam)."""
         deepspeed = _import_deepspeed()
         from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
 
@@ -337,8 +369,11 @@ class DeepSpeedRank:
         # A real run measured on the CPU (memplan.measure.cpu): told while the host computes, so that what it
         # allocates then is left out of the device's count.
         self.host_copies: HostCopies | None = None
+        self.cpu_adam = self.offload and cpu_adam
         if self.offload:
             zero = self.engine.optimizer
+            if self.cpu_adam:
+                _as_deepspeed_cpu_adam(zero.optimizer)
             self._timed_on_host(zero.optimizer, "step")
             self._timed_on_host(zero, "complete_grad_norm_calculation_for_cpu_offload")
         self._noted: dict[StorageWeakRef, tuple[int, str]] = {}

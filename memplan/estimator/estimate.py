@@ -94,15 +94,26 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             "host's share, the other figures the GPU's"
         )
     if settings.deepspeed_stage is not None and settings.offloads_to_host:
+        from memplan.distributed.deepspeed import runs_deepspeed_cpu_adam
+
         pinned = "pinned where its pin_memory says so: torch rounds each pinned buffer up to a power of two"
+        if runs_deepspeed_cpu_adam(settings.deepspeed_settings):
+            stepper = (
+                "DeepSpeedCPUAdam, as DeepSpeed requires with offload and accelerate (so the Trainer) arranges "
+                f"whatever the optimizer (here --optimizer {settings.optimizer}): two float32 moments, and a step "
+                "that makes no temporaries (zero_force_ds_cpu_optimizer: false in --deepspeed runs yours instead)"
+            )
+        else:
+            stepper = (
+                f"--optimizer {settings.optimizer} itself, as zero_force_ds_cpu_optimizer: false lets DeepSpeed run "
+                "a client optimizer there (torch's for-loop implementation on host tensors)"
+            )
         notes.append(
             "DeepSpeed's offload_optimizer: the float32 master partition, its gradient, the optimizer state and "
             f"DeepSpeed's staging buffers live in host memory ({pinned if settings.device == 'cuda' else 'unpinned'}), "
-            "and the optimizer step and the gradient norm run there; each reduced gradient is copied to the host in "
-            "the backward and the updated 16-bit partition back after the step. memplan's optimizer runs as the "
-            'client optimizer (zero_force_ds_cpu_optimizer: false); a job with DeepSpeedCPUAdam (an "optimizer" '
-            "section in its config) holds the same state on the GPU and the host, and its step makes no "
-            "temporaries on the host; host_peak_bytes counts the host's share, the other figures the GPU's"
+            "and the gradient norm and the step run there, the step as "
+            f"{stepper}; each reduced gradient is copied to the host in the backward and the updated 16-bit "
+            "partition back after the step; host_peak_bytes counts the host's share, the other figures the GPU's"
         )
     band = settings.communicator_band_bytes
     if band is not None:

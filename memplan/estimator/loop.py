@@ -135,7 +135,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
     optimizer = build_optimizer(trainable, settings)
     if settings.deepspeed_stage is not None:  # DeepSpeed's engine wraps the model and the optimizer
-        from memplan.distributed.deepspeed import DeepSpeedRank, deepspeed_config
+        from memplan.distributed.deepspeed import DeepSpeedRank, deepspeed_config, runs_deepspeed_cpu_adam
 
         assert optimizer is not None  # settings refuse --optimizer none
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)  # transformers' "auto"
@@ -151,7 +151,12 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
             settings.offload,
         )
         data_parallel = DeepSpeedRank(
-            model, optimizer, settings.world_size, config, pins_host_memory=settings.device == "cuda"
+            model,
+            optimizer,
+            settings.world_size,
+            config,
+            pins_host_memory=settings.device == "cuda",
+            cpu_adam=runs_deepspeed_cpu_adam(user_config),
         )
         model = data_parallel.wrapper
     state = TrainingState(
