@@ -63,9 +63,14 @@ def _sharding(settings: TrainingSettings) -> str:
             f"state){offload}"
         )
     if settings.parallel == "zero3":
+        parameters = (
+            ", or --offload params (offload_param too: the parameter partitions in host memory)"
+            if not settings.deepspeed_offloads_parameters
+            else ""
+        )
         return (
             "more ranks (a larger --world-size: ZeRO-3 divides parameters, gradients and optimizer state by it)"
-            f"{offload}"
+            f"{offload}{parameters}"
         )
     return "--parallel fsdp --world-size N (FSDP2 shards parameters, gradients and optimizer state across N GPUs)"
 

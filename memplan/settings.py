@@ -422,10 +422,10 @@ class TrainingSettings:
         if self.offload == "none":
             return
         if self.deepspeed_stage is not None:
-            if self.offload == "params":
+            if self.offload == "params" and self.deepspeed_stage != 3:
                 raise SettingsError(
-                    f"--offload params with --parallel {self.parallel}: DeepSpeed's offload_param (stage 3) is not "
-                    "traced yet; --offload optimizer traces its offload_optimizer"
+                    f"--offload params with --parallel {self.parallel}: DeepSpeed offloads parameters at stage 3 "
+                    "(offload_param): give --parallel zero3, or --offload optimizer"
                 )
             return
         if self.parallel not in FSDP_MODES:
@@ -440,6 +440,15 @@ class TrainingSettings:
             )
         if self.step is not None:
             raise SettingsError("--offload with --step is not traced yet: leave out one of them")
+
+    @property
+    def deepspeed_offloads_parameters(self) -> bool:
+        """Whether a ZeRO-3 rank keeps its parameter partitions on the host: DeepSpeed's offload_param (--offload
+        params, or device "cpu" in the --deepspeed file)."""
+        if self.deepspeed_stage != 3:
+            return False
+        zero = self.deepspeed_settings.get("zero_optimization") or {}
+        return self.offload == "params" or (zero.get("offload_param") or {}).get("device") == "cpu"
 
     @property
     def offloads_to_host(self) -> bool:

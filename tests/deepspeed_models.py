@@ -215,6 +215,8 @@ def measured_offload_peaks(
         getattr(zero, "temp_grad_buffer_for_cpu_offload", None),
         getattr(zero, "grad_partitions_flat_buffer", None),
     ]
+    if _offloads_parameters(engines):  # the parameters' partitions (stage3.py, param_groups_fp16_flat_cpu_memory)
+        kept += list(zero.param_groups_fp16_flat_cpu_memory)
     host_addresses = {tensor.untyped_storage().data_ptr() for tensor in kept if isinstance(tensor, torch.Tensor)}
     allocations = _allocations(profiler)
     live_at_end: dict[int, int] = {}  # address -> index of its allocation still live at the end
@@ -235,26 +237,35 @@ def measured_offload_peaks(
 def _gradient_partitions_on_the_host_as_on_a_gpu(engines: list) -> Iterator[None]:
     """ZeRO-3 under offload_optimizer keeps its gradient partitions in a host buffer and, on a GPU, brings
     each over to the GPU to accumulate into it and take its norm (stage3.py, partition_grads: `.to(device)`
-    where the accelerator says the buffer is not on it). On the CPU the accelerator says every tensor is
-    on it and `.to(device)` returns the tensor itself: here the buffer is the host's and each such `.to` a
-    copy, as on a GPU."""
+    where the accelerator says the buffer is not on it); under offload_param its parameters' partitions
+    are in host buffers too, and each is copied to the GPU to be all-gathered (partition_parameters.py,
+    `ds_tensor.to(current_device_name())`). On the CPU the accelerator says every tensor is on it and
+    `.to(device)` returns the tensor itself: here those buffers are the host's and each such `.to` a copy,
+    as on a GPU."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    def host_buffer() -> int | None:
-        buffer = getattr(engines[-1].optimizer, "grad_partitions_flat_buffer", None) if engines else None
-        return buffer.untyped_storage().data_ptr() if isinstance(buffer, torch.Tensor) else None
+    def host_buffers() -> set[int]:
+        zero = engines[-1].optimizer if engines else None
+        buffers = [getattr(zero, "grad_partitions_flat_buffer", None)]
+        buffers += getattr(zero, "param_groups_fp16_flat_cpu_memory", []) if _offloads_parameters(engines) else []
+        return {buffer.untyped_storage().data_ptr() for buffer in buffers if isinstance(buffer, torch.Tensor)}
 
     plain_to = torch.Tensor.to
     plain_on_accelerator = CPU_Accelerator.on_accelerator
 
     def on_accelerator(self: Any, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() != host_buffer() and plain_on_accelerator(self, tensor)
+        return tensor.untyped_storage().data_ptr() not in host_buffers() and plain_on_accelerator(self, tensor)
 
     def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = plain_to(tensor, *args, **kwargs)
+        if out is not tensor:
+            return out
         caller = sys._getframe(1).f_code
         brought_over = caller.co_name == "partition_grads" and caller.co_filename.endswith("stage3.py")
-        return out.clone() if out is tensor and brought_over else out
+        gathered = caller.co_filename.endswith("partition_parameters.py") and (
+            tensor.untyped_storage().data_ptr() in host_buffers()
+        )
+        return out.clone() if brought_over or gathered else out
 
     torch.Tensor.to = to  # type: ignore[method-assign]
     try:
@@ -262,6 +273,11 @@ def _gradient_partitions_on_the_host_as_on_a_gpu(engines: list) -> Iterator[None
             yield
     finally:
         torch.Tensor.to = plain_to  # type: ignore[method-assign]
+
+
+def _offloads_parameters(engines: list) -> bool:
+    """Whether the last engine runs ZeRO-3 with offload_param on the host."""
+    return bool(engines) and bool(getattr(engines[-1].optimizer, "offload_param", False))
 
 
 class Branching(torch.nn.Module):

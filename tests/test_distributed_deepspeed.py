@@ -351,29 +351,42 @@ def test_the_cli_reads_the_config_and_names_the_rank(tmp_path):
     assert json.loads(as_json)["breakdown"]["communication"] == 20_000 * 4
 
 
-OFFLOAD_CASES = [("zero1", "stack", 2, 3), ("zero2", "two-layer", 8, 1), ("zero3", "stack", 4, 2)]
+OFFLOAD_CASES = [  # --parallel, model, ranks, micro-batches per step, --offload, ZeRO-3's persistence threshold
+    ("zero1", "stack", 2, 3, "optimizer", None),
+    ("zero2", "two-layer", 8, 1, "optimizer", None),
+    ("zero3", "stack", 4, 2, "optimizer", None),
+    ("zero3", "stack", 2, 2, "params", 0),  # offload_param too, each block gathered from its host partition
+]
 
 
-@pytest.mark.parametrize(("parallel", "name", "world_size", "grad_accum"), OFFLOAD_CASES)
-def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(parallel, name, world_size, grad_accum):
-    """--offload optimizer (DeepSpeed's offload_optimizer) against DeepSpeed's real run, whose allocator events
-    are told apart by tests/deepspeed_models.measured_offload_peaks (the host's: what the optimizer's step and
-    the host's gradient norm allocate, and the host buffers DeepSpeed keeps)."""
+@pytest.mark.parametrize(("parallel", "name", "world_size", "grad_accum", "offload", "persistence"), OFFLOAD_CASES)
+def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(
+    parallel, name, world_size, grad_accum, offload, persistence
+):
+    """--offload optimizer (DeepSpeed's offload_optimizer) and, on ZeRO-3, --offload params (offload_param
+    with it) against DeepSpeed's real run, whose allocator events are told apart by
+    tests/deepspeed_models.measured_offload_peaks (the host's: what the optimizer's step and the host's
+    gradient norm allocate, and the host buffers DeepSpeed keeps, the parameters' partitions among them)."""
     reference, inputs, factory, make_batch, batch_size = MODELS[name]
+    zero = dict(SMALL_BUCKET)
+    if persistence is not None:
+        zero["stage3_param_persistence_threshold"] = persistence
     # The real run's optimizer is torch's AdamW, which DeepSpeed runs on the host when told it may.
-    config = {"zero_optimization": SMALL_BUCKET, "zero_force_ds_cpu_optimizer": False}
+    config = {"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False}
     options = {"optimizer": "adamw", "parallel": parallel, "world_size": world_size, "grad_accum": grad_accum}
     source = {"inputs": inputs, "loss": "tests.two_layer_mlp:mean_square", "batch_size": batch_size}
-    predicted = memplan.estimate(
-        reference, **source, device="cpu", **options, offload="optimizer", deepspeed_config=config
-    )
-    zero = {**SMALL_BUCKET, "offload_optimizer": {"device": "cpu"}}
+    predicted = memplan.estimate(reference, **source, device="cpu", **options, offload=offload, deepspeed_config=config)
+    zero["offload_optimizer"] = {"device": "cpu"}
+    if offload == "params":
+        zero["offload_param"] = {"device": "cpu"}
     config = deepspeed_models.deepspeed_config(STAGES[parallel], batch_size, "fp32", zero, grad_accum)
     device, host = deepspeed_models.measured_offload_peaks(factory, make_batch, mean_square, world_size, config)
     assert abs(predicted.peak_bytes - device) <= 8, (predicted.peak_bytes, device)
     # The step's Python numbers that torch wraps as 0-d tensors (AdamW's step counts), which no trace sees.
     assert abs(predicted.host_peak_bytes - host) <= 64, (predicted.host_peak_bytes, host)
     assert predicted.breakdown.optimizer_state == 0  # the master partition and the optimizer's state: the host's
+    if offload == "params":  # and the parameters' partitions
+        assert predicted.breakdown.parameters == 0
 
 
 def test_deepspeed_s_pinned_host_buffers_are_counted_as_torch_pins_them():
@@ -429,11 +442,11 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
             {"deepspeed_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}},
             "offloads part of the optimizer (ratio below 1",
         ),
+        ({"offload": "params"}, "DeepSpeed offloads parameters at stage 3 (offload_param): give --parallel zero3"),
         (
             {"deepspeed_config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}},
-            'zero_optimization.offload_param moves the parameters to the host ("cpu")',
+            "offload_param is ZeRO-3's: give --parallel zero3",
         ),
-        ({"offload": "params"}, "DeepSpeed's offload_param (stage 3) is not traced yet"),
         ({"precision": "amp-bf16"}, "--precision amp-bf16 with --parallel zero2 is not traced yet"),
         ({"optimizer": "none"}, "--optimizer none has none"),
         (
@@ -668,4 +681,9 @@ def test_compare_offers_deepspeed_s_offload_on_a_deepspeed_rank_and_keeps_each_r
         deepspeed_config='{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}',
     )
     assert in_the_file.offloads_to_host
-    assert not any(t.changes.get("offload") == "optimizer" for t in techniques(in_the_file))
+    from_the_file = {t.name: t.changes for t in techniques(in_the_file)}
+    assert not any(changes.get("offload") == "optimizer" for changes in from_the_file.values())
+    # ZeRO-3 also offers offload_param (--offload params: the parameters' partitions with the optimizer)
+    both = "DeepSpeed offload_param + offload_optimizer (parameters and optimizer in host memory)"
+    assert from_the_file[both] == {"offload": "params"}
+    assert both not in {t.name for t in techniques(TrainingSettings(parallel="zero3", world_size=4, offload="params"))}

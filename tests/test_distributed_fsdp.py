@@ -242,7 +242,10 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
         ({"offload": "params"}, "give --parallel fsdp, fsdp-grad-op or hsdp"),
         ({"parallel": "ddp", "world_size": 2, "offload": "params"}, "give --parallel fsdp"),
         ({"parallel": "fsdp", "world_size": 2, "offload": "optimizer"}, "give --offload params"),
-        ({"parallel": "zero3", "world_size": 2, "offload": "params"}, r"offload_param \(stage 3\) is not traced yet"),
+        (
+            {"parallel": "zero2", "world_size": 2, "offload": "params"},
+            r"offloads parameters at stage 3 \(offload_param\)",
+        ),
         ({"parallel": "ddp", "world_size": 2, "offload": "optimizer"}, r"or zero2 or zero3 \(--offload optimizer\)"),
         ({"parallel": "fsdp", "world_size": 2, "offload": "disk"}, "offload must be one of"),
     ],

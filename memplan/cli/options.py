@@ -224,7 +224,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "gradients and the optimizer state in host memory, the optimizer step run there; each module's shards "
             "copied to the GPU for its all-gather). With --parallel zero2 or zero3 (or zero1 with --deepspeed): "
             "optimizer is DeepSpeed's offload_optimizer (the float32 master partition, its gradient and the optimizer "
-            "state in host memory, the step run there). The GPU figures leave the host's share out and "
+            "state in host memory, the step run there); with zero3, params is that and offload_param (the "
+            "parameter partitions on the host too). The GPU figures leave the host's share out and "
             "host_peak_bytes counts it.",
         ),
         click.option(

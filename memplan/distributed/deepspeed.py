@@ -127,12 +127,9 @@ def deepspeed_config(
         # (engine.py, _configure_optimizer: DeepSpeedCPUAdam is required otherwise); where the job would run
         # DeepSpeedCPUAdam, the rank runs memplan's optimizer as it (DeepSpeedRank, runs_deepspeed_cpu_adam).
         config["zero_force_ds_cpu_optimizer"] = False
-    device = (zero.get("offload_param") or {}).get("device", "none")
-    if device not in (None, "none"):
-        raise SettingsError(
-            f'--deepspeed: zero_optimization.offload_param moves the parameters to the host ("{device}"), which '
-            "memplan does not trace yet (it would count them on the GPU): remove offload_param for a bound from above"
-        )
+    offload_param = _offload_param(zero, offload, stage, offload_optimizer is not None)
+    if offload_param is not None:
+        zero["offload_param"] = offload_param
     zero["stage"] = stage
     config["zero_optimization"] = zero
     config["train_micro_batch_size_per_gpu"] = batch_size
@@ -178,23 +175,45 @@ def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = step  # type: ignore[method-assign]
 
 
-def _offload_optimizer(zero: dict[str, Any], offload: str) -> dict[str, Any] | None:
-    """The zero_optimization.offload_optimizer section the rank runs with: the user's, its device set to
-    "cpu" by --offload optimizer; None where the optimizer stays on the GPU. What memplan does not trace
-    is refused: NVMe (ZeRO-Infinity's swapping), and a partial offload (`ratio` below 1, which keeps some
-    sub-groups' state on the GPU)."""
-    section = dict(zero.get("offload_optimizer") or {})
-    if offload == "optimizer":
+def _offload_section(zero: dict[str, Any], name: str, forced: bool, moved: str) -> dict[str, Any] | None:
+    """zero_optimization's `name` section ("offload_param" or "offload_optimizer") as the rank runs it: the
+    user's, its device set to "cpu" where `forced` (by --offload); None where nothing leaves the GPU.
+    NVMe (ZeRO-Infinity's swapping) is refused: memplan does not trace it."""
+    section = dict(zero.get(name) or {})
+    if forced:
         section["device"] = "cpu"
     device = section.get("device") or "none"
     if device == "none":
         return None
     if device != "cpu":
         raise SettingsError(
-            f'--deepspeed: zero_optimization.offload_optimizer moves the optimizer state to "{device}" '
-            '(ZeRO-Infinity), which memplan does not trace: give "cpu", or remove offload_optimizer'
+            f'--deepspeed: zero_optimization.{name} moves {moved} to "{device}" (ZeRO-Infinity), which memplan '
+            f'does not trace: give "cpu", or remove {name}'
         )
-    if float(section.get("ratio", 1.0)) != 1.0 or section.get("super_offload"):
+    return section
+
+
+def _offload_param(zero: dict[str, Any], offload: str, stage: int, offloads_optimizer: bool) -> dict[str, Any] | None:
+    """The offload_param section: ZeRO-3's parameter partitions on the host, set by --offload params with the
+    optimizer's state (the usual "ZeRO-3 offload" configuration)."""
+    section = _offload_section(zero, "offload_param", offload == "params", "the parameters")
+    if section is None:
+        return None
+    if stage != 3:
+        raise SettingsError("--deepspeed: zero_optimization.offload_param is ZeRO-3's: give --parallel zero3")
+    if not offloads_optimizer:
+        raise SettingsError(
+            "--deepspeed: zero_optimization.offload_param without offload_optimizer is not traced: offload both "
+            '(device "cpu" in each, or --offload params)'
+        )
+    return section
+
+
+def _offload_optimizer(zero: dict[str, Any], offload: str) -> dict[str, Any] | None:
+    """The offload_optimizer section, set by --offload optimizer (and params). A partial offload (`ratio`
+    below 1, which keeps some sub-groups' state on the GPU, or `super_offload`) is refused."""
+    section = _offload_section(zero, "offload_optimizer", offload in ("optimizer", "params"), "the optimizer state")
+    if section is not None and (float(section.get("ratio", 1.0)) != 1.0 or section.get("super_offload")):
         raise SettingsError(
             "--deepspeed: zero_optimization.offload_optimizer offloads part of the optimizer (ratio below 1, or "
             "super_offload), which memplan does not trace: leave them out for the whole state on the host"
@@ -370,6 +389,17 @@ class DeepSpeedRank:
         # allocates then is left out of the device's count.
         self.host_copies: HostCopies | None = None
         self.cpu_adam = self.offload and cpu_adam
+        # Under offload_param (ZeRO-3), the parameters' 16-bit partitions in one host buffer per group
+        # (stage3.py, _create_param_groups_fp16_flat_cpu_memory), each gathered by way of a copy to the GPU.
+        param_config = self.engine.zero_offload_param() if self.stage == 3 else None
+        param_device = getattr(param_config, "device", None)
+        self.offloads_parameters = getattr(param_device, "value", param_device) == "cpu"
+        self._parameters_on_host: list[torch.Tensor] = (
+            list(self.engine.optimizer.param_groups_fp16_flat_cpu_memory) if self.offloads_parameters else []
+        )
+        self.host_parameter_storages = frozenset(
+            StorageWeakRef(tensor.untyped_storage()) for tensor in self._parameters_on_host
+        )
         if self.offload:
             zero = self.engine.optimizer
             if self.cpu_adam:
@@ -507,6 +537,7 @@ class DeepSpeedRank:
         tensors.append(getattr(zero, "temp_grad_buffer_for_cpu_offload", None))
         if self.stage == 3:
             tensors.append(zero.grad_partitions_flat_buffer)
+        tensors.extend(self._parameters_on_host)
         return [tensor for tensor in tensors if isinstance(tensor, torch.Tensor)]
 
     def buckets(self) -> list[torch.Tensor]:

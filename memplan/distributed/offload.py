@@ -64,13 +64,19 @@ class HostCopies:
 _DEEPSPEED_TO_DEVICE = frozenset({"partition_grads", "_finalize_offload_gradient_accumulation"})
 
 
-def _copy_direction(frame: Any) -> str | None:
-    """Which of FSDP2's or DeepSpeed's offload copies the `.to()` called from `frame` is, if any."""
+def _copy_direction(frame: Any, data_parallel: object, tensor: torch.Tensor) -> str | None:
+    """Which of FSDP2's or DeepSpeed's offload copies the `.to()` of `tensor` called from `frame` is, if any.
+    DeepSpeed's ZeRO-3 under offload_param gathers a parameter from its partition on the host
+    (partition_parameters.py: `ds_tensor.to(current_device_name())` before each all-gather, on every path
+    it takes): those of `data_parallel.host_parameter_storages` are copies to the GPU."""
     if frame is None:
         return None
     path = frame.f_code.co_filename
     if path.endswith(os.path.join("zero", "stage3.py")) and frame.f_code.co_name in _DEEPSPEED_TO_DEVICE:
         return "device"
+    if path.endswith(os.path.join("zero", "partition_parameters.py")):
+        on_host = getattr(data_parallel, "host_parameter_storages", frozenset())
+        return "device" if on_host and StorageWeakRef(tensor.untyped_storage()) in on_host else None
     if os.path.basename(os.path.dirname(path)) != "_fully_shard":
         return None
     return {_TO_DEVICE: "device", _TO_HOST: "host"}.get(os.path.basename(path))
@@ -96,7 +102,7 @@ def copies_made(data_parallel: object) -> Iterator[HostCopies]:
         out = original(self, *args, **kwargs)
         if out is not self or not _targets_a_device(args, kwargs):
             return out
-        direction = _copy_direction(sys._getframe(1))
+        direction = _copy_direction(sys._getframe(1), data_parallel, self)
         if direction is None:
             return out
         copies.making = direction == "host"

@@ -81,7 +81,7 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f"parameters all-gathered before its forward and backward and resharded {reshard}; its collectives' "
             "buffers allocated on their own CUDA streams, as FSDP2 does"
         )
-    if settings.offload == "params":
+    if settings.offload == "params" and settings.parallel in FSDP_MODES:
         pinned = (
             "pinned (torch's CachingHostAllocator rounds each up to a power of two)"
             if settings.device == "cuda"
@@ -115,6 +115,11 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f"{stepper}; each reduced gradient is copied to the host in the backward and the updated 16-bit "
             "partition back after the step; host_peak_bytes counts the host's share, the other figures the GPU's"
         )
+        if settings.deepspeed_offloads_parameters:
+            notes.append(
+                "DeepSpeed's offload_param: ZeRO-3's 16-bit parameter partitions live in host memory too, and each "
+                "module's are copied to the GPU to be all-gathered before its forward and its backward"
+            )
     band = settings.communicator_band_bytes
     if band is not None:
         notes.append(_nccl_note(settings, *band))

@@ -99,7 +99,7 @@ def techniques(base: TrainingSettings) -> list[Technique]:
                 keep = _for_stage_of(parallel, base) if parallel in DEEPSPEED_MODES else None
                 overrides = {"parallel": parallel, "ddp_bucket_view": False, "deepspeed_config": keep}
                 # FSDP2's CPU offload (params) and DeepSpeed's offload_optimizer each go to their own kind's rows.
-                takes = FSDP_MODES if base.offload == "params" else DEEPSPEED_MODES
+                takes = {"params": (*FSDP_MODES, "zero3"), "optimizer": DEEPSPEED_MODES}.get(base.offload, ())
                 if base.offload != "none" and parallel not in takes:
                     overrides["offload"] = "none"
                 found.append(Technique(name, overrides, cost))
@@ -110,6 +110,15 @@ def techniques(base: TrainingSettings) -> list[Technique]:
                 {"offload": "params"},
                 "host memory for shards, gradients and optimizer state; every step copies them over PCIe and runs "
                 "the optimizer on the CPU",
+            )
+        )
+    if base.deepspeed_stage == 3 and not base.deepspeed_offloads_parameters:
+        found.append(
+            Technique(
+                "DeepSpeed offload_param + offload_optimizer (parameters and optimizer in host memory)",
+                {"offload": "params"},
+                "host memory for the parameter partitions, master weights, their gradients and the optimizer "
+                "state; every module's parameters copied over PCIe for each gather, the optimizer run on the CPU",
             )
         )
     if base.deepspeed_stage is not None and not base.offloads_to_host:

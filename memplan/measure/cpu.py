@@ -175,29 +175,34 @@ def measure_cpu(
     state = prepare(spec, settings)
     if settings.offload != "none" and settings.deepspeed_stage is None:
         return _measure_offloaded(state, warmup_iterations)
-    for _ in range(warmup_iterations):
-        iteration(state)
-    swaps = getattr(state.data_parallel, "swaps_storages", False)
-    # DeepSpeed's offload_optimizer: what the rank keeps on the host, and what the host's computation
-    # allocates (the rank tells `host` while it runs), left out of the device's count.
-    host = HostCopies() if settings.deepspeed_stage is not None and settings.offloads_to_host else None
-    counter = LiveStorageCounter(statics_may_be_freed=swaps, host=host)
-    if host is not None:
-        state.data_parallel.host_copies = host
-        for tensor in state.data_parallel.host_tensors():
-            counter.leave_out(tensor)
-    # Under a wrapper that swaps storages, every real tensor the run made that Python holds as the
-    # iteration starts (DeepSpeed's partitions, buckets and gathered parameters, beside the model's and
-    # the optimizer's tensors).
-    ours = {id(tensor) for tensor in before}
-    held = [tensor for tensor in tensors_python_holds() if id(tensor) not in ours and _real(tensor)] if swaps else []
-    for tensor in _static_tensors(state) + held:
-        counter.add_static(tensor)
-    for grad in current_grads(state):
-        counter.add_live(grad)
-    resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
-    with collector_held(), counter, resizes:
-        iteration(state)
+    # DeepSpeed's offload: its copies between the host and the GPU made as on a GPU (ZeRO-3's gradient and
+    # parameter partitions brought over from the host: memplan.distributed.offload), what the rank keeps on
+    # the host, and what the host's computation allocates (the rank tells `host` while it runs), left out of
+    # the device's count.
+    offloads = settings.deepspeed_stage is not None and settings.offloads_to_host
+    with copies_made(state.data_parallel) if offloads else nullcontext(None) as host:
+        for _ in range(warmup_iterations):
+            iteration(state)
+        swaps = getattr(state.data_parallel, "swaps_storages", False)
+        counter = LiveStorageCounter(statics_may_be_freed=swaps, host=host)
+        if host is not None:
+            state.data_parallel.host_copies = host
+            for tensor in state.data_parallel.host_tensors():
+                counter.leave_out(tensor)
+        # Under a wrapper that swaps storages, every real tensor the run made that Python holds as the
+        # iteration starts (DeepSpeed's partitions, buckets and gathered parameters, beside the model's and
+        # the optimizer's tensors).
+        ours = {id(tensor) for tensor in before}
+        held = (
+            [tensor for tensor in tensors_python_holds() if id(tensor) not in ours and _real(tensor)] if swaps else []
+        )
+        for tensor in _static_tensors(state) + held:
+            counter.add_static(tensor)
+        for grad in current_grads(state):
+            counter.add_live(grad)
+        resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
+        with collector_held(), counter, resizes:
+            iteration(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)
 
 

@@ -69,7 +69,7 @@ def _describe_parallel(s: TrainingSettings) -> str:
     if s.deepspeed_stage == 1:
         rank = "DeepSpeed ZeRO-1"
     mixed = f", gathered in {s.fsdp_mixed_precision}" if s.fsdp_mixed_precision else ""
-    if s.offload == "params":
+    if s.offload == "params" or s.deepspeed_offloads_parameters:
         mixed += ", state offloaded to the CPU"
     elif s.offloads_to_host:
         mixed += ", optimizer offloaded to the CPU"
@@ -81,9 +81,10 @@ def _describe_parallel(s: TrainingSettings) -> str:
 
 def _host_contents(s: TrainingSettings) -> str:
     """What an offloading rank keeps in host memory, for the line under the table."""
-    if s.offload == "params":
+    if s.deepspeed_stage is None:
         return "--offload params: shards, gradients, optimizer state and step"
-    return "DeepSpeed's offload_optimizer: master partition, its gradient, optimizer state, staging buffers and step"
+    parameters = "parameter partitions, " if s.deepspeed_offloads_parameters else ""
+    return f"DeepSpeed's offload: {parameters}master partition, its gradient, optimizer state, staging buffers and step"
 
 
 def _describe_lora(s: TrainingSettings) -> str:
