@@ -400,6 +400,8 @@ class DeepSpeedRank:
         self.host_parameter_storages = frozenset(
             StorageWeakRef(tensor.untyped_storage()) for tensor in self._parameters_on_host
         )
+        # offload_param has its own pin_memory (stage3.py pins the buffers where it says so)
+        self._pins_parameters = self.offloads_parameters and pins_host_memory and bool(param_config.pin_memory)
         if self.offload:
             zero = self.engine.optimizer
             if self.cpu_adam:
@@ -502,19 +504,22 @@ class DeepSpeedRank:
         (`param_buffer_of_bit16_for_cpu_offload_groups`), one parameter's gradient
         (`temp_grad_buffer_for_cpu_offload`), and with accumulation each parameter's gradient accumulated
         on the host (`accumulated_grads_in_cpu`). Stage 3 (stage3.py): the gradient partitions' flat buffer
-        (`grad_partitions_flat_buffer`). Pinned where DeepSpeed pins them (`pin_memory`, on a GPU run).
-        `gradients` (the model's 16-bit gradients, on the GPU) and `copies` (FSDP2's) are not its."""
+        (`grad_partitions_flat_buffer`), and under offload_param the parameters' 16-bit partitions
+        (`param_groups_fp16_flat_cpu_memory`). Pinned where DeepSpeed pins them (each section's `pin_memory`,
+        on a GPU run). `gradients` (the model's 16-bit gradients, on the GPU) and `copies` (FSDP2's) are not
+        its."""
         zero = self.engine.optimizer
         # Pinned (get_accelerator().pin_memory): stage 1 and 2's master partitions and every buffer above;
         # not the optimizer's state, which torch's optimizer makes (zeros_like), nor stage 3's master partitions.
-        pinned = [*getattr(zero, "single_partition_of_fp32_groups", []), *self._host_buffers()]
-        pinned_storages = {StorageWeakRef(tensor.untyped_storage()) for tensor in pinned}
-        storages = pinned_storages | {StorageWeakRef(tensor.untyped_storage()) for tensor in optimizer_state}
-        return HostMemory(
-            storages=frozenset(storages),
-            pinned=frozenset(pinned_storages if self.pins_host_memory else ()),
-            windows=tuple(self.host_windows),
-        )
+        buffers = [*getattr(zero, "single_partition_of_fp32_groups", []), *self._host_buffers()]
+        storages = {StorageWeakRef(tensor.untyped_storage()) for tensor in [*buffers, *optimizer_state]}
+        parameters = {id(tensor) for tensor in self._parameters_on_host}
+        pinned = {
+            StorageWeakRef(tensor.untyped_storage())
+            for tensor in buffers
+            if (self._pins_parameters if id(tensor) in parameters else self.pins_host_memory)
+        }
+        return HostMemory(storages=frozenset(storages), pinned=frozenset(pinned), windows=tuple(self.host_windows))
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Under offload_optimizer, every tensor the rank keeps in host memory (none otherwise)."""
