@@ -389,36 +389,25 @@ def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(
         assert predicted.breakdown.parameters == 0
 
 
-def test_deepspeed_s_pinned_host_buffers_are_counted_as_torch_pins_them():
-    """On a GPU, DeepSpeed pins the master partition, its gradient and the 16-bit staging partition
-    (stage_1_and_2.py, pin_memory: true), and torch's CachingHostAllocator rounds each up to a power of two
-    (CachingHostAllocator.h, PowerOf2Ceil). The two-layer MLP on 8 ranks: a partition of 24,064 / 8 = 3,008
-    float32 elements (12,032 B) takes 16,384 B pinned, three times; the one-parameter staging buffer
-    (64 x 256 float32, 65,536 B) is a power of two already."""
-    options = {"parallel": "zero2", "world_size": 8, "optimizer": "adamw", "offload": "optimizer"}
-    source = {"inputs": "tests.two_layer_mlp:rows", "loss": "tests.two_layer_mlp:mean_square", "batch_size": 4}
-    unpinned = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}}
-    pinned = memplan.estimate("tests.two_layer_mlp:two_layer", **source, **options)
-    not_pinned = memplan.estimate("tests.two_layer_mlp:two_layer", **source, **options, deepspeed_config=unpinned)
-    on_the_cpu = _mlp(**options)
-    partition_bytes = 24_064 // 8 * 4
-    assert pinned.host_peak_bytes - not_pinned.host_peak_bytes == 3 * (16_384 - partition_bytes)
-    assert not_pinned.host_peak_bytes == on_the_cpu.host_peak_bytes  # the step runs on the host either way
-
-
-def test_an_offloading_rank_steps_as_deepspeed_cpu_adam_unless_told_otherwise():
-    """With offload_optimizer DeepSpeed requires DeepSpeedCPUAdam (accelerate turns the Trainer's optimizer into
-    it): its step makes two float32 moments per partition and no temporaries, so the host holds, at every
-    moment, the two-layer MLP's partition on 8 ranks (24,064 / 8 = 3,008 float32 elements, 12,032 B), its
-    gradient, the staging partition and the two moments, and the one-parameter gradient buffer (64 x 256
-    float32, 65,536 B); torch's AdamW run there instead (`zero_force_ds_cpu_optimizer: false`) makes its
-    for-loop's temporaries on top. The state is the same either way."""
+def test_an_offloading_rank_s_host_memory_worked_by_hand():
+    """The two-layer MLP on 8 ranks under ZeRO-2 with offload_optimizer. DeepSpeed requires DeepSpeedCPUAdam
+    there (accelerate turns the Trainer's optimizer into it): two float32 moments per partition and a step
+    that makes no temporaries, so the host holds, at every moment, the partition (24,064 / 8 = 3,008 float32
+    elements, 12,032 B), its gradient, the staging partition and the two moments, and the one-parameter
+    gradient buffer (64 x 256 float32, 65,536 B). On a GPU DeepSpeed pins the first three (stage_1_and_2.py,
+    pin_memory: true) and torch's CachingHostAllocator rounds each up to a power of two
+    (CachingHostAllocator.h, PowerOf2Ceil): 16,384 B each; the buffer is a power of two already. torch's
+    AdamW run there instead (`zero_force_ds_cpu_optimizer: false`) makes its for-loop's temporaries on top."""
     options = {"optimizer": "adamw", "parallel": "zero2", "world_size": 8, "offload": "optimizer"}
+    source = {"inputs": "tests.two_layer_mlp:rows", "loss": "tests.two_layer_mlp:mean_square", "batch_size": 4}
     cpu_adam = _mlp(**options)
+    on_a_gpu = memplan.estimate("tests.two_layer_mlp:two_layer", **source, **options)
     torch_adamw = _mlp(**options, deepspeed_config={"zero_force_ds_cpu_optimizer": False})
+    partition_bytes = 24_064 // 8 * 4
     # (4 B: the gradient norm the step keeps, a 0-d float32 tensor on the host)
-    assert abs(cpu_adam.host_peak_bytes - (5 * 12_032 + 65_536)) <= 4, cpu_adam.host_peak_bytes
-    assert torch_adamw.host_peak_bytes > cpu_adam.host_peak_bytes + 12_032  # at least one temporary
+    assert abs(cpu_adam.host_peak_bytes - (5 * partition_bytes + 65_536)) <= 4, cpu_adam.host_peak_bytes
+    assert on_a_gpu.host_peak_bytes - cpu_adam.host_peak_bytes == 3 * (16_384 - partition_bytes)
+    assert torch_adamw.host_peak_bytes > cpu_adam.host_peak_bytes + partition_bytes  # at least one temporary
     assert torch_adamw.peak_bytes == cpu_adam.peak_bytes  # the GPU's share does not depend on it
     note = next(note for note in cpu_adam.notes if "offload_optimizer" in note)
     assert "DeepSpeedCPUAdam" in note and "--optimizer adamw" in note
