@@ -40,9 +40,9 @@ DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
 FSDP_MODES = ("fsdp", "fsdp-grad-op", "hsdp")
 RESHARDING_FSDP_MODES = ("fsdp", "hsdp")  # reshard_after_forward=True
 # --offload: "params" is FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state on the
-# host, the optimizer step run there); "optimizer" is DeepSpeed's offload_optimizer (the float32 master
-# partition, its gradient and the optimizer state on the host, the step run there; DeepSpeed's offload_param
-# is not traced yet).
+# host, the optimizer step run there) or, with zero3, DeepSpeed's offload_param beside its offload_optimizer;
+# "optimizer" is DeepSpeed's offload_optimizer (the float32 master partition, its gradient and the optimizer
+# state on the host, the step run there).
 OFFLOAD_MODES = ("none", "optimizer", "params")
 DEEPSPEED_STAGES = {"zero2": 2, "zero3": 3}  # DeepSpeed's engine wraps the model and the optimizer
 DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)

@@ -98,7 +98,7 @@ def techniques(base: TrainingSettings) -> list[Technique]:
                 # A --deepspeed configuration goes to the other DeepSpeed rows, with their own stage.
                 keep = _for_stage_of(parallel, base) if parallel in DEEPSPEED_MODES else None
                 overrides = {"parallel": parallel, "ddp_bucket_view": False, "deepspeed_config": keep}
-                # FSDP2's CPU offload (params) and DeepSpeed's offload_optimizer each go to their own kind's rows.
+                # Each offload goes to the rows that take it: params to FSDP2's and ZeRO-3's, optimizer to ZeRO's.
                 takes = {"params": (*FSDP_MODES, "zero3"), "optimizer": DEEPSPEED_MODES}.get(base.offload, ())
                 if base.offload != "none" and parallel not in takes:
                     overrides["offload"] = "none"
