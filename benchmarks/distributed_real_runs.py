@@ -24,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' ha
 import memplan  # noqa: E402
 from memplan.settings import TrainingSettings  # noqa: E402
 from tests import deepspeed_models, fsdp_models  # noqa: E402
-from tests.test_distributed_deepspeed import MODELS, SMALL_BUCKET, STAGES, _estimate  # noqa: E402
+from tests.test_distributed_deepspeed import (  # noqa: E402
+    MODELS,
+    SMALL_BUCKET,
+    STAGES,
+    _estimate,
+    offloading_rank,
+)
 from tests.test_distributed_fsdp import SOURCE  # noqa: E402
 from tests.two_layer_mlp import mean_square  # noqa: E402
 
@@ -91,24 +97,8 @@ def deepspeed_offload_case(
     """DeepSpeed's offload_optimizer with torch's AdamW as the client optimizer on the host: `figure` "device"
     or "host", against the real run's allocator events told apart (tests/deepspeed_models.measured_offload_peaks).
     In bf16 the real run's device peak includes the CPU matmul's scratch (module docstring)."""
-    reference, inputs, factory, make_batch, batch_size = MODELS[name]
-    zero = {**SMALL_BUCKET, "offload_optimizer": {"device": "cpu"}}
-    config = deepspeed_models.deepspeed_config(stage, batch_size, precision, zero, grad_accum=grad_accum)
-    device, host = deepspeed_models.measured_offload_peaks(factory, make_batch, mean_square, world_size, config)
-    predicted = memplan.estimate(
-        reference,
-        inputs=inputs,
-        loss="tests.two_layer_mlp:mean_square",
-        batch_size=batch_size,
-        device="cpu",
-        optimizer="adamw",
-        precision=precision,
-        parallel=PARALLEL_OF_STAGE[stage],
-        world_size=world_size,
-        grad_accum=grad_accum,
-        offload="optimizer",
-        deepspeed_config={"zero_optimization": SMALL_BUCKET, "zero_force_ds_cpu_optimizer": False},
-    )
+    parallel = PARALLEL_OF_STAGE[stage]
+    predicted, (device, host) = offloading_rank(parallel, name, world_size, grad_accum, "optimizer", None, precision)
     return (device, predicted.peak_bytes) if figure == "device" else (host, predicted.host_peak_bytes)
 
 

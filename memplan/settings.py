@@ -445,10 +445,7 @@ class TrainingSettings:
     def deepspeed_offloads_parameters(self) -> bool:
         """Whether a ZeRO-3 rank keeps its parameter partitions on the host: DeepSpeed's offload_param (--offload
         params, or device "cpu" in the --deepspeed file)."""
-        if self.deepspeed_stage != 3:
-            return False
-        zero = self.deepspeed_settings.get("zero_optimization") or {}
-        return self.offload == "params" or (zero.get("offload_param") or {}).get("device") == "cpu"
+        return self.deepspeed_stage == 3 and (self.offload == "params" or self._file_offloads("offload_param"))
 
     @property
     def offloads_to_host(self) -> bool:
@@ -456,10 +453,12 @@ class TrainingSettings:
         or DeepSpeed's offload_optimizer (--offload optimizer, or device "cpu" in the --deepspeed file)."""
         if self.offload != "none":
             return True
-        if self.deepspeed_stage is None:
-            return False
+        return self.deepspeed_stage is not None and self._file_offloads("offload_optimizer")
+
+    def _file_offloads(self, section: str) -> bool:
+        """Whether the --deepspeed file's zero_optimization `section` puts its state on the host."""
         zero = self.deepspeed_settings.get("zero_optimization") or {}
-        return (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+        return (zero.get(section) or {}).get("device") == "cpu"
 
     @property
     def deepspeed_stage(self) -> int | None:

@@ -103,8 +103,7 @@ def measured_peak(
     (torch's, handed to deepspeed.initialize as the client optimizer), with the variables deepspeed's
     launcher sets. An iteration is `gradient_accumulation_steps` micro-batches, each followed by
     `engine.step()` as accelerate calls it (the engine steps the optimizer at the last)."""
-    profiler = _profiled_engine_run(model_factory, make_batch, loss_of, world_size, config, [], lambda build: build())
-    return peak_in_window(profiler, "measured")
+    return peak_in_window(_profiled_engine_run(model_factory, make_batch, loss_of, world_size, config), "measured")
 
 
 def _profiled_engine_run(
@@ -113,11 +112,10 @@ def _profiled_engine_run(
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     world_size: int,
     config: dict,
-    engines: list,
-    wrap_build: Callable[[Callable[[], Callable[[], None]]], Callable[[], None]],
+    on_engine: Callable[[Any], None] = lambda engine: None,
 ) -> Any:
-    """measured_peak's run, profiled (hand_measure.profiled_third_iteration); each engine built is appended
-    to `engines`, and `wrap_build(build)` makes the iteration."""
+    """measured_peak's run, profiled (hand_measure.profiled_third_iteration); `on_engine` is told of each
+    engine as it is built."""
     with patch.dict(os.environ, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}):
         import deepspeed
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
@@ -141,7 +139,7 @@ def _profiled_engine_run(
                 # DeepSpeed's CPU accelerator offers fp16 only with oneDNN's fp16 kernels; torch's CPU ops run it.
                 with patch.object(CPU_Accelerator, "is_fp16_supported", lambda self: True):
                     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-                engines.append(engine)
+                on_engine(engine)
                 if config.get("fp16", {}).get("enabled"):
                     _no_overflow(engine)
                 rows = make_batch(config["train_micro_batch_size_per_gpu"])  # as the inputs function makes it
@@ -156,7 +154,7 @@ def _profiled_engine_run(
 
             fp16 = config.get("fp16", {}).get("enabled")
             with _valid_grad_norms() if fp16 else contextlib.nullcontext():
-                return profiled_third_iteration(lambda: wrap_build(build))
+                return profiled_third_iteration(build)
         finally:
             torch.nn.functional.linear = linear
             dist.destroy_process_group()
@@ -184,11 +182,10 @@ def measured_offload_peaks(
     config = {**config, "zero_force_ds_cpu_optimizer": False}
     engines = []
 
-    def build_with_host_regions(build: Callable[[], Callable[[], None]]) -> Callable[[], None]:
-        iteration = build()
-        zero = engines[-1].optimizer
-        inner = zero.optimizer
-        for owner, name in ((inner, "step"), (zero, "complete_grad_norm_calculation_for_cpu_offload")):
+    def with_host_regions(engine: Any) -> None:
+        engines.append(engine)
+        zero = engine.optimizer
+        for owner, name in ((zero.optimizer, "step"), (zero, "complete_grad_norm_calculation_for_cpu_offload")):
             original = getattr(owner, name)
 
             def on_host(*args: Any, original: Callable = original, **kwargs: Any) -> Any:
@@ -196,12 +193,9 @@ def measured_offload_peaks(
                     return original(*args, **kwargs)
 
             setattr(owner, name, on_host)
-        return iteration
 
     with _gradient_partitions_on_the_host_as_on_a_gpu(engines):
-        profiler = _profiled_engine_run(
-            model_factory, make_batch, loss_of, world_size, config, engines, build_with_host_regions
-        )
+        profiler = _profiled_engine_run(model_factory, make_batch, loss_of, world_size, config, with_host_regions)
     zero = engines[-1].optimizer
     kept = [value for state in zero.optimizer.state.values() for value in state.values()]
     for partition in [

@@ -359,14 +359,17 @@ OFFLOAD_CASES = [  # --parallel, model, ranks, micro-batches per step, --offload
 ]
 
 
-@pytest.mark.parametrize(("parallel", "name", "world_size", "grad_accum", "offload", "persistence"), OFFLOAD_CASES)
-def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(
-    parallel, name, world_size, grad_accum, offload, persistence
-):
-    """--offload optimizer (DeepSpeed's offload_optimizer) and, on ZeRO-3, --offload params (offload_param
-    with it) against DeepSpeed's real run, whose allocator events are told apart by
-    tests/deepspeed_models.measured_offload_peaks (the host's: what the optimizer's step and the host's
-    gradient norm allocate, and the host buffers DeepSpeed keeps, the parameters' partitions among them)."""
+def offloading_rank(
+    parallel: str,
+    name: str,
+    world_size: int,
+    grad_accum: int,
+    offload: str,
+    persistence: int | None = None,
+    precision: str = "fp32",
+) -> tuple[memplan.EstimateResult, tuple[int, int]]:
+    """memplan's estimate of an offloading DeepSpeed rank, and the real run's device and host peaks
+    (tests/deepspeed_models.measured_offload_peaks); benchmarks/distributed_real_runs.py prints more cases."""
     reference, inputs, factory, make_batch, batch_size = MODELS[name]
     zero = dict(SMALL_BUCKET)
     if persistence is not None:
@@ -375,12 +378,25 @@ def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(
     config = {"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False}
     options = {"optimizer": "adamw", "parallel": parallel, "world_size": world_size, "grad_accum": grad_accum}
     source = {"inputs": inputs, "loss": "tests.two_layer_mlp:mean_square", "batch_size": batch_size}
-    predicted = memplan.estimate(reference, **source, device="cpu", **options, offload=offload, deepspeed_config=config)
+    predicted = memplan.estimate(
+        reference, **source, device="cpu", precision=precision, **options, offload=offload, deepspeed_config=config
+    )
     zero["offload_optimizer"] = {"device": "cpu"}
     if offload == "params":
         zero["offload_param"] = {"device": "cpu"}
-    config = deepspeed_models.deepspeed_config(STAGES[parallel], batch_size, "fp32", zero, grad_accum)
-    device, host = deepspeed_models.measured_offload_peaks(factory, make_batch, mean_square, world_size, config)
+    config = deepspeed_models.deepspeed_config(STAGES[parallel], batch_size, precision, zero, grad_accum)
+    return predicted, deepspeed_models.measured_offload_peaks(factory, make_batch, mean_square, world_size, config)
+
+
+@pytest.mark.parametrize(("parallel", "name", "world_size", "grad_accum", "offload", "persistence"), OFFLOAD_CASES)
+def test_an_offloading_deepspeed_rank_is_the_real_run_on_the_gpu_and_the_host(
+    parallel, name, world_size, grad_accum, offload, persistence
+):
+    """--offload optimizer (DeepSpeed's offload_optimizer) and, on ZeRO-3, --offload params (offload_param
+    with it) against DeepSpeed's real run, whose allocator events are told apart by
+    tests/deepspeed_models.measured_offload_peaks (the host's: what the optimizer's step and the host's
+    gradient norm allocate, and the host buffers DeepSpeed keeps, the parameters' partitions among them)."""
+    predicted, (device, host) = offloading_rank(parallel, name, world_size, grad_accum, offload, persistence)
     assert abs(predicted.peak_bytes - device) <= 8, (predicted.peak_bytes, device)
     # The step's Python numbers that torch wraps as 0-d tensors (AdamW's step counts), which no trace sees.
     assert abs(predicted.host_peak_bytes - host) <= 64, (predicted.host_peak_bytes, host)

@@ -393,15 +393,15 @@ class DeepSpeedRank:
         # (stage3.py, _create_param_groups_fp16_flat_cpu_memory), each gathered by way of a copy to the GPU.
         param_config = self.engine.zero_offload_param() if self.stage == 3 else None
         param_device = getattr(param_config, "device", None)
-        self.offloads_parameters = getattr(param_device, "value", param_device) == "cpu"
+        offloads_parameters = getattr(param_device, "value", param_device) == "cpu"
         self._parameters_on_host: list[torch.Tensor] = (
-            list(self.engine.optimizer.param_groups_fp16_flat_cpu_memory) if self.offloads_parameters else []
+            list(self.engine.optimizer.param_groups_fp16_flat_cpu_memory) if offloads_parameters else []
         )
         self.host_parameter_storages = frozenset(
             StorageWeakRef(tensor.untyped_storage()) for tensor in self._parameters_on_host
         )
         # offload_param has its own pin_memory (stage3.py pins the buffers where it says so)
-        self._pins_parameters = self.offloads_parameters and pins_host_memory and bool(param_config.pin_memory)
+        self._pins_parameters = offloads_parameters and pins_host_memory and bool(param_config.pin_memory)
         if self.offload:
             zero = self.engine.optimizer
             if self.cpu_adam:

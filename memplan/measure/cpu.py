@@ -53,8 +53,9 @@ class LiveStorageCounter(TorchDispatchMode):
     def __init__(self, statics_may_be_freed: bool = False, host: HostCopies | None = None) -> None:
         """`statics_may_be_freed`: a storage alive before the iteration is counted until it is freed, not
         to the iteration's end (where a library frees what the iteration started with: ZeRO-3's
-        gathered parameters, released as its step begins). `host` (--offload params): FSDP2's copies to
-        the host, which are not counted, nor is what `leave_out` names (the rest of the host's memory)."""
+        gathered parameters, released as its step begins). `host` (under offload): while it says `making`
+        (FSDP2's copies to the host, DeepSpeed's host computation) nothing is counted, nor is what
+        `leave_out` names (the rest of the host's memory)."""
         super().__init__()
         self._statics_may_be_freed = statics_may_be_freed
         self._host = host
@@ -67,7 +68,7 @@ class LiveStorageCounter(TorchDispatchMode):
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
 
     def leave_out(self, tensor: torch.Tensor) -> None:
-        """Host memory under --offload params: never counted."""
+        """Host memory under offload: never counted."""
         self._host_storages.add(local_tensor(tensor).untyped_storage()._cdata)
 
     def add_static(self, tensor: torch.Tensor) -> None:

@@ -75,7 +75,8 @@ def validate_config(
 ) -> ValidationResult:
     report = progress or (lambda message: None)
     if settings.offloads_to_host and settings.device != "cpu":
-        # On a GPU the model must be built on the host for CPUOffloadPolicy: not written yet (no GPU to check it).
+        # On a GPU the host's and the GPU's memory are measured apart only by the CPU validator so far (FSDP2's
+        # CPUOffloadPolicy would need the model built on the host, DeepSpeed's offload its CPU Adam kernel).
         raise SettingsError("validate --offload runs on the CPU only for now: give --device cpu")
     prediction = run_estimate(spec, settings, progress=progress, plan_fingerprint=plan_fingerprint)
     report(f"measuring a real {settings.device} run")
