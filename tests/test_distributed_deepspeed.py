@@ -149,17 +149,18 @@ def test_an_accumulating_deepspeed_rank_is_the_real_deepspeed_run(parallel, name
     ("name", "world_size", "precision", "grad_accum"),
     [("stack", 2, "fp32", 3), ("stack-fp16", 2, "fp16", 2)],
 )
-def test_deepspeeds_stage_1_where_it_is_not_exact_is_above_the_real_run(name, world_size, precision, grad_accum):
-    """DeepSpeed's stage 1 (--parallel zero1 with a --deepspeed file): the rank keeps whole gradients,
-    accumulated in the parameters' own .grad and reduced in the step. With accumulation these cases come out
-    above the real run (+10,368 B and +39,978 B), not understood yet: the safe side, within 3%. (fp16 on 4 ranks
-    without accumulation was +1,890 B until the real run stopped skipping its first steps: exact now, in
-    benchmarks/distributed_real_runs.py.)"""
+def test_deepspeeds_stage_1_releases_its_reduce_bucket_at_the_accumulation_boundary(
+    name, world_size, precision, grad_accum
+):
+    """DeepSpeed's stage 1 (--parallel zero1 with a --deepspeed file) makes its reduce bucket in the step's
+    first backward and keeps it across the micro-batches to the boundary's epilogue, which releases it
+    before the optimizer runs (memplan.distributed.deepspeed, dropped_in_step). Kept to the step's end, as
+    a storage the traced micro-batch started with, it put these peaks 10,368 B and 39,978 B above the run."""
     _, _, factory, make_batch, batch_size = MODELS[name]
     config = deepspeed_models.deepspeed_config(1, batch_size, precision, SMALL_BUCKET, grad_accum=grad_accum)
     measured = deepspeed_models.measured_peak(factory, make_batch, mean_square, world_size, config)
     predicted = _estimate(name, world_size, precision, SMALL_BUCKET, parallel="zero1", grad_accum=grad_accum)
-    assert measured <= predicted.peak_bytes <= measured * 1.03, (predicted.peak_bytes, measured)
+    assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
 
 
 def test_a_zero3_rank_gathering_each_module_is_the_real_deepspeed_run():

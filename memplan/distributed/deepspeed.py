@@ -39,12 +39,15 @@ Gradient accumulation (`--grad-accum N`) is DeepSpeed's own: `gradient_accumulat
 engine divides each micro-batch's loss by it and reduces each micro-batch's gradients into the rank's
 partition as they become ready, and the loop calls `engine.step()` after every micro-batch, as
 accelerate does; the optimizer runs at the last. The traced micro-batch is a step's last, after one
-untraced micro-batch made the accumulated partition.
+untraced micro-batch made the accumulated partition. What that micro-batch left and the step drops (stage 1's
+gradients and reduce bucket, stage 2's accumulated gradients) dies in the traced one (`dropped_in_step`).
 
 `--precision bf16` and `fp16` are DeepSpeed's own: a 16-bit model and a float32 master partition, fp16
 with DeepSpeed's dynamic loss scale, at every stage.
 
-Not traced yet: offload to the host (refused), and torch's autocast around DeepSpeed.
+`--offload optimizer` (offload_optimizer) and, on stage 3, `--offload params` (offload_param): the host's
+buffers and compute told apart from the GPU's (memplan.distributed.offload). Not traced yet: NVMe offload and
+torch's autocast around DeepSpeed (refused in one line).
 """
 
 from __future__ import annotations
@@ -609,7 +612,10 @@ class DeepSpeedRank:
         ZeRO-2's gradients accumulated over the step's earlier micro-batches (`all_grad_tensors`),
         added into once more by the last micro-batch's backward and dropped at its end
         (stage_1_and_2.py, `independent_gradient_partition_epilogue`: `self.all_grad_tensors[i] = None`
-        at the accumulation boundary)."""
+        at the accumulation boundary); stage 1's gradients, reduced and dropped in the step; and stage 1's
+        reduce bucket, made in the step's first backward (`setup_buckets`, only while not
+        `ready_for_gradients`) and kept across its micro-batches to the boundary's epilogue
+        (`_release_ipg_buffers`), where stage 2 makes and releases one in every micro-batch."""
         return self._accumulated
 
     def before_traced_iteration(self, node_clock: Callable[[], int]) -> None:
@@ -624,6 +630,11 @@ class DeepSpeedRank:
         ]
         if self.stage == 1:  # stage 1 accumulates in the parameters' own gradients, reduced and dropped in the step
             accumulated += [param.grad for param in self.module.parameters() if param.grad is not None]
+            accumulated += [
+                buffer
+                for bucket in getattr(self.engine.optimizer, "ipg_buckets", {}).values()
+                for buffer in bucket.buffer
+            ]
         self._accumulated = frozenset(tensor.untyped_storage()._cdata for tensor in accumulated)
         if self.stage == 3:
             # ZeRO-3's parameters gathered as the step starts: the persistent ones (the rest are empty)
