@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from memplan.distributed.deepspeed_file import AUTOCAST_SECTION, file_precision
 from memplan.distributed.nccl import SIMPLE_BUFFER_BYTES, NcclConfig, communicator_band
 from memplan.errors import SettingsError, SizeParseError
 from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
@@ -485,6 +486,7 @@ class TrainingSettings:
                 raise SettingsError(f"--deepspeed sets ZeRO stage {stage}; {option} traces stage {traced}: {instead}")
         if self.optimizer == "none":
             raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")
+        self._check_file_precision()
         if self.precision not in DEEPSPEED_PRECISIONS:
             raise SettingsError(
                 f"{option} traces DeepSpeed in fp32 or its own bf16 or fp16 (--precision bf16 or fp16: a 16-bit "
@@ -500,6 +502,21 @@ class TrainingSettings:
             raise SettingsError(
                 f"{option} with {unsupported[0]}: DeepSpeed runs its own loop (engine.backward, engine.step), and "
                 "memplan traces it as accelerate runs it (the canonical loop), unquantized; leave it out"
+            )
+
+    def _check_file_precision(self) -> None:
+        """The precision a DeepSpeed configuration enables outright must be --precision's, as the Trainer stops on
+        a file that mismatches its arguments (memplan.distributed.deepspeed_file)."""
+        enabled = file_precision(self.deepspeed_settings)
+        if enabled == AUTOCAST_SECTION:
+            raise SettingsError(
+                "the DeepSpeed configuration enables torch_autocast (torch's autocast around DeepSpeed), which memplan "
+                "does not trace yet: remove it, or enable DeepSpeed's own bf16 or fp16 instead (--precision bf16|fp16)"
+            )
+        if enabled is not None and enabled != self.precision:
+            raise SettingsError(
+                f"the DeepSpeed configuration enables {enabled}, and --precision is {self.precision}: give --precision "
+                f'{enabled}, or set "enabled" in the file\'s {enabled} section to "auto" to take --precision\'s'
             )
 
     @property

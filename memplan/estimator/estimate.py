@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from memplan.distributed.deepspeed_file import replaced_values
 from memplan.errors import SettingsError
 from memplan.estimator.adam8bit import paged_state_bytes
 from memplan.estimator.cuda.roofline import step_seconds
@@ -92,6 +93,15 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f"state live in host memory ({pinned}) and the optimizer step runs there; each module's shards are "
             "copied to the GPU for its all-gather and each reduced gradient copied back; host_peak_bytes counts the "
             "host's share, the other figures the GPU's"
+        )
+    replaced = []
+    if settings.deepspeed_stage is not None:
+        job = (settings.batch_size, settings.grad_accum, settings.world_size, settings.optimizer)
+        replaced = replaced_values(settings.deepspeed_settings, *job)
+    if replaced:
+        notes.append(
+            "the DeepSpeed configuration's own values replaced by memplan's options (what the Trainer fills for "
+            f'"auto"): {"; ".join(replaced)}'
         )
     if settings.deepspeed_stage is not None and settings.offloads_to_host:
         from memplan.distributed.deepspeed import runs_deepspeed_cpu_adam

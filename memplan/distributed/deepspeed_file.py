@@ -1,0 +1,69 @@
+"""What a DeepSpeed configuration (`--deepspeed ds_config.json`, or `--hf-args`' deepspeed entry) says about the
+settings memplan takes from its own options: precision, batch, accumulation and optimizer.
+
+memplan builds the rank's engine with its own values for these (memplan.distributed.deepspeed, MEMPLAN_SETS), as
+transformers' Trainer fills the file's "auto" values from TrainingArguments. Where the file gives one of them
+outright, the Trainer checks it against its arguments and stops on a mismatch (integrations/deepspeed.py,
+`HfTrainerDeepSpeedConfig.fill_match`: "Please correct the following DeepSpeed config values that mismatch
+TrainingArguments values"). memplan does the same for the precision, which decides the model's dtype and so most of
+the memory: a file that enables a precision other than --precision is an error. A batch, accumulation or optimizer
+that differs from memplan's options is replaced and said so in a note, since `--budget` and `sweep` vary the batch
+on purpose. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# DeepSpeed's precision sections (runtime/config.py: "bf16", with "bfloat16" its older name; "fp16";
+# "torch_autocast", DeepSpeed's torch.autocast around the model) and the --precision each one is.
+PRECISION_SECTIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
+AUTOCAST_SECTION = "torch_autocast"
+# DeepSpeed's optimizer types whose state is two float32 moments per parameter, as torch's Adam and AdamW
+# (runtime/config.py: ADAM_OPTIMIZER "adam", ADAMW_OPTIMIZER "adamw"; FusedAdam, DeepSpeedCPUAdam).
+ADAM_TYPES = ("adam", "adamw")
+ADAM_OPTIMIZERS = ("adam", "adamw")
+
+
+def _enabled(section: Any) -> bool:
+    """Whether a precision section is on: its "enabled" true ("auto", which the Trainer fills from its own
+    arguments, is not an answer of the file's)."""
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def file_precision(config: dict[str, Any]) -> str | None:
+    """The precision the configuration enables outright, as --precision names it ("bf16", "fp16"), or
+    "torch_autocast" for DeepSpeed's torch autocast; None where it enables none or leaves it "auto"."""
+    if _enabled(config.get(AUTOCAST_SECTION)):
+        return AUTOCAST_SECTION
+    return next((precision for key, precision in PRECISION_SECTIONS.items() if _enabled(config.get(key))), None)
+
+
+def _given(config: dict[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def replaced_values(
+    config: dict[str, Any], batch_size: int, grad_accum: int, world_size: int, optimizer: str
+) -> list[str]:
+    """The file's own batch, accumulation and optimizer where memplan's options replace them, each as
+    "KEY VALUE (memplan: ...)"; empty where the file leaves them out, "auto", or agrees."""
+    replaced = []
+    expected = {
+        "train_micro_batch_size_per_gpu": (batch_size, f"-b {batch_size}"),
+        "gradient_accumulation_steps": (grad_accum, f"--grad-accum {grad_accum}"),
+        "train_batch_size": (
+            batch_size * grad_accum * world_size,
+            f"{batch_size}×{grad_accum}×{world_size} = {batch_size * grad_accum * world_size}",
+        ),
+    }
+    for key, (value, option) in expected.items():
+        given = _given(config, key)
+        if given is not None and given != value:
+            replaced.append(f"{key} {given} ({option})")
+    section = config.get("optimizer")
+    kind = str(section.get("type", "")) if isinstance(section, dict) else ""
+    if kind and not (kind.lower() in ADAM_TYPES and optimizer in ADAM_OPTIMIZERS):
+        replaced.append(f"optimizer {kind} (--optimizer {optimizer}, handed to DeepSpeed as the client optimizer)")
+    return replaced
