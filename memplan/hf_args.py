@@ -132,13 +132,28 @@ def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
     return described
 
 
+def _deepspeed_path(value: object, path: Path) -> Path | None:
+    """The ds_config.json a TrainingArguments.deepspeed string names, as the Trainer resolves it (from the
+    working directory; memplan also tries the arguments file's folder); None where neither is a file."""
+    candidates = [Path(str(value)), path.parent / str(value)]
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
+
+
+def deepspeed_file_of(path: str | Path) -> Path | None:
+    """The DeepSpeed configuration file an --hf-args file names in its deepspeed entry, or None (no entry, the
+    configuration written inline, or a file that cannot be read: read_training_args says why)."""
+    try:
+        value = _load(Path(path)).get("deepspeed")
+    except HfArgsError:
+        return None
+    return _deepspeed_path(value, Path(path)) if isinstance(value, str) and value else None
+
+
 def _deepspeed_config(value: object, path: Path) -> dict[str, Any]:
-    """TrainingArguments.deepspeed: a ds_config.json path (as the Trainer resolves it, from the working
-    directory; memplan also tries the arguments file's folder) or the configuration itself."""
+    """TrainingArguments.deepspeed: a ds_config.json path (_deepspeed_path) or the configuration itself."""
     if isinstance(value, dict):
         return value
-    candidates = [Path(str(value)), path.parent / str(value)]
-    found = next((candidate for candidate in candidates if candidate.is_file()), None)
+    found = _deepspeed_path(value, path)
     if found is None:
         raise HfArgsError(f"--hf-args {path} sets deepspeed {value!r}, which is not a file here or beside {path.name}")
     try:

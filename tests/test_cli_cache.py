@@ -227,6 +227,22 @@ def test_files_the_answer_reads_and_variables_it_depends_on_are_in_the_key(
     assert traces_for() > 0
 
 
+def test_the_deepspeed_file_an_hf_args_file_names_is_in_the_key(cache, tiny_model_dirs, tmp_path):
+    """The Trainer's DeepSpeed configuration decides the answer as much as the arguments file that names it: a
+    change to it alone is another answer (it was answered from the cache: 71 MB where a fresh trace said 169)."""
+    deepspeed = tmp_path / "ds.json"
+    hf_args = tmp_path / "args.json"
+    hf_args.write_text(json.dumps({"per_device_train_batch_size": 2, "deepspeed": str(deepspeed)}))
+    params = {"model": tiny_model_dirs["gpt2"], "hf_args": str(hf_args), "world_size": 2}
+
+    def kept_at(bucket: int) -> Path:
+        deepspeed.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": bucket}}))
+        return cache_module.cached_answer("estimate", params).path
+
+    assert kept_at(1_000_000) == kept_at(1_000_000)
+    assert kept_at(50_000_000) != kept_at(1_000_000)
+
+
 def test_a_command_that_writes_a_file_is_not_kept(cache, tiny_model_dirs, tmp_path):
     folder, traces = cache
     model = tiny_model_dirs["gpt2"]

@@ -41,6 +41,60 @@ def test_an_input_is_never_an_output_even_with_force(tmp_path):
     assert args_file.read_text() == original
 
 
+def _model_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
+    return folder
+
+
+@pytest.mark.parametrize("given_as", ["config file", "folder"])
+def test_the_model_s_own_files_are_never_an_output(tmp_path, given_as):
+    folder = _model_folder(tmp_path)
+    config = folder / "config.json"
+    original = config.read_text()
+    model = str(config if given_as == "config file" else folder)
+    result = run("plan", model, "--seq-len", "32", "--budget", "1GiB", "-o", str(config), "--force", "-q")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert config.read_text() == original
+
+
+def test_the_source_of_an_imported_function_is_never_an_output(tmp_path, monkeypatch):
+    package = tmp_path / "mine"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text("def step(model, batch, optimizer):\n    pass\n")
+    source = (package / "train.py").read_text()
+    monkeypatch.chdir(tmp_path)  # found from the working directory, as memplan imports it
+    result = run("estimate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows",
+                 "--step", "mine.train:step", "-b", "4", "--plot", "mine/train.py", "--force", "-q")  # fmt: skip
+    assert result.exit_code == 2 and "is also an input" in result.output, result.output
+    assert (package / "train.py").read_text() == source
+
+
+def test_the_deepspeed_file_hf_args_names_is_never_an_output(tmp_path):
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"per_device_train_batch_size": 2, "deepspeed": str(deepspeed)}))
+    result = run("plan", "tiny-gpt2", "--seq-len", "32", "--budget", "1GiB", "--hf-args", str(args_file),
+                 "--world-size", "2", "-o", str(deepspeed), "--force", "-q")  # fmt: skip
+    assert result.exit_code == 2 and "is also an input" in result.output, result.output
+    assert json.loads(deepspeed.read_text()) == {"zero_optimization": {"stage": 2}}
+
+
+def test_two_outputs_of_one_command_never_name_one_file(tmp_path):
+    picture = tmp_path / "memory.png"
+    result = run(*ESTIMATE, "--plot", str(picture), "--snapshot", str(picture))
+    assert result.exit_code == 2 and "--plot and --snapshot both name" in result.output, result.output
+    assert not picture.exists()
+
+
+def test_an_empty_output_name_is_one_line():
+    result = run("plan", "tiny-gpt2", "--seq-len", "32", "--budget", "1GiB", "-o", "", "-q")
+    assert result.exit_code == 2 and "--output is empty" in result.output
+
+
 def test_a_missing_results_folder_is_refused_before_any_measurement(tmp_path):
     result = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(tmp_path / "no" / "r.json"))
     assert result.exit_code == 2 and "does not exist" in result.output

@@ -193,6 +193,11 @@ def cached_answer(command: str, params: dict[str, Any]) -> CachedAnswer | None:
     if model_digest is None:
         return None
     files = {name: _file_digest(value) for name in _FILE_OPTIONS if isinstance(value := params.get(name), str)}
+    if isinstance(params.get("hf_args"), str):  # the DeepSpeed file it names decides the answer as well
+        from memplan.hf_args import deepspeed_file_of
+
+        named = deepspeed_file_of(params["hf_args"])
+        files["hf_args_deepspeed"] = _file_digest(str(named)) if named is not None else None
     environment = {
         name: value
         for name, value in os.environ.items()

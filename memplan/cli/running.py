@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -18,7 +19,7 @@ import click
 from memplan import interrupts
 from memplan.cli.options import _quiet
 from memplan.compat import require_supported_torch
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, UsageError
 from memplan.interrupts import deferred, reliable_interrupts
 
 _ACTIVE_PROGRESS: list[Any] = []  # rich Status spinners on stderr, stopped before anything else prints
@@ -122,20 +123,64 @@ def _collect_before_teardown() -> None:
 
 def _check_output_paths(**paths: str | None) -> None:
     """Before the work, not after it: refuse an output whose folder does not exist, that is one of
-    the command's own input files, or that exists when --force was not given (memplan.outputs)."""
+    the command's own input files, that another output of the command names too, or that exists when
+    --force was not given (memplan.outputs)."""
     from memplan.outputs import check_output
 
     context = click.get_current_context()
     force = bool(context.find_root().meta.get("memplan.force"))
-    inputs = [context.params.get(name) for name in ("hf_args", "checkpoint")]
-    inputs.append(context.meta.get("memplan.deepspeed_path"))
+    files, folders = _input_paths(context)
+    named: dict[Path, str] = {}
     for option, path in paths.items():
-        if path is not None:
-            check_output(option, path, inputs=[given for given in inputs if isinstance(given, str)], force=force)
+        if path is None:
+            continue
+        check_output(option, path, inputs=files, input_folders=folders, force=force)
+        target = Path(path).resolve()
+        if target in named:
+            raise UsageError(f"--{named[target]} and --{option} both name {path}; give each its own file")
+        named[target] = option
     if paths.get("plot") is not None:
         from memplan.render.plot import check_plot_path
 
         check_plot_path(paths["plot"])
+
+
+def _input_paths(context: click.Context) -> tuple[list[str], list[str]]:
+    """The files and folders the command reads, which no output may replace: --hf-args and the DeepSpeed file
+    it names, --deepspeed, a --checkpoint plan, the model's config file or folder, and the source file of each
+    `module:function` it imports (the model, --inputs, --loss, --step)."""
+    from memplan.hf_args import deepspeed_file_of
+    from memplan.models.imports import is_import_path
+
+    params = context.params
+    files = [params.get(name) for name in ("hf_args", "checkpoint")]
+    files.append(context.meta.get("memplan.deepspeed_path"))
+    if isinstance(params.get("hf_args"), str):
+        files.append(str(deepspeed_file_of(params["hf_args"]) or ""))
+    folders = []
+    for name in ("model", "inputs", "loss", "step"):
+        value = params.get(name)
+        if not isinstance(value, str) or not value:
+            continue
+        if is_import_path(value):
+            files.append(str(_module_file(value.partition(":")[0]) or ""))
+        elif Path(value).is_dir():
+            folders.append(value)
+        else:
+            files.append(value)
+    return [given for given in files if isinstance(given, str) and given], folders
+
+
+def _module_file(module: str) -> Path | None:
+    """Where `module` (dotted) would be imported from, found without importing anything: the working directory
+    first, as memplan.models.imports puts it, then sys.path."""
+    parts = module.split(".")
+    for entry in [os.getcwd(), *sys.path]:
+        base = Path(entry or ".").joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
 
 
 def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
