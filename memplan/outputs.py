@@ -33,8 +33,9 @@ def check_output(
         raise UsageError(f"--{option} is empty; give it a file name")
     target = Path(path)
     folder = target.resolve().parent
-    if not folder.is_dir():
-        raise UsageError(f"--{option} {path}: the folder {folder} does not exist; create it first")
+    if not folder.is_dir():  # a link's own folder exists; the one it points into is named
+        shown = folder if target.is_symlink() else target.parent
+        raise UsageError(f"--{option} {path}: the folder {shown} does not exist; create it first")
     for given in inputs:
         if Path(given).exists() and target.exists() and os.path.samefile(given, target):
             raise UsageError(f"--{option} {path} is also an input of this command; name another file")

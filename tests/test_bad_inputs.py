@@ -2,7 +2,8 @@
 
 Every CLI case runs the real command line (in-process) in a folder of the user's files, and checks:
 the exit code (2 for a usage mistake, 1 for a failure of the work), a single "memplan: error: ..."
-or click "Error: ..." line on stderr naming what is wrong, no traceback, no "internal error", and
+line on stderr naming what is wrong (click's own errors too: memplan.cli prints them in one line), no
+traceback, no "internal error", and
 every file in the folder byte-for-byte what it was (nothing written, nothing lost). Every API case
 checks the same of the Python functions: a `MemplanError` with that exit code and a one-line
 message, never a TypeError or AttributeError from deep inside. The models are tiny (tiny-gpt2,
@@ -296,7 +297,7 @@ def users_folder(tmp_path, monkeypatch):
 def test_a_mistake_gets_one_line_its_exit_code_and_leaves_every_file_alone(args, words, code, users_folder, tmp_path):
     result = CliRunner().invoke(main, args)
     stderr = [line for line in result.stderr.splitlines() if line.strip()]
-    errors = [line for line in stderr if line.startswith(("memplan: error:", "Error:"))]
+    errors = [line for line in stderr if line.startswith("memplan: error:")]
     assert result.exit_code == code, result.output
     assert "Traceback" not in result.output and "internal error" not in result.output, result.output
     assert len(errors) == 1 and stderr[-1] == errors[0], result.output  # one line, the last one said

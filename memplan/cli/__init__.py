@@ -7,6 +7,11 @@ that `memplan --help` loads none of them.
 
 from __future__ import annotations
 
+import errno
+import os
+import sys
+from typing import Any
+
 import click
 
 from memplan.cli import compare, estimate, plan, presets, sweep, validate
@@ -15,7 +20,34 @@ from memplan.version import __version__
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineErrors(click.Group):
+    """click's own usage errors (an unknown option, a value not among the choices, a file that cannot be read,
+    an environment variable it cannot parse) as memplan's other mistakes are: one line on stderr, exit 2.
+    click prints them as four (usage, a hint, a blank line, the error)."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("standalone_mode", None)
+        try:
+            returned = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as error:
+            if type(error).__name__ == "NoArgsIsHelpError":  # `memplan` alone: the help, as click shows it
+                error.show()
+                sys.exit(error.exit_code)
+            hint = f"; see '{error.ctx.command_path} -h'" if getattr(error, "ctx", None) is not None else ""
+            click.echo(f"memplan: error: {error.format_message().rstrip('.')}{hint}", err=True)
+            sys.exit(error.exit_code)
+        except click.Abort:  # Ctrl-C while click itself ran (a prompt, parsing): as memplan's own interrupt
+            click.echo("memplan: interrupted", err=True)
+            sys.exit(130)
+        except OSError as error:
+            if error.errno != errno.EPIPE:  # stdout closed early (`| head`): quietly, as click does
+                raise
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (nothing more may reach the closed pipe)
+            sys.exit(1)
+        sys.exit(returned if isinstance(returned, int) else 0)  # --help and --version return their code
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(version=__version__, prog_name="memplan")
 def main() -> None:
     """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
