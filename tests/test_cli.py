@@ -386,3 +386,27 @@ def test_an_error_raised_while_ctrl_c_unwinds_the_work_is_reported_as_the_interr
     with pytest.raises(SystemExit) as stopped:  # the next command starts clean
         _run(False, failing)
     assert stopped.value.code == 1 and "internal error: RuntimeError: a bug" in capsys.readouterr().err
+
+
+def test_an_internal_error_asks_for_debug_only_without_it(capsys):
+    from memplan.cli.running import _run
+
+    def failing() -> None:
+        raise RuntimeError("a bug")
+
+    for debug, advice in ((False, True), (True, False)):
+        with pytest.raises(SystemExit):
+            _run(debug, failing)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("memplan: internal error: RuntimeError: a bug")
+        assert ("(rerun with --debug)" in last) is advice
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan"])
+def test_a_progress_delay_that_is_no_number_of_seconds_is_one_line(monkeypatch, value):
+    monkeypatch.setenv("MEMPLAN_PROGRESS_AFTER_SECONDS", value)
+    result = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--seq-len", "16", "--device", "cpu", "--no-cache"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"memplan: error: MEMPLAN_PROGRESS_AFTER_SECONDS={value!r} is not a number of seconds; give one, such as 3"
+    )

@@ -469,6 +469,10 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
         ),
         ({"deepspeed_config": {"zero_optimization": {"overlap_comm": "auto"}}}, 'overlap_comm is "auto"'),
         ({"deepspeed_config": "[1, 2]"}, "the DeepSpeed configuration holds a JSON list, not an object"),
+        (  # DeepSpeed's own check of its sections (pydantic), in one line
+            {"deepspeed_config": {"zero_optimization": {"reduce_bucket_size": -5}}},
+            "DeepSpeedZeroConfig refuses reduce_bucket_size: Input should be greater than 0 (given -5)",
+        ),
     ],
 )
 def test_zero2_mistakes_are_one_line(options, message):

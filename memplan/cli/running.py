@@ -86,7 +86,8 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         elif isinstance(error, MemplanError):
             message, code = f"memplan: error: {error}", error.exit_code
         else:  # a bug in memplan or torch: say so, keep the details for --debug
-            message, code = f"memplan: internal error: {type(error).__name__}: {error} (rerun with --debug)", 1
+            rerun = "" if debug else " (rerun with --debug)"
+            message, code = f"memplan: internal error: {type(error).__name__}: {error}{rerun}", 1
     if message is not None:
         _collect_before_teardown()
         click.echo(message, err=True)
@@ -273,6 +274,20 @@ def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as
 PLAIN_PROGRESS_AFTER_SECONDS = 3.0
 
 
+def _progress_after_seconds() -> float:
+    """MEMPLAN_PROGRESS_AFTER_SECONDS, or the default; a value that is no number of seconds is the user's mistake."""
+    text = os.environ.get("MEMPLAN_PROGRESS_AFTER_SECONDS")
+    if text is None:
+        return PLAIN_PROGRESS_AFTER_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also nan
+        raise UsageError(f"MEMPLAN_PROGRESS_AFTER_SECONDS={text!r} is not a number of seconds; give one, such as 3")
+    return seconds
+
+
 def _progress(as_json: bool) -> Callable[[str], None] | None:
     """Progress on stderr naming the current step (--json keeps stdout clean); off with --quiet.
 
@@ -284,7 +299,7 @@ def _progress(as_json: bool) -> Callable[[str], None] | None:
         import time
 
         started = time.monotonic()
-        after = float(os.environ.get("MEMPLAN_PROGRESS_AFTER_SECONDS", PLAIN_PROGRESS_AFTER_SECONDS))
+        after = _progress_after_seconds()
 
         def line(message: str) -> None:
             if time.monotonic() - started >= after:

@@ -224,6 +224,25 @@ def _offload_optimizer(zero: dict[str, Any], offload: str) -> dict[str, Any] | N
     return section
 
 
+@contextlib.contextmanager
+def _config_errors_in_one_line() -> Iterator[None]:
+    """DeepSpeed checks its configuration's sections with pydantic models (runtime/config_utils.py,
+    DeepSpeedConfigModel: typed, bounded fields, unknown keys refused): a value it refuses is the user's
+    mistake, said in one line with where it is, not pydantic's multi-line report."""
+    from pydantic import ValidationError
+
+    try:
+        yield
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+        raise SettingsError(
+            f"the DeepSpeed configuration: DeepSpeed's {error.title} refuses {where or 'a value'}: {first['msg']} "
+            f"(given {first.get('input')!r}){more}"
+        ) from error
+
+
 def _import_deepspeed() -> Any:
     """deepspeed, imported with its log handler moved to stderr: DeepSpeed logs to stdout (a
     StreamHandler made at import, deepspeed/utils/logging.py), where it would break `--json`. What it
@@ -370,7 +389,7 @@ class DeepSpeedRank:
         _fresh_fake_group(world_size, option)
         linear = torch.nn.functional.linear
         try:
-            with _fake_tensors_tolerated(self.world_size):
+            with _fake_tensors_tolerated(self.world_size), _config_errors_in_one_line():
                 self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         finally:
             # Stage 3 puts its own linear in torch.nn.functional for the rest of the process
