@@ -4,7 +4,9 @@ Targets (issue 4): measured peak <= budget and within 0.5% of the plan's predict
 recompute is no more than any baseline that fits.
 """
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -75,7 +77,13 @@ def test_nothing_fits_says_by_how_much_and_what_would(deep_models):
     result = make_plan(spec, settings, budget)
     assert not result.fits
     assert result.over_budget_bytes == result.predicted_peak_bytes - budget == least - budget
-    assert any("--batch-size" in suggestion for suggestion in result.suggestions)
+    traced = next(suggestion for suggestion in result.suggestions if suggestion.startswith("--batch-size"))
+    micro, accumulation = (
+        int(number) for number in re.findall(r"--batch-size (\d+) with --grad-accum (\d+)", traced)[0]
+    )
+    assert micro * accumulation == 4  # the effective batch kept (a micro-batch of 3 made it 3 x 2 = 6)
+    measured = measure_cpu(spec, dataclasses.replace(result.settings, batch_size=micro)).peak_bytes
+    assert measured <= budget, f"the suggested micro-batch {micro} measures {measured:,} B over the {budget:,} B budget"
 
 
 def test_apply_plan_checkpoints_a_real_model_and_refuses_another(deep_models, tiny_model_dirs, tmp_path):

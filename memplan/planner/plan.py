@@ -370,10 +370,14 @@ def _suggestions(tracer: _Tracer, layout: CheckpointLayout, budget_bytes: int) -
         known = {batch: tracer.simulations[layout].fit_phase_peaks, batch // 2: trace_at(batch // 2)}
         fitting = find_max_batch_size(known, trace_at, budget_bytes)
         if fitting >= 1:
-            accumulation = -(-batch * settings.grad_accum // fitting)
+            # the largest micro-batch that fits and divides the effective batch, so that it stays the same
+            effective = batch * settings.grad_accum
+            micro = next(size for size in range(fitting, 0, -1) if effective % size == 0)
+            if micro not in known:
+                known[micro] = trace_at(micro)
             suggestions.append(
-                f"--batch-size {fitting} with --grad-accum {accumulation} (same effective batch) fits with "
-                f"{layout.describe()}: {format_bytes(max(known[fitting].values()))}"
+                f"--batch-size {micro} with --grad-accum {effective // micro} (same effective batch, {effective}) "
+                f"fits with {layout.describe()}: {format_bytes(max(known[micro].values()))}"
             )
         else:
             suggestions.append("not even batch size 1 fits with this checkpointing")
