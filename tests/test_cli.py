@@ -410,3 +410,16 @@ def test_a_progress_delay_that_is_no_number_of_seconds_is_one_line(monkeypatch, 
     assert result.stderr.strip() == (
         f"memplan: error: MEMPLAN_PROGRESS_AFTER_SECONDS={value!r} is not a number of seconds; give one, such as 3"
     )
+
+
+def test_bitsandbytes_import_warnings_about_this_machine_are_kept_off_stderr(monkeypatch):
+    """bitsandbytes warns on import, where the CPU has AVX-512 BF16, that its CPU kernel package is missing: every
+    --hf-args command printed it, under -q too. Its errors still show."""
+    import logging
+
+    from memplan.cli.running import _run
+
+    logger = logging.getLogger("bitsandbytes")
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    _run(False, lambda: None)
+    assert not logger.isEnabledFor(logging.WARNING) and logger.isEnabledFor(logging.ERROR)

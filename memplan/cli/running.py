@@ -66,6 +66,9 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
     """
     if debug:
         _show_debug_messages()
+    # bitsandbytes warns at import, on CPUs with AVX-512 BF16, that its CPU kernel package is missing
+    # (backends/cpu/ops.py): about the machine memplan traces on, not the user's job; errors still show
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     message, code = None, 0
     try:
         try:
