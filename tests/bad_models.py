@@ -161,3 +161,8 @@ def loss_raises(output, batch) -> torch.Tensor:
 
 def loss_one_argument(output) -> torch.Tensor:
     return output
+
+
+def step_without_optimizer(model, batch) -> None:
+    """A --step that cannot take the optimizer memplan passes it."""
+    model(batch).sum().backward()

@@ -98,6 +98,7 @@ CLI_CASES = [
     case(["estimate", "tests.bad_models:nosuch", "--inputs", "tests.bad_models:inputs"], ["no attribute 'nosuch'"]),
     case(["estimate", "tests.bad_models:NOT_CALLABLE", "--inputs", "tests.bad_models:inputs"], ["not a callable"]),
     case(["estimate", "tests.bad_models:mlp"], ["needs its batch", "--inputs"]),
+    case(["estimate", *MLP, "--step", "tests.bad_models:step_without_optimizer"], ["must take three arguments"]),
     case(["estimate", "tests.bad_models:mlp", "--inputs", "nocolon"], ["not of the form"]),
     case(["estimate", "tests.bad_models:mlp", "--inputs", "tests.bad_models:nosuch"], ["no attribute 'nosuch'"]),
     case(["estimate", *_inputs("inputs_two_arguments")], ["must take one argument"]),

@@ -42,13 +42,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from memplan.errors import UsageError
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
-from memplan.models.source import Batch, ModelSpec, call_model
+from memplan.models.source import Batch, ModelSpec, _check_signature, call_model
 from memplan.settings import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MODES, TrainingSettings
 
 STORAGE_DTYPES = {
@@ -292,7 +293,10 @@ StepFunction = Callable[[nn.Module, Batch, Optimizer | None], Any]
 
 def step_function(settings: TrainingSettings) -> StepFunction:
     assert settings.step is not None
-    return import_object(settings.step, "--step")
+    step = import_object(settings.step, "--step")
+    needs = f"--step {settings.step} must take three arguments: the model, the batch and the optimizer"
+    _check_signature(step, (None, None, None), UsageError, needs)
+    return step
 
 
 GradientsSeen = Callable[[list[torch.Tensor]], None]
