@@ -45,6 +45,17 @@ FILES = {
     "negative-layers.json": json.dumps({"model_type": "gpt2", "n_layer": -1, "n_embd": 64, "n_head": 4}),
     "zero-vocab.json": json.dumps({"model_type": "gpt2", "vocab_size": 0, "n_layer": 1, "n_embd": 64, "n_head": 4}),
     "list.json": "[1, 2]",
+    "tiny-vit.json": json.dumps(
+        {
+            "model_type": "vit",
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "image_size": 32,
+            "patch_size": 8,
+        }  # fmt: skip
+    ),
     "training-args-typo.json": json.dumps({"per_device_train_batch_size": 4, "gradient_acumulation_steps": 2}),
     "args.json": json.dumps({"per_device_train_batch_size": 2}),
     "args-negative.json": json.dumps({"per_device_train_batch_size": -3}),
@@ -86,6 +97,7 @@ CLI_CASES = [
     case(["estimate", "meta-llama/Llama-3.1-13B"], ["did you mean", "llama-3.1-8b"]),
     case(["estimate", "someorg/gpt2-mediun"], ["did you mean gpt2-medium"]),
     case(["estimate", "tiny-gpt2", "--task", "translation", *TINY], ["--task must be one of", "'translation'"]),
+    case(["estimate", "tiny-vit.json", "--image-size", "48", "--device", "cpu"], ["takes 32×32", "--image-size 32"]),
     case(["estimate", "tiny-gpt2", "--task", "image-classification", "--device", "cpu"], ["cannot build", "--task"]),
     case(["estimate", "tiny-gpt2", "--task", "seq2seq", *TINY], ["cannot build", "--task"]),
     case(["estimate", "tiny-gpt2", "--inputs", "tests.bad_models:inputs"], ["--inputs", "drop --inputs"]),

@@ -8,6 +8,7 @@ gradients become graph constants; the batch becomes the graph's placeholders.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.distributed.fsdp import StorageResize, sharding_categories, storage_resizes_recorded
 from memplan.distributed.offload import HostMemory, copies_made
-from memplan.errors import MemplanError, TraceError
+from memplan.errors import MemplanError, SettingsError, TraceError
 from memplan.estimator.cuda.autocast import cuda_autocast_policy
 from memplan.estimator.cuda.kernels import cuda_kernels
 from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
@@ -275,7 +276,21 @@ def _categorize(
     return categories, sizes
 
 
-def _trace_failure(error: Exception, module: str | None, spec: ModelSpec, batch: object = None) -> TraceError:
+# transformers' ViT-family embeddings refuse an image of another size than the config's unless asked to
+# interpolate their position embeddings (modeling_vit.py, ViTEmbeddings / ViTPatchEmbeddings)
+_IMAGE_SIZE_REFUSED = re.compile(r"Input image size \((\d+)\*(\d+)\) doesn't match model \((\d+)\*(\d+)\)")
+
+
+def _trace_failure(
+    error: Exception, module: str | None, spec: ModelSpec, batch: object = None
+) -> TraceError | SettingsError:
+    refused = _IMAGE_SIZE_REFUSED.search(str(error))
+    if refused is not None:  # the user's --image-size, not the model's fault
+        size, expected = refused.group(1), refused.group(3)
+        return SettingsError(
+            f"--image-size {size}: {spec.name} takes {expected}×{expected} images (its position embeddings are "
+            f"sized for them); give --image-size {expected} or leave it out"
+        )
     where = f"in module {module}" if module else "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)
     if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
