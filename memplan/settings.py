@@ -281,7 +281,7 @@ class TrainingSettings:
             if self.device != "cuda":
                 raise SettingsError(
                     "--gpu names the CUDA card whose kernels and memory are modelled; it has no meaning with "
-                    "--device cpu (give a memory limit with --budget)"
+                    "--device cpu: drop --gpu (estimate, plan and sweep take a memory limit as --budget)"
                 )
             object.__setattr__(self, "gpu", gpu_named(self.gpu).name)  # canonical name
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):
@@ -397,8 +397,8 @@ class TrainingSettings:
         self._check_nccl()
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
-                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel ddp, zero1, zero2, "
-                "zero3 or fsdp, or leave it out"
+                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel "
+                f"{', '.join(PARALLEL_MODES[1:-1])} or {PARALLEL_MODES[-1]}, or leave it out"
             )
 
     def _check_shard_size(self) -> None:
@@ -432,7 +432,7 @@ class TrainingSettings:
         if self.parallel not in FSDP_MODES:
             raise SettingsError(
                 "--offload moves sharded state to host memory: give --parallel fsdp, fsdp-grad-op or hsdp "
-                "(--offload params), or zero2 or zero3 (--offload optimizer) with it"
+                "(--offload params), or zero2, zero3, or zero1 with a --deepspeed file (--offload optimizer) with it"
             )
         if self.offload == "optimizer":
             raise SettingsError(
@@ -472,7 +472,8 @@ class TrainingSettings:
     def _check_deepspeed(self) -> None:
         if self.deepspeed_config is not None and self.parallel not in (*DEEPSPEED_MODES, "zero1"):
             raise SettingsError(
-                "--deepspeed configures DeepSpeed's ZeRO: give --parallel zero1, zero2 or zero3 with it"
+                "--deepspeed (or a deepspeed entry in --hf-args) configures DeepSpeed's ZeRO: give --parallel zero1, "
+                "zero2 or zero3 with it"
             )
         traced = self.deepspeed_stage
         if traced is None:
@@ -533,8 +534,8 @@ class TrainingSettings:
         )
         if given and (self.parallel == "none" or self.device != "cuda"):
             raise SettingsError(
-                f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel ddp, zero1, "
-                "zero2, zero3, fsdp or fsdp-grad-op on the cuda target"
+                f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel "
+                f"{', '.join(PARALLEL_MODES[1:-1])} or {PARALLEL_MODES[-1]} on the cuda target"
             )
         if self.nccl_memory is not None and self.nccl_memory < 0:
             raise SettingsError(f"NCCL memory must be 0 or more bytes, got {self.nccl_memory}")

@@ -423,3 +423,11 @@ def test_bitsandbytes_import_warnings_about_this_machine_are_kept_off_stderr(mon
     monkeypatch.setattr(logger, "level", logging.NOTSET)
     _run(False, lambda: None)
     assert not logger.isEnabledFor(logging.WARNING) and logger.isEnabledFor(logging.ERROR)
+
+
+def test_a_close_name_is_suggested_once():
+    """A model type that is also a preset's name came twice ("did you mean gpt2, gpt2, ...")."""
+    from memplan.models.source import _suggest
+
+    names = _suggest("gtp2").removeprefix("did you mean ").removesuffix("? ").split(", ")
+    assert "gpt2" in names and len(names) == len(set(names))

@@ -227,7 +227,7 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
             {"parallel": "fsdp-grad-op", "world_size": 2, "ddp_bucket_view": True},
             "--ddp-bucket-view is an option of DDP",
         ),
-        ({"world_size": 2}, "give --parallel ddp, zero1, zero2, zero3 or fsdp"),
+        ({"world_size": 2}, "give --parallel ddp, zero1, fsdp, fsdp-grad-op, hsdp, zero2 or zero3"),
         ({"parallel": "ddp", "world_size": 2, "fsdp_mixed_precision": "bf16"}, "is FSDP2's policy"),
         (
             {"parallel": "fsdp", "world_size": 2, "fsdp_mixed_precision": "bf16", "precision": "bf16"},
@@ -246,7 +246,7 @@ def test_the_fake_group_is_the_estimate_s_alone(tiny_model_dirs):
             {"parallel": "zero2", "world_size": 2, "offload": "params"},
             r"offloads parameters at stage 3 \(offload_param\)",
         ),
-        ({"parallel": "ddp", "world_size": 2, "offload": "optimizer"}, r"or zero2 or zero3 \(--offload optimizer\)"),
+        ({"parallel": "ddp", "world_size": 2, "offload": "optimizer"}, r"--deepspeed file \(--offload optimizer\)"),
         ({"parallel": "fsdp", "world_size": 2, "offload": "disk"}, "offload must be one of"),
     ],
 )

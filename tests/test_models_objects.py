@@ -77,7 +77,7 @@ def test_object_mistakes_are_one_line_errors():
         memplan.validate(real, inputs=token_inputs, device="cpu")
     with pytest.raises(InputsError, match="one leading \\(batch\\) dimension"):
         memplan.estimate(real, inputs={"ids": torch.zeros(2, 8, dtype=torch.long), "mask": torch.zeros(3, 8)})
-    with pytest.raises(UsageError, match="returned a int, not a torch.nn.Module"):
+    with pytest.raises(UsageError, match="returned an int, not a torch.nn.Module"):
         memplan.estimate(lambda: 3, inputs=token_inputs, device="cpu")
     with pytest.raises(UsageError, match="size the inputs instead"):
         memplan.estimate(real, inputs=token_inputs, seq_len=64, device="cpu")

@@ -38,7 +38,9 @@ def _name_list(text: str | None, option: str) -> tuple[str, ...] | None:
     help="Comma-separated micro-batch sizes to trace (replaces --batch-size).",
 )
 @click.option("--precisions", metavar="LIST", help="Comma-separated precisions [default: --precision].")
-@click.option("--checkpoints", metavar="LIST", help="Comma-separated checkpoint modes, none,all [default: none].")
+@click.option(
+    "--checkpoints", metavar="LIST", help="Comma-separated checkpoint modes of none, all and selective [default: none]."
+)
 @click.option("--budget", type=SizeType(), help="Memory budget: mark what fits, find each largest batch.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of peak against batch size.")
 def sweep(

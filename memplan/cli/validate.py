@@ -19,10 +19,12 @@ from memplan.errors import UsageError
     "--checkpoint",
     default="none",
     show_default=True,
-    help="none; all = every repeated block; or a plan file from `memplan plan`.",
+    help="none; all = every repeated block; selective = recompute cheap ops only; or a plan file from `memplan plan`.",
 )
 @click.option(
-    "--suite", help="Run a built-in suite instead of one MODEL: main or extended (a GPU with 80 GB), or smoke (CPU)."
+    "--suite",
+    help="Run a built-in suite instead of one MODEL: main or extended (a GPU with 80 GB), qlora (a GPU with "
+    "bitsandbytes), or smoke (CPU).",
 )
 @click.option(
     "--results",
@@ -75,7 +77,7 @@ def validate(
             _validate_suite(suite, results, resume, settings["device"], warmup, timeout, as_json)
             return
         if model is None:
-            raise UsageError("name a MODEL to validate, or a built-in --suite (main, extended, smoke)")
+            raise UsageError("name a MODEL to validate, or a built-in --suite (main, extended, qlora, smoke)")
         for flag, given in (("--results", results is not None), ("--resume", resume)):
             if given:
                 raise UsageError(

@@ -86,7 +86,7 @@ def _check_batch(batch: Any, path: str) -> Batch:
     ):
         return batch
     raise InputsError(
-        f"inputs function {path!r} returned a {type(batch).__name__}; "
+        f"inputs function {path!r} returned {_a(type(batch).__name__)}; "
         "return a tensor, a tuple of tensors or a dict of keyword arguments"
     )
 
@@ -151,7 +151,7 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None, task: str | No
     def build(settings: TrainingSettings) -> nn.Module:
         model = _call_user(factory, (), f"model factory {name!r}")
         if not isinstance(model, nn.Module):
-            raise UsageError(f"model factory {name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+            raise UsageError(f"model factory {name!r} returned {_a(type(model).__name__)}, not a torch.nn.Module")
         if settings.attn_impl != "sdpa":
             _set_attention(model, settings.attn_impl, name)
         return model
@@ -176,7 +176,8 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None, task: str | No
         ]
         if shaped:
             raise UsageError(
-                f"{', '.join(shaped)} shape the batch memplan makes for transformers models; a custom model's "
+                f"{', '.join(shaped)} {'shape' if len(shaped) > 1 else 'shapes'} the batch memplan makes for "
+                "transformers models; a custom model's "
                 f"batch is what --inputs {inputs} returns: size it there"
             )
         return settings
@@ -196,10 +197,15 @@ def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
         module.set_attn_implementation(attn_impl)
 
 
+def _a(noun: str) -> str:
+    """The noun with its article: "an int", "a list"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def _suggest(name: str) -> str:
     """Close spellings of presets and model types (a hub id that is a preset's resolves to it)."""
     candidates = list(all_presets()) + model_types()
-    close = difflib.get_close_matches(name.lower(), candidates, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name.lower(), list(dict.fromkeys(candidates)), n=3, cutoff=0.6)
     if "/" in name and not close:  # a hub id: try its last part against the preset names
         close = difflib.get_close_matches(name.rsplit("/", 1)[1].lower(), list(all_presets()), n=3, cutoff=0.6)
     return f"did you mean {', '.join(close)}? " if close else ""

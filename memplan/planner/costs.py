@@ -78,13 +78,13 @@ def select_candidates(module_names: list[str], blocks: list[str], pattern: str |
     try:
         regex = re.compile(pattern)
     except re.error as error:
-        raise SettingsError(f"--candidates {pattern!r} is not a valid regular expression: {error}") from None
+        raise SettingsError(f"--candidates '{pattern}' is not a valid regular expression: {error}") from None
     chosen: list[str] = []
     for name in module_names:
         if name and regex.fullmatch(name) and not any(name.startswith(outer + ".") for outer in chosen):
             chosen.append(name)
     if not chosen:
-        raise SettingsError(f"--candidates {pattern!r} matches no module; module names look like {blocks[:2]}")
+        raise SettingsError(f"--candidates '{pattern}' matches no module; module names look like {blocks[:2]}")
     return chosen
 
 

@@ -68,6 +68,11 @@ def load_plan(source: str | Path | Plan) -> Plan:
     try:
         document = json.loads(Path(source).read_text())
     except OSError as error:
+        path = Path(source)
+        if not path.exists() and not path.suffix and os.sep not in str(source):  # a policy's name mistyped
+            raise PlanFileError(
+                f"--checkpoint {source} is neither none, all or selective nor a plan file ({error.strerror})"
+            ) from None
         raise PlanFileError(f"cannot read plan {source}: {error.strerror}") from None
     except json.JSONDecodeError as error:
         raise PlanFileError(
