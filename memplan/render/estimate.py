@@ -46,17 +46,18 @@ def describe_settings(s: TrainingSettings, with_batch: bool = True) -> str:
         _describe_lora(s),
         s.optimizer if s.optimizer_impl == "default" else f"{s.optimizer} ({s.optimizer_impl})",
         _describe_checkpoint(s.checkpoint),
+        f"{s.loop} loop" if s.loop != "canonical" else "",
+        f"--step {s.step}" if s.step else "",
         f"target {s.device}" + (f" ({s.gpu})" if s.gpu else ""),
         "eager attention" if s.attn_impl == "eager" else "",
-        _describe_parallel(s),
+        _describe_parallel(s, with_batch),
     ]
     return ", ".join(part for part in parts if part)
 
 
-def _describe_parallel(s: TrainingSettings) -> str:
+def _describe_parallel(s: TrainingSettings, with_batch: bool = True) -> str:
     if s.parallel == "none":
         return ""
-    total = s.batch_size * s.grad_accum * s.world_size
     rank = {
         "ddp": "DDP",
         "zero1": "ZeRO-1 (DDP, optimizer state sharded)",
@@ -73,6 +74,9 @@ def _describe_parallel(s: TrainingSettings) -> str:
         mixed += ", state offloaded to the CPU"
     elif s.offloads_to_host:
         mixed += ", optimizer offloaded to the CPU"
+    if not with_batch:  # a sweep or a plan's table: each row has its own micro-batch
+        return f"one {rank} rank of {s.world_size}{mixed} (total batch micro-batch×{s.grad_accum}×{s.world_size})"
+    total = s.batch_size * s.grad_accum * s.world_size
     return (
         f"one {rank} rank of {s.world_size}{mixed} (total batch {s.batch_size}×{s.grad_accum}×{s.world_size} = "
         f"{total:,})"
@@ -95,13 +99,15 @@ def _describe_lora(s: TrainingSettings) -> str:
         f"on {s.lora_targets}" if s.lora_targets else "",
     ]
     details.append(f"dropout {s.lora_dropout:g}" if s.lora_dropout else "")
+    if s.quantize is not None:
+        details.append(f"on an {s.quantize}-quantized base (QLoRA)")
     return " ".join([f"LoRA r={s.lora_rank}", *(part for part in details if part)])
 
 
 def _describe_checkpoint(checkpoint: str | CheckpointLayout) -> str:
     if isinstance(checkpoint, CheckpointLayout):
         return f"checkpoint plan: {checkpoint.describe()}" if checkpoint.segments else ""
-    return "checkpoint all blocks" if checkpoint == "all" else ""
+    return {"all": "checkpoint all blocks", "selective": "selective checkpointing"}.get(checkpoint, "")
 
 
 def render_estimate(result: EstimateResult, console: Console) -> None:
