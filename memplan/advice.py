@@ -83,7 +83,8 @@ def when_nothing_fits(result: EstimateResult, budget_bytes: int) -> str:
         options = [*_state_options(result), _sharding(settings)]
         return (
             f"parameters and optimizer state alone take {format_bytes(state)} of the {format_bytes(budget_bytes)} "
-            f"budget, so no batch size fits one GPU as configured: try {'; '.join(options)}"
+            f"budget, so no batch size fits one {'GPU' if settings.device == 'cuda' else 'device'} as configured: "
+            f"try {'; '.join(options)}"
         )
     if result.phase_peak_bytes.get("optimizer", 0) >= budget_bytes:
         options = _state_options(result)

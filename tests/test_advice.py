@@ -18,7 +18,7 @@ def test_each_reason_gets_its_own_advice(tiny_model_dirs):
     assert state < optimizer_peak < result.peak_bytes  # activations make this step's peak
 
     state_advice = when_nothing_fits(result, state - 1)
-    assert "no batch size fits" in state_advice and "--parallel fsdp --world-size N" in state_advice
+    assert "no batch size fits one device" in state_advice and "--parallel fsdp --world-size N" in state_advice
     assert "adam8bit" in state_advice
     assert "--lora RANK" in state_advice
     assert "--checkpoint" not in state_advice

@@ -229,6 +229,8 @@ def resolve_model(
 
 def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
     source = resolve_hf(name, task)
+    if source is None and (name.startswith((".", "/", "~")) or name.endswith(".json")):
+        raise UnknownModelError(f"no file or folder {name}: give the path of a config.json or of a model's folder")
     if source is None:
         raise UnknownModelError(
             f"unknown model {name!r}: {_suggest(name)}"
