@@ -109,6 +109,13 @@ def test_compare_rows_match_estimates_and_recompute_is_the_blocks_forward():
     assert rows["grad accumulation ×4"].estimate.settings.batch_size == 1
     assert rows["checkpoint all blocks"].recompute_flops == _block_forward_flops(4)
     assert rows["checkpoint all blocks"].estimate.peak_bytes < rows["as given"].estimate.peak_bytes
+    from rich.console import Console
+
+    from memplan.render.explore import render_compare
+
+    console = Console(record=True, width=200)
+    render_compare(result, console)
+    assert console.export_text().splitlines()[0].endswith(", rows on 2 data-parallel GPUs")  # its table multiplies by 2
 
 
 def test_cli_sweep_and_compare(tmp_path):

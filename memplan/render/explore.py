@@ -63,7 +63,9 @@ def render_sweep(result: SweepResult, console: Console) -> None:
 
 
 def render_compare(result: CompareResult, console: Console) -> None:
-    console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings)}")
+    several = result.gpus > 1 and result.settings.parallel == "none"  # a rank's own header names its world size
+    on_gpus = f", rows on {result.gpus} data-parallel GPUs" if several else ""
+    console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings)}{on_gpus}")
     table = Table(title="techniques, each traced and simulated", title_justify="left")
     table.add_column("technique", no_wrap=True)
     for column in ("batch", "peak", "vs given", "optimizer", "activations"):
