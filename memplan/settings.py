@@ -284,6 +284,12 @@ class TrainingSettings:
                     "--device cpu: drop --gpu (estimate, plan and sweep take a memory limit as --budget)"
                 )
             object.__setattr__(self, "gpu", gpu_named(self.gpu).name)  # canonical name
+        if self.optimizer_impl != "default" and self.optimizer in ("adam8bit", "paged-adam8bit", "none"):
+            runs = "no optimizer" if self.optimizer == "none" else "bitsandbytes' own kernel"
+            raise SettingsError(
+                f"--optimizer-impl {self.optimizer_impl} chooses among torch's implementations, and --optimizer "
+                f"{self.optimizer} runs {runs}: leave --optimizer-impl out"
+            )
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "adam", "sgd", "sgd-momentum"):
             raise SettingsError(
                 f"torch has no fused implementation of {self.optimizer}; "

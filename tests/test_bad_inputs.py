@@ -185,6 +185,8 @@ CLI_CASES = [
     case(["estimate", "tiny-gpt2", "--precision", "fp8"], ["'fp8' is not one of"]),
     case(["estimate", "tiny-gpt2", "--optimizer", "lion"], ["'lion' is not one of"]),
     case(["estimate", "tiny-gpt2", "--optimizer-impl", "fused", "--optimizer", "adafactor"], ["no fused"]),
+    case(["estimate", "tiny-gpt2", "--optimizer-impl", "foreach", "--optimizer", "adam8bit"], ["bitsandbytes' own"]),
+    case(["estimate", "tiny-gpt2", "--optimizer-impl", "for-loop", "--optimizer", "none"], ["runs no optimizer"]),
     case(["estimate", "tiny-gpt2", "--device", "tpu"], ["'tpu' is not one of"]),
     case(["estimate", "tiny-gpt2", "--loop", "sometimes"], ["'sometimes' is not one of"]),
     case(["estimate", "tiny-gpt2", "--attn-impl", "flash"], ["'flash' is not one of"]),
