@@ -25,8 +25,9 @@ class _OneLineErrors(click.Group):
     an environment variable it cannot parse) as memplan's other mistakes are: one line on stderr, exit 2.
     click prints them as four (usage, a hint, a blank line, the error)."""
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:
-        kwargs.pop("standalone_mode", None)
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:  # a caller that handles click's exceptions itself (as click documents it)
+            return super().main(*args, standalone_mode=False, **kwargs)
         try:
             returned = super().main(*args, standalone_mode=False, **kwargs)
         except click.ClickException as error:
