@@ -34,7 +34,7 @@ from memplan.validate.runner import (
     check_can_measure,
     validate_config,
 )
-from memplan.validate.suite import SuiteConfig, run_suite, suite_named
+from memplan.validate.suite import SUITES, SuiteConfig, run_suite, suite_named
 
 __all__ = ["apply_plan", "compare", "estimate", "plan", "plan_batch", "sweep", "validate", "validate_suite"]
 
@@ -531,7 +531,7 @@ def validate_suite(
     resumed run finds already in the file.
     """
     if not isinstance(name, str):
-        raise UsageError(f"name must be a suite name (main, extended, smoke), got {name!r}")
+        raise UsageError(f"name must be a suite name ({', '.join(SUITES)}), got {name!r}")
     configs = suite_named(name)
     if not isinstance(results, str | os.PathLike):
         raise UsageError(f"results must be a file path, got {results!r}")

@@ -3,7 +3,7 @@
 `write_atomically` writes beside the target and renames over it (os.replace is atomic on one file
 system), so a crash or Ctrl-C leaves either the old file or the whole new one. `check_output`
 runs before any work: the folder must exist, the file must not be one of the command's inputs
-(a --hf-args, DeepSpeed or plan file, the model's config or a file in its folder, the source file of a
+(a --hf-args, DeepSpeed or plan file, the model's config.json, the source file of a
 `module:function` the command imports), and an existing file is refused unless the user said --force.
 """
 
@@ -19,16 +19,8 @@ from typing import IO
 from memplan.errors import OutputError, UsageError
 
 
-def check_output(
-    option: str,
-    path: str | Path,
-    *,
-    inputs: Iterable[str | Path] = (),
-    input_folders: Iterable[str | Path] = (),
-    force: bool = False,
-) -> None:
-    """`inputs`: the files the command reads; `input_folders`: folders it reads whole (a model's), in which
-    no existing file may be replaced."""
+def check_output(option: str, path: str | Path, *, inputs: Iterable[str | Path] = (), force: bool = False) -> None:
+    """`inputs`: the files the command reads, which no output may replace."""
     if not str(path).strip():
         raise UsageError(f"--{option} is empty; give it a file name")
     target = Path(path)
@@ -39,9 +31,6 @@ def check_output(
     for given in inputs:
         if Path(given).exists() and target.exists() and os.path.samefile(given, target):
             raise UsageError(f"--{option} {path} is also an input of this command; name another file")
-    for given in input_folders:
-        if target.exists() and target.resolve().is_relative_to(Path(given).resolve()):
-            raise UsageError(f"--{option} {path} is a file of the model folder {given}; name a file outside it")
     if target.exists() and not force:
         raise UsageError(f"--{option} {path} exists; pass --force to replace it, or name another file")
 

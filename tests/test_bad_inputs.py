@@ -45,6 +45,7 @@ FILES = {
     "negative-layers.json": json.dumps({"model_type": "gpt2", "n_layer": -1, "n_embd": 64, "n_head": 4}),
     "zero-vocab.json": json.dumps({"model_type": "gpt2", "vocab_size": 0, "n_layer": 1, "n_embd": 64, "n_head": 4}),
     "list.json": "[1, 2]",
+    "my_model.py": "def build():\n    pass\n",
     "tiny-vit.json": json.dumps(
         {
             "model_type": "vit",
@@ -92,6 +93,7 @@ CLI_CASES = [
     case(["estimate", "empty-dir"], ["no config.json"]),
     case(["estimate", "missing.json"], ["no file or folder missing.json"]),
     case(["estimate", "./no-such-folder"], ["no file or folder ./no-such-folder"]),
+    case(["estimate", "my_model.py"], ["my_model.py is Python source", "module:function"]),
     case(["estimate", ""], ["unknown model ''"]),
     case(["estimate", "gpt-2"], ["did you mean gpt2"]),
     case(["estimate", "nosuchmodel"], ["unknown model 'nosuchmodel'", "memplan presets"]),

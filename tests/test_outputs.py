@@ -55,8 +55,19 @@ def test_the_model_s_own_files_are_never_an_output(tmp_path, given_as):
     original = config.read_text()
     model = str(config if given_as == "config file" else folder)
     result = run("plan", model, "--seq-len", "32", "--budget", "1GiB", "-o", str(config), "--force", "-q")
-    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.exit_code == 2 and "is also an input of this command" in result.output, result.output
     assert config.read_text() == original
+
+
+def test_a_file_of_its_own_in_the_model_s_folder_is_replaced_with_force(tmp_path):
+    """memplan reads only config.json from a model's folder: its own earlier output there is the user's to
+    replace."""
+    folder = _model_folder(tmp_path)
+    earlier = folder / "plan.json"
+    earlier.write_text("an earlier plan")
+    result = run("plan", str(folder), "--seq-len", "32", "--budget", "1GiB", "-o", str(earlier), "--force", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads(earlier.read_text())["settings"]["seq_len"] == 32
 
 
 def test_the_source_of_an_imported_function_is_never_an_output(tmp_path, monkeypatch):

@@ -7,8 +7,6 @@ that `memplan --help` loads none of them.
 
 from __future__ import annotations
 
-import errno
-import os
 import sys
 from typing import Any
 
@@ -40,11 +38,6 @@ class _OneLineErrors(click.Group):
         except click.Abort:  # Ctrl-C while click itself ran (a prompt, parsing): as memplan's own interrupt
             click.echo("memplan: interrupted", err=True)
             sys.exit(130)
-        except OSError as error:
-            if error.errno != errno.EPIPE:  # stdout closed early (`| head`): quietly, as click does
-                raise
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (nothing more may reach the closed pipe)
-            sys.exit(1)
         sys.exit(returned if isinstance(returned, int) else 0)  # --help and --version return their code
 
 

@@ -56,6 +56,16 @@ def _show_debug_messages() -> None:
         logger.addHandler(handler)
 
 
+_BITSANDBYTES_CPU_OPS = "bitsandbytes.backends.cpu.ops"
+
+
+class _NoCpuKernelWarning(logging.Filter):
+    """Drops bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward")
+
+
 def _run(debug: bool, action: Callable[[], None]) -> None:
     """Turn MemplanError into one line on stderr and its exit code; tracebacks only with --debug.
 
@@ -67,8 +77,10 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
     if debug:
         _show_debug_messages()
     # bitsandbytes warns at import, on CPUs with AVX-512 BF16, that its CPU kernel package is missing
-    # (backends/cpu/ops.py): about the machine memplan traces on, not the user's job; errors still show
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # (backends/cpu/ops.py): about the machine memplan traces on, not the user's job; its other messages show
+    cpu_ops = logging.getLogger(_BITSANDBYTES_CPU_OPS)
+    if not any(isinstance(known, _NoCpuKernelWarning) for known in cpu_ops.filters):
+        cpu_ops.addFilter(_NoCpuKernelWarning())
     message, code = None, 0
     try:
         try:
@@ -133,12 +145,12 @@ def _check_output_paths(**paths: str | None) -> None:
 
     context = click.get_current_context()
     force = bool(context.find_root().meta.get("memplan.force"))
-    files, folders = _input_paths(context)
+    files = _input_paths(context)
     named: dict[Path, str] = {}
     for option, path in paths.items():
         if path is None:
             continue
-        check_output(option, path, inputs=files, input_folders=folders, force=force)
+        check_output(option, path, inputs=files, force=force)
         target = Path(path).resolve()
         if target in named:
             raise UsageError(f"--{named[target]} and --{option} both name {path}; give each its own file")
@@ -149,10 +161,10 @@ def _check_output_paths(**paths: str | None) -> None:
         check_plot_path(paths["plot"])
 
 
-def _input_paths(context: click.Context) -> tuple[list[str], list[str]]:
-    """The files and folders the command reads, which no output may replace: --hf-args and the DeepSpeed file
-    it names, --deepspeed, a --checkpoint plan, the model's config file or folder, and the source file of each
-    `module:function` it imports (the model, --inputs, --loss, --step)."""
+def _input_paths(context: click.Context) -> list[str]:
+    """The files the command reads, which no output may replace: --hf-args and the DeepSpeed file it names,
+    --deepspeed, a --checkpoint plan, the model's config.json (given as the file or its folder), and the source
+    file of each `module:function` it imports (the model, --inputs, --loss, --step)."""
     from memplan.hf_args import deepspeed_file_of
     from memplan.models.imports import is_import_path
 
@@ -161,7 +173,6 @@ def _input_paths(context: click.Context) -> tuple[list[str], list[str]]:
     files.append(context.meta.get("memplan.deepspeed_path"))
     if isinstance(params.get("hf_args"), str):
         files.append(str(deepspeed_file_of(params["hf_args"]) or ""))
-    folders = []
     for name in ("model", "inputs", "loss", "step"):
         value = params.get(name)
         if not isinstance(value, str) or not value:
@@ -169,18 +180,30 @@ def _input_paths(context: click.Context) -> tuple[list[str], list[str]]:
         if is_import_path(value):
             files.append(str(_module_file(value.partition(":")[0]) or ""))
         elif Path(value).is_dir():
-            folders.append(value)
+            files.append(str(Path(value) / "config.json"))  # the one file memplan reads from a model's folder
         else:
             files.append(value)
-    return [given for given in files if isinstance(given, str) and given], folders
+    return [given for given in files if isinstance(given, str) and given]
 
 
 def _module_file(module: str) -> Path | None:
-    """Where `module` (dotted) would be imported from, found without importing anything: the working directory
-    first, as memplan.models.imports puts it, then sys.path."""
-    parts = module.split(".")
-    for entry in [os.getcwd(), *sys.path]:
-        base = Path(entry or ".").joinpath(*parts)
+    """Where `module` (dotted) would be imported from, found without running it: the working directory first, as
+    memplan.models.imports puts it, then where Python's finders place its top-level package (an editable
+    install's too; finding a top-level package runs none of its code)."""
+    import importlib.util
+
+    top, *rest = module.split(".")
+    roots = [Path(os.getcwd()) / top]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        roots += [Path(location) for location in spec.submodule_search_locations or ()]
+        if spec.origin and not rest:
+            roots.append(Path(spec.origin).with_suffix(""))
+    for root in roots:
+        base = root.joinpath(*rest)
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
                 return candidate

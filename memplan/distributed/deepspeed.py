@@ -81,6 +81,7 @@ MEMPLAN_SETS = (
     "optimizer",
     "scheduler",
     "bf16",
+    "bfloat16",  # bf16's older name, which DeepSpeed still reads
     "fp16",
     "torch_autocast",
     "zero_allow_untested_optimizer",

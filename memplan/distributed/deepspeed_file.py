@@ -20,9 +20,9 @@ from typing import Any
 PRECISION_SECTIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
 AUTOCAST_SECTION = "torch_autocast"
 # DeepSpeed's optimizer types whose state is two float32 moments per parameter, as torch's Adam and AdamW
-# (runtime/config.py: ADAM_OPTIMIZER "adam", ADAMW_OPTIMIZER "adamw"; FusedAdam, DeepSpeedCPUAdam).
-ADAM_TYPES = ("adam", "adamw")
-ADAM_OPTIMIZERS = ("adam", "adamw")
+# (runtime/config.py: ADAM_OPTIMIZER "adam", ADAMW_OPTIMIZER "adamw"; FusedAdam, DeepSpeedCPUAdam), and so
+# memplan's --optimizer names for the same two.
+ADAM_KINDS = ("adam", "adamw")
 
 
 def _enabled(section: Any) -> bool:
@@ -64,6 +64,6 @@ def replaced_values(
             replaced.append(f"{key} {given} ({option})")
     section = config.get("optimizer")
     kind = str(section.get("type", "")) if isinstance(section, dict) else ""
-    if kind and not (kind.lower() in ADAM_TYPES and optimizer in ADAM_OPTIMIZERS):
+    if kind and not (kind.lower() in ADAM_KINDS and optimizer in ADAM_KINDS):
         replaced.append(f"optimizer {kind} (--optimizer {optimizer}, handed to DeepSpeed as the client optimizer)")
     return replaced

@@ -285,11 +285,12 @@ def _trace_failure(
     error: Exception, module: str | None, spec: ModelSpec, batch: object = None
 ) -> TraceError | SettingsError:
     refused = _IMAGE_SIZE_REFUSED.search(str(error))
-    if refused is not None:  # the user's --image-size, not the model's fault
-        size, expected = refused.group(1), refused.group(3)
+    if refused is not None and spec.ref.inputs is None:  # memplan made the batch: the user's --image-size it was
+        size, height, width = refused.group(1), refused.group(3), refused.group(4)
+        square = f"; give --image-size {height} or leave it out" if height == width else ""
         return SettingsError(
-            f"--image-size {size}: {spec.name} takes {expected}×{expected} images (its position embeddings are "
-            f"sized for them); give --image-size {expected} or leave it out"
+            f"--image-size {size}: {spec.name} takes {height}×{width} images (its position embeddings are sized "
+            f"for them){square}"
         )
     where = f"in module {module}" if module else "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)

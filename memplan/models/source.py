@@ -7,6 +7,7 @@ import difflib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,6 +230,10 @@ def resolve_model(
 
 def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
     source = resolve_hf(name, task)
+    if source is None and Path(name).is_file() and name.endswith(".py"):
+        raise UnknownModelError(f"{name} is Python source: give the function that builds its model as module:function")
+    if source is None and name and Path(name).exists():
+        raise UnknownModelError(f"{name} is neither a config.json nor a model's folder holding one")
     if source is None and (name.startswith((".", "/", "~")) or name.endswith(".json")):
         raise UnknownModelError(f"no file or folder {name}: give the path of a config.json or of a model's folder")
     if source is None:
