@@ -38,6 +38,8 @@ DEVICES = ("cuda", "cpu")
 # or 3 ("zero2", "zero3": memplan/distributed/deepspeed.py).
 PARALLEL_MODES = ("none", "ddp", "zero1", "fsdp", "fsdp-grad-op", "hsdp", "zero2", "zero3")
 DDP_MODES = ("ddp", "zero1")  # DistributedDataParallel wraps the model
+# The modes with ranks, as messages list them: "ddp, zero1, ... or zero3".
+_DATA_PARALLEL_MODES = f"{', '.join(PARALLEL_MODES[1:-1])} or {PARALLEL_MODES[-1]}"
 FSDP_MODES = ("fsdp", "fsdp-grad-op", "hsdp")
 RESHARDING_FSDP_MODES = ("fsdp", "hsdp")  # reshard_after_forward=True
 # --offload: "params" is FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state on the
@@ -403,8 +405,8 @@ class TrainingSettings:
         self._check_nccl()
         if self.parallel == "none" and self.world_size != 1:
             raise SettingsError(
-                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel "
-                f"{', '.join(PARALLEL_MODES[1:-1])} or {PARALLEL_MODES[-1]}, or leave it out"
+                f"--world-size {self.world_size} counts data-parallel ranks: give --parallel {_DATA_PARALLEL_MODES}, "
+                "or leave it out"
             )
 
     def _check_shard_size(self) -> None:
@@ -541,7 +543,7 @@ class TrainingSettings:
         if given and (self.parallel == "none" or self.device != "cuda"):
             raise SettingsError(
                 f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel "
-                f"{', '.join(PARALLEL_MODES[1:-1])} or {PARALLEL_MODES[-1]} on the cuda target"
+                f"{_DATA_PARALLEL_MODES} on the cuda target"
             )
         if self.nccl_memory is not None and self.nccl_memory < 0:
             raise SettingsError(f"NCCL memory must be 0 or more bytes, got {self.nccl_memory}")

@@ -433,3 +433,22 @@ def test_a_close_name_is_suggested_once():
 
     names = _suggest("gtp2").removeprefix("did you mean ").removesuffix("? ").split(", ")
     assert "gpt2" in names and len(names) == len(set(names))
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "shown"),
+    [
+        (["--version"], 0, "memplan, version"),
+        (["estimate", "-h"], 0, "Usage:"),
+        ([], None, "Commands:"),  # `memplan` alone: its help, with click's own exit code
+    ],
+)
+def test_help_version_and_a_bare_command_pass_through_the_one_line_errors(args, code, shown):
+    """memplan.cli prints click's usage errors in one line; what click answers otherwise is unchanged."""
+    import click
+
+    result = CliRunner().invoke(main, args)
+    assert shown in result.output, result.output
+    no_args = getattr(click.exceptions, "NoArgsIsHelpError", None)
+    expected = code if code is not None else (no_args.exit_code if no_args else 0)
+    assert result.exit_code == expected and "memplan: error" not in result.output

@@ -29,7 +29,8 @@ class _OneLineErrors(click.Group):
         try:
             returned = super().main(*args, standalone_mode=False, **kwargs)
         except click.ClickException as error:
-            if type(error).__name__ == "NoArgsIsHelpError":  # `memplan` alone: the help, as click shows it
+            # `memplan` alone: the help, as click shows it (click 8.2+; older clicks exit 0 after printing it)
+            if isinstance(error, getattr(click.exceptions, "NoArgsIsHelpError", ())):
                 error.show()
                 sys.exit(error.exit_code)
             hint = f"; see '{error.ctx.command_path} -h'" if getattr(error, "ctx", None) is not None else ""

@@ -26,12 +26,12 @@ from memplan.models.source import (
     Batch,
     ModelRef,
     ModelSpec,
-    _a,
     _call_user,
     _check_batch,
     _check_signature,
     _checked_loss,
     default_loss,
+    not_a_module,
 )
 from memplan.settings import TrainingSettings
 
@@ -125,7 +125,7 @@ def object_spec(model: Any, inputs: Any, loss: Any) -> ModelSpec:
     def build(settings: TrainingSettings) -> nn.Module:
         built = model if isinstance(model, nn.Module) else _call_user(model, (), f"model factory {name!r}")
         if not isinstance(built, nn.Module):
-            raise UsageError(f"model factory {name!r} returned {_a(type(built).__name__)}, not a torch.nn.Module")
+            raise not_a_module(name, built)
         return _skeleton(built)
 
     def loss_of(output: Any, batch: Batch) -> torch.Tensor:

@@ -152,7 +152,7 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None, task: str | No
     def build(settings: TrainingSettings) -> nn.Module:
         model = _call_user(factory, (), f"model factory {name!r}")
         if not isinstance(model, nn.Module):
-            raise UsageError(f"model factory {name!r} returned {_a(type(model).__name__)}, not a torch.nn.Module")
+            raise not_a_module(name, model)
         if settings.attn_impl != "sdpa":
             _set_attention(model, settings.attn_impl, name)
         return model
@@ -201,6 +201,11 @@ def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
 def _a(noun: str) -> str:
     """The noun with its article: "an int", "a list"."""
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def not_a_module(name: str, built: object) -> UsageError:
+    """The mistake of a model factory that returned something else than a module."""
+    return UsageError(f"model factory {name!r} returned {_a(type(built).__name__)}, not a torch.nn.Module")
 
 
 def _suggest(name: str) -> str:

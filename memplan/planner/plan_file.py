@@ -15,7 +15,7 @@ from memplan.estimator.checkpointing import apply_layout
 from memplan.models.fingerprint import check_fingerprint
 from memplan.outputs import write_atomically
 from memplan.planner.plan import PlanResult
-from memplan.settings import CheckpointLayout, TrainingSettings
+from memplan.settings import CHECKPOINT_MODES, CheckpointLayout, TrainingSettings
 
 PLAN_FORMAT = "memplan-checkpoint-plan"
 PLAN_VERSION = 2  # 2 added each segment's checkpoint policy; version 1 files (all "full") still load
@@ -71,7 +71,8 @@ def load_plan(source: str | Path | Plan) -> Plan:
         path = Path(source)
         if not path.exists() and not path.suffix and os.sep not in str(source):  # a policy's name mistyped
             raise PlanFileError(
-                f"--checkpoint {source} is neither none, all or selective nor a plan file ({error.strerror})"
+                f"--checkpoint {source} is neither {', '.join(CHECKPOINT_MODES[:-1])} or {CHECKPOINT_MODES[-1]} "
+                f"nor a plan file ({error.strerror})"
             ) from None
         raise PlanFileError(f"cannot read plan {source}: {error.strerror}") from None
     except json.JSONDecodeError as error:
