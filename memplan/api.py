@@ -11,6 +11,7 @@ from typing import Any
 
 from memplan.compat import require_supported_torch
 from memplan.distributed.fake_group import leaves_no_process_group
+from memplan.estimator.collector import spares_existing_objects
 
 require_supported_torch()  # before the imports below, which need a torch memplan knows
 
@@ -239,6 +240,7 @@ def _checked_against_plan(spec: ModelSpec, settings: TrainingSettings, plan: Pla
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def estimate(
     model: str,
     settings: TrainingSettings | None = None,
@@ -278,6 +280,7 @@ def estimate(
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def sweep(
     model: str,
     settings: TrainingSettings | None = None,
@@ -314,6 +317,7 @@ def sweep(
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def which_gpu(
     model: Any,
     gpus: str | list[str] | tuple[str, ...],
@@ -342,6 +346,7 @@ def which_gpu(
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def compare(
     model: str,
     settings: TrainingSettings | None = None,
@@ -367,6 +372,7 @@ def compare(
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def plan(
     model: str,
     settings: TrainingSettings | None = None,
@@ -431,6 +437,7 @@ def _plan_inputs(
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def plan_batch(
     model: str,
     settings: TrainingSettings | None = None,
@@ -472,6 +479,7 @@ def _run_limits(warmup: Any, timeout_s: Any) -> tuple[int, float]:
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def validate(
     model: str,
     settings: TrainingSettings | None = None,
@@ -516,6 +524,7 @@ def validate(
 
 
 @leaves_no_process_group
+@spares_existing_objects
 def validate_suite(
     name: str,
     results: str | Path,

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.distributed.deepspeed_file import AUTOCAST_SECTION, file_precision
+from memplan.distributed.deepspeed_file import AUTOCAST_DTYPE_NAMES, AUTOCAST_SECTION, file_precision
 from memplan.distributed.nccl import SIMPLE_BUFFER_BYTES, NcclConfig, communicator_band
 from memplan.errors import SettingsError, SizeParseError
 from memplan.estimator.cuda.allocator import AllocatorConfig, parse_alloc_conf
@@ -52,8 +52,6 @@ DEEPSPEED_MODES = tuple(DEEPSPEED_STAGES)
 # The --parallel mode of each ZeRO stage DeepSpeed runs: stage 1 is `zero1` with a --deepspeed file
 # (without one, `zero1` is torch's ZeroRedundancyOptimizer; TrainingSettings.deepspeed_stage).
 DEEPSPEED_MODE_OF_STAGE = {1: "zero1", **{stage: mode for mode, stage in DEEPSPEED_STAGES.items()}}
-# bf16, fp16: DeepSpeed's own (16-bit model, float32 master partition), fp16 with its dynamic loss scale.
-DEEPSPEED_PRECISIONS = ("fp32", "bf16", "fp16")
 # FSDP2's MixedPrecisionPolicy param_dtype choices (reduce_dtype float32, as torchtitan's default).
 FSDP_MIXED_PRECISIONS = ("bf16", "fp16")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -496,12 +494,6 @@ class TrainingSettings:
         if self.optimizer == "none":
             raise SettingsError(f"{option} partitions the optimizer's state, and --optimizer none has none: give one")
         self._check_file_precision()
-        if self.precision not in DEEPSPEED_PRECISIONS:
-            raise SettingsError(
-                f"{option} traces DeepSpeed in fp32 or its own bf16 or fp16 (--precision bf16 or fp16: a 16-bit "
-                f"model, float32 master weights in the optimizer); --precision {self.precision} with {option} is not "
-                "traced yet"
-            )
         unsupported = _options_given(
             ("--step", self.step, None),
             ("--quantize", self.quantize, None),
@@ -517,15 +509,12 @@ class TrainingSettings:
         """The precision a DeepSpeed configuration enables outright must be --precision's, as the Trainer stops on
         a file that mismatches its arguments (memplan.distributed.deepspeed_file)."""
         enabled = file_precision(self.deepspeed_settings)
-        if enabled == AUTOCAST_SECTION:
-            raise SettingsError(
-                "the DeepSpeed configuration enables torch_autocast (torch's autocast around DeepSpeed), which memplan "
-                "does not trace yet: remove it, or enable DeepSpeed's own bf16 or fp16 instead (--precision bf16|fp16)"
-            )
         if enabled is not None and enabled != self.precision:
+            section = AUTOCAST_SECTION if enabled.startswith("amp-") else enabled
+            what = f"{AUTOCAST_SECTION} in {AUTOCAST_DTYPE_NAMES[enabled]}" if section == AUTOCAST_SECTION else enabled
             raise SettingsError(
-                f"the DeepSpeed configuration enables {enabled}, and --precision is {self.precision}: give --precision "
-                f'{enabled}, or set "enabled" in the file\'s {enabled} section to "auto" to take --precision\'s'
+                f"the DeepSpeed configuration enables {what}, and --precision is {self.precision}: give --precision "
+                f'{enabled}, or set "enabled" in the file\'s {section} section to "auto" to take --precision\'s'
             )
 
     @property

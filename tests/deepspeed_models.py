@@ -50,6 +50,8 @@ def deepspeed_config(
         config["bf16"] = {"enabled": True, "check_grad_overflow": False}
     if precision == "fp16":
         config["fp16"] = {"enabled": True}  # its overflow check always runs: measured_peak has it find none
+    if precision in ("amp-bf16", "amp-fp16"):  # DeepSpeed's torch.autocast around the model, float32 master weights
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if precision == "amp-bf16" else "float16"}
     return config
 
 
@@ -82,14 +84,32 @@ def _valid_grad_norms() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _steps_never_skipped() -> Iterator[None]:
+    """torch_autocast in float16: DeepSpeed's ZeRO optimizers step through torch's GradScaler, which skips the
+    step where it finds an inf or nan in the gradients, and the fake group's unwritten buffers can hold them. The
+    check runs (its `.item()` reads), and the step is taken, as in a healthy run."""
+
+    def always_step(self: Any, optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
+        for found_inf in optimizer_state["found_inf_per_device"].values():
+            found_inf.item()
+        return optimizer.step(*args, **kwargs)
+
+    with patch.object(torch.amp.GradScaler, "_maybe_opt_step", always_step):
+        yield
+
+
 def _forget_deepspeeds_groups() -> None:
     """DeepSpeed keeps the default group it first saw in module globals; each run here makes a new one."""
     import deepspeed.comm.comm as deepspeed_comm
+    import deepspeed.runtime.torch_autocast as torch_autocast
     import deepspeed.utils.groups as groups
 
     deepspeed_comm.cdb = None
     groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     groups.mesh_device = None
+    # torch_autocast's state, which an engine with it sets and none clears (runtime/torch_autocast.py)
+    torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = False, None
 
 
 def measured_peak(
@@ -153,7 +173,11 @@ def _profiled_engine_run(
                 return iteration
 
             fp16 = config.get("fp16", {}).get("enabled")
-            with _valid_grad_norms() if fp16 else contextlib.nullcontext():
+            autocast_fp16 = config.get("torch_autocast", {}).get("dtype") == "float16"
+            with (
+                _valid_grad_norms() if fp16 or autocast_fp16 else contextlib.nullcontext(),
+                _steps_never_skipped() if autocast_fp16 else contextlib.nullcontext(),
+            ):
                 return profiled_third_iteration(build)
         finally:
             torch.nn.functional.linear = linear

@@ -84,6 +84,16 @@ FP32_CASES = [("two-layer", 2, "fp32"), ("two-layer", 8, "fp32"), ("stack", 2, "
         *(("zero3", *case) for case in FP32_CASES),
         ("zero3", "stack-fp16", 8, "fp16"),  # its peak is in the forward (-55,408 B while the real run skipped steps)
         ("zero1", "stack", 2, "fp32"),
+        # DeepSpeed's torch_autocast: a float32 model whose forward the engine runs in torch.autocast, gradients of
+        # the modules it lists reduced in 16 bits, float16's loss scaled by torch's GradScaler in the ZeRO optimizer
+        ("zero2", "stack", 2, "amp-bf16"),
+        ("zero1", "stack", 2, "amp-fp16"),
+        # ZeRO-3's linear is a Python autograd Function: its backward drops its incoming gradient before the
+        # engine casts the float16 weight gradient it returns to float32 (+2,551 B when counted through the cast)
+        ("zero3", "two-layer", 2, "amp-fp16"),
+        # ... and casts the weight into the cache of an autocast region of its own, freed inside the formula
+        # (+32,567 B when held to the formula's end)
+        ("zero3", "stack", 4, "amp-fp16"),
     ],
 )
 def test_a_deepspeed_rank_is_the_real_deepspeed_run(parallel, name, world_size, precision):
@@ -95,11 +105,16 @@ def test_a_deepspeed_rank_is_the_real_deepspeed_run(parallel, name, world_size, 
     ZeRO-3 not in bf16 here: the real bf16 run peaks inside a CPU matmul (LinearFunctionForZeroStage3's
     backward), whose kernel takes 91,904 B of scratch from the CPU allocator that no dispatch mode
     sees (the profiler's events, `aten::mm`); memplan's cpu target does not model CPU BLAS scratch,
-    and on CUDA that op's scratch is cuBLAS's workspace, which the cuda target does."""
+    and on CUDA that op's scratch is cuBLAS's workspace, which the cuda target does (so no amp-bf16 case of
+    ZeRO-3 either).
+
+    Within 32 bytes; the stack's layer norms in float16 (amp-fp16) 192 more: the CPU kernel keeps their means
+    and deviations in float32, which torch's fake kernel makes float16 (3 norms, 2 × 16 rows × 2 B)."""
     stage = STAGES[parallel]
     measured = _measured(name, world_size, precision, SMALL_BUCKET, stage=stage)
     predicted = _estimate(name, world_size, precision, SMALL_BUCKET, parallel=parallel)
-    assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
+    tolerance = 32 + (192 if (name, precision) == ("stack", "amp-fp16") else 0)
+    assert abs(predicted.peak_bytes - measured) <= tolerance, (predicted.peak_bytes, measured)
 
 
 @pytest.mark.parametrize(("parallel", "world_size"), [("zero2", 2), ("zero3", 2), ("zero3", 4)])
@@ -455,7 +470,6 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
             {"deepspeed_config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}},
             "offload_param is ZeRO-3's: give --parallel zero3",
         ),
-        ({"precision": "amp-bf16"}, "--precision amp-bf16 with --parallel zero2 is not traced yet"),
         ({"optimizer": "none"}, "--optimizer none has none"),
         (
             {"deepspeed_config": {"zero_optimization": {"stage": 3}}},
@@ -535,6 +549,13 @@ def test_the_engines_configuration_is_the_users_with_memplans_settings():
     assert deepspeed_config(2, 8, "bf16", user, 768, grad_accum=4)["gradient_accumulation_steps"] == 4
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert deepspeed_config(2, 8, "fp16", user, 768)["fp16"] == {"enabled": True}
+    assert "torch_autocast" not in config
+    # amp-bf16, amp-fp16: DeepSpeed's torch_autocast in that dtype, the user's lower-precision module list kept
+    with_modules = {**user, "torch_autocast": {"enabled": "auto", "lower_precision_safe_modules": ["a.B"]}}
+    autocast = deepspeed_config(2, 8, "amp-fp16", with_modules, 768)
+    assert autocast["torch_autocast"] == {"enabled": True, "dtype": "float16", "lower_precision_safe_modules": ["a.B"]}
+    assert autocast["bf16"] == autocast["fp16"] == {"enabled": False}
+    assert deepspeed_config(2, 8, "amp-bf16", user, 768)["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
     assert "optimizer" not in config and "train_batch_size" not in config
 
 

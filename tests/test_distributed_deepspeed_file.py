@@ -5,6 +5,7 @@ replaced by memplan's options, said so in a note."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -20,7 +21,11 @@ from memplan.settings import TrainingSettings
         ({"bf16": {"enabled": True}}, "bf16"),
         ({"bfloat16": {"enabled": True}}, "bf16"),  # DeepSpeed's older name for the section
         ({"fp16": {"enabled": True, "loss_scale": 0}}, "fp16"),
-        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast"),
+        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "amp-bf16"),
+        ({"torch_autocast": {"enabled": True, "dtype": "bf16"}}, "amp-bf16"),
+        ({"torch_autocast": {"enabled": True, "dtype": "half"}}, "amp-fp16"),  # DeepSpeed's DtypeEnum names
+        ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, "amp-fp16"),
+        ({"torch_autocast": {"enabled": "auto", "dtype": "float16"}}, None),
         ({"bf16": {"enabled": "auto"}}, None),  # the Trainer's to fill
         ({"bf16": {"enabled": False}, "fp16": {"enabled": False}}, None),
         ({"zero_optimization": {"stage": 2}}, None),
@@ -77,12 +82,33 @@ def _rank(config: dict, **options) -> TrainingSettings:
             "the DeepSpeed configuration enables bf16, and --precision is fp32: give --precision bf16",
         ),
         ({"fp16": {"enabled": True}}, "bf16", "enables fp16, and --precision is bf16: give --precision fp16"),
-        ({"torch_autocast": {"enabled": True}}, "fp32", "enables torch_autocast (torch's autocast around DeepSpeed)"),
+        (
+            {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+            "fp32",
+            "enables torch_autocast in bfloat16, and --precision is fp32: give --precision amp-bf16, or set "
+            '"enabled" in the file\'s torch_autocast section to "auto"',
+        ),
+        (
+            {"torch_autocast": {"enabled": True, "dtype": "float16"}},
+            "amp-bf16",
+            "enables torch_autocast in float16, and --precision is amp-bf16: give --precision amp-fp16",
+        ),
+        (  # torch.autocast's default dtype is the device's: float16 on a GPU, bfloat16 on a CPU
+            {"torch_autocast": {"enabled": True}},
+            "amp-fp16",
+            'enables torch_autocast, and it gives no dtype: give "dtype": "bfloat16" or "float16"',
+        ),
+        ({"torch_autocast": {"enabled": True, "dtype": "fp32"}}, "fp32", "and its dtype is 'fp32': give"),
     ],
 )
 def test_a_file_whose_precision_is_not_precision_s_is_one_line(config, precision, message):
-    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(SettingsError, match=re.escape(message)):
         _rank(config, precision=precision)
+
+
+def test_a_file_s_torch_autocast_in_precision_s_dtype_is_taken():
+    settings = _rank({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, precision="amp-bf16")
+    assert settings.precision == "amp-bf16"
 
 
 def test_the_note_names_what_was_replaced_and_only_on_a_deepspeed_rank():

@@ -43,11 +43,14 @@ untraced micro-batch made the accumulated partition. What that micro-batch left 
 gradients and reduce bucket, stage 2's accumulated gradients) dies in the traced one (`dropped_in_step`).
 
 `--precision bf16` and `fp16` are DeepSpeed's own: a 16-bit model and a float32 master partition, fp16
-with DeepSpeed's dynamic loss scale, at every stage.
+with DeepSpeed's dynamic loss scale, at every stage. `amp-bf16` and `amp-fp16` are its `torch_autocast`: a
+float32 model whose forward the engine runs in torch.autocast of that dtype (the only autocast region: memplan's
+loop opens none around an engine, as accelerate does not), the listed modules' gradients reduced in 16 bits, and
+in float16 torch's GradScaler inside the ZeRO optimizer (its found-inf check runs and finds none).
 
 `--offload optimizer` (offload_optimizer) and, on stage 3, `--offload params` (offload_param): the host's
-buffers and compute told apart from the GPU's (memplan.distributed.offload). Not traced yet: NVMe offload and
-torch's autocast around DeepSpeed (refused in one line).
+buffers and compute told apart from the GPU's (memplan.distributed.offload). Not traced yet: NVMe offload
+(refused in one line).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan.distributed.deepspeed_file import AUTOCAST_DTYPE_NAMES, AUTOCAST_SECTION
 from memplan.distributed.offload import HostCopies, HostMemory
 from memplan.errors import SettingsError
 from memplan.settings import DEEPSPEED_MODE_OF_STAGE
@@ -107,7 +111,8 @@ def deepspeed_config(
     offload: str = "none",
 ) -> dict:
     """The configuration the rank's engine is built with: the user's (`--deepspeed`), with the ZeRO
-    stage, batch, accumulation, precision and optimizer set from memplan's settings, the
+    stage, batch, accumulation, precision (torch_autocast for amp-*, its module list the user's) and
+    optimizer set from memplan's settings, the
     "auto" values transformers would fill, and `offload_optimizer` on the host where `offload` is
     "optimizer" (--offload optimizer)."""
     config = {key: value for key, value in (user_config or {}).items() if key not in MEMPLAN_SETS}
@@ -142,6 +147,13 @@ def deepspeed_config(
     # fp16: DeepSpeed's own, a 16-bit model, float32 master partition and a dynamic loss scale (a
     # Python number it multiplies the loss by and divides the gradients by in the step).
     config["fp16"] = {"enabled": precision == "fp16"}
+    if precision in AUTOCAST_DTYPE_NAMES:
+        user_autocast = (user_config or {}).get(AUTOCAST_SECTION)
+        config[AUTOCAST_SECTION] = {
+            **(user_autocast if isinstance(user_autocast, dict) else {}),
+            "enabled": True,
+            "dtype": AUTOCAST_DTYPE_NAMES[precision],
+        }
     # memplan hands DeepSpeed its optimizer as the client optimizer, as transformers' Trainer does, which
     # then allows optimizers DeepSpeed has not tested with ZeRO (integrations/deepspeed.py,
     # deepspeed_optim_sched): without it torch's Adafactor or bitsandbytes' 8-bit Adam fail an assertion.
@@ -348,6 +360,32 @@ def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Itera
                 setattr(owner, name, original)
 
 
+# DeepSpeed's torch_autocast keeps its state in module globals (runtime/torch_autocast.py: whether an engine
+# initialized it, and its dtype), set by an engine's initialize and read as its ZeRO optimizer is built and as
+# it reduces each gradient (base_optimizer.py, get_param_comm_dtype). Each rank's are its own, set while it runs;
+# the process's are restored between.
+_AUTOCAST_GLOBALS = ("TORCH_AUTOCAST_INITIALIZED", "TORCH_AUTOCAST_DTYPE")
+_NO_AUTOCAST: dict[str, Any] = {"TORCH_AUTOCAST_INITIALIZED": False, "TORCH_AUTOCAST_DTYPE": None}
+
+
+@contextlib.contextmanager
+def _autocast_globals(values: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """DeepSpeed's torch_autocast globals set to `values` meanwhile; yields the values they hold as the block
+    ends (what an engine's initialize made of them), and restores the process's."""
+    import deepspeed.runtime.torch_autocast as torch_autocast
+
+    saved = {name: getattr(torch_autocast, name) for name in _AUTOCAST_GLOBALS}
+    held = dict(values)
+    for name, value in values.items():
+        setattr(torch_autocast, name, value)
+    try:
+        yield held
+    finally:
+        held.update({name: getattr(torch_autocast, name) for name in _AUTOCAST_GLOBALS})
+        for name, value in saved.items():
+            setattr(torch_autocast, name, value)
+
+
 def _same_on_every_rank(*_: Any, **__: Any) -> None:
     return None  # what rank 0 sees is what every rank of a fake group sees
 
@@ -390,7 +428,11 @@ class DeepSpeedRank:
         _fresh_fake_group(world_size, option)
         linear = torch.nn.functional.linear
         try:
-            with _fake_tensors_tolerated(self.world_size), _config_errors_in_one_line():
+            with (
+                _fake_tensors_tolerated(self.world_size),
+                _config_errors_in_one_line(),
+                _autocast_globals(_NO_AUTOCAST) as self._autocast,
+            ):
                 self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         finally:
             # Stage 3 puts its own linear in torch.nn.functional for the rest of the process
@@ -501,7 +543,7 @@ class DeepSpeedRank:
         if host:
             accelerator.on_accelerator = lambda tensor: StorageWeakRef(tensor.untyped_storage()) not in host
         try:
-            with _fake_tensors_tolerated(self.world_size, truth_values):
+            with _fake_tensors_tolerated(self.world_size, truth_values), _autocast_globals(self._autocast):
                 yield
         finally:
             torch.nn.functional.linear = linear
@@ -597,17 +639,27 @@ class DeepSpeedRank:
     def _no_overflow(self) -> None:
         """The overflow check runs (its temporaries count) and finds none, as in a healthy step: it
         reads its verdict with `.item()` on a byte tensor, which fake tensors have no value for (with
-        bf16 and fp16 it would otherwise skip every step, and the optimizer state would never exist)."""
+        bf16 and fp16 it would otherwise skip every step, and the optimizer state would never exist); torch's
+        GradScaler, which the ZeRO optimizers step through under torch_autocast in float16, likewise."""
         zero = self.engine.optimizer
         check = getattr(zero, "has_overflow", None)
-        if check is None:
-            return
+        if check is not None:
 
-        def has_overflow(*args: Any, **kwargs: Any) -> bool:
-            check(*args, **kwargs)
-            return False
+            def has_overflow(*args: Any, **kwargs: Any) -> bool:
+                check(*args, **kwargs)
+                return False
 
-        zero.has_overflow = has_overflow
+            zero.has_overflow = has_overflow
+        scaler = getattr(zero, "torch_autocast_gradscaler", None)
+        if scaler is not None:
+            # torch_autocast in float16: the ZeRO optimizer steps through torch's GradScaler, which reads its
+            # found-inf flags with `.item()` and skips the step where one is set (grad_scaler.py, _maybe_opt_step).
+            def maybe_opt_step(optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
+                for found_inf in optimizer_state["found_inf_per_device"].values():
+                    found_inf.item()
+                return optimizer.step(*args, **kwargs)
+
+            scaler._maybe_opt_step = maybe_opt_step
 
     def _note_released_buckets(self) -> None:
         zero = self.engine.optimizer

@@ -8,17 +8,27 @@ outright, the Trainer checks it against its arguments and stops on a mismatch (i
 TrainingArguments values"). memplan does the same for the precision, which decides the model's dtype and so most of
 the memory: a file that enables a precision other than --precision is an error. A batch, accumulation or optimizer
 that differs from memplan's options is replaced and said so in a note, since `--budget` and `sweep` vary the batch
-on purpose. Pure: no torch.
+on purpose. DeepSpeed's torch_autocast section is --precision amp-bf16 or amp-fp16 (by its dtype). Pure: no torch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# DeepSpeed's precision sections (runtime/config.py: "bf16", with "bfloat16" its older name; "fp16";
-# "torch_autocast", DeepSpeed's torch.autocast around the model) and the --precision each one is.
+from memplan.errors import SettingsError
+
+# DeepSpeed's precision sections (runtime/config.py: "bf16", with "bfloat16" its older name; "fp16") and the
+# --precision each one is.
 PRECISION_SECTIONS = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
+# DeepSpeed's torch.autocast around the model (runtime/torch_autocast.py, autocast_if_enabled), float32 master weights.
 AUTOCAST_SECTION = "torch_autocast"
+# The dtype memplan gives torch_autocast for each autocast --precision, and the names DeepSpeed takes for each
+# 16-bit dtype there (runtime/config.py, DtypeEnum).
+AUTOCAST_DTYPE_NAMES = {"amp-bf16": "bfloat16", "amp-fp16": "float16"}
+AUTOCAST_PRECISION_OF_DTYPE = {
+    **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), "amp-bf16"),
+    **dict.fromkeys(("torch.float16", "fp16", "float16", "half"), "amp-fp16"),
+}
 # DeepSpeed's optimizer types whose state is two float32 moments per parameter, as torch's Adam and AdamW
 # (runtime/config.py: ADAM_OPTIMIZER "adam", ADAMW_OPTIMIZER "adamw"; FusedAdam, DeepSpeedCPUAdam), and so
 # memplan's --optimizer names for the same two.
@@ -32,10 +42,20 @@ def _enabled(section: Any) -> bool:
 
 
 def file_precision(config: dict[str, Any]) -> str | None:
-    """The precision the configuration enables outright, as --precision names it ("bf16", "fp16"), or
-    "torch_autocast" for DeepSpeed's torch autocast; None where it enables none or leaves it "auto"."""
-    if _enabled(config.get(AUTOCAST_SECTION)):
-        return AUTOCAST_SECTION
+    """The precision the configuration enables outright, as --precision names it ("bf16", "fp16", and "amp-bf16"
+    or "amp-fp16" for torch_autocast in that dtype); None where it enables none or leaves it "auto". A
+    torch_autocast without a 16-bit dtype is refused: without one, torch.autocast takes the device's default
+    (float16 on a GPU, bfloat16 on a CPU), which memplan will not guess."""
+    section = config.get(AUTOCAST_SECTION)
+    if _enabled(section):
+        dtype = section.get("dtype")
+        if dtype not in AUTOCAST_PRECISION_OF_DTYPE:
+            given = f"its dtype is {dtype!r}" if dtype is not None else "it gives no dtype"
+            raise SettingsError(
+                f'the DeepSpeed configuration enables torch_autocast, and {given}: give "dtype": "bfloat16" or '
+                '"float16" in its torch_autocast section'
+            )
+        return AUTOCAST_PRECISION_OF_DTYPE[dtype]
     return next((precision for key, precision in PRECISION_SECTIONS.items() if _enabled(config.get(key))), None)
 
 

@@ -107,6 +107,7 @@ class EagerLifetimes(TorchDispatchMode):
         super().__init__()
         self.node_count = node_count
         self.backward_node_ops: list[list[int]] = []
+        self.formula_casts: list[int] = []  # graph nodes: weights cast into the autocast cache inside a formula
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
         self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
         self._depth: dict[int, int] = {}  # id of each of them -> its index there
@@ -127,6 +128,12 @@ class EagerLifetimes(TorchDispatchMode):
         # (accumulate_grad.h, is_tensor_stealable): it would copy it instead, which the run does not.
         if not self._finished:  # a Node of an earlier trace's graph, run later, keeps its hooks
             self._observe_frames(self.node_count() - 1)
+
+    def python_formula_returned(self) -> None:
+        """A Python autograd Function's backward returned: what the engine runs next for its Node (a cast of a
+        gradient to its input's dtype) is no part of its formula."""
+        if torch._C._current_autograd_node() is self._current:
+            self._formula_done = True
 
     def _formula_returned(self, grad_inputs: object, grad_outputs: object) -> None:
         self._formula_done = True
@@ -220,6 +227,11 @@ class EagerLifetimes(TorchDispatchMode):
         end = self.node_count() - 1
         if func is _TO_COPY and _autocast_caches(args[0], out):
             self.held_until_released(out, out)
+            if autograd_node is not None and not recomputing():
+                # A formula that opens an autocast region of its own (DeepSpeed's ZeRO-3 linear; custom_bwd)
+                # casts a weight into the cache, with grad mode on: the cache holds that copy until the region
+                # exits, inside the formula, and the engine does not hold it (formula_casts).
+                self.formula_casts.append(end)
         elif LIBRARIES_HOLDING_TENSORS and called_from_holding_library(sys._getframe(1)):
             for tensor in tensors_in(out):
                 self.held_until_released(tensor, tensor)
@@ -260,10 +272,25 @@ def lifetimes_tracked(eager_lifetimes: EagerLifetimes) -> Iterator[None]:
         eager_lifetimes.before_backward(tensors)
         return backward(tensors, *args, **kwargs)
 
+    # A Python autograd Function's backward (PyNode::apply, python_function.cpp) drops its incoming gradients and
+    # saved tensors as its Python call returns, before the engine casts a returned gradient to its input's dtype
+    # (validate_outputs: DeepSpeed's ZeRO-3 linear under autocast returns float16 gradients of float32 weights);
+    # the formula ends where the Python call does.
+    def returning(apply: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any) -> Any:
+            result = apply(self, *args)
+            eager_lifetimes.python_formula_returned()
+            return result
+
+        return run
+
+    function_class = torch.autograd.function.BackwardCFunction
     # Tensor.backward looks it up as torch.autograd.backward (torch/_tensor.py).
     with (
         eager_lifetimes,
         python_holders_tracked(eager_lifetimes),
         patch.object(torch.autograd, "backward", hooked_backward),
+        patch.object(function_class, "apply", returning(function_class.apply)),
+        patch.object(function_class, "apply_boxed", returning(function_class.apply_boxed)),
     ):
         yield

@@ -170,7 +170,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         checkpointed_blocks=checkpointed,
         data_parallel=data_parallel,
     )
-    if settings.precision == "amp-fp16":
+    if settings.precision == "amp-fp16" and settings.deepspeed_stage is None:  # DeepSpeed scales its own
         # GradScaler keeps its scale and found-inf flag as one-element float32 tensors.
         state.loss_scale = torch.full((1,), INITIAL_LOSS_SCALE, dtype=torch.float32)
         state.found_inf = torch.zeros((1,), dtype=torch.float32)
@@ -203,7 +203,9 @@ def gradients_outlive_the_step(settings: TrainingSettings) -> bool:
 def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
     settings = state.settings
     engine = _engine(state)
-    with autocast_context(settings, state.autocast_device), engine.forward_context() if engine else nullcontext():
+    # DeepSpeed's engine opens its own autocast around the model (torch_autocast, autocast_if_enabled).
+    autocast = autocast_context(settings, state.autocast_device) if engine is None else nullcontext()
+    with autocast, engine.forward_context() if engine else nullcontext():
         output = call_model(state.model, state.batch)
         loss = state.loss_of(output, state.batch)
     if settings.loop != "keep-output":

@@ -278,6 +278,8 @@ def liveness(traced: TracedStep) -> Liveness:
         last = formula[-1]
         for index in formula:
             for source in nodes[index].all_input_nodes:
+                if index_of[source] in traced.formula_casts:
+                    continue
                 for key, _ in storages[index_of[source]]:
                     last_use[key] = max(last_use[key], last)
     for key, nbytes, end in traced.released_early:

@@ -91,6 +91,9 @@ class TracedStep:
     swapped_storages: SwappedStorages | None = None
     # --offload params or optimizer: the rank's host memory, out of the device's figures (memplan.distributed.offload).
     host_memory: HostMemory | None = None
+    # Graph nodes: weights a backward formula cast into the autocast cache, which the cache holds (python_lifetimes)
+    # and the autograd engine does not (no extension to the formula's end).
+    formula_casts: frozenset[int] = frozenset()
 
 
 @contextlib.contextmanager
@@ -222,6 +225,7 @@ def _traced_step(
         checkpointed_blocks=state.checkpointed_blocks,
         python_lifetimes=observed.eager_lifetimes.local_lifetimes,
         backward_node_ops=observed.eager_lifetimes.backward_node_ops,
+        formula_casts=frozenset(observed.eager_lifetimes.formula_casts),
         seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
