@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import FrameType
 from typing import Any, Protocol
 from unittest.mock import patch
@@ -153,6 +153,10 @@ class OptimizerLocals(TorchDispatchMode):
         super().__init__()
         self._node_count = node_count
         self._held: dict[int, tuple[FrameType, dict[int, torch.Tensor]]] = {}  # id(frame) -> its tensors
+        # id(frame) -> the tensors in each list or tuple among its locals at the last look, by the list's
+        # identity and length (the list kept, so that its identity is no other's): a parameter group's lists
+        # are read once, not at every op of the step (_tensor_locals).
+        self._sequences: dict[int, SequenceTensors] = {}
         self.lifetimes: list[tuple[torch.Tensor, int]] = []  # (tensor, the last node it lives through)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -171,11 +175,12 @@ class OptimizerLocals(TorchDispatchMode):
         for key in list(self._held):
             if key not in frames:  # returned: its locals went with it
                 self._release(self._held.pop(key)[1].values(), before)
+                del self._sequences[key]
         for key, frame in frames.items():
-            held = _tensor_locals(frame)
+            held, self._sequences[key] = _tensor_locals(frame, self._sequences.get(key, {}))
             if key in self._held:
                 previous = self._held[key][1]
-                self._release((tensor for ident, tensor in previous.items() if ident not in held), before)
+                self._release([previous[ident] for ident in previous.keys() - held.keys()], before)
             self._held[key] = (frame, held)
 
     def _release(self, tensors: Iterable[torch.Tensor], end: int) -> None:
@@ -187,13 +192,27 @@ class OptimizerLocals(TorchDispatchMode):
         for _, held in self._held.values():
             self._release(held.values(), end)
         self._held.clear()
+        self._sequences.clear()
 
 
-def _tensor_locals(frame: FrameType) -> dict[int, torch.Tensor]:
+SequenceTensors = dict[tuple[int, int], tuple[Sequence, dict[int, torch.Tensor]]]
+
+
+def _tensor_locals(frame: FrameType, seen: SequenceTensors) -> tuple[dict[int, torch.Tensor], SequenceTensors]:
+    """The tensors `frame` holds in its locals, and in lists and tuples among them, by id; and the tensors of
+    each of those lists and tuples, for the next look. A list or tuple `seen` at the last look, the same object
+    of the same length, is taken to hold what it held: torch's optimizers bind a new list to a name rather
+    than replace a list's items."""
     held: dict[int, torch.Tensor] = {}
+    sequences: SequenceTensors = {}
     for value in frame.f_locals.values():
-        items = value if isinstance(value, tuple | list) else (value,)
-        for item in items:
-            if isinstance(item, torch.Tensor):
-                held[id(item)] = item
-    return held
+        if isinstance(value, tuple | list):
+            key = (id(value), len(value))
+            known = seen.get(key)
+            if known is None or known[0] is not value:
+                known = (value, {id(item): item for item in value if isinstance(item, torch.Tensor)})
+            sequences[key] = known
+            held.update(known[1])
+        elif isinstance(value, torch.Tensor):
+            held[id(value)] = value
+    return held, sequences
