@@ -290,7 +290,10 @@ def lifetimes_tracked(eager_lifetimes: EagerLifetimes) -> Iterator[None]:
         eager_lifetimes,
         python_holders_tracked(eager_lifetimes),
         patch.object(torch.autograd, "backward", hooked_backward),
-        patch.object(function_class, "apply", returning(function_class.apply)),
-        patch.object(function_class, "apply_boxed", returning(function_class.apply_boxed)),
+        contextlib.ExitStack() as applies,
     ):
+        # `apply_boxed` (grads in a list the backward may empty) is torch 2.13's; torch 2.11 has `apply` alone.
+        for name in ("apply", "apply_boxed"):
+            if hasattr(function_class, name):
+                applies.enter_context(patch.object(function_class, name, returning(getattr(function_class, name))))
         yield
