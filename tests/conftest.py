@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -19,3 +20,14 @@ def tiny_model_dirs(tmp_path_factory):
     """Tiny transformers configs written as model directories (the config.json model source)."""
     folder = tmp_path_factory.mktemp("tiny-models")
     return {name: write_tiny_config(name, folder) for name in TINY_HF_CONFIGS}
+
+
+@pytest.fixture(autouse=True)
+def _collector_spares_earlier_tests():
+    """What the worker holds from earlier tests (and the imports) is frozen for the test's length, as the
+    command line freezes what its imports made (memplan.cli.running, _collect_less): a test's collections,
+    and the measurements' own (tests.hand_measure, memplan.measure.collector), walk what the test makes,
+    not a whole worker's objects. Given back after, so that nothing stays frozen past its test."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
