@@ -182,13 +182,13 @@ def test_a_convolutions_workspace_is_capped_in_mib_and_absent_when_it_makes_no_c
 def test_an_output_bytes_rule_sizes_its_ops_storage_from_the_fake_arguments(monkeypatch):
     """An op whose fake kernel gets its output's size wrong has a rule (memplan.estimator.oprules):
     it receives the node's arguments with recorded tensors replaced by their fake values (in
-    kwargs too) and plain values as they are, and its bytes are the storage's."""
+    kwargs too) and plain values as they are, and the target device, and its bytes are the storage's."""
     from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 
     seen = []
 
-    def rule(args, kwargs):
-        seen.append((args[0], args[1], sorted(kwargs), kwargs.get("other")))
+    def rule(args, kwargs, device):
+        seen.append((args[0], args[1], sorted(kwargs), kwargs.get("other"), device))
         return [12_345]
 
     monkeypatch.setitem(OUTPUT_BYTES_RULES, torch.ops.aten.mul.Tensor, rule)
@@ -203,7 +203,7 @@ def test_an_output_bytes_rule_sizes_its_ops_storage_from_the_fake_arguments(monk
     simulation = simulate(traced)
     x_value = traced.graph.nodes[0].meta["val"]
     assert seen[0][0] is x_value and seen[0][1] == 2
-    assert seen[0][2] == ["other"] and seen[0][3] is x_value
+    assert seen[0][2] == ["other"] and seen[0][3] is x_value and seen[0][4] == traced.settings.device
     # x (400 B) and the rule's 12,345 B (the largest any node says of that storage), then the sum's 4 B.
     assert simulation.peak_bytes == 100 * FLOAT + 12_345 + FLOAT
     assert simulation.timeline.allocations[1].requested_bytes == 12_345

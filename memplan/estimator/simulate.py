@@ -140,7 +140,7 @@ def _op_name(node: OpNode) -> str:
     return str(node.target) if node.op == "call_function" else node.op
 
 
-def _node_storages(node: OpNode, unsupported: dict[str, None]) -> list[tuple[StorageWeakRef, int]]:
+def _node_storages(node: OpNode, unsupported: dict[str, None], device: str) -> list[tuple[StorageWeakRef, int]]:
     if "val" in node.meta:
         value = node.meta["val"]
     else:
@@ -148,7 +148,7 @@ def _node_storages(node: OpNode, unsupported: dict[str, None]) -> list[tuple[Sto
             unsupported[_op_name(node)] = None
         return []
     rule = OUTPUT_BYTES_RULES.get(node.target) if node.op == "call_function" else None
-    true_bytes = rule(*_fake_args(node)) if rule is not None else None
+    true_bytes = rule(*_fake_args(node), device) if rule is not None else None
     storages = []
     for position, tensor in enumerate(tensors_in(value)):
         if tensor.layout != torch.strided:
@@ -253,7 +253,7 @@ def _split_resized(
 def liveness(traced: TracedStep) -> Liveness:
     nodes = list(traced.graph.nodes)
     unsupported: dict[str, None] = {}
-    storages = [_node_storages(node, unsupported) for node in nodes]
+    storages = [_node_storages(node, unsupported, traced.settings.device) for node in nodes]
     index_of = {node: index for index, node in enumerate(nodes)}
     resized = _resized_allocations(traced, len(nodes))
     _split_resized(storages, resized)

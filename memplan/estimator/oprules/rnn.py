@@ -43,5 +43,5 @@ def _probe(op: Any, arg_specs: tuple, kwarg_specs: tuple) -> tuple[int, ...]:
 
 
 @output_bytes_rule(torch.ops.aten.mkldnn_rnn_layer.default)
-def mkldnn_rnn_layer(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+def mkldnn_rnn_layer(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> list[int]:
     return list(_probe(torch.ops.aten.mkldnn_rnn_layer.default, _spec(args), tuple(sorted(_spec(kwargs).items()))))
