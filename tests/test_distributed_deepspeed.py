@@ -470,6 +470,16 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
         ),
         ({"optimizer": "none"}, "--optimizer none has none"),
         (
+            {
+                "precision": "amp-bf16",
+                "deepspeed_config": {
+                    "zero_optimization": {"stage": 2},
+                    "torch_autocast": {"enabled": "auto", "lower_precision_safe_modules": ["nope.Nothing"]},
+                },
+            },
+            "torch_autocast.lower_precision_safe_modules: Failed to import lower precision safe module nope.Nothing",
+        ),
+        (
             {"deepspeed_config": {"zero_optimization": {"stage": 3}}},
             "sets ZeRO stage 3; --parallel zero2 traces stage 2: give --parallel zero3",
         ),

@@ -99,6 +99,11 @@ def _rank(config: dict, **options) -> TrainingSettings:
             'enables torch_autocast, and it gives no dtype: give "dtype": "bfloat16" or "float16"',
         ),
         ({"torch_autocast": {"enabled": True, "dtype": "fp32"}}, "fp32", "and its dtype is 'fp32': give"),
+        (  # DeepSpeed would run a bf16 model inside autocast; --precision names one of the two
+            {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}, "bf16": {"enabled": True}},
+            "amp-bf16",
+            'enables both bf16 and torch_autocast, which memplan does not trace together: set "enabled" to false',
+        ),
     ],
 )
 def test_a_file_whose_precision_is_not_precision_s_is_one_line(config, precision, message):

@@ -254,6 +254,15 @@ def _config_errors_in_one_line() -> Iterator[None]:
             f"the DeepSpeed configuration: DeepSpeed's {error.title} refuses {where or 'a value'}: {first['msg']} "
             f"(given {first.get('input')!r}){more}"
         ) from error
+    except ValueError as error:
+        # torch_autocast's lower_precision_safe_modules: class paths DeepSpeed imports (torch_autocast.py,
+        # init_autocast_params: "Failed to import lower precision safe module ...").
+        if "lower precision safe module" not in str(error):
+            raise
+        raise SettingsError(
+            f"the DeepSpeed configuration's torch_autocast.lower_precision_safe_modules: {error} (give module "
+            "classes as package.module.Class, importable where memplan runs)"
+        ) from error
 
 
 def _import_deepspeed() -> Any:

@@ -48,6 +48,13 @@ def file_precision(config: dict[str, Any]) -> str | None:
     (float16 on a GPU, bfloat16 on a CPU), which memplan will not guess."""
     section = config.get(AUTOCAST_SECTION)
     if _enabled(section):
+        also = [key for key in PRECISION_SECTIONS if _enabled(config.get(key))]
+        if also:
+            # DeepSpeed runs both (a 16-bit model inside torch.autocast); memplan's --precision names one of them.
+            raise SettingsError(
+                f"the DeepSpeed configuration enables both {also[0]} and torch_autocast, which memplan does not "
+                f'trace together: set "enabled" to false (or "auto") in one of them'
+            )
         dtype = section.get("dtype")
         if dtype not in AUTOCAST_PRECISION_OF_DTYPE:
             given = f"its dtype is {dtype!r}" if dtype is not None else "it gives no dtype"
