@@ -334,6 +334,16 @@ def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Itera
     for owner in (zero_utils, coordinator, stage3, partition_parameters):
         saved.append((owner, "assert_ints_same_as_other_ranks", owner.assert_ints_same_as_other_ranks))
         owner.assert_ints_same_as_other_ranks = _same_on_every_rank
+    # The step skips itself where the gradients' norm is inf or nan (`is_invalid_grad_norm`, imported by name
+    # into stage3.py and stage_1_and_2.py). A fake group's collectives write nothing, so in a real run on it
+    # (validate) a bucket's unwritten memory can make the norm so, and the step, its optimizer state with it,
+    # is skipped; a healthy step's norm is valid. The check runs (its temporaries count) and says so.
+    import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
+
+    for owner in (stage3, stage_1_and_2):
+        if hasattr(owner, "is_invalid_grad_norm"):
+            saved.append((owner, "is_invalid_grad_norm", owner.is_invalid_grad_norm))
+            owner.is_invalid_grad_norm = _valid_after_checking(owner.is_invalid_grad_norm)
     if truth_values:
         saved.append((FakeTensor, "__bool__", FakeTensor.__dict__.get("__bool__")))
         FakeTensor.__bool__ = lambda self: False  # type: ignore[method-assign]
@@ -393,6 +403,14 @@ def _autocast_globals(values: dict[str, Any]) -> Iterator[dict[str, Any]]:
         held.update({name: getattr(torch_autocast, name) for name in _AUTOCAST_GLOBALS})
         for name, value in saved.items():
             setattr(torch_autocast, name, value)
+
+
+def _valid_after_checking(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    def valid(norm: Any) -> bool:
+        check(norm)
+        return False
+
+    return valid
 
 
 def _same_on_every_rank(*_: Any, **__: Any) -> None:
