@@ -510,11 +510,17 @@ class TrainingSettings:
         a file that mismatches its arguments (memplan.distributed.deepspeed_file)."""
         enabled = file_precision(self.deepspeed_settings)
         if enabled is not None and enabled != self.precision:
-            section = AUTOCAST_SECTION if enabled.startswith("amp-") else enabled
-            what = f"{AUTOCAST_SECTION} in {AUTOCAST_DTYPE_NAMES[enabled]}" if section == AUTOCAST_SECTION else enabled
+            if enabled.startswith("amp-"):
+                # transformers fills bf16's and fp16's "auto" from its arguments, not torch_autocast's, which
+                # DeepSpeed would read as enabled: the file itself must say what the job runs.
+                raise SettingsError(
+                    f"the DeepSpeed configuration enables {AUTOCAST_SECTION} in {AUTOCAST_DTYPE_NAMES[enabled]}, and "
+                    f"--precision is {self.precision}: give --precision {enabled}, or change the file's "
+                    f'{AUTOCAST_SECTION} section (its dtype, or "enabled": false) to what the job runs'
+                )
             raise SettingsError(
-                f"the DeepSpeed configuration enables {what}, and --precision is {self.precision}: give --precision "
-                f'{enabled}, or set "enabled" in the file\'s {section} section to "auto" to take --precision\'s'
+                f"the DeepSpeed configuration enables {enabled}, and --precision is {self.precision}: give --precision "
+                f'{enabled}, or set "enabled" in the file\'s {enabled} section to "auto" to take --precision\'s'
             )
 
     @property

@@ -85,8 +85,8 @@ def _rank(config: dict, **options) -> TrainingSettings:
         (
             {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
             "fp32",
-            "enables torch_autocast in bfloat16, and --precision is fp32: give --precision amp-bf16, or set "
-            '"enabled" in the file\'s torch_autocast section to "auto"',
+            "enables torch_autocast in bfloat16, and --precision is fp32: give --precision amp-bf16, or change the "
+            'file\'s torch_autocast section (its dtype, or "enabled": false) to what the job runs',
         ),
         (
             {"torch_autocast": {"enabled": True, "dtype": "float16"}},
