@@ -24,7 +24,9 @@ section, bucket sizes, `overlap_comm`, `contiguous_gradients`) is DeepSpeed's to
 
 What the fake tensors need from DeepSpeed (each a check of values, not an allocation): its overflow
 test reads tensors as bools and a byte tensor with `.item()` (answered: no overflow, as a healthy step
-has none); stage 3's cross-rank consistency assertions (`assert_ints_same_as_other_ranks`) compare
+has none), and so do torch's GradScaler under torch_autocast in float16 and the gradient-norm check that
+skips a step (answered: valid; in a real run on the fake group, validate's, the unwritten buckets would say
+otherwise); stage 3's cross-rank consistency assertions (`assert_ints_same_as_other_ranks`) compare
 values across ranks, which a fake group does not have (skipped). DeepSpeed keeps the
 default process group it first sees in module globals, so each rank's engine is built on a fresh fake
 group and those globals are cleared first; the group lives as long as the rank, since every forward,
