@@ -208,8 +208,8 @@ def _tensor_locals(frame: FrameType, seen: SequenceTensors) -> tuple[dict[int, t
     for value in frame.f_locals.values():
         if isinstance(value, tuple | list):
             key = (id(value), len(value))
-            known = seen.get(key)
-            if known is None or known[0] is not value:
+            known = seen.get(key)  # the list is kept in it, so a live list's id is no other list's
+            if known is None:
                 known = (value, {id(item): item for item in value if isinstance(item, torch.Tensor)})
             sequences[key] = known
             held.update(known[1])
