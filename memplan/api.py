@@ -27,7 +27,7 @@ from memplan.models.source import ModelSpec, resolve_model
 from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
-from memplan.settings import CHECKPOINT_MODES, CheckpointLayout, TrainingSettings, parse_size
+from memplan.settings import CHECKPOINT_MODES, PRECISIONS, CheckpointLayout, TrainingSettings, parse_size
 from memplan.validate.result import ValidationResult
 from memplan.validate.runner import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -300,9 +300,13 @@ def sweep(
     `precisions` and `checkpoints` default to the settings' own; with `budget` (or a `gpu`), each
     series also gets the largest batch size that fits.
     """
+    precisions = _names(precisions, "precisions")
+    if precisions and settings is None and precisions[0] in PRECISIONS:
+        # Each series runs one of `precisions`, and --precision only names the default: the settings are checked
+        # (against a DeepSpeed file's precision, say) with the first of them.
+        setting_overrides = {**setting_overrides, "precision": precisions[0]}
     settings, _ = _settings(settings, setting_overrides, inputs)
     sizes = _batch_sizes(batch_sizes)
-    precisions = _names(precisions, "precisions")
     checkpoints = _names(checkpoints, "checkpoints")
     spec = _source(model, inputs, loss, task)
     return run_sweep(

@@ -163,7 +163,12 @@ def _deepspeed_config(value: object, path: Path) -> dict[str, Any]:
 
 
 def _with_deepspeed(
-    config: dict[str, Any], data: dict[str, Any], path: Path, settings: dict[str, Any], notes: list[str]
+    config: dict[str, Any],
+    data: dict[str, Any],
+    path: Path,
+    settings: dict[str, Any],
+    notes: list[str],
+    world_size_given: bool,
 ) -> None:
     """A Trainer run under DeepSpeed: one ZeRO-2 or ZeRO-3 rank traced with DeepSpeed itself (the
     Trainer hands bf16 to DeepSpeed's own, not to autocast); the other stages are refused in one line."""
@@ -179,17 +184,17 @@ def _with_deepspeed(
         settings["precision"] = "bf16"  # DeepSpeed's bf16: a 16-bit model, float32 master weights
     elif _flag(data, "fp16"):
         settings["precision"] = "fp16"  # DeepSpeed's fp16: the same, with its dynamic loss scale
-    notes.append(
-        f"deepspeed: one ZeRO-{stage} rank traced with DeepSpeed itself; give --world-size N for the job's "
-        "data-parallel ranks"
-    )
+    # The file cannot say how many ranks the job runs (the launcher does): asked for where it was not given.
+    ask = "" if world_size_given else "; give --world-size N for the job's data-parallel ranks"
+    notes.append(f"deepspeed: one ZeRO-{stage} rank traced with DeepSpeed itself{ask}")
 
 
-def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTrainingArgs:
+def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_given: bool = False) -> HfTrainingArgs:
     """Settings from a TrainingArguments JSON/YAML file (as saved by `TrainingArguments.to_json_string`).
 
     `read_optim=False` leaves the optimizer out (the caller names one itself), so an optim memplan
-    cannot model is no error then.
+    cannot model is no error then. `world_size_given`: the caller gives the job's ranks itself, so a
+    DeepSpeed file's note does not ask for them.
     """
     path = Path(path)
     data = _load(path)
@@ -220,7 +225,7 @@ def read_training_args(path: str | Path, *, read_optim: bool = True) -> HfTraini
     elif _flag(data, "fp16"):
         settings["precision"] = "amp-fp16"
     if deepspeed is not None:
-        _with_deepspeed(deepspeed, data, path, settings, notes)
+        _with_deepspeed(deepspeed, data, path, settings, notes, world_size_given)
     optim = str(data.get("optim") or DEFAULT_OPTIM).lower() if read_optim else None
     if optim is not None and optim not in OPTIMS:
         raise HfArgsError(

@@ -480,7 +480,11 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
                 "precision": "amp-bf16",
                 "deepspeed_config": {
                     "zero_optimization": {"stage": 2},
-                    "torch_autocast": {"enabled": "auto", "lower_precision_safe_modules": ["nope.Nothing"]},
+                    "torch_autocast": {
+                        "enabled": True,
+                        "dtype": "bfloat16",
+                        "lower_precision_safe_modules": ["nope.Nothing"],
+                    },
                 },
             },
             "torch_autocast.lower_precision_safe_modules: Failed to import lower precision safe module nope.Nothing",
@@ -565,7 +569,7 @@ def test_the_engines_configuration_is_the_users_with_memplans_settings():
     assert deepspeed_config(2, 8, "fp16", user, 768)["fp16"] == {"enabled": True}
     assert "torch_autocast" not in config
     # amp-bf16, amp-fp16: DeepSpeed's torch_autocast in that dtype, the user's lower-precision module list kept
-    with_modules = {**user, "torch_autocast": {"enabled": "auto", "lower_precision_safe_modules": ["a.B"]}}
+    with_modules = {**user, "torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["a.B"]}}
     autocast = deepspeed_config(2, 8, "amp-fp16", with_modules, 768)
     assert autocast["torch_autocast"] == {"enabled": True, "dtype": "float16", "lower_precision_safe_modules": ["a.B"]}
     assert autocast["bf16"] == autocast["fp16"] == {"enabled": False}

@@ -25,14 +25,64 @@ from memplan.settings import TrainingSettings
         ({"torch_autocast": {"enabled": True, "dtype": "bf16"}}, "amp-bf16"),
         ({"torch_autocast": {"enabled": True, "dtype": "half"}}, "amp-fp16"),  # DeepSpeed's DtypeEnum names
         ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, "amp-fp16"),
-        ({"torch_autocast": {"enabled": "auto", "dtype": "float16"}}, None),
+        # DeepSpeed tests torch_autocast's "enabled" for truth, and no Trainer fills it: "auto" turns it on
+        ({"torch_autocast": {"enabled": "auto", "dtype": "float16"}}, "amp-fp16"),
+        ({"torch_autocast": {"enabled": False, "dtype": "float16"}}, None),
         ({"bf16": {"enabled": "auto"}}, None),  # the Trainer's to fill
+        ({"bf16": {"enabled": "yes"}}, "bf16"),  # pydantic's bool, as DeepSpeed's section model reads it
+        ({"fp16": {"enabled": "off"}}, None),
+        ({"bf16": None, "bfloat16": {"enabled": True}}, "bf16"),
+        ({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}}, None),  # the older name only without bf16
         ({"bf16": {"enabled": False}, "fp16": {"enabled": False}}, None),
         ({"zero_optimization": {"stage": 2}}, None),
     ],
 )
 def test_the_precision_a_file_enables(config, precision):
     assert file_precision(config) == precision
+
+
+ENABLED_VALUES = [True, False, 1, 0, 1.0, 0.0, 2, "yes", "No", "ON", "off", "t", "F", "1", "0", "true", "FALSE"]
+ENABLED_VALUES += ["auto", "AUTO", " yes", "", "enabled", None, [], {}]
+
+
+@pytest.mark.parametrize("value", ENABLED_VALUES, ids=repr)
+@pytest.mark.parametrize(("key", "precision"), [("bf16", "bf16"), ("fp16", "fp16")])
+def test_a_precision_section_is_on_where_deepspeed_s_own_model_says_it_is(key, precision, value):
+    """DeepSpeed's own reading of the section is the measure: its pydantic model, which refuses what it cannot
+    read as a bool (memplan then says so in one line)."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from pydantic import ValidationError
+
+    model = DeepSpeedBF16Config if key == "bf16" else DeepSpeedFP16Config
+    config = {key: {"enabled": value}}
+    try:
+        deepspeed_enabled = model(**config[key]).enabled
+    except ValidationError:
+        with pytest.raises(SettingsError, match=re.escape(f"{key}.enabled is ")):
+            file_precision(config)
+        return
+    expected = precision if deepspeed_enabled and value != "auto" else None
+    assert file_precision(config) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"bf16": True}, 'the DeepSpeed configuration\'s "bf16" is true, where DeepSpeed takes a section such as'),
+        ({"torch_autocast": "bfloat16"}, '"torch_autocast" is "bfloat16", where DeepSpeed takes a section'),
+        ({"bf16": {"enabled": 2}}, 'bf16.enabled is 2, which DeepSpeed refuses: give true, false or "auto"'),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enables both bf16 and fp16, which DeepSpeed refuses"),
+        ({"torch_autocast": {"enabled": True, "dtype": ["bfloat16"]}}, "and its dtype is ['bfloat16']: give"),
+        (  # DeepSpeed would import "t", "o", "r", ... one by one
+            {"torch_autocast": {"enabled": False, "lower_precision_safe_modules": "torch.nn.Linear"}},
+            'lower_precision_safe_modules is "torch.nn.Linear": give a list of class paths, such as '
+            '["torch.nn.Linear"]',
+        ),
+    ],
+)
+def test_a_file_deepspeed_would_refuse_is_one_line(config, message):
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        file_precision(config)
 
 
 def test_values_the_file_gives_that_memplan_s_options_replace():
@@ -124,3 +174,25 @@ def test_the_note_names_what_was_replaced_and_only_on_a_deepspeed_rank():
         '"auto"): gradient_accumulation_steps 4 (--grad-accum 2)'
     ]
     assert not [note for note in _notes(_rank({}, precision="bf16")) if "replaced" in note]
+
+
+def test_a_sweep_runs_the_file_s_precision_and_refuses_others_in_one_line():
+    """--precisions, not --precision's default, is what a sweep runs: a file enabling bf16 sweeps bf16 (it was
+    refused as "--precision is fp32"), and a sweep that also names fp32 is refused for fp32."""
+    import memplan
+
+    settings = {"parallel": "zero2", "world_size": 2, "seq_len": 32, "device": "cpu"}
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    result = memplan.sweep("tiny-gpt2", deepspeed_config=config, precisions=("bf16",), batch_sizes=(1,), **settings)
+    assert [series.precision for series in result.series] == ["bf16"]
+    assert result.settings.precision == "bf16"
+    with pytest.raises(SettingsError, match=re.escape("enables bf16, and --precisions has fp32: sweep bf16 alone")):
+        memplan.sweep("tiny-gpt2", deepspeed_config=config, precisions="bf16,fp32", batch_sizes=(1,), **settings)
+
+
+@pytest.mark.parametrize(("precision", "partition"), [("fp32", "float32"), ("amp-bf16", "float32"), ("bf16", "16-bit")])
+def test_the_offload_notes_name_the_model_s_own_dtype(precision, partition):
+    """A float32 model's partitions are float32: the notes said "16-bit" whatever the precision."""
+    notes = _notes(_rank({}, parallel="zero3", offload="params", precision=precision))
+    assert any(f"the updated {partition} partition back after the step" in note for note in notes)
+    assert any(f"ZeRO-3's {partition} parameter partitions live in host memory" in note for note in notes)

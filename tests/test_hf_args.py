@@ -110,6 +110,21 @@ def test_a_trainer_under_deepspeed_zero2_is_one_traced_rank(tmp_path):
     assert any("--world-size" in note for note in loaded.notes)
 
 
+def test_the_deepspeed_note_asks_for_the_ranks_only_where_they_were_not_given(tmp_path):
+    write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 2}})
+    args = write(tmp_path, "args.json", {"deepspeed": "ds_config.json"})
+    assert any("give --world-size N" in note for note in read_training_args(args).notes)
+    given = read_training_args(args, world_size_given=True).notes
+    assert "deepspeed: one ZeRO-2 rank traced with DeepSpeed itself" in given
+    # the CLI tells it from the flags typed
+    typed = CliRunner().invoke(
+        main,
+        ["estimate", "tiny-gpt2", "--hf-args", str(args), "--world-size", "4", "--seq-len", "16", "--device", "cpu"],
+    )
+    assert typed.exit_code == 0, typed.output
+    assert "one ZeRO-2 rank traced with DeepSpeed itself" in typed.output and "give --world-size" not in typed.output
+
+
 def test_a_trainer_in_fp16_under_deepspeed_zero2_traces_deepspeeds_fp16_with_its_accumulation(tmp_path):
     write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 2}})
     fields = {"deepspeed": "ds_config.json", "fp16": True, "gradient_accumulation_steps": 4}

@@ -13,6 +13,7 @@ on purpose. DeepSpeed's torch_autocast section is --precision amp-bf16 or amp-fp
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from memplan.errors import SettingsError
@@ -35,10 +36,78 @@ AUTOCAST_PRECISION_OF_DTYPE = {
 ADAM_KINDS = ("adam", "adamw")
 
 
-def _enabled(section: Any) -> bool:
-    """Whether a precision section is on: its "enabled" true ("auto", which the Trainer fills from its own
-    arguments, is not an answer of the file's)."""
-    return isinstance(section, dict) and section.get("enabled") is True
+# How DeepSpeed 0.19 reads a precision section's "enabled" (runtime/precision_config.py): bf16 and fp16 are pydantic
+# models (DeepSpeedConfigModel), whose __init__ drops an "auto" value first (runtime/config_utils.py) and which then
+# coerce as pydantic's lax bool does: true and false, the integers and floats 1 and 0, and these strings in any case
+# (pydantic's "Standard Library Types" docs, bool); anything else fails validation.
+PYDANTIC_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+PYDANTIC_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _pydantic_bool(value: Any) -> bool | None:
+    """value as pydantic's lax bool reads it; None where pydantic refuses it."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in PYDANTIC_TRUE_STRINGS | PYDANTIC_FALSE_STRINGS:
+        return value.lower() in PYDANTIC_TRUE_STRINGS
+    return None
+
+
+def _section(config: dict[str, Any], key: str) -> Any:
+    """The section DeepSpeed reads for key: "bfloat16" only where "bf16" is absent or null (get_bfloat16_config);
+    None where the file has none."""
+    if key == "bfloat16":
+        return config.get("bfloat16") if config.get("bf16") is None else None
+    return config.get(key)
+
+
+def _not_a_section(key: str, section: Any) -> SettingsError:
+    return SettingsError(
+        f'the DeepSpeed configuration\'s "{key}" is {json.dumps(section)}, where DeepSpeed takes a section such as '
+        f'{{"enabled": true}}: give one'
+    )
+
+
+def _precision_enabled(config: dict[str, Any], key: str) -> bool:
+    """Whether DeepSpeed runs the bf16 or fp16 section's precision; "auto", which the Trainer fills from its own
+    arguments (and DeepSpeed alone reads as false), is not an answer of the file's."""
+    section = _section(config, key)
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        raise _not_a_section(key, section)
+    value = section.get("enabled", False)
+    if value == "auto":
+        return False
+    enabled = _pydantic_bool(value)
+    if enabled is None:
+        raise SettingsError(
+            f"the DeepSpeed configuration's {key}.enabled is {json.dumps(value)}, which DeepSpeed refuses: give "
+            'true, false or "auto"'
+        )
+    return enabled
+
+
+def _autocast_enabled(config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed opens torch.autocast: it reads torch_autocast's "enabled" raw and tests its truth
+    (runtime/config.py get_torch_autocast_enabled; engine.py and torch_autocast.py `if
+    engine.torch_autocast_enabled()`), so "auto", which no Trainer fills there, and even "false" turn it on."""
+    section = config.get(AUTOCAST_SECTION)
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        raise _not_a_section(AUTOCAST_SECTION, section)
+    modules = section.get("lower_precision_safe_modules")
+    if modules is not None and not (isinstance(modules, list) and all(isinstance(name, str) for name in modules)):
+        # DeepSpeed checks only that each item is a string, so a string passes and its letters are imported one by
+        # one ("Failed to import lower precision safe module t").
+        raise SettingsError(
+            f"the DeepSpeed configuration's torch_autocast.lower_precision_safe_modules is {json.dumps(modules)}: "
+            'give a list of class paths, such as ["torch.nn.Linear"]'
+        )
+    return bool(section.get("enabled", False))
 
 
 def file_precision(config: dict[str, Any]) -> str | None:
@@ -46,24 +115,29 @@ def file_precision(config: dict[str, Any]) -> str | None:
     or "amp-fp16" for torch_autocast in that dtype); None where it enables none or leaves it "auto". A
     torch_autocast without a 16-bit dtype is refused: without one, torch.autocast takes the device's default
     (float16 on a GPU, bfloat16 on a CPU), which memplan will not guess."""
-    section = config.get(AUTOCAST_SECTION)
-    if _enabled(section):
-        also = [key for key in PRECISION_SECTIONS if _enabled(config.get(key))]
-        if also:
+    enabled = [key for key in PRECISION_SECTIONS if _precision_enabled(config, key)]
+    if len({PRECISION_SECTIONS[key] for key in enabled}) > 1:
+        # DeepSpeed asserts the same (runtime/config.py: "bfloat16 and fp16 modes cannot be simultaneously enabled").
+        raise SettingsError(
+            f"the DeepSpeed configuration enables both {enabled[0]} and {enabled[1]}, which DeepSpeed refuses: set "
+            '"enabled" to false in one of them'
+        )
+    if _autocast_enabled(config):
+        if enabled:
             # DeepSpeed runs both (a 16-bit model inside torch.autocast); memplan's --precision names one of them.
             raise SettingsError(
-                f"the DeepSpeed configuration enables both {also[0]} and torch_autocast, which memplan does not "
-                f'trace together: set "enabled" to false (or "auto") in one of them'
+                f"the DeepSpeed configuration enables both {enabled[0]} and torch_autocast, which memplan does not "
+                'trace together: set "enabled" to false in one of them'
             )
-        dtype = section.get("dtype")
-        if dtype not in AUTOCAST_PRECISION_OF_DTYPE:
+        dtype = config[AUTOCAST_SECTION].get("dtype")
+        if not isinstance(dtype, str) or dtype not in AUTOCAST_PRECISION_OF_DTYPE:
             given = f"its dtype is {dtype!r}" if dtype is not None else "it gives no dtype"
             raise SettingsError(
                 f'the DeepSpeed configuration enables torch_autocast, and {given}: give "dtype": "bfloat16" or '
                 '"float16" in its torch_autocast section'
             )
         return AUTOCAST_PRECISION_OF_DTYPE[dtype]
-    return next((precision for key, precision in PRECISION_SECTIONS.items() if _enabled(config.get(key))), None)
+    return PRECISION_SECTIONS[enabled[0]] if enabled else None
 
 
 def _given(config: dict[str, Any], key: str) -> int | None:

@@ -118,17 +118,19 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
                 f"--optimizer {settings.optimizer} itself, as zero_force_ds_cpu_optimizer: false lets DeepSpeed run "
                 "a client optimizer there (torch's for-loop implementation on host tensors)"
             )
+        # The model's own dtype: DeepSpeed's bf16 and fp16 make it 16-bit, fp32 and torch_autocast leave it float32.
+        partition = "16-bit" if settings.precision in ("bf16", "fp16") else "float32"
         notes.append(
             "DeepSpeed's offload_optimizer: the float32 master partition, its gradient, the optimizer state and "
             f"DeepSpeed's staging buffers live in host memory ({pinned if settings.device == 'cuda' else 'unpinned'}), "
             "and the gradient norm and the step run there, the step as "
-            f"{stepper}; each reduced gradient is copied to the host in the backward and the updated 16-bit "
+            f"{stepper}; each reduced gradient is copied to the host in the backward and the updated {partition} "
             "partition back after the step; host_peak_bytes counts the host's share, the other figures the GPU's"
         )
         if settings.deepspeed_offloads_parameters:
             notes.append(
-                "DeepSpeed's offload_param: ZeRO-3's 16-bit parameter partitions live in host memory too, and each "
-                "module's are copied to the GPU to be all-gathered before its forward and its backward"
+                f"DeepSpeed's offload_param: ZeRO-3's {partition} parameter partitions live in host memory too, and "
+                "each module's are copied to the GPU to be all-gathered before its forward and its backward"
             )
     band = settings.communicator_band_bytes
     if band is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -265,8 +266,13 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in grads:
             by_dtype.setdefault(grad.dtype, []).append(grad)
-        for group in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(group, state.found_inf, inv_scale)
+        with warnings.catch_warnings():
+            # FSDP2's gradients are DTensors, and the one-element found-inf flag beside them makes DTensor's
+            # dispatch warn that it replicates it ("Found a non-scalar tensor with numel=1"): torch's GradScaler
+            # does the same in a real run; it says nothing about the user's model.
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+            for group in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(group, state.found_inf, inv_scale)
     if (engine := _engine(state)) is not None:
         engine.step()  # the optimizer over the rank's partition, and zero_grad, inside the engine
         return grads

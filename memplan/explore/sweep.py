@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from memplan.distributed.deepspeed_file import file_precision
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import BatchTracer, Progress
 from memplan.models.source import ModelSpec
@@ -82,6 +83,21 @@ def _check(values: tuple[str, ...], known: tuple[str, ...], option: str) -> None
         raise SettingsError(f"{option} takes a comma-separated list of {', '.join(known)}; got {','.join(values)}")
 
 
+def _check_file_precision(settings: TrainingSettings, precisions: tuple[str, ...]) -> None:
+    """A DeepSpeed file that enables a precision outright runs that one: a sweep over others is one line, as
+    --precision is (memplan.distributed.deepspeed_file)."""
+    if settings.deepspeed_stage is None:
+        return
+    enabled = file_precision(settings.deepspeed_settings)
+    others = [precision for precision in precisions if precision != enabled]
+    if enabled is not None and others:
+        raise SettingsError(
+            f"the DeepSpeed configuration enables {enabled}, and --precisions has {','.join(others)}: sweep "
+            f'{enabled} alone, or leave the file\'s precision to memplan (bf16\'s or fp16\'s "enabled": "auto", '
+            "torch_autocast's false)"
+        )
+
+
 def tracing_order(batch_sizes: tuple[int, ...]) -> list[int]:
     """Batch size 1 (never on the lines), then the largest, the smallest above 1 and the middle one
     (the lines through the ends, checked between them), then the rest in order."""
@@ -108,6 +124,7 @@ def run_sweep(
     checkpoints = checkpoints or (settings.checkpoint if isinstance(settings.checkpoint, str) else "none",)
     _check(precisions, PRECISIONS, "--precisions")
     _check(checkpoints, CHECKPOINT_MODES, "--checkpoints")
+    _check_file_precision(settings, precisions)
     if not batch_sizes or any(batch < 1 for batch in batch_sizes):
         raise SettingsError("--batch-sizes takes positive integers, e.g. 1,2,4,8")
     repeated = sorted({batch for batch in batch_sizes if batch_sizes.count(batch) > 1})
