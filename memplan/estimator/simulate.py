@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -97,12 +98,18 @@ class Simulation:
     # reserved_peak_bytes are the high end; memplan.estimator.cuda.cudnn)
     conv_workspace_free_peak_bytes: int | None = None
     conv_workspace_free_reserved_peak_bytes: int | None = None
-    # cuda: the least device memory (for torch) the iteration completes in, the allocator freeing
-    # its cached segments and retrying when a cudaMalloc fails; the larger of the band's two ends
-    # (memplan.estimator.timeline.device_fit_bytes)
-    smallest_device_bytes: int | None = None
     allocator_config: AllocatorConfig | None = field(default=None, compare=False, repr=False)  # cuda
     host_peak_bytes: int | None = None  # --offload params or optimizer: the rank's host memory at its peak
+
+    @cached_property
+    def smallest_device_bytes(self) -> int | None:
+        """cuda: the least device memory (for torch) the iteration completes in, the allocator freeing its
+        cached segments and retrying when a cudaMalloc fails; the larger of the band's two ends
+        (memplan.estimator.timeline.device_fit_bytes). Found when first asked: a bisection of a dozen
+        allocator replays, which an estimate's second trace (read for its per-sample slope) never needs."""
+        if self.allocator_config is None:
+            return None
+        return device_fit_bytes(self.timeline, self.allocator_config)
 
     @property
     def fit_bytes(self) -> int:
@@ -561,7 +568,6 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         allocated_peak_bytes=allocated,
         conv_workspace_free_peak_bytes=low_peak,
         conv_workspace_free_reserved_peak_bytes=low_reserved,
-        smallest_device_bytes=device_fit_bytes(timeline, config) if reserved is not None else None,
         allocator_config=config if reserved is not None else None,
         host_peak_bytes=host_peak_bytes(lifetimes),
     )
