@@ -20,7 +20,8 @@ DeepSpeed allocates.
   Prefetching (`stage3_prefetch_bucket_size`, `stage3_max_live_parameters`) and the reduce bucket
   are DeepSpeed's to apply, as in a real run.
 The rest of DeepSpeed's configuration (`--deepspeed ds_config.json`: its `zero_optimization`
-section, bucket sizes, `overlap_comm`, `contiguous_gradients`) is DeepSpeed's to apply too.
+section, bucket sizes, `overlap_comm`, `contiguous_gradients`) is DeepSpeed's to apply too; what memplan
+sets in it is memplan.distributed.deepspeed_config's.
 
 What the fake tensors need from DeepSpeed (each a check of values, not an allocation): its overflow
 test reads tensors as bools and a byte tensor with `.item()` (answered: no overflow, as a healthy step
@@ -59,118 +60,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import io
-import logging
 import os
-import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
-from unittest.mock import patch
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memplan.distributed.deepspeed_file import AUTOCAST_DTYPE_NAMES, AUTOCAST_SECTION
+from memplan.distributed.deepspeed_fakes import (
+    NO_AUTOCAST,
+    autocast_globals,
+    config_errors_in_one_line,
+    cpu_accelerator,
+    fake_tensors_tolerated,
+    fresh_fake_group,
+    import_deepspeed,
+)
 from memplan.distributed.offload import HostCopies, HostMemory
 from memplan.errors import SettingsError
 from memplan.settings import DEEPSPEED_MODE_OF_STAGE
-
-# Keys of a DeepSpeed configuration that memplan's own settings decide (batch, accumulation,
-# precision, optimizer): the user's values for them are replaced.
-MEMPLAN_SETS = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "optimizer",
-    "scheduler",
-    "bf16",
-    "bfloat16",  # bf16's older name, which DeepSpeed still reads
-    "fp16",
-    "torch_autocast",
-    "zero_allow_untested_optimizer",
-)
-# transformers' HfDeepSpeedConfig fills "auto" sizes from the model's hidden size
-# (integrations/deepspeed.py, trainer_config_finalize): reduce_bucket_size = hidden_size², and with
-# stage 3 stage3_prefetch_bucket_size = int(0.9 × hidden_size²), stage3_param_persistence_threshold =
-# 10 × hidden_size.
-AUTO_FROM_HIDDEN_SIZE = {
-    "reduce_bucket_size": lambda hidden: hidden * hidden,
-    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
-    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
-}
-
-
-def deepspeed_config(
-    stage: int,
-    batch_size: int,
-    precision: str,
-    user_config: dict[str, Any] | None,
-    hidden_size: int | None = None,
-    grad_accum: int = 1,
-    offload: str = "none",
-) -> dict:
-    """The configuration the rank's engine is built with: the user's (`--deepspeed`), with the ZeRO
-    stage, batch, accumulation, precision (torch_autocast for amp-*, its module list the user's) and
-    optimizer set from memplan's settings, the
-    "auto" values transformers would fill, and `offload_optimizer` on the host where `offload` is
-    "optimizer" (--offload optimizer)."""
-    config = {key: value for key, value in (user_config or {}).items() if key not in MEMPLAN_SETS}
-    zero = dict(config.get("zero_optimization") or {})
-    for key, value in list(zero.items()):
-        if value != "auto":
-            continue
-        if key.startswith("stage3_") and (stage != 3 or key not in AUTO_FROM_HIDDEN_SIZE):
-            del zero[key]  # stage 3's settings that size no buffer (or a stage that reads none): DeepSpeed's default
-        elif key in AUTO_FROM_HIDDEN_SIZE and hidden_size is not None:
-            zero[key] = AUTO_FROM_HIDDEN_SIZE[key](hidden_size)
-        else:
-            raise SettingsError(
-                f'--deepspeed: zero_optimization.{key} is "auto", which transformers fills from the model\'s '
-                "config and memplan cannot here: give a number"
-            )
-    offload_optimizer = _offload_optimizer(zero, offload)
-    if offload_optimizer is not None:
-        zero["offload_optimizer"] = offload_optimizer
-        # memplan's optimizer is the client optimizer, which DeepSpeed runs on the host when told it may
-        # (engine.py, _configure_optimizer: DeepSpeedCPUAdam is required otherwise); where the job would run
-        # DeepSpeedCPUAdam, the rank runs memplan's optimizer as it (DeepSpeedRank, runs_deepspeed_cpu_adam).
-        config["zero_force_ds_cpu_optimizer"] = False
-    offload_param = _offload_param(zero, offload, stage, offload_optimizer is not None)
-    if offload_param is not None:
-        zero["offload_param"] = offload_param
-    zero["stage"] = stage
-    config["zero_optimization"] = zero
-    config["train_micro_batch_size_per_gpu"] = batch_size
-    config["gradient_accumulation_steps"] = grad_accum  # the engine counts the micro-batches (after_micro_batch)
-    config["bf16"] = {"enabled": precision == "bf16"}
-    # fp16: DeepSpeed's own, a 16-bit model, float32 master partition and a dynamic loss scale (a
-    # Python number it multiplies the loss by and divides the gradients by in the step).
-    config["fp16"] = {"enabled": precision == "fp16"}
-    if precision in AUTOCAST_DTYPE_NAMES:
-        user_autocast = (user_config or {}).get(AUTOCAST_SECTION)
-        config[AUTOCAST_SECTION] = {
-            **(user_autocast if isinstance(user_autocast, dict) else {}),
-            "enabled": True,
-            "dtype": AUTOCAST_DTYPE_NAMES[precision],
-        }
-    # memplan hands DeepSpeed its optimizer as the client optimizer, as transformers' Trainer does, which
-    # then allows optimizers DeepSpeed has not tested with ZeRO (integrations/deepspeed.py,
-    # deepspeed_optim_sched): without it torch's Adafactor or bitsandbytes' 8-bit Adam fail an assertion.
-    config["zero_allow_untested_optimizer"] = True
-    return config
-
-
-def runs_deepspeed_cpu_adam(user_config: dict[str, Any] | None) -> bool:
-    """Whether a job offloading its optimizer steps with DeepSpeedCPUAdam: DeepSpeed requires it (or its
-    CPU Adagrad or Lion) with offload_optimizer unless the configuration says `zero_force_ds_cpu_optimizer:
-    false` (engine.py, _configure_optimizer), accelerate, and so transformers' Trainer, turns the
-    Trainer's torch optimizer into it (accelerate/utils/deepspeed.py, map_pytorch_optim_to_deepspeed:
-    DeepSpeedCPUAdam for all but Adagrad and bitsandbytes' 32-bit Lion), and DeepSpeed builds it from an
-    "optimizer" section of the file."""
-    return (user_config or {}).get("zero_force_ds_cpu_optimizer", True) is not False
 
 
 def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:
@@ -191,232 +100,6 @@ def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] += 1
 
     optimizer.step = step  # type: ignore[method-assign]
-
-
-def _offload_section(zero: dict[str, Any], name: str, forced: bool, moved: str) -> dict[str, Any] | None:
-    """zero_optimization's `name` section ("offload_param" or "offload_optimizer") as the rank runs it: the
-    user's, its device set to "cpu" where `forced` (by --offload); None where nothing leaves the GPU.
-    NVMe (ZeRO-Infinity's swapping) is refused: memplan does not trace it."""
-    section = dict(zero.get(name) or {})
-    if forced:
-        section["device"] = "cpu"
-    device = section.get("device") or "none"
-    if device == "none":
-        return None
-    if device != "cpu":
-        raise SettingsError(
-            f'--deepspeed: zero_optimization.{name} moves {moved} to "{device}" (ZeRO-Infinity), which memplan '
-            f'does not trace: give "cpu", or remove {name}'
-        )
-    return section
-
-
-def _offload_param(zero: dict[str, Any], offload: str, stage: int, offloads_optimizer: bool) -> dict[str, Any] | None:
-    """The offload_param section: ZeRO-3's parameter partitions on the host, set by --offload params with the
-    optimizer's state (the usual "ZeRO-3 offload" configuration)."""
-    section = _offload_section(zero, "offload_param", offload == "params", "the parameters")
-    if section is None:
-        return None
-    if stage != 3:
-        raise SettingsError("--deepspeed: zero_optimization.offload_param is ZeRO-3's: give --parallel zero3")
-    if not offloads_optimizer:
-        raise SettingsError(
-            "--deepspeed: zero_optimization.offload_param without offload_optimizer is not traced: offload both "
-            '(device "cpu" in each, or --offload params)'
-        )
-    return section
-
-
-def _offload_optimizer(zero: dict[str, Any], offload: str) -> dict[str, Any] | None:
-    """The offload_optimizer section, set by --offload optimizer (and params). A partial offload (`ratio`
-    below 1, which keeps some sub-groups' state on the GPU, or `super_offload`) is refused."""
-    section = _offload_section(zero, "offload_optimizer", offload in ("optimizer", "params"), "the optimizer state")
-    if section is not None and (float(section.get("ratio", 1.0)) != 1.0 or section.get("super_offload")):
-        raise SettingsError(
-            "--deepspeed: zero_optimization.offload_optimizer offloads part of the optimizer (ratio below 1, or "
-            "super_offload), which memplan does not trace: leave them out for the whole state on the host"
-        )
-    return section
-
-
-@contextlib.contextmanager
-def _config_errors_in_one_line() -> Iterator[None]:
-    """DeepSpeed checks its configuration's sections with pydantic models (runtime/config_utils.py,
-    DeepSpeedConfigModel: typed, bounded fields, unknown keys refused): a value it refuses is the user's
-    mistake, said in one line with where it is, not pydantic's multi-line report."""
-    from pydantic import ValidationError
-
-    try:
-        yield
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-        raise SettingsError(
-            f"the DeepSpeed configuration: DeepSpeed's {error.title} refuses {where or 'a value'}: {first['msg']} "
-            f"(given {first.get('input')!r}){more}"
-        ) from error
-    except ValueError as error:
-        # torch_autocast's lower_precision_safe_modules: class paths DeepSpeed imports (torch_autocast.py,
-        # init_autocast_params: "Failed to import lower precision safe module ...").
-        if "lower precision safe module" not in str(error):
-            raise
-        raise SettingsError(
-            f"the DeepSpeed configuration's torch_autocast.lower_precision_safe_modules: {error} (give module "
-            "classes as package.module.Class, importable where memplan runs)"
-        ) from error
-
-
-def _import_deepspeed() -> Any:
-    """deepspeed, imported with its log handler moved to stderr: DeepSpeed logs to stdout (a
-    StreamHandler made at import, deepspeed/utils/logging.py), where it would break `--json`. What it
-    says while it is imported (which accelerator it detected) is dropped; its messages while memplan
-    drives it are quietened to errors (_fake_tensors_tolerated)."""
-    first_import = "deepspeed" not in sys.modules
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            import deepspeed
-    except ImportError as error:
-        raise SettingsError(
-            f"--parallel zero2/zero3 (and zero1 with --deepspeed) trace DeepSpeed's own ZeRO, which is not "
-            f"installed ({error}): pip install deepspeed (or memplan[deepspeed])"
-        ) from error
-    if first_import:
-        from deepspeed.utils.logging import logger
-
-        for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                handler.setStream(sys.stderr)
-    return deepspeed
-
-
-def _fresh_fake_group(world_size: int, option: str) -> None:
-    """A fake default group of `world_size` ranks for DeepSpeed, its own cached groups forgotten."""
-    import deepspeed.comm.comm as deepspeed_comm
-    import deepspeed.utils.groups as groups
-
-    from memplan.distributed.fake_group import lingering_fake_group
-
-    lingering_fake_group(world_size, option)
-    deepspeed_comm.cdb = None
-    groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    groups.mesh_device = None
-
-
-@functools.cache
-def _cpu_accelerator() -> Any:
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-    accelerator = CPU_Accelerator()
-    # It offers fp16 only where the CPU has oneDNN's fp16 kernels (cpu_accelerator.py, is_fp16_supported);
-    # the job's GPUs have fp16, and fake tensors run it as they run any dtype.
-    accelerator.is_fp16_supported = lambda: True
-    return accelerator
-
-
-@contextlib.contextmanager
-def _fake_tensors_tolerated(world_size: int, truth_values: bool = True) -> Iterator[None]:
-    """What DeepSpeed reads of values, answered without them (module docstring), and the launcher's
-    variables it reads (rank 0 of `world_size`) set meanwhile. `truth_values=False` leaves a fake
-    tensor's truth value unanswered (the model's forward: its own code must not be steered by it)."""
-    # (`import deepspeed.comm.torch as ...` would bind torch itself: deepspeed.comm has an attribute `torch`)
-    deepspeed_torch_backend = importlib.import_module("deepspeed.comm.torch")
-    import deepspeed.runtime.zero.partition_parameters as partition_parameters
-    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
-    import deepspeed.runtime.zero.stage3 as stage3
-    import deepspeed.runtime.zero.utils as zero_utils
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    saved: list[tuple[Any, str, Any]] = [
-        (deepspeed_torch_backend, "build_shm_op", deepspeed_torch_backend.build_shm_op)
-    ]
-    deepspeed_torch_backend.build_shm_op = lambda: None  # a shared-memory kernel for real CPU collectives
-    # Stage 3 asserts that every rank sees the same counts (all-reduced values: none on a fake group);
-    # each module imports the check by name.
-    for owner in (zero_utils, coordinator, stage3, partition_parameters):
-        saved.append((owner, "assert_ints_same_as_other_ranks", owner.assert_ints_same_as_other_ranks))
-        owner.assert_ints_same_as_other_ranks = _same_on_every_rank
-    # The step skips itself where the gradients' norm is inf or nan (`is_invalid_grad_norm`, imported by name
-    # into stage3.py and stage_1_and_2.py). A fake group's collectives write nothing, so in a real run on it
-    # (validate) a bucket's unwritten memory can make the norm so, and the step, its optimizer state with it,
-    # is skipped; a healthy step's norm is valid. The check runs (its temporaries count) and says so.
-    import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
-
-    for owner in (stage3, stage_1_and_2):
-        if hasattr(owner, "is_invalid_grad_norm"):
-            saved.append((owner, "is_invalid_grad_norm", owner.is_invalid_grad_norm))
-            owner.is_invalid_grad_norm = _valid_after_checking(owner.is_invalid_grad_norm)
-    if truth_values:
-        saved.append((FakeTensor, "__bool__", FakeTensor.__dict__.get("__bool__")))
-        FakeTensor.__bool__ = lambda self: False  # type: ignore[method-assign]
-        # Stage 3's host gradient norm under offload_optimizer reads a norm with float() (stage3.py,
-        # complete_grad_norm_calculation_for_cpu_offload): a number it only computes with.
-        saved.append((FakeTensor, "__float__", FakeTensor.__dict__.get("__float__")))
-        FakeTensor.__float__ = lambda self: 1.0  # type: ignore[method-assign]
-    from deepspeed.accelerator import real_accelerator
-
-    # DeepSpeed runs its CPU accelerator over fake CPU tensors (the allocations are the same ops),
-    # whatever accelerator the process has chosen, which it gets back afterwards.
-    saved.append((real_accelerator, "ds_accelerator", real_accelerator.ds_accelerator))
-    real_accelerator.ds_accelerator = _cpu_accelerator()
-    from deepspeed.utils.logging import logger
-
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # its notices (accelerator, config, a skipped step) are not the user's
-    launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}
-    try:
-        with patch.dict(os.environ, launcher), warnings.catch_warnings():
-            # DeepSpeed reads data_ptr() for alignment asserts (fake tensors warn that it is deprecated for
-            # them) and calls torch.distributed's deprecated all_gather_into_tensor: neither is the user's.
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor", category=UserWarning)
-            warnings.filterwarnings("ignore", message=".*all_gather_into_tensor", category=FutureWarning)
-            warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor", category=FutureWarning)
-            yield
-    finally:
-        logger.setLevel(level)
-        for owner, name, original in saved:
-            if original is None and owner is FakeTensor:  # __bool__, __float__: FakeTensor had none of its own
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-
-# DeepSpeed's torch_autocast keeps its state in module globals (runtime/torch_autocast.py: whether an engine
-# initialized it, and its dtype), set by an engine's initialize and read as its ZeRO optimizer is built and as
-# it reduces each gradient (base_optimizer.py, get_param_comm_dtype). Each rank's are its own, set while it runs;
-# the process's are restored between.
-_AUTOCAST_GLOBALS = ("TORCH_AUTOCAST_INITIALIZED", "TORCH_AUTOCAST_DTYPE")
-_NO_AUTOCAST: dict[str, Any] = {"TORCH_AUTOCAST_INITIALIZED": False, "TORCH_AUTOCAST_DTYPE": None}
-
-
-@contextlib.contextmanager
-def _autocast_globals(values: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """DeepSpeed's torch_autocast globals set to `values` meanwhile; yields the values they hold as the block
-    ends (what an engine's initialize made of them), and restores the process's."""
-    import deepspeed.runtime.torch_autocast as torch_autocast
-
-    saved = {name: getattr(torch_autocast, name) for name in _AUTOCAST_GLOBALS}
-    held = dict(values)
-    for name, value in values.items():
-        setattr(torch_autocast, name, value)
-    try:
-        yield held
-    finally:
-        held.update({name: getattr(torch_autocast, name) for name in _AUTOCAST_GLOBALS})
-        for name, value in saved.items():
-            setattr(torch_autocast, name, value)
-
-
-def _valid_after_checking(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    def valid(norm: Any) -> bool:
-        check(norm)
-        return False
-
-    return valid
-
-
-def _same_on_every_rank(*_: Any, **__: Any) -> None:
-    return None  # what rank 0 sees is what every rank of a fake group sees
 
 
 class DeepSpeedRank:
@@ -440,7 +123,7 @@ class DeepSpeedRank:
         offload_optimizer the host memory is pinned where `pins_host_memory` (a GPU run) and DeepSpeed's
         `pin_memory` say so, and `optimizer` steps as DeepSpeedCPUAdam where `cpu_adam`
         (runs_deepspeed_cpu_adam)."""
-        deepspeed = _import_deepspeed()
+        deepspeed = import_deepspeed()
         from memplan.estimator.held_tensors import LIBRARIES_HOLDING_TENSORS
 
         self.stage = config["zero_optimization"]["stage"]
@@ -454,13 +137,13 @@ class DeepSpeedRank:
         # holder's lifetime would extend to the tensor's).
         LIBRARIES_HOLDING_TENSORS.add(deepspeed.runtime.zero.partition_parameters.__file__)
         self.world_size = world_size
-        _fresh_fake_group(world_size, option)
+        fresh_fake_group(world_size, option)
         linear = torch.nn.functional.linear
         try:
             with (
-                _fake_tensors_tolerated(self.world_size),
-                _config_errors_in_one_line(),
-                _autocast_globals(_NO_AUTOCAST) as self._autocast,
+                fake_tensors_tolerated(self.world_size),
+                config_errors_in_one_line(),
+                autocast_globals(NO_AUTOCAST) as self._autocast,
             ):
                 self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         finally:
@@ -567,12 +250,12 @@ class DeepSpeedRank:
         `on_accelerator` says the buffer is not there: stage3.py, partition_grads)."""
         linear = torch.nn.functional.linear
         torch.nn.functional.linear = self._linear
-        accelerator = _cpu_accelerator()
+        accelerator = cpu_accelerator()
         host = {StorageWeakRef(tensor.untyped_storage()) for tensor in self.host_tensors()}
         if host:
             accelerator.on_accelerator = lambda tensor: StorageWeakRef(tensor.untyped_storage()) not in host
         try:
-            with _fake_tensors_tolerated(self.world_size, truth_values), _autocast_globals(self._autocast):
+            with fake_tensors_tolerated(self.world_size, truth_values), autocast_globals(self._autocast):
                 yield
         finally:
             torch.nn.functional.linear = linear

@@ -1,7 +1,7 @@
 """What a DeepSpeed configuration (`--deepspeed ds_config.json`, or `--hf-args`' deepspeed entry) says about the
 settings memplan takes from its own options: precision, batch, accumulation and optimizer.
 
-memplan builds the rank's engine with its own values for these (memplan.distributed.deepspeed, MEMPLAN_SETS), as
+memplan builds the rank's engine with its own values for these (memplan.distributed.deepspeed_config, MEMPLAN_SETS), as
 transformers' Trainer fills the file's "auto" values from TrainingArguments. Where the file gives one of them
 outright, the Trainer checks it against its arguments and stops on a mismatch (integrations/deepspeed.py,
 `HfTrainerDeepSpeedConfig.fill_match`: "Please correct the following DeepSpeed config values that mismatch

@@ -104,7 +104,7 @@ def _notes(settings: TrainingSettings, has_convolutions: bool = False, paged_byt
             f'"auto"): {"; ".join(replaced)}'
         )
     if settings.deepspeed_stage is not None and settings.offloads_to_host:
-        from memplan.distributed.deepspeed import runs_deepspeed_cpu_adam
+        from memplan.distributed.deepspeed_config import runs_deepspeed_cpu_adam
 
         pinned = "pinned where its pin_memory says so: torch rounds each pinned buffer up to a power of two"
         if runs_deepspeed_cpu_adam(settings.deepspeed_settings):

@@ -137,7 +137,8 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         trainable = [param for param in model.parameters() if param.requires_grad]  # its sharded DTensors
     optimizer = build_optimizer(trainable, settings)
     if settings.deepspeed_stage is not None:  # DeepSpeed's engine wraps the model and the optimizer
-        from memplan.distributed.deepspeed import DeepSpeedRank, deepspeed_config, runs_deepspeed_cpu_adam
+        from memplan.distributed.deepspeed import DeepSpeedRank
+        from memplan.distributed.deepspeed_config import deepspeed_config, runs_deepspeed_cpu_adam
 
         assert optimizer is not None  # settings refuse --optimizer none
         hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)  # transformers' "auto"
