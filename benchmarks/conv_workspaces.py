@@ -33,10 +33,10 @@ def conv_rows(archive: Path, config_id: str, gpu: str) -> list[dict]:
     import torch
     from trace_diff import measured_events, predicted
 
-    import memplan.estimator.simulate as simulate_module
+    import memplan.estimator.transients as transients_module
 
     described: list[tuple] = []
-    original = simulate_module._conv_workspace
+    original = transients_module._conv_workspace
 
     def describing(node, args, settings):  # type: ignore[no-untyped-def]
         requests = original(node, args, settings)
@@ -49,12 +49,12 @@ def conv_rows(archive: Path, config_id: str, gpu: str) -> list[dict]:
         described.append(call)
         return tuple(request._replace(name=f"{request.name}|{len(described) - 1}") for request in requests)
 
-    simulate_module._conv_workspace = describing
+    transients_module._conv_workspace = describing
     try:
         real = measured_events(archive, config_id)
         _, _, result = predicted(config_id, gpu)
     finally:
-        simulate_module._conv_workspace = original
+        transients_module._conv_workspace = original
     timeline = result.timeline
     ours = sorted(
         (a for a in timeline.allocations if not a.persists(timeline.node_count) and a.size_bytes),

@@ -24,8 +24,9 @@ from click.testing import CliRunner
 import memplan
 from memplan.cli import main
 from memplan.errors import SettingsError
-from memplan.estimator.simulate import _library_transients, simulate
+from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
+from memplan.estimator.transients import library_transients
 from memplan.finetune import bnb_kernels
 from memplan.finetune.bnb_kernels import gemm_4bit_scratch, int8_scratch
 from memplan.measure.cpu import measure_cpu
@@ -326,7 +327,7 @@ def test_on_cuda_int8_layers_run_matmul8bitlt_with_the_assumed_outlier_columns(t
             continue
         kept_columns = sorted(tuple(node.meta["val"][1].shape) for node in nodes)
         # Each int8 op's kernel temporaries reach the simulation (the int32 product, the outlier mask).
-        transients = _library_transients(graph_nodes, "cuda")
+        transients = library_transients(graph_nodes, "cuda")
         int8_nodes = [i for i, node in enumerate(graph_nodes) if str(node.target) in (INT8_MIXED, INT8_QUANT)]
         assert int8_nodes and set(int8_nodes) <= set(transients)
         assert {scratch[0].name for scratch in transients.values()} >= {

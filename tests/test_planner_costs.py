@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from memplan.estimator.checkpointing import block_names
-from memplan.estimator.simulate import liveness, simulate
+from memplan.estimator.liveness import liveness
+from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import build_fake_setup, trace_step
 from memplan.models.source import resolve_model
 from memplan.planner.costs import chain_costs, model_peak_bytes
@@ -179,8 +180,8 @@ def _hand_worked_chain():
     """
     from types import SimpleNamespace
 
+    from memplan.estimator.liveness import Liveness
     from memplan.estimator.opgraph import OpNode
-    from memplan.estimator.simulate import Liveness
 
     mm = torch.ops.aten.mm.default
     nodes = [OpNode("placeholder", "x")]
@@ -269,8 +270,8 @@ def _chain_with_unsaved_block():
     """
     from types import SimpleNamespace
 
+    from memplan.estimator.liveness import Liveness
     from memplan.estimator.opgraph import OpNode
-    from memplan.estimator.simulate import Liveness
 
     made = [["x"], ["s0"], ["o0"], ["a1", "k1"], ["o1"], ["a2"], ["m2"], ["o2"], ["loss"]]
     reads = [[], ["x"], ["s0"], ["o0"], ["a1"], ["o1"], ["o1"], ["a2"], ["o2", "s0"]]
@@ -366,8 +367,8 @@ def test_a_last_block_that_saves_nothing_keeps_its_backward_at_the_end():
     """
     from types import SimpleNamespace
 
+    from memplan.estimator.liveness import Liveness
     from memplan.estimator.opgraph import OpNode
-    from memplan.estimator.simulate import Liveness
 
     keys = ["x", "a0", "o0", "o1", "loss"]
     nodes: list = []

@@ -3,9 +3,10 @@
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan.estimator.liveness import round_for_device
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.recorder import record_graph
-from memplan.estimator.simulate import round_for_device, simulate
+from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import TracedStep
 from memplan.settings import TrainingSettings
 
@@ -159,7 +160,7 @@ def test_the_peak_names_its_op_and_the_timeline_names_each_storages_maker():
 def test_a_convolutions_workspace_is_capped_in_mib_and_absent_when_it_makes_no_cudnn_call():
     """CUDNN_CONV_WSCAP_DBG (--cudnn-workspace-cap) is in MiB: a 1 MiB cap holds an 8 MiB band top to
     1,048,576 bytes. A backward that only sums the bias's gradient calls no cuDNN convolution."""
-    from memplan.estimator.simulate import _conv_workspace
+    from memplan.estimator.transients import _conv_workspace
 
     x = torch.empty(8, 64, 64, 64, dtype=torch.float16, device="meta")  # 4 MiB
     weight = torch.empty(64, 64, 3, 3, dtype=torch.float16, device="meta")
@@ -293,7 +294,7 @@ def test_one_cublas_workspace_per_thread_that_multiplies_matrices():
     """CublasHandlePool.cpp: ":4096:8" (32 MiB) on sm90, ":4096:2:16:8" (2 x 4 MiB + 8 x 16 KiB)
     elsewhere, one per thread; the autograd engine's device thread runs the backward. Rounded as
     the allocator rounds: roundup_power2_divisions:4 takes 8.125 MiB to 10 MiB."""
-    from memplan.estimator.simulate import cublas_workspaces
+    from memplan.estimator.transients import cublas_workspaces
 
     def fn(x):
         y = x @ x
@@ -316,7 +317,7 @@ def test_one_cublas_workspace_per_thread_that_multiplies_matrices():
 def test_each_cublas_workspace_is_made_at_its_threads_first_matmul():
     """The handle and its workspace come with a thread's first cuBLAS call (getCurrentCUDABlasHandle):
     the timeline marks each workspace with that node, for the first iteration to request it there."""
-    from memplan.estimator.simulate import first_matmuls
+    from memplan.estimator.transients import first_matmuls
 
     def fn(x):
         y = x @ x

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from memplan.errors import SettingsError
 from memplan.estimator.flops import node_flops
-from memplan.estimator.simulate import Liveness, Simulation
+from memplan.estimator.liveness import Liveness
+from memplan.estimator.simulate import Simulation
 from memplan.estimator.trace import TracedStep
 
 

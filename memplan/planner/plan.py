@@ -21,9 +21,10 @@ from memplan.estimator.checkpointing import block_names, layout_applied
 from memplan.estimator.cuda.allocator import ROUND_LARGE_BYTES
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.estimate import step_flops
+from memplan.estimator.liveness import Liveness, liveness
 from memplan.estimator.replay import OptimizerRecording
 from memplan.estimator.search import find_max_batch_size
-from memplan.estimator.simulate import Liveness, Simulation, liveness, simulate
+from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.trace import FakeSetup, TracedStep, build_fake_setup, trace_step
 from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
