@@ -33,6 +33,10 @@ from memplan.settings import TrainingSettings
         ({"fp16": {"enabled": "off"}}, None),
         ({"bf16": None, "bfloat16": {"enabled": True}}, "bf16"),
         ({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}}, None),  # the older name only without bf16
+        # a section without "enabled" is off, as each of DeepSpeed's defaults has it
+        ({"bf16": {"immediate_grad_update": True}}, None),
+        ({"fp16": {}}, None),
+        ({"torch_autocast": {"dtype": "bfloat16"}}, None),
         ({"bf16": {"enabled": False}, "fp16": {"enabled": False}}, None),
         ({"zero_optimization": {"stage": 2}}, None),
     ],
@@ -71,7 +75,10 @@ def test_a_precision_section_is_on_where_deepspeed_s_own_model_says_it_is(key, p
         ({"bf16": True}, 'the DeepSpeed configuration\'s "bf16" is true, where DeepSpeed takes a section such as'),
         ({"torch_autocast": "bfloat16"}, '"torch_autocast" is "bfloat16", where DeepSpeed takes a section'),
         ({"bf16": {"enabled": 2}}, 'bf16.enabled is 2, which DeepSpeed refuses: give true, false or "auto"'),
-        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enables both bf16 and fp16, which DeepSpeed refuses"),
+        (
+            {"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+            'enables both bf16 and fp16, which DeepSpeed refuses: set "enabled" to false in one of them',
+        ),
         ({"torch_autocast": {"enabled": True, "dtype": ["bfloat16"]}}, "and its dtype is ['bfloat16']: give"),
         (  # DeepSpeed would import "t", "o", "r", ... one by one
             {"torch_autocast": {"enabled": False, "lower_precision_safe_modules": "torch.nn.Linear"}},
@@ -106,6 +113,7 @@ def test_values_the_file_gives_that_memplan_s_options_replace():
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8, "train_batch_size": 128},
         {"optimizer": {"type": "AdamW"}},
         {"optimizer": {"type": "Adam"}},  # DeepSpeed's Adam: two float32 moments as torch's AdamW
+        {"optimizer": {"params": {"lr": 1e-3}}},  # no type: nothing to replace
     ],
 )
 def test_values_that_agree_or_are_auto_replace_nothing(config):
