@@ -243,6 +243,20 @@ def test_the_deepspeed_file_an_hf_args_file_names_is_in_the_key(cache, tiny_mode
     assert kept_at(50_000_000) != kept_at(1_000_000)
 
 
+def test_a_flag_given_at_its_default_beside_hf_args_is_another_question(cache, tiny_model_dirs, tmp_path):
+    """With --hf-args, `--precision fp32` given outright overrides the file's bf16 though fp32 is the default: it
+    was answered from the cache with the file's amp-bf16 answer."""
+    hf_args = tmp_path / "args.json"
+    hf_args.write_text(json.dumps({"per_device_train_batch_size": 2, "bf16": True}))
+    from_file = json.loads(_estimate(tiny_model_dirs["gpt2"], "--hf-args", str(hf_args), "--json").stdout)
+    given = _estimate(tiny_model_dirs["gpt2"], "--hf-args", str(hf_args), "--precision", "fp32", "--json")
+    assert "answered from the cache" not in given.stderr
+    assert (from_file["settings"]["precision"], json.loads(given.stdout)["settings"]["precision"]) == (
+        "amp-bf16",
+        "fp32",
+    )
+
+
 def test_a_command_that_writes_a_file_is_not_kept(cache, tiny_model_dirs, tmp_path):
     folder, traces = cache
     model = tiny_model_dirs["gpt2"]

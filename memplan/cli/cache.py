@@ -182,8 +182,10 @@ class _Tee(io.TextIOBase):
         return getattr(self.real, "encoding", "utf-8")
 
 
-def cached_answer(command: str, params: dict[str, Any]) -> CachedAnswer | None:
-    """Where `command` with these parsed options keeps its answer; None when it is not to be kept."""
+def cached_answer(command: str, params: dict[str, Any], typed: set[str] | None = None) -> CachedAnswer | None:
+    """Where `command` with these parsed options keeps its answer; None when it is not to be kept. `typed`: the
+    options given on the command line or by their environment variables, which with --hf-args decide whether
+    the file's value or the option's is taken, so they are part of the key there."""
     if params.get("no_cache") or os.environ.get(NO_CACHE_VARIABLE) == "1":
         return None
     if any(params.get(name) is not None for name in _UNCACHED_OPTIONS):
@@ -207,6 +209,7 @@ def cached_answer(command: str, params: dict[str, Any]) -> CachedAnswer | None:
     key_parts = {
         "command": command,
         "options": {name: value for name, value in params.items() if name != "no_cache"},
+        "typed": sorted(typed or ()) if isinstance(params.get("hf_args"), str) else None,
         "model": model_digest,
         "files": files,
         "memplan": _memplan_source_digest(),

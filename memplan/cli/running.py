@@ -112,9 +112,17 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
 def _run_cached(command: str, debug: bool, action: Callable[[], None]) -> None:
     """_run, answered from memplan's cache when this command with these options has been answered
     before (memplan.cli.cache: before torch is imported), and kept there when it succeeds."""
+    from click.core import ParameterSource
+
     from memplan.cli.cache import cached_answer
 
-    answer = cached_answer(command, click.get_current_context().params)
+    context = click.get_current_context()
+    # With --hf-args a flag given outright overrides the file even at its default value (_with_hf_args): which
+    # flags were given is part of the question then.
+    typed = {
+        name for name in context.params if context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+    }
+    answer = cached_answer(command, context.params, typed)
     if answer is None:
         _run(debug, action)
         return
