@@ -83,3 +83,18 @@ def test_object_mistakes_are_one_line_errors():
         memplan.estimate(real, inputs=token_inputs, seq_len=64, device="cpu")
     with pytest.raises(UsageError, match="loss must be a function"):
         memplan.estimate(real, inputs=token_inputs, loss=3, device="cpu")
+
+
+def test_a_model_that_cannot_run_at_half_the_batch_is_estimated_at_the_batch_asked():
+    """The per-sample slope's second trace ran at half the batch: at 1, where BatchNorm in training fails
+    ("Expected more than 1 value per channel"), so estimate and validate stopped on a batch that runs. The
+    slope is traced at twice the batch there; the prediction is the real CPU run's."""
+    result = memplan.validate(
+        "tests.zoo_models:batch_norm_mlp",
+        inputs="tests.zoo_models:flat_inputs",
+        loss="tests.zoo_models:mean_square_loss",
+        batch_size=2,
+        device="cpu",
+    )
+    assert result.error is None
+    assert abs(result.predicted_peak_bytes - result.measured_peak_bytes) <= 0.005 * result.measured_peak_bytes

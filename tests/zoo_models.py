@@ -248,3 +248,8 @@ def bfloat16_inputs(batch_size: int) -> torch.Tensor:
 
 def wider_for_large_batches() -> nn.Module:
     return WiderForLargeBatches()
+
+
+def batch_norm_mlp() -> nn.Module:
+    """BatchNorm1d in training needs more than one value per channel: it runs at batch 2, not at 1."""
+    return nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.BatchNorm1d(FEATURES), nn.ReLU(), nn.Linear(FEATURES, 4))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memplan.distributed.deepspeed_file import replaced_values
-from memplan.errors import SettingsError
+from memplan.errors import SettingsError, TraceError
 from memplan.estimator.adam8bit import paged_state_bytes
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
@@ -262,6 +262,7 @@ class BatchTracer:
         self.lines: BatchLines | None = None  # set once a third trace confirmed them
         self.interpolated: dict[int, dict[str, int]] = {}  # batch size -> fit_phase_peaks, from the lines
         self.interpolated_timelines: dict[int, MemoryTimeline] = {}  # batch size -> its timeline, from the lines
+        self._slope_batch_size: int | None = None
 
     def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
         if batch_size in self.simulations or self.lines is None or batch_size == 1:
@@ -313,6 +314,22 @@ class BatchTracer:
             self._confirm_lines(batch_size)
         return self.simulations[batch_size]
 
+    def slope_batch_size(self) -> int:
+        """The other batch size traced for the per-sample slope, traced: second_batch_size, or twice the settings'
+        batch size where the model cannot run at the smaller one (BatchNorm in training needs more than one value
+        per channel: a batch of 1 over 1×1 maps fails, where the batch asked for runs)."""
+        if self._slope_batch_size is None:
+            other = second_batch_size(self.settings.batch_size)
+            try:
+                self.simulate(other)
+            except TraceError:
+                if other > self.settings.batch_size:
+                    raise
+                other = 2 * self.settings.batch_size
+                self.simulate(other)
+            self._slope_batch_size = other
+        return self._slope_batch_size
+
     def _confirm_lines(self, batch_size: int) -> None:
         """With a third traced batch size: keep the lines through the other two if it lies on them."""
         if self.lines is not None or len(self.simulations) < 3:
@@ -330,9 +347,10 @@ class BatchTracer:
     def max_batch_size(self, budget_bytes: int) -> int:
         """The largest batch size that fits the budget: the search runs on fit_bytes (on cuda the
         least memory each step completes in), the answer is checked at the budget itself (fits)."""
-        for batch in (self.settings.batch_size, second_batch_size(self.settings.batch_size)):
-            if len(self.simulations) < 2:
-                self.simulate(batch)  # the search starts from two traced batch sizes
+        if len(self.simulations) < 2:  # the search starts from two traced batch sizes
+            self.simulate(self.settings.batch_size)
+        if len(self.simulations) < 2:
+            self.slope_batch_size()
         known = {batch: simulation.fit_phase_peaks for batch, simulation in self.simulations.items()}
         found = find_max_batch_size(known, self.fit_phase_peaks, budget_bytes)
         # The search may stop on a fitted line's word that found + 1 is over budget; the device
@@ -406,7 +424,7 @@ def run_estimate(
     main = tracer.simulate(batch_size)
     traced = tracer.first
     assert traced is not None
-    other = second_batch_size(batch_size)
+    other = tracer.slope_batch_size()
     slope = (main.peak_bytes - tracer.simulate(other).phase_peak_bytes[main.phase]) // (batch_size - other)
     max_batch = fits = None
     if budget_bytes is not None:
