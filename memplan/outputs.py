@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -35,6 +36,16 @@ def check_output(option: str, path: str | Path, *, inputs: Iterable[str | Path] 
         raise UsageError(f"--{option} {path} exists; pass --force to replace it, or name another file")
 
 
+def _mode_for(target: Path) -> int:
+    """The permission bits a written `target` gets: those of the file there now, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        umask = os.umask(0)  # read by setting it; put back at once
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None], what: str) -> None:
     """`write(file)` into a temporary file beside `path`, then rename it over `path`."""
     target = Path(path)
@@ -43,6 +54,9 @@ def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None], what:
     except OSError as error:
         raise OutputError(f"cannot write the {what} to {path}: {error.strerror or error}") from error
     try:
+        # mkstemp makes the file 0600: give it the mode a plain open() would (0666 less the umask), or the mode
+        # of the file it replaces.
+        os.chmod(temporary, _mode_for(target))
         with os.fdopen(descriptor, "wb") as file:
             write(file)
         os.replace(temporary, target)

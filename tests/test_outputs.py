@@ -2,6 +2,8 @@
 input, and are written whole or not at all."""
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,20 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
 def test_an_unwritable_place_is_one_clear_error(tmp_path):
     with pytest.raises(OutputError, match="cannot write the plan to"):
         write_atomically(tmp_path / "missing" / "plan.json", lambda file: file.write(b"x"), "plan")
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_a_written_file_has_the_mode_open_would_give_it(tmp_path, umask, mode):
+    """Every output was 0600 (tempfile.mkstemp's), whatever the umask; a replaced file keeps its own mode."""
+
+    previous = os.umask(umask)
+    try:
+        write_atomically(tmp_path / "new.json", lambda file: file.write(b"{}"), "test output")
+        replaced = tmp_path / "old.json"
+        replaced.write_bytes(b"[]")
+        replaced.chmod(0o604)
+        write_atomically(replaced, lambda file: file.write(b"{}"), "test output")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == mode
+    assert stat.S_IMODE(replaced.stat().st_mode) == 0o604 and replaced.read_bytes() == b"{}"
