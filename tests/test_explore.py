@@ -274,3 +274,11 @@ def test_compare_on_lora_offers_qlora_and_skips_it_where_it_cannot_apply(monkeyp
     assert any(
         reason.startswith("QLoRA (NF4 base): --quantize quantizes a transformers model") for reason in own.skipped
     )
+
+
+def test_every_checkpointed_series_is_labelled_with_its_mode():
+    """A selective series was labelled as the unchecked one ("fp32" twice)."""
+    from memplan.explore.sweep import series_label
+
+    labels = [series_label("fp32", mode) for mode in ("none", "all", "selective")]
+    assert labels == ["fp32", "fp32, checkpoint all", "fp32, checkpoint selective"]

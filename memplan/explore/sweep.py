@@ -25,7 +25,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 def series_label(precision: str, checkpoint: str) -> str:
-    return precision + (", checkpoint all" if checkpoint == "all" else "")
+    return precision + (f", checkpoint {checkpoint}" if checkpoint != "none" else "")
 
 
 @dataclass(frozen=True)

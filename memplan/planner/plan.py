@@ -381,7 +381,8 @@ def _suggestions(tracer: _Tracer, layout: CheckpointLayout, budget_bytes: int) -
                 f"fits with {layout.describe()}: {format_bytes(max(known[micro].values()))}"
             )
         else:
-            suggestions.append("not even batch size 1 fits with this checkpointing")
+            # Each suggestion is something to try (rendered after "try"): here no batch size is.
+            suggestions.append("a larger budget or GPU: not even batch size 1 fits with this checkpointing")
     if settings.precision == "fp32":
         suggestions.append("(not traced) --precision amp-bf16 or bf16, which store activations in 16 bits")
     if settings.optimizer in ("adam", "adamw"):

@@ -52,7 +52,7 @@ def measure_in_subprocess(
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"the measurement ran past {timeout_s:.0f} s and was stopped (--timeout)"}
+        return {"error": f"the measurement ran past {timeout_s:g} s and was stopped (--timeout)"}
     lines = completed.stdout.strip().splitlines()
     if lines:
         try:
