@@ -86,7 +86,24 @@ def when_nothing_fits(result: EstimateResult, budget_bytes: int) -> str:
             f"budget, so no batch size fits one {'GPU' if settings.device == 'cuda' else 'device'} as configured: "
             f"try {'; '.join(options)}"
         )
-    if result.phase_peak_bytes.get("optimizer", 0) >= budget_bytes:
+    workspaces = result.breakdown.workspaces
+    if settings.device == "cuda" and 2 * workspaces >= result.peak_bytes:
+        # Library workspaces, not tensors, make most of the peak (a small model): no batch size or checkpointing
+        # changes them; the switches that size them do (memplan.estimator.cuda.cublas, .cudnn).
+        options = [
+            "--cublas-workspace-config :16:8 (cuBLAS's workspaces, one per thread that multiplies matrices: "
+            "8 of 16 KiB each)"
+        ]
+        if result.conv_workspace_free_peak_bytes is not None:
+            options.append("--cudnn-workspace-cap MIB (each convolution's cuDNN workspace)")
+        return (
+            f"workspaces take {format_bytes(workspaces)} of the {format_bytes(result.peak_bytes)} peak, the same at "
+            f"every batch size: try {'; '.join(options)}"
+        )
+    # On cuda a budget must hold what the step completes in, the allocator's rounding and segments included: the
+    # phases' live bytes are compared with what is left of it after that.
+    overhead = max((result.smallest_device_bytes or result.peak_bytes) - result.peak_bytes, 0)
+    if result.phase_peak_bytes.get("optimizer", 0) + overhead >= budget_bytes:
         options = _state_options(result)
         if settings.optimizer_impl != "for-loop" and settings.optimizer not in ("sgd", "none"):
             options.insert(0, "--optimizer-impl for-loop (no foreach temporaries)")

@@ -71,3 +71,15 @@ def test_a_zero1_rank_whose_state_does_not_fit_is_pointed_at_fsdp():
                       batch_size=4, device="cpu", parallel="zero1", world_size=4)  # fmt: skip
     advice = when_nothing_fits(result, result.breakdown.parameters)
     assert "--parallel fsdp on the same ranks" in advice and "zero1" not in advice
+
+
+def test_a_peak_made_of_workspaces_is_told_to_shrink_them():
+    """tiny-gpt2 on the cuda target: cuBLAS's two 32 MiB workspaces are 64 of its 66.7 MiB peak, and the advice
+    was "activations make the peak: try --checkpoint all" (its activations at the peak: 0 B). Following the
+    new advice fits the same budget."""
+    result = estimate("tiny-gpt2", batch_size=1, seq_len=32)
+    assert result.breakdown.workspaces == 2 * 32 * 2**20 and result.breakdown.activations == 0
+    advice = when_nothing_fits(result, 67 * 2**20)
+    assert advice.startswith("workspaces take 64.00 MiB") and "--cublas-workspace-config :16:8" in advice
+    assert "--checkpoint" not in advice
+    assert estimate("tiny-gpt2", batch_size=1, seq_len=32, cublas_workspace_config=":16:8", budget="67MiB").fits
