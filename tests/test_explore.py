@@ -282,3 +282,12 @@ def test_every_checkpointed_series_is_labelled_with_its_mode():
 
     labels = [series_label("fp32", mode) for mode in ("none", "all", "selective")]
     assert labels == ["fp32", "fp32, checkpoint all", "fp32, checkpoint selective"]
+
+
+def test_a_precision_named_twice_is_one_line():
+    import pytest
+
+    from memplan.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="--precisions names fp32 more than once"):
+        sweep("tiny-gpt2", batch_sizes=(1,), precisions=("fp32", "fp32"), **BASE)

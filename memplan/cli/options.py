@@ -314,7 +314,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             is_flag=True,
             expose_value=False,
             callback=_set_force,
-            help="Replace output files (--plot, --snapshot, --output) that exist; inputs are never replaced.",
+            help="Replace output files that exist (--plot, --snapshot, --output where a command has one); inputs stay.",
         ),
         click.option("--debug", is_flag=True, help="Show tracebacks."),
     ]

@@ -81,6 +81,9 @@ def _check(values: tuple[str, ...], known: tuple[str, ...], option: str) -> None
     unknown = [value for value in values if value not in known]
     if unknown or not values:
         raise SettingsError(f"{option} takes a comma-separated list of {', '.join(known)}; got {','.join(values)}")
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:  # as --batch-sizes: the same series twice is a slip
+        raise SettingsError(f"{option} names {', '.join(repeated)} more than once; name each once")
 
 
 def _check_file_precision(settings: TrainingSettings, precisions: tuple[str, ...]) -> None:

@@ -59,7 +59,7 @@ def render_sweep(result: SweepResult, console: Console) -> None:
     traces = sum(series.traces for series in result.series)
     interpolated = sum(not point.traced for series in result.series for point in series.points)
     from_lines = f", {interpolated} batch sizes from the lines through traced ones" if interpolated else ""
-    console.print(f"[dim]{traces} traces{from_lines}; {result.seconds:.1f} s[/dim]")
+    console.print(f"[dim]{traces} trace{'' if traces == 1 else 's'}{from_lines}; {result.seconds:.1f} s[/dim]")
 
 
 def render_compare(result: CompareResult, console: Console) -> None:
