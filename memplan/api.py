@@ -537,11 +537,13 @@ def validate_suite(
     resume: bool = False,
     warmup: int = DEFAULT_WARMUP_ITERATIONS,
     timeout_s: float = DEFAULT_TIMEOUT_SECONDS,
+    replace: bool = False,
 ) -> Iterator[tuple[SuiteConfig, ValidationResult | None]]:
     """Validate every configuration of a built-in suite, appending each result to `results` as it goes.
 
     Yields (configuration, result) as each finishes; the result is None for configurations a
-    resumed run finds already in the file.
+    resumed run finds already in the file. An existing `results` file is refused unless `resume` continues it or
+    `replace` starts it over.
     """
     if not isinstance(name, str):
         raise UsageError(f"name must be a suite name ({', '.join(SUITES)}), got {name!r}")
@@ -560,7 +562,7 @@ def validate_suite(
             config.model, inputs=config.inputs, warmup=warmup, timeout_s=timeout_s, device=device, **config.settings
         )
 
-    return run_suite(name, configs, path, measure, device=device, resume=resume)
+    return run_suite(name, configs, path, measure, device=device, resume=resume, replace=replace)
 
 
 # Importing memplan.validate.* above bound the subpackage to the name `memplan.validate`, which

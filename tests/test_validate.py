@@ -80,6 +80,13 @@ def test_smoke_suite_writes_as_it_goes_and_resumes(tmp_path, monkeypatch) -> Non
     for entry in document["configs"]:
         assert abs(entry["relative_error"]) <= 0.005, entry["id"]
 
+    # --force starts the file over (it asked for --resume even then): one configuration left to measure it
+    monkeypatch.setitem(SUITES, "smoke", suite[:1])
+    results.write_text(json.dumps({"suite": "smoke", "configs": [{"id": "stale"}]}))
+    forced = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(results), "--force", "--json")
+    assert forced.exit_code == 0, forced.output
+    assert [entry["id"] for entry in json.loads(results.read_text())["configs"]] == [suite[0].id]
+
 
 def test_the_main_suite_is_broad_enough() -> None:
     from memplan.validate.suite import MAIN

@@ -111,10 +111,13 @@ def _validate_suite(
     path = Path(results or f"validation-{suite}.json")
     if not path.resolve().parent.is_dir():  # before the first measurement, not after it
         raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")
+    replace = bool(click.get_current_context().find_root().meta.get("memplan.force")) and not resume
+    if replace:
+        _check_output_paths(results=str(path))  # --force replaces outputs, never the command's inputs
     interrupted = False
     try:
         for config, result in validate_suite(
-            suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout
+            suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout, replace=replace
         ):
             if result is not None and not as_json:
                 _stderr_console().print(" · ".join(suite_row(config.id, result)[:4]))

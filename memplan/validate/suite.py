@@ -272,15 +272,20 @@ def run_suite(
     *,
     device: str,
     resume: bool = False,
+    replace: bool = False,
 ) -> Iterator[tuple[SuiteConfig, ValidationResult | None]]:
     """Measure each configuration, writing the results file after each; yields (config, result or None if resumed).
+    An existing results file is continued with `resume`, started over with `replace` (at the first result
+    written: until then it is kept), and otherwise refused.
 
     A configuration whose prediction or measurement fails is recorded as a failed result, with
     the reason, and the suite goes on (measurement failures, OOM and time-outs already come back
     as results; this covers what raises).
     """
-    if results_path.exists() and not resume:
-        raise UsageError(f"{results_path} exists: pass --resume to continue it, or another --results file")
+    if results_path.exists() and not resume and not replace:
+        raise UsageError(
+            f"{results_path} exists: pass --resume to continue it, --force to start it over, or another --results file"
+        )
     document = load_results(results_path) if resume and results_path.exists() else {"suite": name, "configs": []}
     if document.get("suite") != name:
         raise UsageError(f"{results_path} holds suite {document.get('suite')!r}, not {name!r}")
