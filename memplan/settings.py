@@ -360,10 +360,10 @@ class TrainingSettings:
             raise SettingsError(f"--lora-alpha must be more than 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise SettingsError(f"--lora-dropout is a probability below 1, got {self.lora_dropout}")
-        if self.lora_targets is not None and not [name for name in self.lora_targets.split(",") if name.strip()]:
+        names = [name.strip() for name in self.lora_targets.split(",")] if self.lora_targets is not None else []
+        if self.lora_targets is not None and not any(names):
             raise SettingsError("--lora-targets names no module: give names such as q_proj,v_proj")
-        if self.lora_targets is not None and any(not name.strip() for name in self.lora_targets.split(",")):
-            # a slip (q_proj,,v_proj) that the header would print as given
+        if not all(names):  # a slip (q_proj,,v_proj) that the header would print as given
             raise SettingsError(
                 f"--lora-targets {self.lora_targets} has an empty name between its commas: give names such as "
                 "q_proj,v_proj"

@@ -36,23 +36,26 @@ AUTOCAST_PRECISION_OF_DTYPE = {
 ADAM_KINDS = ("adam", "adamw")
 
 
-# How DeepSpeed 0.19 reads a precision section's "enabled" (runtime/precision_config.py): bf16 and fp16 are pydantic
-# models (DeepSpeedConfigModel), whose __init__ drops an "auto" value first (runtime/config_utils.py) and which then
-# coerce as pydantic's lax bool does: true and false, the integers and floats 1 and 0, and these strings in any case
-# (pydantic's "Standard Library Types" docs, bool); anything else fails validation.
-PYDANTIC_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
-PYDANTIC_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-def _pydantic_bool(value: Any) -> bool | None:
-    """value as pydantic's lax bool reads it; None where pydantic refuses it."""
+def _as_deepspeed_reads_it(key: str, value: Any) -> bool:
+    """A precision section's "enabled" as DeepSpeed 0.19 reads it (runtime/precision_config.py): bf16 and fp16 are
+    pydantic models (DeepSpeedConfigModel, `enabled: bool`), so pydantic's own bool validation, which DeepSpeed
+    installs with itself; what it refuses is a one-line error."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in PYDANTIC_TRUE_STRINGS | PYDANTIC_FALSE_STRINGS:
-        return value.lower() in PYDANTIC_TRUE_STRINGS
-    return None
+    try:
+        from pydantic import TypeAdapter, ValidationError
+    except ImportError as error:
+        raise SettingsError(
+            f"the DeepSpeed configuration's {key}.enabled is {json.dumps(value)}, which needs DeepSpeed (and its "
+            f"pydantic) to read ({error}): pip install deepspeed (or memplan[deepspeed]), or give true or false"
+        ) from error
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        raise SettingsError(
+            f"the DeepSpeed configuration's {key}.enabled is {json.dumps(value)}, which DeepSpeed refuses: give "
+            'true, false or "auto"'
+        ) from None
 
 
 def _section(config: dict[str, Any], key: str) -> Any:
@@ -79,15 +82,9 @@ def _precision_enabled(config: dict[str, Any], key: str) -> bool:
     if not isinstance(section, dict):
         raise _not_a_section(key, section)
     value = section.get("enabled", False)
-    if value == "auto":
+    if value == "auto":  # DeepSpeedConfigModel drops "auto" values before validating (runtime/config_utils.py)
         return False
-    enabled = _pydantic_bool(value)
-    if enabled is None:
-        raise SettingsError(
-            f"the DeepSpeed configuration's {key}.enabled is {json.dumps(value)}, which DeepSpeed refuses: give "
-            'true, false or "auto"'
-        )
-    return enabled
+    return _as_deepspeed_reads_it(key, value)
 
 
 def _autocast_enabled(config: dict[str, Any]) -> bool:

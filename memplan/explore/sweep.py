@@ -81,9 +81,14 @@ def _check(values: tuple[str, ...], known: tuple[str, ...], option: str) -> None
     unknown = [value for value in values if value not in known]
     if unknown or not values:
         raise SettingsError(f"{option} takes a comma-separated list of {', '.join(known)}; got {','.join(values)}")
+    _refuse_repeats(values, option)
+
+
+def _refuse_repeats(values: tuple[Any, ...], option: str) -> None:
+    """A value named twice (the same series or point twice) is a slip: one line."""
     repeated = sorted({value for value in values if values.count(value) > 1})
-    if repeated:  # as --batch-sizes: the same series twice is a slip
-        raise SettingsError(f"{option} names {', '.join(repeated)} more than once; name each once")
+    if repeated:
+        raise SettingsError(f"{option} names {', '.join(map(str, repeated))} more than once; name each once")
 
 
 def _check_file_precision(settings: TrainingSettings, precisions: tuple[str, ...]) -> None:
@@ -130,9 +135,7 @@ def run_sweep(
     _check_file_precision(settings, precisions)
     if not batch_sizes or any(batch < 1 for batch in batch_sizes):
         raise SettingsError("--batch-sizes takes positive integers, e.g. 1,2,4,8")
-    repeated = sorted({batch for batch in batch_sizes if batch_sizes.count(batch) > 1})
-    if repeated:
-        raise SettingsError(f"--batch-sizes names {', '.join(map(str, repeated))} more than once; name each once")
+    _refuse_repeats(batch_sizes, "--batch-sizes")
     report = progress or (lambda message: None)
     series = []
     combinations = [(precision, checkpoint) for precision in precisions for checkpoint in checkpoints]

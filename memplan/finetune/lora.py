@@ -40,7 +40,7 @@ def with_lora(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     if settings.lora_alpha is not None:
         options["lora_alpha"] = settings.lora_alpha
     if settings.lora_targets is not None:
-        options["target_modules"] = [name.strip() for name in settings.lora_targets.split(",") if name.strip()]
+        options["target_modules"] = [name.strip() for name in settings.lora_targets.split(",")]  # none empty (settings)
     with warnings.catch_warnings():
         # peft says it switched fan_in_fan_out on for GPT-2's Conv1D layers (it handles them itself),
         # and asks transformers a question transformers 5 calls by a new name: neither is the user's.
