@@ -1,3 +1,3 @@
-from memplan.cli import main
+from memplan.cli import run
 
-main()
+run()

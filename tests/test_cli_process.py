@@ -1,0 +1,81 @@
+"""memplan.cli.run, the `memplan` process's entry point: it leaves with os._exit once main() is done, so what a
+normal exit does before the teardown it skips must still happen, each checked in a real child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# stdout block-buffered as a pipe is by default (PYTHONUNBUFFERED, set on some machines, would hide a missing flush)
+ENVIRONMENT = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"} | {"PYTHONPATH": str(ROOT)}
+
+
+def _child(body: str) -> subprocess.CompletedProcess[str]:
+    """A Python process that runs `body` and then memplan.cli.run() with argv ['memplan', '--version']."""
+    program = f"import sys\nimport memplan.cli\n{body}\nsys.argv = ['memplan', '--version']\nmemplan.cli.run()\n"
+    return subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=ENVIRONMENT, timeout=120, check=False
+    )
+
+
+def test_buffered_output_and_atexit_functions_survive_the_quick_exit() -> None:
+    # stdout is a pipe here, so block-buffered: without a flush before os._exit the version line is lost
+    done = _child("import atexit\natexit.register(lambda: print('atexit function ran', flush=True))")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "memplan, version " + _version() + "\natexit function ran\n"
+
+
+def test_a_running_thread_is_waited_for_as_at_a_normal_exit() -> None:
+    body = "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()"
+    done = _child(body)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["memplan, version " + _version(), "thread done"]
+
+
+def test_the_exit_status_is_python_s_own() -> None:
+    stop_with = "import memplan.cli as cli\ncli.main = lambda: sys.exit({})"
+    assert _child(stop_with.format(3)).returncode == 3
+    assert _child(stop_with.format(None)).returncode == 0
+    text = _child(stop_with.format("'a message'"))
+    assert (text.returncode, text.stderr) == (1, "a message\n")
+
+
+def test_a_usage_error_is_one_line_and_status_2_through_python_minus_m() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "memplan", "estimate", "gpt2", "-b", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "memplan: error: batch size must be a positive integer, got 0\n"
+
+
+def test_output_that_cannot_be_flushed_is_status_120_as_at_python_s_own_exit() -> None:
+    # the reader is gone before the buffered line is flushed (`memplan ... | head -0`): CPython's own exit is 120
+    reader, writer = os.pipe()
+    os.close(reader)
+    program = "import sys\nimport memplan.cli\nmemplan.cli.main = lambda: (print('buffered'), sys.exit(0))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", program + "memplan.cli.run()\n"],
+        stdout=writer,
+        stderr=subprocess.PIPE,
+        env=ENVIRONMENT,
+        timeout=120,
+        check=False,
+    )
+    os.close(writer)
+    assert done.returncode == 120
+    assert b"BrokenPipeError" not in done.stderr  # raised by the flush at exit, not by print()
+
+
+def _version() -> str:
+    from memplan.version import __version__
+
+    return __version__
