@@ -63,6 +63,37 @@ def test_layout_errors_name_the_problem():
         CheckpointLayout(segments=(("blocks.0",), ("blocks.0", "blocks.1")))
 
 
+def _untouched(model: nn.Module) -> bool:
+    return not any(
+        "forward" in vars(module) or module._forward_pre_hooks or module._forward_hooks for module in model.modules()
+    )
+
+
+@pytest.mark.parametrize(
+    "bad_segment",
+    [("blocks.7",), ("head", "blocks.2")],
+    ids=["a module the model lacks", "a segment of no ModuleList"],
+)
+def test_a_layout_refused_at_its_last_segment_leaves_the_model_as_it_was(bad_segment):
+    model = _Chained(count=4)
+    layout = CheckpointLayout(segments=(("blocks.0",), ("blocks.1",), bad_segment))
+    with pytest.raises(SettingsError):
+        apply_layout(model, layout)
+    assert _untouched(model)
+
+
+def test_a_model_is_checkpointed_once_until_undone():
+    model = _Chained(count=3)
+    undo = apply_layout(model, CheckpointLayout(segments=(("blocks.0",), ("blocks.1", "blocks.2"))))
+    for again in (("blocks.0",), ("blocks.2",), ("head",)):  # the same module, one in a segment, another one
+        with pytest.raises(SettingsError, match="checkpointed already"):
+            apply_layout(model, CheckpointLayout(segments=(again,)))
+    undo()
+    assert _untouched(model)
+    apply_layout(model, CheckpointLayout(segments=(("blocks.1",),)))
+    assert "forward" in vars(model.blocks[1])
+
+
 def test_undo_restores_the_plain_forward():
     model = _Scaled()
     undo = apply_layout(model, CheckpointLayout(segments=(("blocks.0",), ("blocks.1",))))

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from memplan.errors import PlanFileError
+from memplan.errors import PlanFileError, SettingsError, UsageError
 from memplan.estimator.loop import micro_batch, prepare
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import resolve_model
@@ -107,6 +107,15 @@ def test_apply_plan_checkpoints_a_real_model_and_refuses_another(deep_models, ti
     other = prepare(resolve_model(str(tiny_model_dirs["gpt2"])), settings)  # 2 blocks, not 6
     with pytest.raises(PlanFileError, match="fingerprint"):
         apply_plan(other.model, path)
+
+    # once is enough: a second application would nest every checkpoint in another
+    with pytest.raises(SettingsError, match="checkpointed already"):
+        apply_plan(state.model, path)
+    hugging_face_checkpointed = prepare(spec, settings).model
+    hugging_face_checkpointed.gradient_checkpointing_enable()
+    with pytest.raises(UsageError, match="gradient_checkpointing_disable"):
+        apply_plan(hugging_face_checkpointed, path)
+    assert not any("forward" in vars(module) for module in hugging_face_checkpointed.modules())
 
 
 def test_selective_option_is_traced_applied_and_measured(deep_models, tmp_path):

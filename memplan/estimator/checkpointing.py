@@ -240,20 +240,42 @@ def _check_consecutive(model: nn.Module, segment: tuple[str, ...]) -> None:
         )
 
 
+# Set on each module apply_layout checkpoints, until its undo: a second layout on the same model would nest
+# checkpoints (each recomputing what the outer one recomputes again).
+CHECKPOINTED_MARK = "_memplan_checkpointed"
+
+
 def apply_layout(model: nn.Module, layout: CheckpointLayout) -> Callable[[], None]:
-    """Checkpoint `model` in place as `layout` says; returns the function that undoes it."""
-    undos: list[Callable[[], None]] = []
+    """Checkpoint `model` in place as `layout` says; returns the function that undoes it.
+
+    Every name and segment is checked before any module is touched, so a layout that is refused leaves the
+    model as it was; so is a model that a layout checkpoints already."""
+    already = [name for name, module in model.named_modules() if getattr(module, CHECKPOINTED_MARK, False)]
+    if already:
+        raise SettingsError(
+            f"this model is checkpointed already (module {already[0]!r}): apply a plan once, to a model built afresh"
+        )
+    resolved: list[tuple[tuple[str, ...], list[nn.Module], str]] = []
     for segment, policy in zip(layout.segments, layout.policies, strict=True):
         modules = [_resolve(model, name) for name in segment]
+        if len(segment) > 1:
+            _check_consecutive(model, segment)
+        resolved.append((segment, modules, policy))
+    undos: list[Callable[[], None]] = []
+    for segment, modules, policy in resolved:
         if len(segment) == 1:
             undos.append(checkpoint_module(modules[0], policy))
         else:
-            _check_consecutive(model, segment)
             undos.append(_Segment(name=f"{segment[0]}…{segment[-1]}", blocks=modules, policy=policy).remove)
+        for module in modules:
+            setattr(module, CHECKPOINTED_MARK, True)
 
     def undo() -> None:
         for step in reversed(undos):
             step()
+        for _, modules, _ in resolved:
+            for module in modules:
+                vars(module).pop(CHECKPOINTED_MARK, None)
 
     return undo
 

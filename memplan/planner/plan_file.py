@@ -119,7 +119,9 @@ def check_settings(plan: Plan, settings: TrainingSettings) -> None:
 def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
     """Checkpoint a real model as a plan says (non-reentrant checkpoints); returns the modules checkpointed.
 
-    The plan is refused if it was made for a model with other module names or parameter shapes.
+    The plan is refused if it was made for a model with other module names or parameter shapes, for a model
+    that is checkpointed already (by an earlier apply_plan, or by Hugging Face's gradient_checkpointing_enable()),
+    and where any module it names cannot be checkpointed; a refused plan leaves the model as it was.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(
@@ -127,5 +129,12 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
         )
     loaded = load_plan(plan)
     check_fingerprint(loaded.fingerprint, loaded.model, model, "this model")
+    # Hugging Face's own checkpointing (gradient_checkpointing_enable() sets `gradient_checkpointing` on each
+    # GradientCheckpointingLayer) would run inside the plan's checkpoints: every block recomputed twice over.
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        raise UsageError(
+            "this model has Hugging Face gradient checkpointing on, and the plan checkpoints its own choice of "
+            "modules: call model.gradient_checkpointing_disable() before apply_plan"
+        )
     apply_layout(model, loaded.layout)
     return list(loaded.layout.modules)
