@@ -17,7 +17,8 @@ from memplan.estimator.trace import build_fake_setup, trace_step
 from memplan.models.source import resolve_model
 from memplan.planner.forked import available_cores
 from memplan.planner.plan import make_plan
-from memplan.settings import TrainingSettings, format_bytes
+from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 
 CONFIG = {
     "model_type": "gpt2",

@@ -24,7 +24,8 @@ from memplan.estimator.simulate import simulate  # noqa: E402
 from memplan.estimator.trace import trace_step  # noqa: E402
 from memplan.models.presets import all_presets  # noqa: E402
 from memplan.models.source import resolve_model  # noqa: E402
-from memplan.settings import PRECISIONS, TrainingSettings, format_bytes  # noqa: E402
+from memplan.settings import PRECISIONS, TrainingSettings  # noqa: E402
+from memplan.sizes import format_bytes  # noqa: E402
 from tests.zoo import tiny_preset_config  # noqa: E402
 
 GPUS = ("H100-80GB", "A100-80GB", "A10G", "T4", "V100-32GB")

@@ -28,10 +28,10 @@ _EXPORTS = {
     "EstimateResult": "memplan.estimator.result",
     "read_training_args": "memplan.hf_args",
     "PlanResult": "memplan.planner.plan",
-    "CheckpointLayout": "memplan.settings",
+    "CheckpointLayout": "memplan.checkpoint_layout",
     "TrainingSettings": "memplan.settings",
-    "format_bytes": "memplan.settings",
-    "parse_size": "memplan.settings",
+    "format_bytes": "memplan.sizes",
+    "parse_size": "memplan.sizes",
     "ValidationResult": "memplan.validate.result",
 }
 

@@ -11,8 +11,11 @@ Checkpointing only lowers activations, so it is advice only when activations are
 
 from __future__ import annotations
 
+from memplan.checkpoint_layout import CheckpointLayout
+from memplan.distributed.modes import DDP_MODES, FSDP_MODES
 from memplan.estimator.result import EstimateResult
-from memplan.settings import DDP_MODES, FSDP_MODES, CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 
 
 def _state_options(result: EstimateResult) -> list[str]:

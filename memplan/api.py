@@ -15,6 +15,7 @@ from memplan.estimator.collector import spares_existing_objects
 
 require_supported_torch()  # before the imports below, which need a torch memplan knows
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import MemplanError, SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
@@ -27,7 +28,8 @@ from memplan.models.source import ModelSpec, resolve_model
 from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
-from memplan.settings import CHECKPOINT_MODES, PRECISIONS, CheckpointLayout, TrainingSettings, parse_size
+from memplan.settings import CHECKPOINT_MODES, PRECISIONS, TrainingSettings
+from memplan.sizes import parse_size
 from memplan.validate.result import ValidationResult
 from memplan.validate.runner import (
     DEFAULT_TIMEOUT_SECONDS,

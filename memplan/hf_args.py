@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memplan.distributed.deepspeed_file import parse_deepspeed_config
+from memplan.distributed.modes import DEEPSPEED_MODE_OF_STAGE
 from memplan.errors import HfArgsError, SettingsError
-from memplan.settings import DEEPSPEED_MODE_OF_STAGE, parse_deepspeed_config
 
 # TrainingArguments.optim -> (memplan optimizer, optimizer implementation).
 OPTIMS: dict[str, tuple[str, str]] = {

@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.estimator.checkpointing import block_names
 from memplan.estimator.loop import call_model, prepare
 from memplan.models.source import resolve_model
-from memplan.settings import CheckpointLayout, TrainingSettings
+from memplan.settings import TrainingSettings
 
 aten = torch.ops.aten
 

@@ -4,11 +4,12 @@ import pytest
 import torch
 from torch import nn
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import SegmentError, apply_layout, block_names
 from memplan.estimator.loop import micro_batch, prepare
 from memplan.models.source import resolve_model
-from memplan.settings import CheckpointLayout, TrainingSettings
+from memplan.settings import TrainingSettings
 
 
 def _gradients(spec, settings):

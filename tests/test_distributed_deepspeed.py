@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 import memplan
 from memplan.cli import main
+from memplan.distributed.modes import DEEPSPEED_STAGES
 from memplan.errors import SettingsError
-from memplan.settings import DEEPSPEED_STAGES
 from tests import deepspeed_models, fsdp_models
 from tests.hand_measure import checkpoint_each
 from tests.two_layer_mlp import mean_square, rows, two_layer

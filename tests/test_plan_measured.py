@@ -160,10 +160,10 @@ def test_where_one_block_is_enough_the_plan_beats_every_baseline(deep_models):
     """The budget is the lowest peak any single checkpointed block reaches (each traced on its own),
     so one block is enough and every baseline that fits recomputes more: the answer must be the
     solver's, not a baseline, and a real CPU run of it must fit (to the zoo's few bytes)."""
+    from memplan.checkpoint_layout import CheckpointLayout
     from memplan.estimator.checkpointing import block_names
     from memplan.estimator.simulate import simulate
     from memplan.estimator.trace import build_fake_setup, trace_step
-    from memplan.settings import CheckpointLayout
 
     spec = resolve_model(deep_models["gpt2"])
     settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.estimator.checkpointing import all_blocks_layout, layout_applied
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import build_fake_setup, trace_step
 from memplan.models.source import resolve_model
-from memplan.settings import CheckpointLayout
 from tests.zoo import TINY_HF_CONFIGS, ZOO_CASES
 
 # Every optimizer and precision memplan traces, gradient accumulation, tied and frozen weights.

@@ -1,35 +1,7 @@
 import pytest
 
-from memplan.errors import SettingsError, SizeParseError
-from memplan.settings import TrainingSettings, format_bytes, parse_size
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("80GB", 80 * 10**9),
-        ("24GiB", 24 * 2**30),
-        ("512MiB", 512 * 2**20),
-        ("1.5 GiB", 3 * 2**29),
-        ("1048576", 2**20),
-        ("4kb", 4000),
-        (12345, 12345),
-    ],
-)
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "-3GB", "0", "1e9", "0.1B"])
-def test_parse_size_rejects(text):
-    with pytest.raises(SizeParseError):
-        parse_size(text)
-
-
-def test_format_bytes_uses_binary_units():
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(3 * 2**29) == "1.50 GiB"
-    assert format_bytes(2**20) == "1.00 MiB"
+from memplan.errors import SettingsError
+from memplan.settings import TrainingSettings
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.settings import CheckpointLayout, TrainingSettings
+from memplan.checkpoint_layout import CheckpointLayout
+from memplan.settings import TrainingSettings
 
 # Small transformers configs: structurally the real thing, sized for CI.
 TINY_HF_CONFIGS: dict[str, dict[str, Any]] = {

@@ -8,20 +8,18 @@ from typing import Any
 
 import click
 
+from memplan.distributed.modes import FSDP_MIXED_PRECISIONS, OFFLOAD_MODES, PARALLEL_MODES
 from memplan.errors import SizeParseError
 from memplan.settings import (
     ATTENTION_IMPLEMENTATIONS,
     DEVICES,
-    FSDP_MIXED_PRECISIONS,
     LOOPS,
-    OFFLOAD_MODES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
-    PARALLEL_MODES,
     PRECISIONS,
     QUANT_TYPES,
-    parse_size,
 )
+from memplan.sizes import parse_size
 
 
 class SizeType(click.ParamType):
@@ -43,8 +41,8 @@ def _deepspeed_config_text(ctx: click.Context, param: click.Parameter, path: str
         return None
     import json
 
+    from memplan.distributed.deepspeed_file import parse_deepspeed_config
     from memplan.errors import SettingsError
-    from memplan.settings import parse_deepspeed_config
 
     try:
         with open(path, encoding="utf-8") as handle:

@@ -77,9 +77,9 @@ from memplan.distributed.deepspeed_fakes import (
     fresh_fake_group,
     import_deepspeed,
 )
+from memplan.distributed.modes import DEEPSPEED_MODE_OF_STAGE
 from memplan.distributed.offload import HostCopies, HostMemory
 from memplan.errors import SettingsError
-from memplan.settings import DEEPSPEED_MODE_OF_STAGE
 
 
 def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:

@@ -165,3 +165,16 @@ def replaced_values(
     if kind and not (kind.lower() in ADAM_KINDS and optimizer in ADAM_KINDS):
         replaced.append(f"optimizer {kind} (--optimizer {optimizer}, handed to DeepSpeed as the client optimizer)")
     return replaced
+
+
+def parse_deepspeed_config(text: str) -> dict[str, Any]:
+    """A DeepSpeed configuration's JSON text, as the object DeepSpeed takes; one line where it is not one."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SettingsError(f"the DeepSpeed configuration is not JSON ({error})") from error
+    if not isinstance(config, dict):
+        raise SettingsError(
+            f"the DeepSpeed configuration holds a JSON {type(config).__name__}, not an object as ds_config.json does"
+        )
+    return config

@@ -28,10 +28,10 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import SettingsError
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.selective import selective_context
-from memplan.settings import CheckpointLayout
 
 
 def repeated_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:

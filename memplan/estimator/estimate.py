@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from memplan.choices import MAX_COUNT
 from memplan.distributed.deepspeed_file import replaced_values
+from memplan.distributed.modes import FSDP_MODES, RESHARDING_FSDP_MODES
 from memplan.errors import SettingsError, TraceError
 from memplan.estimator.adam8bit import paged_state_bytes
 from memplan.estimator.cuda.roofline import step_seconds
@@ -26,7 +28,8 @@ from memplan.gpus import DEFAULT_GPU
 from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
-from memplan.settings import FSDP_MODES, MAX_COUNT, RESHARDING_FSDP_MODES, TrainingSettings, format_bytes
+from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from memplan.distributed.modes import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MODES
 from memplan.errors import UsageError
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
@@ -51,7 +52,7 @@ from memplan.finetune.lora import with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, _check_signature, call_model
-from memplan.settings import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MODES, TrainingSettings
+from memplan.settings import TrainingSettings
 
 STORAGE_DTYPES = {
     "fp32": torch.float32,

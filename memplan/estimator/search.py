@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memplan.settings import MAX_COUNT
+from memplan.choices import MAX_COUNT
 
 MAX_BATCH_SIZE = MAX_COUNT  # the largest batch size memplan models
 # A fitted line is trusted when it predicted a confirming trace within this fraction of the budget.

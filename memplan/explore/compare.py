@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from memplan.distributed.modes import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES
 from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
-from memplan.settings import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES, TrainingSettings
+from memplan.settings import TrainingSettings
 
 
 @dataclass(frozen=True)

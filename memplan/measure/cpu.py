@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memplan.distributed.fsdp import storage_resizes_observed
+from memplan.distributed.modes import FSDP_MODES
 from memplan.distributed.offload import HostCopies, copies_made
 from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.loop import (
@@ -38,7 +39,7 @@ from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
-from memplan.settings import FSDP_MODES, TrainingSettings
+from memplan.settings import TrainingSettings
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names, layout_applied
 from memplan.estimator.cuda.allocator import ROUND_LARGE_BYTES
@@ -32,7 +33,8 @@ from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
 from memplan.planner.forked import available_cores, can_fork, map_forked
 from memplan.planner.solvers import Solution, dp, greedy, solution_for
 from memplan.planner.solvers.baselines import BASELINES, all_blocks
-from memplan.settings import CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 
 SOLVERS: dict[str, Callable[[ChainCosts, int], Solution | None]] = {"dp": dp.solve, "greedy": greedy.solve}
 # Above this many candidates "auto" uses the greedy heuristic (the DP's front grows with the chain).

@@ -10,12 +10,13 @@ from typing import Any
 
 from torch import nn
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import PlanFileError, UsageError
 from memplan.estimator.checkpointing import apply_layout
 from memplan.models.fingerprint import check_fingerprint
 from memplan.outputs import write_atomically
 from memplan.planner.plan import PlanResult
-from memplan.settings import CHECKPOINT_MODES, CheckpointLayout, TrainingSettings
+from memplan.settings import CHECKPOINT_MODES, TrainingSettings
 
 PLAN_FORMAT = "memplan-checkpoint-plan"
 PLAN_VERSION = 2  # 2 added each segment's checkpoint policy; version 1 files (all "full") still load

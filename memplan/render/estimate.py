@@ -8,10 +8,14 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.advice import when_nothing_fits
+from memplan.checkpoint_layout import CheckpointLayout
+from memplan.choices import MAX_COUNT
+from memplan.distributed.modes import FSDP_MODES
 from memplan.estimator.result import EstimateResult
 from memplan.gpus import DEFAULT_GPU
 from memplan.render.units import format_flops, format_seconds
-from memplan.settings import FSDP_MODES, MAX_COUNT, CheckpointLayout, TrainingSettings, format_bytes
+from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 
 _CATEGORY_LABELS = {
     "parameters": "parameters (+ buffers)",

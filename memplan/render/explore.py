@@ -10,7 +10,7 @@ from memplan.explore.gpus import GpuChoiceResult
 from memplan.explore.sweep import SweepPoint, SweepResult
 from memplan.render.estimate import describe_settings
 from memplan.render.units import format_flops
-from memplan.settings import format_bytes
+from memplan.sizes import format_bytes
 
 OVER = " ✗"  # a budget's verdict in text as well as colour: logs and pipes have no colour
 

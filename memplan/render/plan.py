@@ -7,11 +7,12 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from memplan.checkpoint_layout import CheckpointLayout
 from memplan.planner.maximize import MaximizeResult
 from memplan.planner.plan import PlanResult
 from memplan.render.estimate import describe_settings
 from memplan.render.units import format_flops, format_seconds
-from memplan.settings import CheckpointLayout, format_bytes
+from memplan.sizes import format_bytes
 
 
 def plan_to_json(result: PlanResult) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from memplan.errors import OutputError
 from memplan.estimator.timeline import BREAKDOWN_KEYS, MemoryTimeline
 from memplan.outputs import write_atomically
-from memplan.settings import format_bytes
+from memplan.sizes import format_bytes
 
 # The plot draws at most this many points per category; each bin keeps the node where the total is
 # highest, so the peak survives the thinning.

@@ -1,4 +1,4 @@
-"""Human units for FLOPs and seconds (bytes: memplan.settings.format_bytes)."""
+"""Human units for FLOPs and seconds (bytes: memplan.sizes.format_bytes)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan.render.estimate import describe_settings
-from memplan.settings import TrainingSettings, format_bytes
+from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 from memplan.validate.result import ValidationResult
 
 

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from memplan.errors import MeasurementError, SettingsError, UsageError
 from memplan.estimator.estimate import run_estimate
 from memplan.models.source import ModelRef, ModelSpec
-from memplan.settings import TrainingSettings, format_bytes
+from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 from memplan.validate.measure import NO_CUDA_MESSAGE
 from memplan.validate.result import ValidationResult
 

@@ -1,0 +1,53 @@
+"""Memory sizes as users write them (`24GiB`, `80GB`) and as memplan prints them (binary units)."""
+
+from __future__ import annotations
+
+import re
+
+from memplan.errors import SizeParseError
+
+# Binary and decimal units; "GB" is 10**9 as disks and nvidia-smi's marketing sizes use it,
+# "GiB" is 2**30 as torch.cuda reports it.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse `80GB`, `24GiB`, `512MiB`, `1.5 GiB` or plain bytes into a byte count."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise SizeParseError(f"size must be positive, got {text}")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise SizeParseError(f"cannot read {text!r} as a size; write e.g. 24GiB, 80GB, 512MiB or a number of bytes")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 1:
+        raise SizeParseError(f"size must be at least one byte, got {text!r}")
+    return int(value)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units, as torch.cuda and memory_viz print them."""
+    sign = "-" if num_bytes < 0 else ""
+    value = abs(float(num_bytes))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{sign}{value:,.0f} {unit}" if unit == "B" else f"{sign}{value:,.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
