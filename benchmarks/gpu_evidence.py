@@ -45,10 +45,10 @@ TIMEOUT_SECONDS = 240
 
 
 def _settings_for(config: SuiteConfig, device: str) -> tuple[Any, Any]:
-    from memplan.api import _settings
+    from memplan.api_arguments import settings_from
     from memplan.models.source import resolve_model
 
-    settings, _ = _settings(None, {**config.settings, "device": device}, config.inputs)
+    settings, _ = settings_from(None, {**config.settings, "device": device}, config.inputs)
     spec = resolve_model(config.model, inputs=config.inputs)
     return spec, spec.settings_for(settings)
 

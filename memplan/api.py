@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,21 +14,28 @@ from memplan.estimator.collector import spares_existing_objects
 
 require_supported_torch()  # before the imports below, which need a torch memplan knows
 
-from memplan.checkpoint_layout import CheckpointLayout
-from memplan.errors import MemplanError, SettingsError, UsageError
+from memplan.api_arguments import (
+    batch_size_tuple,
+    budget_in_bytes,
+    checked_progress,
+    model_source,
+    name_tuple,
+    positive_count,
+    settings_for_plan,
+    settings_from,
+)
+from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.explore.compare import CompareResult, run_compare
 from memplan.explore.gpus import GpuChoiceResult, run_gpu_choice
 from memplan.explore.sweep import DEFAULT_BATCH_SIZES, SweepResult, run_sweep
-from memplan.gpus import gpu_named
-from memplan.models.objects import batch_size_of, is_model_object, object_spec
-from memplan.models.source import ModelSpec, resolve_model
+from memplan.models.objects import is_model_object
+from memplan.models.source import ModelSpec
 from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
-from memplan.planner.plan_file import Plan, apply_plan, check_settings, load_plan
-from memplan.settings import CHECKPOINT_MODES, PRECISIONS, TrainingSettings
-from memplan.sizes import parse_size
+from memplan.planner.plan_file import apply_plan
+from memplan.settings import PRECISIONS, TrainingSettings
 from memplan.validate.result import ValidationResult
 from memplan.validate.runner import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -40,205 +46,6 @@ from memplan.validate.runner import (
 from memplan.validate.suite import SUITES, SuiteConfig, run_suite, suite_named
 
 __all__ = ["apply_plan", "compare", "estimate", "plan", "plan_batch", "sweep", "validate", "validate_suite"]
-
-
-# Arguments are checked here, at the boundary, with the messages the CLI gives: a wrong type is
-# one MemplanError line, not a TypeError from deep inside the trace.
-_MODEL_FORMS = (
-    "a preset name (`memplan presets`), a transformers model type, a config.json or model directory, "
-    "a cached hub id, 'package.module:callable' returning an nn.Module, an nn.Module, or a callable returning one"
-)
-
-
-def _model_name(model: Any) -> str:
-    """The model argument as the string the CLI takes (a path object is its path)."""
-    if isinstance(model, os.PathLike):
-        return os.fspath(model)
-    if isinstance(model, str):
-        return model
-    raise UsageError(f"model must be {_MODEL_FORMS}; got a value of type {type(model).__name__}")
-
-
-def _import_path(value: Any, option: str, what: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise UsageError(
-        f"{option} must be 'package.module:fn' (the CLI's --{option}), where {what}; "
-        f"got a value of type {type(value).__name__}"
-    )
-
-
-def _source(model: Any, inputs: Any, loss: Any, task: Any) -> ModelSpec:
-    if is_model_object(model):
-        if task is not None:
-            raise UsageError("task picks the head memplan builds for a transformers model; a model object has its own")
-        return object_spec(model, inputs, loss)
-    name = _model_name(model)
-    inputs = _import_path(inputs, "inputs", "fn(batch_size) returns the batch")
-    loss = _import_path(loss, "loss", "fn(output, batch) returns the scalar loss")
-    return resolve_model(name, inputs=inputs, loss=loss, task=task)  # which checks the task
-
-
-# How settings.py's own messages name the integer fields.
-_SETTING_NAMES = {
-    "batch_size": "batch size",
-    "grad_accum": "gradient accumulation steps",
-    "seq_len": "sequence length",
-    "target_len": "target length",
-    "image_size": "image size",
-    "cuda_context": "CUDA context (bytes)",
-    "nccl_memory": "NCCL memory (bytes)",
-    "cudnn_workspace_cap_mib": "cuDNN workspace cap (MiB)",
-    "lora_rank": "LoRA rank",
-}
-
-
-def _check_types(values: dict[str, Any]) -> dict[str, Any]:
-    """Each TrainingSettings field given the type its annotation names (bool is no integer here)."""
-    checked = dict(values)
-    for name, value in values.items():
-        kind = str(TrainingSettings.__dataclass_fields__[name].type)
-        optional = kind.endswith("| None")
-        if value is None and optional:
-            continue
-        if name in ("cuda_context", "nccl_memory") and isinstance(value, str):
-            checked[name] = parse_size(value)  # "600MiB", as the CLI's --cuda-context and --nccl-memory take it
-            continue
-        base = kind.removesuffix("| None").strip()
-        if base == "int":
-            if value is None or isinstance(value, bool) or not isinstance(value, int):
-                what = (
-                    "an integer"
-                    if name in ("cuda_context", "nccl_memory", "cudnn_workspace_cap_mib")
-                    else "a positive integer"
-                )
-                raise SettingsError(f"{_SETTING_NAMES.get(name, name)} must be {what}, got {value!r}")
-        elif base == "bool":
-            if not isinstance(value, bool):
-                raise SettingsError(f"{name} is True or False, got {value!r}")
-        elif base == "float":
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise SettingsError(f"{name} must be a number, got {value!r}")
-            checked[name] = float(value)
-        elif base == "str":
-            if not isinstance(value, str):
-                raise SettingsError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
-    return checked
-
-
-def _settings(
-    settings: TrainingSettings | None, overrides: dict[str, Any], inputs: Any = None
-) -> tuple[TrainingSettings, Plan | None]:
-    """Settings from a base and keyword overrides; `checkpoint` may also be a plan (file or loaded).
-    A batch given as `inputs` sets the batch size where neither settings nor overrides do."""
-    if settings is None and "batch_size" not in overrides and not isinstance(inputs, str):
-        rows = batch_size_of(inputs)
-        if rows is not None:
-            overrides = {**overrides, "batch_size": rows}
-    if settings is not None and not isinstance(settings, TrainingSettings):
-        hint = " (pass a dict as keyword arguments: **settings)" if isinstance(settings, dict) else ""
-        raise SettingsError(
-            f"settings must be a memplan.TrainingSettings or None, got a {type(settings).__name__}{hint}"
-        )
-    unknown = set(overrides) - set(TrainingSettings.__dataclass_fields__)
-    if unknown:
-        raise SettingsError(
-            f"unknown setting(s) {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
-        )
-    if callable(overrides.get("step")):
-        overrides = {**overrides, "step": _step_path(overrides["step"])}
-    if isinstance(overrides.get("deepspeed_config"), dict):  # a DeepSpeed configuration, as deepspeed takes it
-        overrides = {**overrides, "deepspeed_config": json.dumps(overrides["deepspeed_config"], sort_keys=True)}
-    overrides = _check_types(overrides)
-    checkpoint = overrides.get("checkpoint")
-    plan = None
-    if isinstance(checkpoint, Plan | os.PathLike) or (
-        isinstance(checkpoint, str) and checkpoint not in CHECKPOINT_MODES
-    ):
-        plan = load_plan(checkpoint)
-        overrides = {**overrides, "checkpoint": plan.layout}
-    elif checkpoint is not None and not isinstance(checkpoint, str | CheckpointLayout):
-        raise SettingsError(
-            f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, a CheckpointLayout or a plan file; "
-            f"got {checkpoint!r}"
-        )
-    return (settings or TrainingSettings()).replace(**overrides), plan
-
-
-def _step_path(function: Any) -> str:
-    """A step given as a function: its `module:name`, which settings (and plan files) keep, when
-    importing that name gives the same function back."""
-    from memplan.models.imports import import_object
-
-    path = f"{getattr(function, '__module__', '')}:{getattr(function, '__qualname__', '')}"
-    try:
-        same = import_object(path, "step") is function
-    except MemplanError:
-        same = False
-    if not same:
-        raise SettingsError(
-            f"step {function!r} cannot be imported by name; define it at the top level of an importable "
-            "module (not a lambda, a nested function or __main__) and pass it, or its package.module:function"
-        )
-    return path
-
-
-def _budget(budget: str | int | None, settings: TrainingSettings) -> int | None:
-    """An explicit budget, else the usable memory of the named GPU, else none."""
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, str | int | float):
-            raise SettingsError(f"budget must be a size such as '24GiB', '80GB' or a number of bytes; got {budget!r}")
-        return parse_size(budget)
-    return gpu_named(settings.gpu).total_bytes - settings.outside_allocator_bytes if settings.gpu is not None else None
-
-
-def _progress(progress: Any) -> Any:
-    if progress is not None and not callable(progress):
-        raise UsageError(f"progress must be a function taking one message string, or None; got {progress!r}")
-    return progress
-
-
-def _count(value: Any, name: str, allow_none: bool = False) -> int | None:
-    """A positive integer argument (not a bool, a float or a string)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SettingsError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _names(values: Any, option: str) -> tuple[str, ...] | None:
-    """A tuple of names; a string is a comma-separated list, as the CLI's option takes it."""
-    if values is None:
-        return None
-    if isinstance(values, str):
-        values = [part.strip() for part in values.split(",") if part.strip()]
-    if not isinstance(values, Iterable) or not all(isinstance(value, str) for value in values):
-        raise SettingsError(
-            f"{option} must be names as strings (a list, or one comma-separated string); got {values!r}"
-        )
-    return tuple(values) or None
-
-
-def _batch_sizes(values: Any) -> tuple[int, ...]:
-    if isinstance(values, str):
-        try:
-            values = [int(part) for part in values.split(",") if part.strip()]
-        except ValueError:
-            raise SettingsError(f"batch_sizes takes integers, e.g. (1, 2, 4, 8) or '1,2,4,8'; got {values!r}") from None
-    if not isinstance(values, Iterable) or not all(
-        isinstance(value, int) and not isinstance(value, bool) for value in values
-    ):
-        raise SettingsError(f"batch_sizes takes positive integers, e.g. (1, 2, 4, 8); got {values!r}")
-    return tuple(values)
-
-
-def _checked_against_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | None) -> TrainingSettings:
-    settings = spec.settings_for(settings)
-    if plan is not None:
-        check_settings(plan, settings)
-    return settings
 
 
 @leaves_no_process_group
@@ -267,15 +74,15 @@ def estimate(
     """
     if maximize not in (None, "seq-len"):
         raise SettingsError(f"maximize must be 'seq-len' or None; got {maximize!r}")
-    settings, loaded = _settings(settings, setting_overrides, inputs)
-    spec = _source(model, inputs, loss, task)
-    settings = _checked_against_plan(spec, settings, loaded)
-    budget_bytes = _budget(budget, settings)
+    settings, loaded = settings_from(settings, setting_overrides, inputs)
+    spec = model_source(model, inputs, loss, task)
+    settings = settings_for_plan(spec, settings, loaded)
+    budget_bytes = budget_in_bytes(budget, settings)
     return run_estimate(
         spec,
         settings,
         budget_bytes=budget_bytes,
-        progress=_progress(progress),
+        progress=checked_progress(progress),
         plan_fingerprint=loaded.fingerprint if loaded is not None else None,
         maximize_seq_len=maximize == "seq-len",
     )
@@ -302,23 +109,23 @@ def sweep(
     `precisions` and `checkpoints` default to the settings' own; with `budget` (or a `gpu`), each
     series also gets the largest batch size that fits.
     """
-    precisions = _names(precisions, "precisions")
+    precisions = name_tuple(precisions, "precisions")
     if precisions and settings is None and precisions[0] in PRECISIONS:
         # Each series runs one of `precisions`, and --precision only names the default: the settings are checked
         # (against a DeepSpeed file's precision, say) with the first of them.
         setting_overrides = {**setting_overrides, "precision": precisions[0]}
-    settings, _ = _settings(settings, setting_overrides, inputs)
-    sizes = _batch_sizes(batch_sizes)
-    checkpoints = _names(checkpoints, "checkpoints")
-    spec = _source(model, inputs, loss, task)
+    settings, _ = settings_from(settings, setting_overrides, inputs)
+    sizes = batch_size_tuple(batch_sizes)
+    checkpoints = name_tuple(checkpoints, "checkpoints")
+    spec = model_source(model, inputs, loss, task)
     return run_sweep(
         spec,
         settings,
         batch_sizes=sizes,
         precisions=precisions,
         checkpoints=checkpoints,
-        budget_bytes=_budget(budget, settings),
-        progress=_progress(progress),
+        budget_bytes=budget_in_bytes(budget, settings),
+        progress=checked_progress(progress),
     )
 
 
@@ -339,16 +146,16 @@ def which_gpu(
     string): whether it fits the card's usable memory, the largest batch that does, and the card's
     listed price per hour where memplan.prices has one. `result.cheapest` is the fitting card with
     the lowest listed price. Each card is its own trace: it picks the CUDA kernels."""
-    names = _names(gpus, "gpus") or ()
+    names = name_tuple(gpus, "gpus") or ()
     if "gpu" in setting_overrides or (settings is not None and settings.gpu is not None):
         raise SettingsError("which_gpu takes the cards as gpus; leave gpu out of the settings")
     if "budget" in setting_overrides:
         raise SettingsError("which_gpu compares each card's own memory; leave out budget")
-    settings, plan = _settings(settings, setting_overrides, inputs)
+    settings, plan = settings_from(settings, setting_overrides, inputs)
     if plan is not None:
         raise SettingsError("a plan file is made for one card's settings: estimate it with that one gpu")
-    spec = _source(model, inputs, loss, task)
-    return run_gpu_choice(spec, settings, list(names), progress=_progress(progress))
+    spec = model_source(model, inputs, loss, task)
+    return run_gpu_choice(spec, settings, list(names), progress=checked_progress(progress))
 
 
 @leaves_no_process_group
@@ -371,10 +178,12 @@ def compare(
     batch, Adafactor, 8-bit Adam, checkpointing every block, and AMP bf16 with checkpointing;
     `gpus` (data-parallel replicas) only multiplies the effective batch.
     """
-    settings, _ = _settings(settings, setting_overrides, inputs)
-    gpus = _count(gpus, "--gpus")
-    spec = _source(model, inputs, loss, task)
-    return run_compare(spec, settings, gpus=gpus, budget_bytes=_budget(budget, settings), progress=_progress(progress))
+    settings, _ = settings_from(settings, setting_overrides, inputs)
+    gpus = positive_count(gpus, "--gpus")
+    spec = model_source(model, inputs, loss, task)
+    return run_compare(
+        spec, settings, gpus=gpus, budget_bytes=budget_in_bytes(budget, settings), progress=checked_progress(progress)
+    )
 
 
 @leaves_no_process_group
@@ -413,7 +222,7 @@ def plan(
         budget_bytes,
         candidates=candidates,
         solver=solver,
-        progress=_progress(progress),
+        progress=checked_progress(progress),
         selective=selective,
         jobs=jobs,
     )
@@ -432,14 +241,14 @@ def _plan_inputs(
 ) -> tuple[ModelSpec, TrainingSettings, int]:
     if overrides.get("checkpoint", "none") != "none":
         raise SettingsError("a plan chooses the checkpointing itself: drop checkpoint=")
-    settings, _ = _settings(settings, {**overrides, "checkpoint": "none"}, inputs)
+    settings, _ = settings_from(settings, {**overrides, "checkpoint": "none"}, inputs)
     if candidates is not None and not isinstance(candidates, str):
         raise SettingsError(f"candidates must be a regular expression (a string) over module names; got {candidates!r}")
-    _count(jobs, "jobs", allow_none=True)
-    budget_bytes = _budget(budget, settings)
+    positive_count(jobs, "jobs", allow_none=True)
+    budget_bytes = budget_in_bytes(budget, settings)
     if budget_bytes is None:
         raise SettingsError("a plan needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
-    return _source(model, inputs, loss, task), settings, budget_bytes
+    return model_source(model, inputs, loss, task), settings, budget_bytes
 
 
 @leaves_no_process_group
@@ -468,7 +277,13 @@ def plan_batch(
         model, settings, budget, inputs, loss, task, setting_overrides, candidates, jobs
     )
     return maximize_batch(
-        spec, settings, budget_bytes, candidates=candidates, solver=solver, progress=_progress(progress), jobs=jobs
+        spec,
+        settings,
+        budget_bytes,
+        candidates=candidates,
+        solver=solver,
+        progress=checked_progress(progress),
+        jobs=jobs,
     )
 
 
@@ -506,7 +321,7 @@ def validate(
     result (`out_of_memory=True`), not an exception. `snapshot` (cuda) saves PyTorch's memory
     snapshot of the measured iteration for memory_viz.
     """
-    settings, loaded = _settings(settings, setting_overrides, inputs)
+    settings, loaded = settings_from(settings, setting_overrides, inputs)
     warmup, timeout_s = _run_limits(warmup, timeout_s)
     if snapshot is not None and not isinstance(snapshot, str | os.PathLike):
         raise UsageError(f"snapshot must be a file path, got {snapshot!r}")
@@ -516,8 +331,8 @@ def validate(
             "validate runs the step in a separate process, which cannot be handed Python objects: give the "
             "model as a name or 'package.module:factory' and its inputs as 'package.module:fn'"
         )
-    spec = _source(model, inputs, loss, task)
-    settings = _checked_against_plan(spec, settings, loaded)
+    spec = model_source(model, inputs, loss, task)
+    settings = settings_for_plan(spec, settings, loaded)
     return validate_config(
         spec,
         settings,
@@ -525,7 +340,7 @@ def validate(
         snapshot=snapshot,
         timeout_s=timeout_s,
         plan_fingerprint=loaded.fingerprint if loaded is not None else None,
-        progress=_progress(progress),
+        progress=checked_progress(progress),
     )
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from memplan.api import _budget as api_budget
+from memplan.api_arguments import budget_in_bytes as api_budget
 from memplan.cli import main
 from memplan.settings import TrainingSettings
 

@@ -103,7 +103,7 @@ def test_the_main_suite_is_broad_enough() -> None:
 
 
 def test_every_extended_configuration_is_a_valid_setting_of_a_model_memplan_resolves() -> None:
-    from memplan.api import _checked_against_plan, _settings
+    from memplan.api_arguments import settings_for_plan, settings_from
     from memplan.models.source import resolve_model
     from memplan.validate.suite import EXTENDED, MAIN, QLORA
 
@@ -111,10 +111,10 @@ def test_every_extended_configuration_is_a_valid_setting_of_a_model_memplan_reso
     assert len({config.id for config in MAIN + EXTENDED}) == len(MAIN) + len(EXTENDED)
     loops = set()
     for config in EXTENDED + QLORA:
-        settings, plan = _settings(None, {**config.settings, "device": "cuda"}, config.inputs)
+        settings, plan = settings_from(None, {**config.settings, "device": "cuda"}, config.inputs)
         spec = resolve_model(config.model, inputs=config.inputs)
         spec.settings_for(settings)
-        _checked_against_plan(spec, settings, plan)  # what `validate` checks before predicting
+        settings_for_plan(spec, settings, plan)  # what `validate` checks before predicting
         loops.add(settings.loop)
         if plan is not None:  # the planned configuration carries the plan's own layout
             assert settings.checkpoint == plan.layout and plan.settings["batch_size"] == settings.batch_size

@@ -1,0 +1,214 @@
+"""The Python API's arguments made memplan's inputs, with the messages the CLI gives: a wrong type is one
+MemplanError line at the boundary, not a TypeError from deep inside the trace (memplan.api)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from memplan.checkpoint_layout import CheckpointLayout
+from memplan.errors import MemplanError, SettingsError, UsageError
+from memplan.gpus import gpu_named
+from memplan.models.objects import batch_size_of, is_model_object, object_spec
+from memplan.models.source import ModelSpec, resolve_model
+from memplan.planner.plan_file import Plan, check_settings, load_plan
+from memplan.settings import CHECKPOINT_MODES, TrainingSettings
+from memplan.sizes import parse_size
+
+_MODEL_FORMS = (
+    "a preset name (`memplan presets`), a transformers model type, a config.json or model directory, "
+    "a cached hub id, 'package.module:callable' returning an nn.Module, an nn.Module, or a callable returning one"
+)
+
+
+def _model_name(model: Any) -> str:
+    """The model argument as the string the CLI takes (a path object is its path)."""
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    if isinstance(model, str):
+        return model
+    raise UsageError(f"model must be {_MODEL_FORMS}; got a value of type {type(model).__name__}")
+
+
+def _import_path(value: Any, option: str, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise UsageError(
+        f"{option} must be 'package.module:fn' (the CLI's --{option}), where {what}; "
+        f"got a value of type {type(value).__name__}"
+    )
+
+
+def model_source(model: Any, inputs: Any, loss: Any, task: Any) -> ModelSpec:
+    if is_model_object(model):
+        if task is not None:
+            raise UsageError("task picks the head memplan builds for a transformers model; a model object has its own")
+        return object_spec(model, inputs, loss)
+    name = _model_name(model)
+    inputs = _import_path(inputs, "inputs", "fn(batch_size) returns the batch")
+    loss = _import_path(loss, "loss", "fn(output, batch) returns the scalar loss")
+    return resolve_model(name, inputs=inputs, loss=loss, task=task)  # which checks the task
+
+
+# How TrainingSettings' own messages name the integer fields.
+_SETTING_NAMES = {
+    "batch_size": "batch size",
+    "grad_accum": "gradient accumulation steps",
+    "seq_len": "sequence length",
+    "target_len": "target length",
+    "image_size": "image size",
+    "cuda_context": "CUDA context (bytes)",
+    "nccl_memory": "NCCL memory (bytes)",
+    "cudnn_workspace_cap_mib": "cuDNN workspace cap (MiB)",
+    "lora_rank": "LoRA rank",
+}
+
+
+def _check_types(values: dict[str, Any]) -> dict[str, Any]:
+    """Each TrainingSettings field given the type its annotation names (bool is no integer here)."""
+    checked = dict(values)
+    for name, value in values.items():
+        kind = str(TrainingSettings.__dataclass_fields__[name].type)
+        optional = kind.endswith("| None")
+        if value is None and optional:
+            continue
+        if name in ("cuda_context", "nccl_memory") and isinstance(value, str):
+            checked[name] = parse_size(value)  # "600MiB", as the CLI's --cuda-context and --nccl-memory take it
+            continue
+        base = kind.removesuffix("| None").strip()
+        if base == "int":
+            if value is None or isinstance(value, bool) or not isinstance(value, int):
+                what = (
+                    "an integer"
+                    if name in ("cuda_context", "nccl_memory", "cudnn_workspace_cap_mib")
+                    else "a positive integer"
+                )
+                raise SettingsError(f"{_SETTING_NAMES.get(name, name)} must be {what}, got {value!r}")
+        elif base == "bool":
+            if not isinstance(value, bool):
+                raise SettingsError(f"{name} is True or False, got {value!r}")
+        elif base == "float":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SettingsError(f"{name} must be a number, got {value!r}")
+            checked[name] = float(value)
+        elif base == "str":
+            if not isinstance(value, str):
+                raise SettingsError(f"{name} must be a string, got {value!r} ({type(value).__name__})")
+    return checked
+
+
+def settings_from(
+    settings: TrainingSettings | None, overrides: dict[str, Any], inputs: Any = None
+) -> tuple[TrainingSettings, Plan | None]:
+    """Settings from a base and keyword overrides; `checkpoint` may also be a plan (file or loaded).
+    A batch given as `inputs` sets the batch size where neither settings nor overrides do."""
+    if settings is None and "batch_size" not in overrides and not isinstance(inputs, str):
+        rows = batch_size_of(inputs)
+        if rows is not None:
+            overrides = {**overrides, "batch_size": rows}
+    if settings is not None and not isinstance(settings, TrainingSettings):
+        hint = " (pass a dict as keyword arguments: **settings)" if isinstance(settings, dict) else ""
+        raise SettingsError(
+            f"settings must be a memplan.TrainingSettings or None, got a {type(settings).__name__}{hint}"
+        )
+    unknown = set(overrides) - set(TrainingSettings.__dataclass_fields__)
+    if unknown:
+        raise SettingsError(
+            f"unknown setting(s) {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
+        )
+    if callable(overrides.get("step")):
+        overrides = {**overrides, "step": _step_path(overrides["step"])}
+    if isinstance(overrides.get("deepspeed_config"), dict):  # a DeepSpeed configuration, as deepspeed takes it
+        overrides = {**overrides, "deepspeed_config": json.dumps(overrides["deepspeed_config"], sort_keys=True)}
+    overrides = _check_types(overrides)
+    checkpoint = overrides.get("checkpoint")
+    plan = None
+    if isinstance(checkpoint, Plan | os.PathLike) or (
+        isinstance(checkpoint, str) and checkpoint not in CHECKPOINT_MODES
+    ):
+        plan = load_plan(checkpoint)
+        overrides = {**overrides, "checkpoint": plan.layout}
+    elif checkpoint is not None and not isinstance(checkpoint, str | CheckpointLayout):
+        raise SettingsError(
+            f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, a CheckpointLayout or a plan file; "
+            f"got {checkpoint!r}"
+        )
+    return (settings or TrainingSettings()).replace(**overrides), plan
+
+
+def _step_path(function: Any) -> str:
+    """A step given as a function: its `module:name`, which settings (and plan files) keep, when
+    importing that name gives the same function back."""
+    from memplan.models.imports import import_object
+
+    path = f"{getattr(function, '__module__', '')}:{getattr(function, '__qualname__', '')}"
+    try:
+        same = import_object(path, "step") is function
+    except MemplanError:
+        same = False
+    if not same:
+        raise SettingsError(
+            f"step {function!r} cannot be imported by name; define it at the top level of an importable "
+            "module (not a lambda, a nested function or __main__) and pass it, or its package.module:function"
+        )
+    return path
+
+
+def budget_in_bytes(budget: str | int | None, settings: TrainingSettings) -> int | None:
+    """An explicit budget, else the usable memory of the named GPU, else none."""
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, str | int | float):
+            raise SettingsError(f"budget must be a size such as '24GiB', '80GB' or a number of bytes; got {budget!r}")
+        return parse_size(budget)
+    return gpu_named(settings.gpu).total_bytes - settings.outside_allocator_bytes if settings.gpu is not None else None
+
+
+def checked_progress(progress: Any) -> Any:
+    if progress is not None and not callable(progress):
+        raise UsageError(f"progress must be a function taking one message string, or None; got {progress!r}")
+    return progress
+
+
+def positive_count(value: Any, name: str, allow_none: bool = False) -> int | None:
+    """A positive integer argument (not a bool, a float or a string)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def name_tuple(values: Any, option: str) -> tuple[str, ...] | None:
+    """A tuple of names; a string is a comma-separated list, as the CLI's option takes it."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [part.strip() for part in values.split(",") if part.strip()]
+    if not isinstance(values, Iterable) or not all(isinstance(value, str) for value in values):
+        raise SettingsError(
+            f"{option} must be names as strings (a list, or one comma-separated string); got {values!r}"
+        )
+    return tuple(values) or None
+
+
+def batch_size_tuple(values: Any) -> tuple[int, ...]:
+    if isinstance(values, str):
+        try:
+            values = [int(part) for part in values.split(",") if part.strip()]
+        except ValueError:
+            raise SettingsError(f"batch_sizes takes integers, e.g. (1, 2, 4, 8) or '1,2,4,8'; got {values!r}") from None
+    if not isinstance(values, Iterable) or not all(
+        isinstance(value, int) and not isinstance(value, bool) for value in values
+    ):
+        raise SettingsError(f"batch_sizes takes positive integers, e.g. (1, 2, 4, 8); got {values!r}")
+    return tuple(values)
+
+
+def settings_for_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | None) -> TrainingSettings:
+    settings = spec.settings_for(settings)
+    if plan is not None:
+        check_settings(plan, settings)
+    return settings
