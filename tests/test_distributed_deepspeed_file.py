@@ -11,7 +11,7 @@ import pytest
 
 from memplan.distributed.deepspeed_file import file_precision, replaced_values
 from memplan.errors import SettingsError
-from memplan.estimator.estimate import _notes
+from memplan.estimator.notes import settings_notes
 from memplan.settings import TrainingSettings
 
 
@@ -176,12 +176,12 @@ def test_a_file_s_torch_autocast_in_precision_s_dtype_is_taken():
 
 def test_the_note_names_what_was_replaced_and_only_on_a_deepspeed_rank():
     config = {"bf16": {"enabled": True}, "gradient_accumulation_steps": 4}
-    notes = _notes(_rank(config, precision="bf16", grad_accum=2))
+    notes = settings_notes(_rank(config, precision="bf16", grad_accum=2))
     assert [note for note in notes if "replaced by memplan's options" in note] == [
         "the DeepSpeed configuration's own values replaced by memplan's options (what the Trainer fills for "
         '"auto"): gradient_accumulation_steps 4 (--grad-accum 2)'
     ]
-    assert not [note for note in _notes(_rank({}, precision="bf16")) if "replaced" in note]
+    assert not [note for note in settings_notes(_rank({}, precision="bf16")) if "replaced" in note]
 
 
 def test_a_sweep_runs_the_file_s_precision_and_refuses_others_in_one_line():
@@ -201,6 +201,6 @@ def test_a_sweep_runs_the_file_s_precision_and_refuses_others_in_one_line():
 @pytest.mark.parametrize(("precision", "partition"), [("fp32", "float32"), ("amp-bf16", "float32"), ("bf16", "16-bit")])
 def test_the_offload_notes_name_the_model_s_own_dtype(precision, partition):
     """A float32 model's partitions are float32: the notes said "16-bit" whatever the precision."""
-    notes = _notes(_rank({}, parallel="zero3", offload="params", precision=precision))
+    notes = settings_notes(_rank({}, parallel="zero3", offload="params", precision=precision))
     assert any(f"the updated {partition} partition back after the step" in note for note in notes)
     assert any(f"ZeRO-3's {partition} parameter partitions live in host memory" in note for note in notes)
