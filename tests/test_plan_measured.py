@@ -151,6 +151,13 @@ def test_selective_option_is_traced_applied_and_measured(deep_models, tmp_path):
     model = prepare(spec, settings).model
     assert apply_plan(model, tmp_path / "plan.json") == list(planned.layout.modules)
     assert load_plan(tmp_path / "plan.json").layout == planned.layout
+    # a model as users build it keeps transformers' default use_cache=True: the plan must still train it
+    users_model = prepare(spec, settings).model
+    users_model.config.use_cache = True
+    apply_plan(users_model, tmp_path / "plan.json")
+    assert users_model.config.use_cache is False
+    tokens = torch.randint(0, users_model.config.vocab_size, (2, 16))
+    users_model(input_ids=tokens, labels=tokens).loss.backward()  # failed in the selective recomputation
     measured = measure_cpu(spec, planned.settings).peak_bytes
     assert measured <= budget
     assert abs(planned.predicted_peak_bytes - measured) / measured <= TOLERANCE

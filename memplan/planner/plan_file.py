@@ -13,6 +13,7 @@ from torch import nn
 from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import PlanFileError, UsageError
 from memplan.estimator.checkpointing import apply_layout
+from memplan.gpus import DEFAULT_GPU
 from memplan.models.fingerprint import check_fingerprint
 from memplan.outputs import write_atomically
 from memplan.planner.plan import PlanResult
@@ -22,7 +23,10 @@ PLAN_FORMAT = "memplan-checkpoint-plan"
 PLAN_VERSION = 2  # 2 added each segment's checkpoint policy; version 1 files (all "full") still load
 READABLE_VERSIONS = (1, 2)
 # Settings a plan's prediction depends on; the checkpoint itself is what the plan provides.
-_MATCHED_SETTINGS = tuple(field for field in TrainingSettings.__dataclass_fields__ if field != "checkpoint")
+# The settings a plan must share with the step it checkpoints: all but the layout itself and the bytes held outside
+# torch's allocator (the CUDA context, NCCL's communicator), which change no traced request.
+_OUTSIDE_THE_TRACE = ("checkpoint", "cuda_context", "nccl_memory")
+_MATCHED_SETTINGS = tuple(field for field in TrainingSettings.__dataclass_fields__ if field not in _OUTSIDE_THE_TRACE)
 
 
 @dataclass(frozen=True)
@@ -103,12 +107,13 @@ def load_plan(source: str | Path | Plan) -> Plan:
 
 
 def check_settings(plan: Plan, settings: TrainingSettings) -> None:
-    wanted = settings.to_dict()
+    wanted = _as_traced(settings.to_dict())
     defaults = TrainingSettings().to_dict()  # for settings added after the plan was written
+    planned = _as_traced({field: plan.settings.get(field, defaults[field]) for field in _MATCHED_SETTINGS})
     differing = [
-        f"{field} {plan.settings.get(field, defaults[field])!r} in the plan, {wanted[field]!r} here"
+        f"{field} {planned[field]!r} in the plan, {wanted[field]!r} here"
         for field in _MATCHED_SETTINGS
-        if plan.settings.get(field, defaults[field]) != wanted[field]
+        if planned[field] != wanted[field]
     ]
     if differing:
         raise PlanFileError(
@@ -117,12 +122,20 @@ def check_settings(plan: Plan, settings: TrainingSettings) -> None:
         )
 
 
+def _as_traced(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings as the trace reads them: on the cuda target no --gpu is the default card."""
+    if settings.get("device") == "cuda" and settings.get("gpu") is None:
+        return {**settings, "gpu": DEFAULT_GPU}
+    return settings
+
+
 def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
     """Checkpoint a real model as a plan says (non-reentrant checkpoints); returns the modules checkpointed.
 
     The plan is refused if it was made for a model with other module names or parameter shapes, for a model
     that is checkpointed already (by an earlier apply_plan, or by Hugging Face's gradient_checkpointing_enable()),
-    and where any module it names cannot be checkpointed; a refused plan leaves the model as it was.
+    and where any module it names cannot be checkpointed; a refused plan leaves the model as it was. A Hugging
+    Face model's `config.use_cache` is turned off, as transformers does under its own checkpointing.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(
@@ -138,4 +151,11 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
             "modules: call model.gradient_checkpointing_disable() before apply_plan"
         )
     apply_layout(model, loaded.layout)
+    # A checkpointed block that recomputes would write the key/value cache again: transformers turns the cache
+    # off under its own checkpointing in training ("`use_cache=True` is incompatible with gradient
+    # checkpointing"); under a selective plan the second write fails torch's check that the recomputation repeats
+    # the forward. So the cache goes off here too (the plan is made for training; set it back to generate).
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        config.use_cache = False
     return list(loaded.layout.modules)
