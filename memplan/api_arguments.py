@@ -75,7 +75,8 @@ def _check_types(values: dict[str, Any]) -> dict[str, Any]:
         if value is None and optional:
             continue
         if name in ("cuda_context", "nccl_memory") and isinstance(value, str):
-            checked[name] = parse_size(value)  # "600MiB", as the CLI's --cuda-context and --nccl-memory take it
+            # "600MiB" (or "0"), as the CLI's --cuda-context and --nccl-memory take it
+            checked[name] = parse_size(value, allow_zero=True)
             continue
         base = kind.removesuffix("| None").strip()
         if base == "int":
@@ -163,7 +164,7 @@ def budget_in_bytes(budget: str | int | None, settings: TrainingSettings) -> int
         if isinstance(budget, bool) or not isinstance(budget, str | int | float):
             raise SettingsError(f"budget must be a size such as '24GiB', '80GB' or a number of bytes; got {budget!r}")
         return parse_size(budget)
-    return gpu_named(settings.gpu).total_bytes - settings.outside_allocator_bytes if settings.gpu is not None else None
+    return gpu_named(settings.gpu).budget_bytes(settings.outside_allocator_bytes) if settings.gpu is not None else None
 
 
 def checked_progress(progress: Any) -> Any:

@@ -67,6 +67,20 @@ class Gpu:
     def usable_bytes(self) -> int:
         return self.total_bytes - CONTEXT_BYTES
 
+    def budget_bytes(self, outside_allocator_bytes: int) -> int:
+        """What the card leaves torch's allocator, with `outside_allocator_bytes` (the CUDA context, NCCL's
+        communicator: TrainingSettings.outside_allocator_bytes) taken off; one line where that leaves nothing."""
+        budget = self.total_bytes - outside_allocator_bytes
+        if budget <= 0:
+            from memplan.sizes import format_bytes
+
+            raise SettingsError(
+                f"the {self.name} has {format_bytes(self.total_bytes)}, and the CUDA context with what else is held "
+                f"outside torch's allocator takes {format_bytes(outside_allocator_bytes)}: nothing is left for the "
+                "step; give a smaller --cuda-context (or --nccl-memory)"
+            )
+        return budget
+
     def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name,

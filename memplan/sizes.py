@@ -27,18 +27,20 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str | int) -> int:
-    """Parse `80GB`, `24GiB`, `512MiB`, `1.5 GiB` or plain bytes into a byte count."""
+def parse_size(text: str | int, *, allow_zero: bool = False) -> int:
+    """Parse `80GB`, `24GiB`, `512MiB`, `1.5 GiB` or plain bytes into a byte count; with `allow_zero`, 0 too
+    (bytes held outside the allocator, such as the CUDA context, can be none)."""
+    least = 0 if allow_zero else 1
     if isinstance(text, int):
-        if text <= 0:
-            raise SizeParseError(f"size must be positive, got {text}")
+        if text < least:
+            raise SizeParseError(f"size must be {'0 or more' if allow_zero else 'positive'}, got {text}")
         return text
     match = _SIZE_RE.match(str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise SizeParseError(f"cannot read {text!r} as a size; write e.g. 24GiB, 80GB, 512MiB or a number of bytes")
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value < 1:
-        raise SizeParseError(f"size must be at least one byte, got {text!r}")
+    if value < 1 and not (allow_zero and value == 0):
+        raise SizeParseError(f"size must be {'0 or ' if allow_zero else ''}at least one byte, got {text!r}")
     return int(value)
 
 

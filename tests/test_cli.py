@@ -219,6 +219,8 @@ def test_cuda_context_is_the_users_when_given(tiny_model_dirs):
     common = ("estimate", model, "-b", "2", "--seq-len", "32", "--json")
     given = json.loads(run(*common, "--cuda-context", "700MiB").stdout)
     assert given["device_peak_bytes"] - given["reserved_peak_bytes"] == 700 * 2**20
+    none = json.loads(run(*common, "--cuda-context", "0").stdout)  # e.g. for a figure torch.cuda reports alone
+    assert none["device_peak_bytes"] == none["reserved_peak_bytes"]
     # A GPU's budget is its memory less the context: the A10G's 23,028 MiB less 700 MiB.
     settings = TrainingSettings(gpu="A10G", cuda_context=700 * 2**20)
     assert api_budget(None, settings) == 23028 * 2**20 - 700 * 2**20

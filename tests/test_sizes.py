@@ -32,3 +32,16 @@ def test_format_bytes_uses_binary_units():
     assert format_bytes(512) == "512 B"
     assert format_bytes(3 * 2**29) == "1.50 GiB"
     assert format_bytes(2**20) == "1.00 MiB"
+
+
+@pytest.mark.parametrize("text", ["0", "0GiB", 0, "0.0 MiB"])
+def test_zero_is_a_size_only_where_it_is_allowed(text):
+    assert parse_size(text, allow_zero=True) == 0
+    with pytest.raises(SizeParseError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["0.5B", -1, "-1"])
+def test_less_than_a_byte_is_no_size_even_where_zero_is(text):
+    with pytest.raises(SizeParseError):
+        parse_size(text, allow_zero=True)

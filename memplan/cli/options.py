@@ -27,9 +27,12 @@ class SizeType(click.ParamType):
 
     name = "size"
 
+    def __init__(self, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero  # bytes held outside the allocator (--cuda-context, --nccl-memory) can be none
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         try:
-            return parse_size(value)
+            return parse_size(value, allow_zero=self.allow_zero)
         except SizeParseError as error:
             self.fail(str(error), param, ctx)
 
@@ -134,7 +137,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         ),
         click.option(
             "--cuda-context",
-            type=SizeType(),
+            type=SizeType(allow_zero=True),
             help="The CUDA context nvidia-smi shows beyond what torch reserves (e.g. 600MiB), counted in the "
             "device total and taken off --gpu's memory [default: 767 MiB, measured on an H100 with CUDA 13].",
         ),
@@ -251,7 +254,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         ),
         click.option(
             "--nccl-memory",
-            type=SizeType(),
+            type=SizeType(allow_zero=True),
             help="With --parallel on the cuda target: what NCCL's communicator holds on the GPU, outside torch's "
             "allocator (e.g. 500MiB), counted in the device total and taken off --gpu's memory [default: the top "
             "of memplan's modelled band, 1,152-1,408 MiB on 8 ranks of one node].",

@@ -312,8 +312,11 @@ def make_plan(
         options.append((solution.recompute_flops, peak, layout_of(costs, solution.segments)))
     suggestions: tuple[str, ...] = ()
     if options:
+        # No checkpoint recomputes nothing: where the step fits as it is, that is the plan, whatever the FLOP
+        # count says (a selective checkpoint recomputes ops flop_counter gives no FLOPs: it would tie at 0).
         flops, peak, layout = min(
-            options, key=lambda option: (_recompute_cost(tracer, option[2], selective), *option[:2])
+            options,
+            key=lambda option: (bool(option[2].segments), _recompute_cost(tracer, option[2], selective), *option[:2]),
         )
     else:
         closest = min(baselines, key=lambda option: tracer.fit_bytes(option.layout))
