@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from memplan.checkpoint_layout import CheckpointLayout
-from memplan.errors import MemplanError, SettingsError, UsageError
+from memplan.errors import MemplanError, SettingsError, UsageError, a_type
 from memplan.gpus import gpu_named
 from memplan.models.objects import batch_size_of, is_model_object, object_spec
 from memplan.models.source import ModelSpec, resolve_model
@@ -111,9 +111,7 @@ def settings_from(
             overrides = {**overrides, "batch_size": rows}
     if settings is not None and not isinstance(settings, TrainingSettings):
         hint = " (pass a dict as keyword arguments: **settings)" if isinstance(settings, dict) else ""
-        raise SettingsError(
-            f"settings must be a memplan.TrainingSettings or None, got a {type(settings).__name__}{hint}"
-        )
+        raise SettingsError(f"settings must be a memplan.TrainingSettings or None, got {a_type(settings)}{hint}")
     unknown = set(overrides) - set(TrainingSettings.__dataclass_fields__)
     if unknown:
         raise SettingsError(

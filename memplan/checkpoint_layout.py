@@ -43,6 +43,18 @@ class CheckpointLayout:
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise SettingsError(f"modules checkpointed twice in one layout: {', '.join(repeated)}")
+        listed = set(names)
+        nested = [
+            (outer, name)
+            for name in names
+            for outer in (".".join(name.split(".")[:depth]) for depth in range(1, name.count(".") + 1))
+            if outer in listed
+        ]
+        if nested:  # a checkpoint inside another recomputes twice over, and memplan's planner never makes one
+            outer, inner = nested[0]
+            raise SettingsError(
+                f"a checkpoint layout checkpoints {inner} inside {outer}, which it also checkpoints: list one of them"
+            )
 
     @property
     def modules(self) -> tuple[str, ...]:

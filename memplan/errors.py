@@ -69,3 +69,9 @@ class UnsupportedTorchError(MemplanError):
 
 class UserCodeError(MemplanError):
     """The user's own model factory or inputs function raised while memplan called it."""
+
+
+def a_type(value: object) -> str:
+    """The value's type with its article, for messages: "an int", "a str", "an OrderedDict"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

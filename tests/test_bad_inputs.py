@@ -114,6 +114,22 @@ CLI_CASES = [
     case(["estimate", "tests.bad_models:NOT_CALLABLE", "--inputs", "tests.bad_models:inputs"], ["not a callable"]),
     case(["estimate", "tests.bad_models:mlp"], ["needs its batch", "--inputs"]),
     case(["estimate", *MLP, "--step", "tests.bad_models:step_without_optimizer"], ["must take three arguments"]),
+    case(
+        ["estimate", *MLP, "--step", "tests.custom_steps:two_views", "--loss", "tests.zoo_models:mean_square_loss"],
+        ["--step runs your whole iteration", "leave out --loss"],
+    ),
+    case(
+        [
+            "estimate",
+            "tiny-gpt2",
+            *TINY,
+            "--step",
+            "tests.custom_steps:two_views",
+            "--loss",
+            "tests.bad_models:loss_float",
+        ],
+        ["leave out --loss"],
+    ),
     case(["estimate", "tests.bad_models:mlp", "--inputs", "nocolon"], ["not of the form"]),
     case(["estimate", "tests.bad_models:mlp", "--inputs", "tests.bad_models:nosuch"], ["no attribute 'nosuch'"]),
     case(["estimate", *_inputs("inputs_two_arguments")], ["must take one argument"]),
@@ -365,6 +381,13 @@ API_CASES = [
     (api("estimate", "tiny-gpt2", cuda_context="lots", seq_len=32), 2, ["cannot read 'lots' as a size"]),
     (api("estimate", "tiny-gpt2", cuda_context=1.5, seq_len=32), 2, ["CUDA context", "integer"]),
     (api("estimate", "tiny-gpt2", gpu="T4", cuda_context="20GiB", seq_len=32), 2, ["T4 has 15.00 GiB"]),
+    (
+        api(
+            "estimate", "tiny-gpt2", loss="tests.zoo_models:mean_square_loss", step="tests.custom_steps:two_views", **C
+        ),
+        2,
+        ["leave out --loss"],
+    ),
     (api("estimate", "tiny-gpt2", cuda_alloc_conf=5, seq_len=32), 2, ["cuda_alloc_conf must be a string"]),
     (api("estimate", "tiny-gpt2", cublas_workspace_config=5, seq_len=32), 2, ["must be a string"]),
     (api("estimate", "tiny-gpt2", cudnn_benchmark="yes", seq_len=32), 2, ["cudnn_benchmark is True or False"]),
@@ -418,6 +441,7 @@ API_CASES = [
     (api("apply_plan", nn.Linear(2, 2), "missing.json"), 2, ["cannot read plan missing.json"]),
     (api("apply_plan", nn.Linear(2, 2), "plan-garbage.json"), 2, ["is not JSON"]),
     (api("apply_plan", nn.Linear(2, 2), 5), 2, ["a plan is a file", "int"]),
+    (api("apply_plan", nn.Linear(2, 2), "all"), 2, ["apply_plan takes a plan file", "'all' is a --checkpoint mode"]),
     (api("apply_plan", nn.Linear(2, 2), None), 2, ["a plan is a file", "NoneType"]),
     (api("apply_plan", "gpt2", "plan-garbage.json"), 2, ["checkpoints a real torch.nn.Module", "str"]),
 ]

@@ -62,6 +62,11 @@ def test_layout_errors_name_the_problem():
         apply_layout(nn.Sequential(_Scaled(), _Scaled()), CheckpointLayout(segments=(("0.blocks.1", "1.blocks.0"),)))
     with pytest.raises(SettingsError, match="checkpointed twice"):
         CheckpointLayout(segments=(("blocks.0",), ("blocks.0", "blocks.1")))
+    with pytest.raises(SettingsError, match="checkpoints blocks.0.mlp inside blocks.0"):
+        CheckpointLayout(segments=(("blocks.0",), ("blocks.0.mlp",)))
+    with pytest.raises(SettingsError, match="inside h"):
+        CheckpointLayout(segments=(("h.1.attn.proj",), ("h",)))
+    CheckpointLayout(segments=(("blocks.1",), ("blocks.10",), ("blocks.1x.mlp",)))  # prefixes that are no parents
 
 
 def _untouched(model: nn.Module) -> bool:

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from memplan.errors import ImportPathError
+from memplan.errors import ImportPathError, a_type
 
 
 def is_import_path(text: str) -> bool:
@@ -35,5 +35,5 @@ def import_object(path: str, what: str) -> Any:
     except AttributeError as error:
         raise ImportPathError(f"module {module_name!r} has no attribute {attr!r} ({what} {path!r})") from error
     if not callable(obj):
-        raise ImportPathError(f"{what} {path!r} is a {type(obj).__name__}, not a callable")
+        raise ImportPathError(f"{what} {path!r} is {a_type(obj)}, not a callable")
     return obj

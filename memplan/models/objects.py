@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.errors import InputsError, UsageError
+from memplan.errors import InputsError, UsageError, a_type
 from memplan.models.imports import import_object
 from memplan.models.source import (
     Batch,
@@ -32,6 +32,7 @@ from memplan.models.source import (
     _checked_loss,
     default_loss,
     not_a_module,
+    refuse_loss_with_step,
 )
 from memplan.settings import TrainingSettings
 
@@ -111,14 +112,14 @@ def object_spec(model: Any, inputs: Any, loss: Any) -> ModelSpec:
             return _check_batch(_call_user(inputs, (settings.batch_size,), f"inputs {inputs_name!r}"), inputs_name)
 
     else:
-        inputs_name = f"a {type(inputs).__name__} batch"
+        inputs_name = f"{a_type(inputs)} batch"
         rows = _rows(_check_batch(inputs, "inputs"))
 
         def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:
             return _resized(inputs, settings.batch_size, rows)
 
     if loss is not None and not callable(loss):
-        raise UsageError(f"loss must be a function fn(output, batch) or None, got a {type(loss).__name__}")
+        raise UsageError(f"loss must be a function fn(output, batch) or None, got {a_type(loss)}")
     if loss is not None:
         _check_signature(loss, (None, None), UsageError, "loss must take two arguments, the output and the batch")
 
@@ -132,6 +133,7 @@ def object_spec(model: Any, inputs: Any, loss: Any) -> ModelSpec:
         return _checked_loss("loss", loss(output, batch)) if loss is not None else default_loss(output, batch)
 
     def settings_for(settings: TrainingSettings) -> TrainingSettings:
+        refuse_loss_with_step(loss, settings)
         if settings.seq_len is not None or settings.image_size is not None or settings.target_len is not None:
             raise UsageError(
                 "seq_len, target_len and image_size shape the batches memplan makes; size the inputs instead"

@@ -53,6 +53,13 @@ class ModelSpec:
         return self.ref.name
 
 
+def refuse_loss_with_step(loss: object, settings: TrainingSettings) -> None:
+    """A loss function is the canonical loop's; with --step the user's function computes its own, and a --loss
+    given beside it would be ignored without a word."""
+    if loss is not None and settings.step is not None:
+        raise UsageError("--step runs your whole iteration, its loss included: leave out --loss")
+
+
 def call_model(model: nn.Module, batch: Batch) -> Any:
     if isinstance(batch, Mapping):
         return model(**batch)
@@ -166,6 +173,7 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None, task: str | No
         return default_loss(output, batch)
 
     def settings_for(settings: TrainingSettings) -> TrainingSettings:
+        refuse_loss_with_step(loss, settings)
         shaped = [
             flag
             for flag, value in (
@@ -250,6 +258,7 @@ def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
     loss_fn = _loss_function(loss)
 
     def settings_for(settings: TrainingSettings) -> TrainingSettings:
+        refuse_loss_with_step(loss, settings)
         return resolve_lengths(source.config, source.task, settings)
 
     def make_batch(settings: TrainingSettings, dtype: torch.dtype) -> Batch:

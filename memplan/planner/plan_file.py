@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from memplan.checkpoint_layout import CheckpointLayout
-from memplan.errors import PlanFileError, UsageError
+from memplan.errors import PlanFileError, UsageError, a_type
 from memplan.estimator.checkpointing import apply_layout
 from memplan.gpus import DEFAULT_GPU
 from memplan.models.fingerprint import check_fingerprint
@@ -68,7 +68,7 @@ def load_plan(source: str | Path | Plan) -> Plan:
         return source
     if not isinstance(source, str | os.PathLike):
         raise PlanFileError(
-            f"a plan is a file from `memplan plan --output` (its path) or a loaded Plan; got a {type(source).__name__}"
+            f"a plan is a file from `memplan plan --output` (its path) or a loaded Plan; got {a_type(source)}"
         )
     try:
         document = json.loads(Path(source).read_text())
@@ -138,8 +138,11 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
     Face model's `config.use_cache` is turned off, as transformers does under its own checkpointing.
     """
     if not isinstance(model, nn.Module):
+        raise UsageError(f"apply_plan checkpoints a real torch.nn.Module, built by your own code; got {a_type(model)}")
+    if isinstance(plan, str) and plan in CHECKPOINT_MODES:
         raise UsageError(
-            f"apply_plan checkpoints a real torch.nn.Module, built by your own code; got a {type(model).__name__}"
+            f"apply_plan takes a plan file written by `memplan plan --output`; {plan!r} is a --checkpoint mode of "
+            "memplan's estimates, not a plan"
         )
     loaded = load_plan(plan)
     check_fingerprint(loaded.fingerprint, loaded.model, model, "this model")
