@@ -45,4 +45,6 @@ def test_cli_json_and_refusals(tmp_path):
     assert ran.exit_code == 0, ran.output
     data = json.loads(ran.stdout)
     assert data["best"]["batch_size"] in [option["batch_size"] for option in data["options"]]
+    # what fits is the memory each option completes in, which the text shows and the JSON must carry
+    assert all(0 < option["smallest_device_bytes"] <= BUDGET for option in data["options"])
     assert json.loads(plan_path.read_text())["settings"]["batch_size"] == data["best"]["batch_size"]

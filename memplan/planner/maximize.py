@@ -46,6 +46,7 @@ class BatchOption:
             "layout": self.plan.layout.to_dict(),
             "predicted_peak_bytes": self.plan.predicted_peak_bytes,
             "reserved_peak_bytes": self.plan.reserved_peak_bytes,
+            "smallest_device_bytes": self.plan.smallest_device_bytes,  # the text's "completes in", set to the budget
             "recompute_flops": self.plan.recompute_flops,
             "step_seconds": self.plan.step_seconds,
             "samples_per_second": self.samples_per_second,
