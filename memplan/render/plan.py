@@ -23,8 +23,9 @@ def describe_layout(layout: CheckpointLayout) -> str:
     if not layout.segments:
         return "no checkpointing"
     parts = [
-        segment[0] if len(segment) == 1 else f"{segment[0]} … {segment[-1]} (one segment)"
-        for segment in layout.segments
+        (segment[0] if len(segment) == 1 else f"{segment[0]} … {segment[-1]} (one segment)")
+        + (" (selective)" if policy == "selective" else "")
+        for segment, policy in zip(layout.segments, layout.policies, strict=True)
     ]
     return ", ".join(parts)
 
