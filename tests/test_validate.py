@@ -50,6 +50,9 @@ def test_a_crashing_or_slow_measurement_is_a_result_not_an_exception() -> None:
     assert "ran past 0.01 s and was stopped" in timed_out["error"]  # was "0 s"
     broken = measure_in_subprocess(ModelRef("tests.zoo_models:no_such_model"), settings)
     assert broken["error_class"] == "ImportPathError"
+    stopped = run("validate", "tiny-gpt2", "-b", "2", "--seq-len", "32", "--device", "cpu", "--timeout", "0.01")
+    assert stopped.exit_code == 1 and "ran past 0.01 s" in stopped.output
+    assert "unknown" not in stopped.output  # no "measured on unknown" for a measurement that never reported
 
 
 def test_smoke_suite_writes_as_it_goes_and_resumes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -28,7 +28,8 @@ def validation_to_json(result: ValidationResult) -> str:
 def render_validation(result: ValidationResult, console: Console) -> None:
     settings = TrainingSettings.from_dict(result.settings)
     console.print(f"[bold]{result.model}[/bold]: {describe_settings(settings)}")
-    console.print(f"measured on {result.device_name}, torch {result.torch_version}")
+    if result.device_name != "unknown":  # a measurement stopped before it reported its device (a timeout) says so below
+        console.print(f"measured on {result.device_name}, torch {result.torch_version}")
     if result.error is not None:
         console.print(f"[red]{result.error}[/red]")
         if not result.out_of_memory:
