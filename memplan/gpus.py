@@ -65,7 +65,7 @@ class Gpu:
 
     @property
     def usable_bytes(self) -> int:
-        return self.total_bytes - CONTEXT_BYTES
+        return self.budget_bytes(CONTEXT_BYTES)
 
     def budget_bytes(self, outside_allocator_bytes: int) -> int:
         """What the card leaves torch's allocator, with `outside_allocator_bytes` (the CUDA context, NCCL's

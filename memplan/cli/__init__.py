@@ -59,25 +59,22 @@ def run() -> None:
     """The `memplan` process (its console script and `python -m memplan`): main(), then out at once.
 
     An estimate leaves torch, transformers and their million objects in the interpreter; tearing them
-    down at exit (module by module, object by object) took 0.41-0.49 s of a 3.9 s gpt2 estimate on the
-    2-core CI machine, time in which nothing is left to do. So once main() has finished: the atexit
-    functions run as at a normal exit (logging's flush, temporary directories' finalizers, torch's own),
-    the standard streams are flushed, and os._exit ends the process without the teardown. Where a thread
-    other than daemons is still running (a normal exit would wait for it), or main() raised anything but
-    SystemExit (a --debug traceback), the exit is Python's own. Tests call main() in their process."""
+    down at exit (module by module, object by object) took about half a second of a gpt2 estimate on the
+    2-core CI machine (benchmarks/exit_teardown.py), time in which nothing is left to do. So once main()
+    has finished: the atexit functions run as at a normal exit (logging's flush, temporary directories'
+    finalizers, torch's own), the standard streams are flushed, and os._exit ends the process without the
+    teardown. Where a thread other than daemons is still running (a normal exit would wait for it), or main()
+    raised anything but SystemExit (a --debug traceback), the exit is Python's own. Tests call main() in
+    their process."""
+    code = None
     try:
         main()
     except SystemExit as exit_request:
         code = exit_request.code
-    else:  # main() always exits; kept for a caller that replaced sys.exit
-        code = None
-    if any(thread.is_alive() and not thread.daemon for thread in _other_threads()):
+    others = (thread for thread in threading.enumerate() if thread is not threading.main_thread())
+    if any(thread.is_alive() and not thread.daemon for thread in others):
         sys.exit(code)
     os._exit(_exit_status(code))
-
-
-def _other_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread is not threading.main_thread()]
 
 
 def _exit_status(code: object) -> int:
