@@ -11,9 +11,9 @@ import time
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from memplan.estimator.fake_mode import constant_item
 from memplan.estimator.hf_patches import no_weight_init
 from memplan.estimator.loop import iteration, prepare
-from memplan.estimator.trace import constant_item
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 

@@ -7,7 +7,7 @@ from memplan.estimator.liveness import round_for_device
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.recorder import record_graph
 from memplan.estimator.simulate import simulate
-from memplan.estimator.trace import TracedStep
+from memplan.estimator.traced_step import TracedStep
 from memplan.settings import TrainingSettings
 
 FLOAT = 4

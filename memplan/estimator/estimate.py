@@ -20,7 +20,8 @@ from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.timeline import MemoryTimeline, reserved_peak_bytes
-from memplan.estimator.trace import TracedStep, build_fake_setup, trace_step
+from memplan.estimator.trace import build_fake_setup, trace_step
+from memplan.estimator.traced_step import TracedStep
 from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec

@@ -10,10 +10,12 @@ lstm-accum). Such ops bypass the cache here, so every call returns what the kern
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 
 
 def _shares_storage(outputs: tuple) -> bool:
@@ -28,3 +30,26 @@ class TracingFakeMode(FakeTensorMode):
         if isinstance(output, tuple) and _shares_storage(output):
             raise _BypassDispatchCache("outputs share storage")
         return super()._make_cache_entry(state, key, func, args, kwargs, output)
+
+
+@contextlib.contextmanager
+def constant_item() -> Iterator[None]:
+    """Let optimizers call `.item()` on fake tensors (step counters, Adafactor's norms).
+
+    The value only steers arithmetic, never which tensors are allocated, so a constant is safe.
+    """
+    previous = FakeTensor.__dict__.get("item")
+
+    def item(self: FakeTensor) -> float | int | bool:
+        if self.dtype == torch.bool:
+            return False
+        return 2.0 if self.dtype.is_floating_point else 2
+
+    FakeTensor.item = item  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del FakeTensor.item
+        else:
+            FakeTensor.item = previous  # type: ignore[method-assign]

@@ -21,7 +21,7 @@ from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
 from memplan.estimator.swapped_storages import settle_lifetimes
-from memplan.estimator.trace import TracedStep
+from memplan.estimator.traced_step import TracedStep
 from memplan.settings import TrainingSettings
 
 

@@ -32,7 +32,7 @@ from memplan.estimator.timeline import (
     reserved_peak_bytes,
     without_cudnn_workspaces,
 )
-from memplan.estimator.trace import TracedStep
+from memplan.estimator.traced_step import TracedStep
 from memplan.estimator.transients import (
     Scratch,
     cublas_workspaces,

@@ -25,7 +25,7 @@ from memplan.estimator.cuda.cudnn import (
 from memplan.estimator.cuda.reductions import Reduction, reduction_of
 from memplan.estimator.liveness import fake_args, op_name, round_for_device
 from memplan.estimator.opgraph import OpNode
-from memplan.estimator.trace import TracedStep
+from memplan.estimator.traced_step import TracedStep
 from memplan.finetune.bnb_kernels import gemm_4bit_scratch, int8_scratch, is_gemm_4bit, is_int8_op
 from memplan.gpus import DEFAULT_GPU, gpu_named
 from memplan.settings import TrainingSettings

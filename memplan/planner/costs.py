@@ -21,7 +21,7 @@ from memplan.errors import SettingsError
 from memplan.estimator.flops import node_flops
 from memplan.estimator.liveness import Liveness
 from memplan.estimator.simulate import Simulation
-from memplan.estimator.trace import TracedStep
+from memplan.estimator.traced_step import TracedStep
 
 
 @dataclass(frozen=True)

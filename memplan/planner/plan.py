@@ -26,7 +26,8 @@ from memplan.estimator.liveness import Liveness, liveness
 from memplan.estimator.replay import OptimizerRecording
 from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
-from memplan.estimator.trace import FakeSetup, TracedStep, build_fake_setup, trace_step
+from memplan.estimator.trace import FakeSetup, build_fake_setup, trace_step
+from memplan.estimator.traced_step import TracedStep
 from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates

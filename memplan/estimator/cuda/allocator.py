@@ -65,126 +65,28 @@ without end, so that second segment never appears (the pages mapped, hence reser
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
-from memplan.estimator.cuda.alloc_conf import (
-    DEFAULT_CONFIG,
-    LARGE_SEGMENT_BYTES,
-    AllocatorConfig,
-    parse_alloc_conf,
-    power_of_two,
+from memplan.estimator.cuda.alloc_conf import DEFAULT_CONFIG, LARGE_SEGMENT_BYTES, AllocatorConfig, parse_alloc_conf
+from memplan.estimator.cuda.allocator_blocks import Block, FreePool, PoolKey, UnmappedRanges
+from memplan.estimator.cuda.allocator_sizes import (
+    MIN_BLOCK_BYTES,
+    ROUND_LARGE_BYTES,
+    SMALL_REQUEST_BYTES,
+    SMALL_SEGMENT_BYTES,
+    round_size,
+    segment_size,
 )
 
-__all__ = ["DEFAULT_CONFIG", "AllocatorConfig", "CachingAllocator", "OutOfMemory", "parse_alloc_conf", "round_size"]
-
-MIN_BLOCK_BYTES = 512  # kMinBlockSize
-SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize
-SMALL_SEGMENT_BYTES = 2 << 20  # kSmallBuffer
-MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
-ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
-
-
-def round_size(num_bytes: int, config: AllocatorConfig | None = None) -> int:
-    """round_size(): 512-byte blocks, or the next power-of-two division where configured."""
-    if num_bytes < MIN_BLOCK_BYTES:
-        return MIN_BLOCK_BYTES
-    divisions = config.divisions_for(num_bytes) if config is not None else 0
-    if divisions > 1 and num_bytes > MIN_BLOCK_BYTES * divisions:
-        return _roundup_power2_next_division(num_bytes, divisions)
-    return -(-num_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
-
-
-def _roundup_power2_next_division(num_bytes: int, divisions: int) -> int:
-    """roundup_power2_next_division(): e.g. 1200 B in 4 divisions of 1024..2048 rounds to 1280."""
-    if power_of_two(num_bytes):
-        return num_bytes
-    floor = 1 << (num_bytes.bit_length() - 1)
-    # torch returns the next power of two where the step would be 0; round_size calls this only
-    # above 512 B x divisions, where the step is 512 B or more.
-    step = floor >> (divisions.bit_length() - 1)
-    return -(-num_bytes // step) * step
-
-
-def segment_size(rounded_bytes: int) -> int:
-    """get_allocation_size(): how much one cudaMalloc asks for to serve this request."""
-    if rounded_bytes <= SMALL_REQUEST_BYTES:
-        return SMALL_SEGMENT_BYTES
-    if rounded_bytes < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_SEGMENT_BYTES
-    return -(-rounded_bytes // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
-
-
-@dataclass(eq=False)
-class _Block:
-    address: int
-    size: int
-    small: bool
-    allocated: bool = False
-    prev: _Block | None = None
-    next: _Block | None = None
-    mapped: bool = True  # expandable segments: False for a range of addresses with no memory behind it
-    stream: int = 0  # the stream it was allocated on (0: the default stream)
-
-    @property
-    def pool_key(self) -> PoolKey:
-        return self.stream, self.small
-
-    def expandable_size(self) -> int:
-        """get_free_block's expandable_size: the block plus the unmapped range right after it."""
-        following = self.next
-        return self.size + (following.size if following is not None and not following.mapped else 0)
-
-
-@dataclass
-class _Pool:
-    free: list[tuple[int, int]] = field(default_factory=list)  # (size, address), sorted
-    by_key: dict[tuple[int, int], _Block] = field(default_factory=dict)
-
-    def add(self, block: _Block) -> None:
-        key = (block.size, block.address)
-        bisect.insort(self.free, key)
-        self.by_key[key] = block
-
-    def remove(self, block: _Block) -> None:
-        key = (block.size, block.address)
-        del self.free[bisect.bisect_left(self.free, key)]
-        del self.by_key[key]
-
-    def best_fit(self, size: int, expandable: bool = False) -> _Block | None:
-        """The smallest free block that holds `size`, the lowest address among equals (left in the
-        pool). `expandable`: get_free_block's walk on the expandable path, which moves on to the
-        next block in size order while that one's expandable_size is smaller, so a block before an
-        unmapped range (such as the segment's free end) is taken only when nothing else holds it."""
-        index = bisect.bisect_left(self.free, (size, -1))
-        if index == len(self.free):
-            return None
-        block = self.by_key[self.free[index]]
-        if expandable:
-            for following_index in range(index + 1, len(self.free)):
-                following = self.by_key[self.free[following_index]]
-                if following.expandable_size() >= block.expandable_size():
-                    break
-                block = following
-        return block
-
-
-@dataclass
-class _Unmapped:
-    """An expandable pool's unmapped ranges in address order (the BlockPool's `unmapped` set)."""
-
-    addresses: list[int] = field(default_factory=list)
-    by_address: dict[int, _Block] = field(default_factory=dict)
-
-    def add(self, block: _Block) -> None:
-        bisect.insort(self.addresses, block.address)
-        self.by_address[block.address] = block
-
-    def remove(self, block: _Block) -> None:
-        del self.addresses[bisect.bisect_left(self.addresses, block.address)]
-        del self.by_address[block.address]
-
-    def in_address_order(self) -> list[_Block]:
-        return [self.by_address[address] for address in self.addresses]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "ROUND_LARGE_BYTES",
+    "AllocatorConfig",
+    "CachingAllocator",
+    "OutOfMemory",
+    "parse_alloc_conf",
+    "round_size",
+    "segment_size",
+]
 
 
 class OutOfMemory(Exception):
@@ -195,10 +97,6 @@ class OutOfMemory(Exception):
 # per pool serves (torch's segments have 1.125 times the device's memory; see the module docstring).
 # Segments lie one after another, each starting at a multiple of both page sizes.
 _EXPANDABLE_ADDRESSES = 5 << 46
-
-# A pool: (stream, small). Cached blocks serve only requests of their own stream and size class
-# (BlockPool's ordering puts the stream first, and get_free_block stops at another stream's block).
-PoolKey = tuple[int, bool]
 
 
 def _expandable_base(key: PoolKey) -> int:
@@ -215,12 +113,12 @@ class CachingAllocator:
     def __init__(self, config: AllocatorConfig = DEFAULT_CONFIG, capacity_bytes: int | None = None) -> None:
         self.config = config
         self.capacity_bytes = capacity_bytes  # None: as much memory as the step asks for
-        self._pools: dict[PoolKey, _Pool] = {}
-        self._unmapped: dict[PoolKey, _Unmapped] = {}  # expandable segments only
+        self._pools: dict[PoolKey, FreePool] = {}
+        self._unmapped: dict[PoolKey, UnmappedRanges] = {}  # expandable segments only
         self._next_address = 0
-        self._handles: dict[int, _Block] = {}
+        self._handles: dict[int, Block] = {}
         self._next_handle = 0
-        self._segment_heads: list[_Block] = []  # each segment's first block (its address never changes)
+        self._segment_heads: list[Block] = []  # each segment's first block (its address never changes)
         self._rounded: dict[int, int] = {}  # request bytes -> round_size's answer under this config
         self.allocated_bytes = 0
         self.reserved_bytes = 0
@@ -228,16 +126,16 @@ class CachingAllocator:
         self.max_allocated_bytes = 0
         self.max_reserved_bytes = 0
 
-    def _pool(self, key: PoolKey) -> _Pool:
-        pool = self._pools.get(key)  # not setdefault: that would build a _Pool on every call
+    def _pool(self, key: PoolKey) -> FreePool:
+        pool = self._pools.get(key)  # not setdefault: that would build a FreePool on every call
         if pool is None:
-            pool = self._pools[key] = _Pool()
+            pool = self._pools[key] = FreePool()
         return pool
 
-    def _unmapped_of(self, key: PoolKey) -> _Unmapped:
+    def _unmapped_of(self, key: PoolKey) -> UnmappedRanges:
         unmapped = self._unmapped.get(key)
         if unmapped is None:
-            unmapped = self._unmapped[key] = _Unmapped()
+            unmapped = self._unmapped[key] = UnmappedRanges()
         return unmapped
 
     def malloc(self, num_bytes: int, stream: int = 0) -> int:
@@ -266,7 +164,7 @@ class CachingAllocator:
         else:
             split = not config.oversize(size) and remaining > SMALL_REQUEST_BYTES
         if split:
-            rest = _Block(block.address + size, remaining, small, prev=block, next=block.next, stream=stream)
+            rest = Block(block.address + size, remaining, small, prev=block, next=block.next, stream=stream)
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
@@ -295,7 +193,7 @@ class CachingAllocator:
         self.allocated_bytes -= block.size
         self._pool(block.pool_key).add(self._merge_free_neighbours(block))
 
-    def _merge_free_neighbours(self, block: _Block) -> _Block:
+    def _merge_free_neighbours(self, block: Block) -> Block:
         """try_merge_blocks with both neighbours: free ones of the same kind (mapped or not) join
         it; they leave their pool, the merged block is returned to be put back in its own."""
         for neighbour in (block.prev, block.next):
@@ -318,7 +216,7 @@ class CachingAllocator:
                     neighbour.next.prev = block
         return block
 
-    def _expandable_block(self, size: int, key: PoolKey) -> _Block:
+    def _expandable_block(self, size: int, key: PoolKey) -> Block:
         """alloc_block on the expandable path, with malloc's retry: when a page cannot be mapped,
         release_cached_blocks unmaps the cached free pages and the request is placed again.
         (release_available_cached_blocks frees only non-expandable oversize blocks: nothing here.)"""
@@ -330,7 +228,7 @@ class CachingAllocator:
                 raise OutOfMemory(f"no room to map {size:,} B on a {self.capacity_bytes:,} B device")
         return block
 
-    def _try_allocate_expandable(self, size: int, key: PoolKey) -> _Block | None:
+    def _try_allocate_expandable(self, size: int, key: PoolKey) -> Block | None:
         """try_allocate_expandable_block: map pages from the range find_expandable_block chose until
         one free block there holds `size` (taken out of the pool); None when a mapping fails (the
         pages mapped before it stay mapped, as free memory)."""
@@ -350,7 +248,7 @@ class CachingAllocator:
         self._pool(key).remove(candidate)
         return candidate
 
-    def _find_expandable(self, size: int, key: PoolKey) -> _Block:
+    def _find_expandable(self, size: int, key: PoolKey) -> Block:
         """find_expandable_block: the lowest-address unmapped range, taken from the free block just
         before it where there is one, whose run of free and unmapped blocks holds `size`."""
         for unmapped in self._unmapped_of(key).in_address_order():
@@ -363,13 +261,13 @@ class CachingAllocator:
                 return start
         # The pool's first request: its segment, all addresses and no memory yet.
         stream, small = key
-        segment = _Block(_expandable_base(key), _EXPANDABLE_ADDRESSES, small, mapped=False, stream=stream)
+        segment = Block(_expandable_base(key), _EXPANDABLE_ADDRESSES, small, mapped=False, stream=stream)
         self._unmapped_of(key).add(segment)
         self._segment_heads.append(segment)
         self.segments += 1
         return segment
 
-    def _map(self, block: _Block, size: int) -> _Block | None:
+    def _map(self, block: Block, size: int) -> Block | None:
         """map_block: back the front of an unmapped range with whole pages (20 MiB large, 2 MiB
         small) covering `size`, merged with free neighbours; None when the device has no room."""
         page = SMALL_SEGMENT_BYTES if block.small else LARGE_SEGMENT_BYTES
@@ -378,7 +276,7 @@ class CachingAllocator:
             return None
         self._unmapped_of(block.pool_key).remove(block)
         if mapped < block.size:
-            rest = _Block(
+            rest = Block(
                 block.address + mapped,
                 block.size - mapped,
                 block.small,
@@ -399,7 +297,7 @@ class CachingAllocator:
         self._pool(block.pool_key).add(merged)
         return merged
 
-    def _unmap(self, block: _Block) -> None:
+    def _unmap(self, block: Block) -> None:
         """unmap_block: unmap the pages wholly inside a cached free block; what is left of the block
         before and after them stays mapped and free."""
         page = SMALL_SEGMENT_BYTES if block.small else LARGE_SEGMENT_BYTES
@@ -411,7 +309,7 @@ class CachingAllocator:
         pool = self._pool(block.pool_key)
         pool.remove(block)
         if begin > block.address:
-            before = _Block(
+            before = Block(
                 block.address, begin - block.address, block.small, prev=block.prev, next=block, stream=block.stream
             )
             if block.prev is not None:
@@ -419,7 +317,7 @@ class CachingAllocator:
             block.prev = before
             pool.add(before)
         if end < block.address + block.size:
-            after = _Block(
+            after = Block(
                 end, block.address + block.size - end, block.small, prev=block, next=block.next, stream=block.stream
             )
             if block.next is not None:
@@ -430,7 +328,7 @@ class CachingAllocator:
         self.reserved_bytes -= end - begin
         self._unmapped_of(block.pool_key).add(self._merge_free_neighbours(block))
 
-    def _new_segment(self, request: int, key: PoolKey) -> _Block:
+    def _new_segment(self, request: int, key: PoolKey) -> Block:
         size = segment_size(request)
         if not self._room_for(size):
             if not (self._release_oversize_segments(request, key) and self._room_for(size)):
@@ -438,7 +336,7 @@ class CachingAllocator:
                 if not self._room_for(size):
                     raise OutOfMemory(f"{size:,} B more than the {self.capacity_bytes:,} B device holds")
         stream, small = key
-        block = _Block(self._next_address, size, small, stream=stream)
+        block = Block(self._next_address, size, small, stream=stream)
         self._segment_heads.append(block)
         self._next_address += size
         self.reserved_bytes += size
@@ -481,7 +379,7 @@ class CachingAllocator:
         for head in [head for head in self._segment_heads if not head.allocated and head.next is None]:
             self._release(head)
 
-    def _release(self, head: _Block) -> None:
+    def _release(self, head: Block) -> None:
         """cudaFree of a cached segment that is one free block."""
         self._pool(head.pool_key).remove(head)
         self._segment_heads.remove(head)
@@ -500,7 +398,7 @@ class CachingAllocator:
         result = []
         for head in self._segment_heads:
             runs: list[list[tuple[int, int, int | None]]] = [[]]
-            block: _Block | None = head
+            block: Block | None = head
             while block is not None:
                 if block.mapped:
                     runs[-1].append((block.address, block.size, handle_of.get(id(block))))

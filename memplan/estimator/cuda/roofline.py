@@ -18,7 +18,7 @@ import torch
 from memplan.estimator.flops import node_flops
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.opgraph import OpGraph, OpNode
-from memplan.estimator.trace import TracedStep
+from memplan.estimator.traced_step import TracedStep
 from memplan.gpus import DEFAULT_GPU, Throughput, gpu_named
 
 aten = torch.ops.aten

@@ -1,0 +1,93 @@
+"""Tracing `--step`: the user's own whole iteration, recorded as it runs (memplan.estimator.loop.custom_step)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memplan.distributed.fsdp import storage_resizes_recorded
+from memplan.errors import MemplanError
+from memplan.estimator.cuda.target import target_kernels
+from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
+from memplan.estimator.fake_mode import constant_item
+from memplan.estimator.hf_patches import real_run_paths
+from memplan.estimator.leaves import local_tensor
+from memplan.estimator.loop import TrainingState, current_grads, custom_step
+from memplan.estimator.module_tracker import ModuleTracker
+from memplan.estimator.recorder import GraphRecorder
+from memplan.estimator.trace_errors import trace_failure
+from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
+from memplan.models.source import ModelSpec
+from memplan.settings import TrainingSettings
+
+
+def trace_custom_step(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    state: TrainingState,
+    fake_mode: FakeTensorMode,
+    recorder: GraphRecorder,
+    previous_grads: list[tuple[StorageWeakRef, int]],
+    started: float,
+) -> TracedStep:
+    """trace_step for `--step`: the user's whole iteration, recorded as it runs.
+
+    Gradients the iteration starts with (what the step left last time) that it frees count until
+    the op where they went; the gradients its optimizer step finds are gradients; those it leaves
+    allocated outlive the iteration."""
+    boundaries: dict[str, int] = {}
+    freed_at: dict[StorageWeakRef, int] = {}
+    finalizers = _note_when_freed(current_grads(state), freed_at, recorder.node_count)  # holding none of them
+    seen: list[tuple[StorageWeakRef, int]] = []
+
+    def marker(phase: str) -> None:
+        boundaries[phase] = recorder.node_count()
+
+    def on_step(grads: list[torch.Tensor]) -> None:
+        seen.extend((storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in grads)
+
+    eager_lifetimes = EagerLifetimes(recorder.node_count)
+    tracker = ModuleTracker(state.built_model, recorder.node_count)
+    try:
+        on_target = target_kernels(settings)
+        resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
+        with fake_mode, tracker, real_run_paths(), on_target as unknown_ops, recorder, resizes_recorded as resizes:
+            with lifetimes_tracked(eager_lifetimes), constant_item():
+                custom_step(state, marker, on_step)
+            eager_lifetimes.finish()
+    except MemplanError:
+        raise
+    except Exception as error:
+        raise trace_failure(error, tracker.current(), spec, state.batch) from error
+    finally:
+        for finalizer in finalizers:  # gradients the step keeps must not keep this recorder alive
+            finalizer.detach()
+    left = current_grads(state)
+    graph = recorder.finish(left)
+    categories, sizes = categorize_storages(state, left)
+    for key, nbytes in seen:
+        categories[key], sizes[key] = "gradients", nbytes
+    released_early = []
+    for key, nbytes in previous_grads:
+        if key in freed_at:
+            categories[key] = "gradients"
+            released_early.append((key, nbytes, max(freed_at[key] - 1, 0)))
+    observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes)
+    return traced_step_from(graph, state, boundaries, (categories, sizes), observed, None, released_early)
+
+
+def _note_when_freed(
+    tensors: list[torch.Tensor], freed_at: dict[StorageWeakRef, int], node_count: Callable[[], int]
+) -> list[weakref.finalize]:
+    """Record in `freed_at` the node count at which each tensor is freed (a function of its own, so
+    no loop variable outlives the loop and keeps the last one alive); the finalizers, to detach
+    once the recording ends."""
+    finalizers = []
+    for tensor in tensors:
+        key = storage_key(tensor)
+        finalizers.append(weakref.finalize(tensor, lambda key=key: freed_at.setdefault(key, node_count())))
+    return finalizers

@@ -1,0 +1,76 @@
+"""One clear message for a step that failed under fake tensors: where, why, and what to do."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+
+from memplan.errors import SettingsError, TraceError
+from memplan.models.source import ModelSpec
+from memplan.settings import TrainingSettings
+
+# transformers' ViT-family embeddings refuse an image of another size than the config's unless asked to
+# interpolate their position embeddings (modeling_vit.py, ViTEmbeddings / ViTPatchEmbeddings)
+_IMAGE_SIZE_REFUSED = re.compile(r"Input image size \((\d+)\*(\d+)\) doesn't match model \((\d+)\*(\d+)\)")
+
+
+def trace_failure(
+    error: Exception, module: str | None, spec: ModelSpec, batch: object = None
+) -> TraceError | SettingsError:
+    refused = _IMAGE_SIZE_REFUSED.search(str(error))
+    if refused is not None and spec.ref.inputs is None:  # memplan made the batch: the user's --image-size it was
+        size, height, width = refused.group(1), refused.group(3), refused.group(4)
+        square = f"; give --image-size {height} or leave it out" if height == width else ""
+        return SettingsError(
+            f"--image-size {size}: {spec.name} takes {height}×{width} images (its position embeddings are sized "
+            f"for them){square}"
+        )
+    where = f"in module {module}" if module else "outside any module (loss or optimizer)"
+    op = getattr(error, "func", None)
+    if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
+        return TraceError(
+            f"cannot trace {spec.name}: op {op} {where} depends on tensor values "
+            "(data-dependent control flow, .item() or a data-dependent shape); "
+            "make that code shape-only or pass a model without it"
+        )
+    if isinstance(error, UnsupportedOperatorException):
+        return TraceError(
+            f"cannot trace {spec.name}: op {op} {where} has no fake-tensor implementation; "
+            "memplan cannot predict its memory (report it with --debug output)"
+        )
+    hint = ""
+    if module and spec.ref.inputs is not None:  # the user's own batch may not be what the model takes
+        hint = f"; check that the batch from --inputs {spec.ref.inputs} ({_describe_batch(batch)}) is what it takes"
+    return TraceError(
+        f"cannot trace {spec.name} {where}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        f"{hint}; rerun with --debug for the traceback"
+    )
+
+
+def _describe_batch(batch: object) -> str:
+    """Shapes and dtypes of a batch, short: `tensor (2, 11) float32`, `x: tensor (2, 8) int64`."""
+
+    def one(value: object) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return type(value).__name__
+
+    if isinstance(batch, dict):
+        return ", ".join(f"{key}: {one(value)}" for key, value in batch.items())
+    if isinstance(batch, tuple | list):
+        return ", ".join(one(value) for value in batch)
+    return one(batch)
+
+
+def step_failure(error: Exception, settings: TrainingSettings) -> TraceError:
+    return TraceError(
+        f"--step {settings.step} failed under fake tensors ({type(error).__name__}: {error}); it is called as "
+        "fn(model, batch, optimizer) and must run on tensors without values (no data-dependent Python control "
+        "flow); use --debug for the traceback"
+    )
