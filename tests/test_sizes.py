@@ -45,3 +45,44 @@ def test_zero_is_a_size_only_where_it_is_allowed(text):
 def test_less_than_a_byte_is_no_size_even_where_zero_is(text):
     with pytest.raises(SizeParseError):
         parse_size(text, allow_zero=True)
+
+
+@pytest.mark.parametrize("text", [1, "1", "1B", "1 b"])
+def test_one_byte_is_the_least_size(text):
+    assert parse_size(text) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "allow_zero", "message"),
+    [
+        (0, False, "size must be positive, got 0"),
+        (-2, True, "size must be 0 or more, got -2"),
+        ("0.5B", False, "size must be at least one byte, got '0.5B'"),
+        ("0.5B", True, "size must be 0 or at least one byte, got '0.5B'"),
+        (
+            "12 parsecs",
+            False,
+            "cannot read '12 parsecs' as a size; write e.g. 24GiB, 80GB, 512MiB or a number of bytes",
+        ),
+    ],
+)
+def test_a_refused_size_says_why(text, allow_zero, message):
+    with pytest.raises(SizeParseError) as refused:
+        parse_size(text, allow_zero=allow_zero)
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "printed"),
+    [
+        (0, "0 B"),
+        (1023, "1,023 B"),
+        (1024, "1.00 KiB"),
+        (1536, "1.50 KiB"),
+        (-1536, "-1.50 KiB"),
+        (-(3 * 2**29), "-1.50 GiB"),
+        (2**41, "2,048.00 GiB"),  # nothing above GiB: torch.cuda prints GiB too
+    ],
+)
+def test_format_bytes_across_units_and_signs(num_bytes, printed):
+    assert format_bytes(num_bytes) == printed
