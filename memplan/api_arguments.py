@@ -161,6 +161,12 @@ def budget_in_bytes(budget: str | int | None, settings: TrainingSettings) -> int
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, str | int | float):
             raise SettingsError(f"budget must be a size such as '24GiB', '80GB' or a number of bytes; got {budget!r}")
+        if isinstance(budget, float):
+            # A float is a number of bytes, as Python writes large ones (24e9): whole, or refused rather than
+            # truncated (1.5 would be 1 byte) or misread (str(1e16) is '1e+16').
+            if not budget.is_integer():
+                raise SettingsError(f"budget must be a whole number of bytes or a size such as '24GiB'; got {budget!r}")
+            budget = int(budget)
         return parse_size(budget)
     return gpu_named(settings.gpu).budget_bytes(settings.outside_allocator_bytes) if settings.gpu is not None else None
 

@@ -401,6 +401,7 @@ API_CASES = [
     (api("estimate", "tiny-gpt2", budget=[1], **C), 2, ["budget must be a size"]),
     (api("estimate", "tiny-gpt2", budget=True, **C), 2, ["budget must be a size"]),
     (api("estimate", "tiny-gpt2", budget=-1, **C), 2, ["size must be positive"]),
+    (api("estimate", "tiny-gpt2", budget=1.5, **C), 2, ["budget must be a whole number of bytes", "1.5"]),
     (api("estimate", "tiny-gpt2", budget="abc", **C), 2, ["cannot read 'abc' as a size"]),
     # sweep, compare, plan
     (api("sweep", "tiny-gpt2", batch_sizes=4, **C), 2, ["batch_sizes takes positive integers"]),

@@ -1,0 +1,27 @@
+"""The API's arguments as the functions receive them (memplan.api_arguments)."""
+
+import pytest
+
+from memplan.api_arguments import budget_in_bytes
+from memplan.errors import SettingsError
+from memplan.settings import TrainingSettings
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [
+        (24e9, 24 * 10**9),  # a float as Python writes large numbers
+        (1e16, 10**16),  # str(1e16) is '1e+16', which no size parser reads
+        (float(3 << 30), 3 << 30),
+        (512, 512),
+        ("24GiB", 24 << 30),
+    ],
+)
+def test_a_budget_in_bytes_is_taken_whole(budget, expected):
+    assert budget_in_bytes(budget, TrainingSettings()) == expected
+
+
+@pytest.mark.parametrize("budget", [1.5, 24e9 + 0.5, float("nan"), float("inf")])
+def test_a_budget_that_is_no_whole_number_of_bytes_is_refused(budget):
+    with pytest.raises(SettingsError):
+        budget_in_bytes(budget, TrainingSettings())
