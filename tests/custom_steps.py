@@ -58,3 +58,10 @@ def keep_gradients(model: torch.nn.Module, batch: dict, optimizer: torch.optim.O
     model(**batch)["loss"].backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
+
+
+def canonical(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The loop most scripts write: forward, backward, step, zero_grad."""
+    model(**batch)["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

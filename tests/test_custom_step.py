@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import tests.custom_steps as custom_steps
+import tests.zoo_models as zoo_models
 from memplan.cli import main
 from memplan.errors import SettingsError
 from memplan.estimator.simulate import simulate
@@ -15,23 +16,22 @@ from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.hand_measure import measured_step_peak
-from tests.zoo_models import tied_lm, token_inputs
 
 BATCH = 8
 STEPS = ("two_views", "zero_grad_first_and_log", "accumulate_halves", "with_lr_schedule")
 
 
-def _measured_peak(name: str) -> int:
+def _measured_peak(name: str, batch_size: int = BATCH, model: str = "tied_lm", inputs: str = "token_inputs") -> int:
     torch.manual_seed(0)
-    model = tied_lm()
-    optimizer = torch.optim.AdamW(model.parameters())
-    return measured_step_peak(getattr(custom_steps, name), model, token_inputs(BATCH), optimizer)
+    built = getattr(zoo_models, model)()
+    optimizer = torch.optim.AdamW(built.parameters())
+    return measured_step_peak(getattr(custom_steps, name), built, getattr(zoo_models, inputs)(batch_size), optimizer)
 
 
-def _predicted(name: str):
-    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+def _predicted(name: str, batch_size: int = BATCH, model: str = "tied_lm", inputs: str = "token_inputs"):
+    spec = resolve_model(f"tests.zoo_models:{model}", inputs=f"tests.zoo_models:{inputs}")
     settings = spec.settings_for(
-        TrainingSettings(batch_size=BATCH, device="cpu", optimizer="adamw", step=f"tests.custom_steps:{name}")
+        TrainingSettings(batch_size=batch_size, device="cpu", optimizer="adamw", step=f"tests.custom_steps:{name}")
     )
     return simulate(trace_step(spec, settings))
 
@@ -39,6 +39,16 @@ def _predicted(name: str):
 @pytest.mark.parametrize("name", STEPS)
 def test_a_custom_step_is_predicted_as_measured(name):
     assert _predicted(name).peak_bytes == pytest.approx(_measured_peak(name), rel=0.005, abs=16)
+
+
+@pytest.mark.parametrize("name", ["canonical", "with_lr_schedule"])
+def test_gradients_live_through_the_optimizer_step_until_the_functions_zero_grad(name):
+    """At batch 1 the optimizer's step is the peak: every gradient is held by `.grad` through it,
+    past the optimizer's last read of it, until the function's zero_grad (one was lost before)."""
+    model = {"model": "squared_linear", "inputs": "named_features"}
+    predicted = _predicted(name, 1, **model)
+    assert predicted.phase == "optimizer"
+    assert predicted.peak_bytes == pytest.approx(_measured_peak(name, 1, **model), rel=0.005, abs=16)
 
 
 def test_the_steps_differ_as_they_should():
@@ -81,7 +91,7 @@ def test_the_cli_runs_a_step_and_says_what_failed_in_one():
 def test_a_step_that_zeroes_gradients_first_starts_with_the_previous_ones():
     """Its peak falls after zero_grad; what differs from the canonical loop is the start, which holds
     the previous step's gradients (one float32 gradient per parameter) until the step drops them."""
-    gradient_bytes = sum(param.numel() * 4 for param in tied_lm().parameters())
+    gradient_bytes = sum(param.numel() * 4 for param in zoo_models.tied_lm().parameters())
     spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
     canonical = simulate(trace_step(spec, TrainingSettings(batch_size=BATCH, device="cpu")))
     custom = _predicted("zero_grad_first_and_log")

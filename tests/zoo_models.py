@@ -253,3 +253,23 @@ def wider_for_large_batches() -> nn.Module:
 def batch_norm_mlp() -> nn.Module:
     """BatchNorm1d in training needs more than one value per channel: it runs at batch 2, not at 1."""
     return nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.BatchNorm1d(FEATURES), nn.ReLU(), nn.Linear(FEATURES, 4))
+
+
+class SquaredLinear(nn.Module):
+    """One bias-free 256×256 Linear whose mean square is the loss: at batch 1 its optimizer step is
+    the peak (AdamW's temporaries beside the state), the case where the gradients' lifetime shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.linear(x).pow(2).mean()}
+
+
+def squared_linear() -> nn.Module:
+    return SquaredLinear()
+
+
+def named_features(batch_size: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(batch_size, 256)}

@@ -49,6 +49,9 @@ def trace_custom_step(
 
     def on_step(grads: list[torch.Tensor]) -> None:
         seen.extend((storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in grads)
+        # `.grad` holds them until the step's zero_grad (or the next backward) lets go, past the
+        # optimizer's last read of them: watched like the previous gradients.
+        finalizers.extend(_note_when_freed(grads, freed_at, recorder.node_count))
 
     eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
@@ -71,6 +74,8 @@ def trace_custom_step(
     categories, sizes = categorize_storages(state, left)
     for key, nbytes in seen:
         categories[key], sizes[key] = "gradients", nbytes
+        if key in freed_at:
+            eager_lifetimes.local_lifetimes.append((key, max(freed_at[key] - 1, 0)))
     released_early = []
     for key, nbytes in previous_grads:
         if key in freed_at:
