@@ -165,6 +165,16 @@ def test_cli_file_equals_flags_and_typed_flags_override(tmp_path):
     assert overridden["settings"]["optimizer"] == "sgd" and overridden["settings"]["optimizer_impl"] == "default"
 
 
+def test_a_step_of_ones_own_replaces_the_trainer_loop_the_file_implies(tmp_path):
+    """--hf-args sets the hf-trainer loop; --step replaces the loop, so the two together were refused
+    as "leave out --loop", an option the user never gave."""
+    path = str(write(tmp_path, "args.json", {"per_device_train_batch_size": 2}))
+    assert estimate_json("--hf-args", path, "--device", "cpu")["settings"]["loop"] == "hf-trainer"
+    with_step = estimate_json("--hf-args", path, "--device", "cpu", "--step", "tests.custom_steps:canonical")
+    assert with_step["settings"]["step"] == "tests.custom_steps:canonical"
+    assert with_step["settings"]["loop"] == "canonical" and with_step["settings"]["batch_size"] == 2
+
+
 def test_cli_errors_are_one_line_with_exit_2(tmp_path):
     path = write(tmp_path, "args.yaml", {"optim": "galore_adamw"})
     result = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--hf-args", str(path)])

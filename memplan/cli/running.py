@@ -236,6 +236,8 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
     context_name = context.info_name
     if context_name == "plan":
         loaded.settings.pop("checkpoint", None)  # plan chooses the checkpointing itself
+    if settings.get("step") is not None:
+        loaded.settings.pop("loop", None)  # the user's own iteration replaces the Trainer's loop the file implies
     if context_name == "sweep" or context.params.get("maximize_batch"):
         loaded.settings.pop("batch_size", None)  # these commands choose the batch sizes themselves
     from_file = {key: value for key, value in loaded.settings.items() if not typed(key)}
