@@ -109,6 +109,10 @@ def sweep(
     `precisions` and `checkpoints` default to the settings' own; with `budget` (or a `gpu`), each
     series also gets the largest batch size that fits.
     """
+    if "batch_size" in setting_overrides:  # it would be ignored, and the result's settings would still show it
+        raise UsageError(
+            "sweep traces batch_sizes (e.g. batch_sizes=(1, 2, 4, 8)); batch_size is for one configuration"
+        )
     precisions = name_tuple(precisions, "precisions")
     if precisions and settings is None and precisions[0] in PRECISIONS:
         # Each series runs one of `precisions`, and --precision only names the default: the settings are checked

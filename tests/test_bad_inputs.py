@@ -405,6 +405,7 @@ API_CASES = [
     (api("estimate", "tiny-gpt2", budget="abc", **C), 2, ["cannot read 'abc' as a size"]),
     # sweep, compare, plan
     (api("sweep", "tiny-gpt2", batch_sizes=4, **C), 2, ["batch_sizes takes positive integers"]),
+    (api("sweep", "tiny-gpt2", batch_size=4, **C), 2, ["sweep traces batch_sizes", "batch_size is for one"]),
     (api("sweep", "tiny-gpt2", batch_sizes=["1"], **C), 2, ["batch_sizes takes positive integers"]),
     (api("sweep", "tiny-gpt2", batch_sizes="1,x", **C), 2, ["batch_sizes takes integers"]),
     (api("sweep", "tiny-gpt2", batch_sizes=[0], **C), 2, ["positive integers"]),
