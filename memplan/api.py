@@ -109,7 +109,8 @@ def sweep(
     `precisions` and `checkpoints` default to the settings' own; with `budget` (or a `gpu`), each
     series also gets the largest batch size that fits.
     """
-    if "batch_size" in setting_overrides:  # it would be ignored, and the result's settings would still show it
+    # A batch size other than the default would be ignored, and the result's settings would still show it.
+    if setting_overrides.get("batch_size", 1) != 1:
         raise UsageError(
             "sweep traces batch_sizes (e.g. batch_sizes=(1, 2, 4, 8)); batch_size is for one configuration"
         )
