@@ -175,6 +175,32 @@ def test_a_step_of_ones_own_replaces_the_trainer_loop_the_file_implies(tmp_path)
     assert with_step["settings"]["loop"] == "canonical" and with_step["settings"]["batch_size"] == 2
 
 
+def test_the_files_notes_go_with_a_json_answer(tmp_path):
+    """--json printed none of the file's notes (what memplan does not model of it): an estimate carries them
+    in its notes; a sweep, whose result has none, prints them on stderr, apart from its JSON."""
+    path = str(write(tmp_path, "args.json", {"per_device_train_batch_size": 2, "torch_compile": True}))
+    notes = estimate_json("--hf-args", path, "--device", "cpu", "--no-cache")["notes"]
+    assert any(note.startswith("torch_compile is not modelled") for note in notes)
+    swept = CliRunner().invoke(
+        main,
+        [
+            "sweep",
+            "tiny-gpt2",
+            "--seq-len",
+            "32",
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1,2",
+            "--hf-args",
+            path,
+            "--json",
+        ],
+    )
+    assert swept.exit_code == 0, swept.output
+    assert json.loads(swept.stdout)["series"] and "torch_compile is not modelled" in swept.stderr
+
+
 def test_cli_errors_are_one_line_with_exit_2(tmp_path):
     path = write(tmp_path, "args.yaml", {"optim": "galore_adamw"})
     result = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--hf-args", str(path)])

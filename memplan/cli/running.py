@@ -4,6 +4,7 @@ consoles, --hf-args and the environment's settings, output paths, JSON or tables
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import logging
@@ -218,13 +219,14 @@ def _module_file(module: str) -> Path | None:
     return None
 
 
-def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
-    """Settings from --hf-args under the flags the user typed (a flag left at its default does not count)."""
+def _with_hf_args(settings: dict[str, Any], as_json: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Settings from --hf-args under the flags the user typed (a flag left at its default does not count), and
+    the file's notes (what memplan does not model of it), which the text output has printed already."""
     from click.core import ParameterSource
 
     path = settings.pop("hf_args", None)
     if path is None:
-        return settings
+        return settings, ()
     from memplan.hf_args import read_training_args
 
     context = click.get_current_context()
@@ -248,7 +250,7 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> dict[str, Any]:
         console.print(f"[dim]from {path}: {taken}[/dim]")
         for note in loaded.notes:
             console.print(f"[dim]note: {note}[/dim]")
-    return merged
+    return merged, tuple(loaded.notes)
 
 
 # Options a CUDA library's or NCCL's own environment variable also sets (click's envvar=): the
@@ -300,8 +302,15 @@ def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as
     _collect_less()
     settings = _with_environment(dict(settings), as_json)
     source = {key: settings.pop(key) for key in ("inputs", "loss", "task")}
-    merged = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner
-    return function(model, **source, **options, **merged, progress=_progress(as_json))
+    merged, file_notes = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner
+    result = function(model, **source, **options, **merged, progress=_progress(as_json))
+    if as_json and file_notes:  # --json printed none of them: they go with the answer
+        if dataclasses.is_dataclass(result) and "notes" in {field.name for field in dataclasses.fields(result)}:
+            return dataclasses.replace(result, notes=(*file_notes, *result.notes))
+        if not _quiet():  # results without notes: stderr, which --json keeps apart from the answer
+            for note in file_notes:
+                click.echo(f"memplan: note: {note}", err=True)
+    return result
 
 
 # Where stderr is no terminal (a log, a pipe), progress is plain lines, and only once a command has
