@@ -415,6 +415,8 @@ API_CASES = [
     (api("compare", "tiny-gpt2", gpus="2", **C), 2, ["--gpus must be a positive integer, got '2'"]),
     (api("compare", "tiny-gpt2", gpus=1.5, **C), 2, ["--gpus must be a positive integer, got 1.5"]),
     (api("compare", "tiny-gpt2", gpus=0, **C), 2, ["--gpus must be a positive integer, got 0"]),
+    (api("compare", "tiny-gpt2", gpus=2, parallel="fsdp", **C), 2, ["give --world-size 2 instead of --gpus 2"]),
+    (api("compare", "tiny-gpt2", gpus=2, parallel="ddp", world_size=4, **C), 2, ["both count data-parallel GPUs"]),
     (api("compare", "tiny-gpt2", budget={}, **C), 2, ["budget must be a size"]),
     (api("plan", "tiny-gpt2", **C), 2, ["needs a budget"]),
     (api("plan", "tiny-gpt2", budget="1GiB", checkpoint="all", **C), 2, ["chooses the checkpointing itself"]),
