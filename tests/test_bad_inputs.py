@@ -269,6 +269,8 @@ CLI_CASES = [
     # --- sweep
     case(["sweep", "tiny-gpt2", "-b", "4", *TINY], ["--batch-sizes", "--batch-size is for one configuration"]),
     case(["sweep", "tiny-gpt2", "--batch-sizes", "a,b", *TINY], ["comma-separated integers", "'a,b'"]),
+    case(["sweep", "tiny-gpt2", "--batch-sizes", "1,,2", *TINY], ["comma-separated integers", "'1,,2'"]),
+    case(["sweep", "tiny-gpt2", "--precisions", "fp32,,bf16", *TINY], ["--precisions takes a comma-separated list"]),
     case(["sweep", "tiny-gpt2", "--batch-sizes", "", *TINY], ["positive integers"]),
     case(["sweep", "tiny-gpt2", "--batch-sizes", "0,1", *TINY], ["positive integers"]),
     case(["sweep", "tiny-gpt2", "--batch-sizes", "1.5", *TINY], ["'1.5'"]),

@@ -13,7 +13,8 @@ from memplan.errors import UsageError
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
+        # int() refuses an empty entry ("1,,2") too; no entries at all are refused as no batch sizes later
+        values = tuple(int(part) for part in text.split(",")) if text.strip() else ()
     except ValueError:
         raise UsageError(f"--batch-sizes takes comma-separated integers, e.g. 1,2,4,8; got {text!r}") from None
     return values
@@ -22,8 +23,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _name_list(text: str | None, option: str) -> tuple[str, ...] | None:
     if text is None:
         return None
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not names:
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):  # an empty entry ("fp32,,bf16") is a typo, not nothing
         raise UsageError(f"{option} takes a comma-separated list of names; got {text!r}")
     return names
 
