@@ -109,8 +109,9 @@ def sweep(
     `precisions` and `checkpoints` default to the settings' own; with `budget` (or a `gpu`), each
     series also gets the largest batch size that fits.
     """
-    # A batch size other than the default would be ignored, and the result's settings would still show it.
-    if setting_overrides.get("batch_size", 1) != 1:
+    # A batch size other than the default (which the CLI passes on) would be ignored, and the result's settings
+    # would still show it.
+    if setting_overrides.get("batch_size", TrainingSettings.batch_size) != TrainingSettings.batch_size:
         raise UsageError(
             "sweep traces batch_sizes (e.g. batch_sizes=(1, 2, 4, 8)); batch_size is for one configuration"
         )

@@ -1,4 +1,5 @@
-"""The fake tensor mode memplan traces under: torch's FakeTensorMode, with one cache rule added.
+"""The fake tensor mode memplan traces under: torch's FakeTensorMode, with one cache rule added; and
+`constant_item`, the value a fake tensor's `.item()` answers while a step is traced.
 
 FakeTensorMode caches each op's output metadata and, on a cache hit, builds fresh output tensors
 from it. An op that returns one tensor in two places (the CPU LSTM's `mkldnn_rnn_layer_backward`

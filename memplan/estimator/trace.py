@@ -50,7 +50,7 @@ from memplan.interrupts import deferred
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
-__all__ = ["FakeSetup", "TracedStep", "build_fake_setup", "trace_step"]
+__all__ = ["FakeSetup", "build_fake_setup", "trace_step"]
 
 
 def _warm_up_optimizer(state: TrainingState) -> None:

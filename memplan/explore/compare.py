@@ -203,14 +203,13 @@ def run_compare(
         raise SettingsError(f"--gpus must be a positive integer, got {gpus}")
     if settings.parallel != "none":
         # The ranks are --world-size's: the rows are one rank's, the effective batch all ranks'.
-        if gpus not in (1, settings.world_size) and settings.world_size == 1:  # --world-size left at its default
+        if gpus not in (1, settings.world_size):
             raise SettingsError(
                 f"with --parallel {settings.parallel} the GPUs are --world-size's: give --world-size {gpus} instead of "
                 f"--gpus {gpus}"
-            )
-        if gpus not in (1, settings.world_size):
-            raise SettingsError(
-                f"--gpus {gpus} and --world-size {settings.world_size} both count data-parallel GPUs: give --world-size"
+                if settings.world_size == 1  # --world-size left at its default
+                else f"--gpus {gpus} and --world-size {settings.world_size} both count data-parallel GPUs: "
+                "give --world-size"
             )
         gpus = settings.world_size
     if not isinstance(settings.checkpoint, str):

@@ -124,15 +124,16 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     table.add_column("category")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
+    cuda = result.settings.device == "cuda"
     for key, value in result.breakdown.to_dict().items():
-        if key == "workspaces" and result.settings.device != "cuda" and value == 0:
+        if key == "workspaces" and not cuda and value == 0:
             continue  # none off cuda, save a library's own temporaries (bitsandbytes'): shown where there are some
         if key == "communication" and result.settings.parallel == "none":
             continue
         if key == "unsharded_parameters" and result.settings.parallel not in (*FSDP_MODES, "zero3"):
             continue
         share = value / result.peak_bytes if result.peak_bytes else 0.0
-        label = _CATEGORY_LABELS[key] if key != "workspaces" or result.settings.device == "cuda" else "workspaces"
+        label = _CATEGORY_LABELS[key] if cuda or key != "workspaces" else "workspaces"
         if key == "communication" and result.settings.parallel in FSDP_MODES:
             label = _FSDP_COMMUNICATION_LABEL
         if key == "communication" and result.settings.deepspeed_stage is not None:
