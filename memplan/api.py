@@ -24,6 +24,7 @@ from memplan.api_arguments import (
     settings_for_plan,
     settings_from,
 )
+from memplan.api_terms import speaks_api_terms
 from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
@@ -34,7 +35,7 @@ from memplan.models.objects import is_model_object
 from memplan.models.source import ModelSpec
 from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
-from memplan.planner.plan_file import apply_plan
+from memplan.planner.plan_file import apply_plan as _apply_plan
 from memplan.settings import PRECISIONS, TrainingSettings
 from memplan.validate.result import ValidationResult
 from memplan.validate.runner import (
@@ -45,9 +46,22 @@ from memplan.validate.runner import (
 )
 from memplan.validate.suite import SUITES, SuiteConfig, run_suite, suite_named
 
-__all__ = ["apply_plan", "compare", "estimate", "plan", "plan_batch", "sweep", "validate", "validate_suite"]
+apply_plan = speaks_api_terms(_apply_plan)
+
+__all__ = [
+    "apply_plan",
+    "compare",
+    "estimate",
+    "plan",
+    "plan_batch",
+    "sweep",
+    "validate",
+    "validate_suite",
+    "which_gpu",
+]
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def estimate(
@@ -88,6 +102,7 @@ def estimate(
     )
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def sweep(
@@ -135,6 +150,7 @@ def sweep(
     )
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def which_gpu(
@@ -164,6 +180,7 @@ def which_gpu(
     return run_gpu_choice(spec, settings, list(names), progress=checked_progress(progress))
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def compare(
@@ -192,6 +209,7 @@ def compare(
     )
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def plan(
@@ -257,6 +275,7 @@ def _plan_inputs(
     return model_source(model, inputs, loss, task), settings, budget_bytes
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def plan_batch(
@@ -305,6 +324,7 @@ def _run_limits(warmup: Any, timeout_s: Any) -> tuple[int, float]:
     return warmup, float(timeout_s)
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def validate(
@@ -350,6 +370,7 @@ def validate(
     )
 
 
+@speaks_api_terms
 @leaves_no_process_group
 @spares_existing_objects
 def validate_suite(

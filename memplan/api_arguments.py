@@ -120,6 +120,10 @@ def settings_from(
         )
     if callable(overrides.get("step")):
         overrides = {**overrides, "step": _step_path(overrides["step"])}
+    targets = overrides.get("lora_targets")
+    if isinstance(targets, list | tuple) and all(isinstance(name, str) for name in targets):
+        # peft's target_modules as a list, which settings (and the CLI's --lora-targets) keep comma-separated
+        overrides = {**overrides, "lora_targets": ",".join(targets)}
     if isinstance(overrides.get("deepspeed_config"), dict):  # a DeepSpeed configuration, as deepspeed takes it
         overrides = {**overrides, "deepspeed_config": json.dumps(overrides["deepspeed_config"], sort_keys=True)}
     overrides = _check_types(overrides)
@@ -191,7 +195,10 @@ def name_tuple(values: Any, option: str) -> tuple[str, ...] | None:
     if values is None:
         return None
     if isinstance(values, str):
-        values = [part.strip() for part in values.split(",") if part.strip()]
+        names = [part.strip() for part in values.split(",")] if values.strip() else []
+        if not all(names):  # an empty entry ("fp32,,bf16") is a typo, as the CLI's option takes it
+            raise SettingsError(f"{option} has an empty name between its commas; got {values!r}")
+        values = names
     if not isinstance(values, Iterable) or not all(isinstance(value, str) for value in values):
         raise SettingsError(
             f"{option} must be names as strings (a list, or one comma-separated string); got {values!r}"
@@ -202,7 +209,8 @@ def name_tuple(values: Any, option: str) -> tuple[str, ...] | None:
 def batch_size_tuple(values: Any) -> tuple[int, ...]:
     if isinstance(values, str):
         try:
-            values = [int(part) for part in values.split(",") if part.strip()]
+            # int() refuses an empty entry ("1,,2"), as the CLI's --batch-sizes does
+            values = [int(part) for part in values.split(",")] if values.strip() else []
         except ValueError:
             raise SettingsError(f"batch_sizes takes integers, e.g. (1, 2, 4, 8) or '1,2,4,8'; got {values!r}") from None
     if not isinstance(values, Iterable) or not all(

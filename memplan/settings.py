@@ -215,7 +215,7 @@ class TrainingSettings:
             raise SettingsError("--lora-targets names no module: give names such as q_proj,v_proj")
         if not all(names):  # a slip (q_proj,,v_proj) that the header would print as given
             raise SettingsError(
-                f"--lora-targets {self.lora_targets} has an empty name between its commas: give names such as "
+                f"--lora-targets '{self.lora_targets}' has an empty name between its commas: give names such as "
                 "q_proj,v_proj"
             )
 

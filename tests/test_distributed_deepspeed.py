@@ -438,7 +438,7 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"loop": "hf-trainer"}, "--parallel zero2 with --loop"),
+        ({"loop": "hf-trainer"}, "parallel='zero2' with loop"),
         (
             {"deepspeed_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}},
             'zero_optimization.offload_optimizer moves the optimizer state to "nvme" (ZeRO-Infinity)',
@@ -447,12 +447,12 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
             {"deepspeed_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}},
             "offloads part of the optimizer (ratio below 1",
         ),
-        ({"offload": "params"}, "DeepSpeed offloads parameters at stage 3 (offload_param): give --parallel zero3"),
+        ({"offload": "params"}, "DeepSpeed offloads parameters at stage 3 (offload_param): give parallel='zero3'"),
         (
             {"deepspeed_config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}},
-            "offload_param is ZeRO-3's: give --parallel zero3",
+            "offload_param is ZeRO-3's: give parallel='zero3'",
         ),
-        ({"optimizer": "none"}, "--optimizer none has none"),
+        ({"optimizer": "none"}, "optimizer='none' has none"),
         (
             {
                 "precision": "amp-bf16",
@@ -469,15 +469,15 @@ def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
         ),
         (
             {"deepspeed_config": {"zero_optimization": {"stage": 3}}},
-            "sets ZeRO stage 3; --parallel zero2 traces stage 2: give --parallel zero3",
+            "sets ZeRO stage 3; parallel='zero2' traces stage 2: give parallel='zero3'",
         ),
         (
             {"deepspeed_config": {"zero_optimization": {"stage": 1}}},
-            "sets ZeRO stage 1; --parallel zero2 traces stage 2: give --parallel zero1",
+            "sets ZeRO stage 1; parallel='zero2' traces stage 2: give parallel='zero1'",
         ),
         (
             {"deepspeed_config": {"zero_optimization": {"stage": 0}}},
-            "stage 0; --parallel zero2 traces stage 2: memplan traces stages 1 to 3",
+            "stage 0; parallel='zero2' traces stage 2: memplan traces stages 1 to 3",
         ),
         ({"deepspeed_config": {"zero_optimization": {"overlap_comm": "auto"}}}, 'overlap_comm is "auto"'),
         ({"deepspeed_config": "[1, 2]"}, "the DeepSpeed configuration holds a JSON list, not an object"),
@@ -493,7 +493,7 @@ def test_zero2_mistakes_are_one_line(options, message):
 
 
 def test_a_deepspeed_config_without_zero2_is_refused():
-    with pytest.raises(SettingsError, match="give --parallel zero1, zero2 or zero3 with it"):
+    with pytest.raises(SettingsError, match="give parallel='zero1', zero2 or zero3 with it"):
         _mlp(deepspeed_config={"zero_optimization": {"stage": 2}})
 
 

@@ -194,7 +194,7 @@ def test_a_sweep_runs_the_file_s_precision_and_refuses_others_in_one_line():
     result = memplan.sweep("tiny-gpt2", deepspeed_config=config, precisions=("bf16",), batch_sizes=(1,), **settings)
     assert [series.precision for series in result.series] == ["bf16"]
     assert result.settings.precision == "bf16"
-    with pytest.raises(SettingsError, match=re.escape("enables bf16, and --precisions has fp32: sweep bf16 alone")):
+    with pytest.raises(SettingsError, match=re.escape("enables bf16, and precisions has fp32: sweep bf16 alone")):
         memplan.sweep("tiny-gpt2", deepspeed_config=config, precisions="bf16,fp32", batch_sizes=(1,), **settings)
 
 

@@ -95,7 +95,7 @@ def test_the_device_figure_and_the_budget_count_the_bands_top():
 
 def test_nccl_memory_without_a_data_parallel_cuda_rank_is_refused():
     for settings in ({}, {"parallel": "ddp", "world_size": 2, "device": "cpu"}):
-        with pytest.raises(SettingsError, match="--nccl-memory"):
+        with pytest.raises(SettingsError, match="nccl_memory"):
             memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=2, nccl_memory="1GiB", **settings)
     with pytest.raises(SettingsError, match="NCCL memory must be"):
         memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=2, parallel="ddp", nccl_memory=-1)

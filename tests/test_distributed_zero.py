@@ -115,7 +115,7 @@ def test_zero1_takes_ddp_bucket_views_and_counts_the_gradients_once():
 def test_a_process_with_its_own_group_is_refused_in_one_line():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(SettingsError, match="--parallel zero1 runs on a fake process group of 2 ranks"):
+        with pytest.raises(SettingsError, match="parallel='zero1' runs on a fake process group of 2 ranks"):
             _estimate(parallel="zero1", world_size=2)
     finally:
         dist.destroy_process_group()

@@ -289,5 +289,5 @@ def test_a_precision_named_twice_is_one_line():
 
     from memplan.errors import SettingsError
 
-    with pytest.raises(SettingsError, match="--precisions names fp32 more than once"):
+    with pytest.raises(SettingsError, match="precisions names fp32 more than once"):
         sweep("tiny-gpt2", batch_sizes=(1,), precisions=("fp32", "fp32"), **BASE)

@@ -91,7 +91,7 @@ def test_lora_mistakes_are_one_line_usage_errors(tiny_model_dirs):
         (["--lora", "0"], "LoRA rank must be a positive integer"),
         (["--lora", "4", "--lora-dropout", "1"], "--lora-dropout is a probability below 1"),
         (["--lora", "4", "--lora-targets", "nope"], "Target modules {'nope'} not found"),
-        (["--lora", "4", "--lora-targets", "c_attn,,c_proj"], "--lora-targets c_attn,,c_proj has an empty name"),
+        (["--lora", "4", "--lora-targets", "c_attn,,c_proj"], "--lora-targets 'c_attn,,c_proj' has an empty name"),
     ):
         result = CliRunner().invoke(main, ["estimate", model, "--device", "cpu", "--seq-len", "16", *extra])
         assert result.exit_code == 2, result.output

@@ -47,8 +47,13 @@ class _OneLineErrors(click.Group):
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(version=__version__, prog_name="memplan")
-def main() -> None:
+@click.pass_context
+def main(context: click.Context) -> None:
     """memplan: will this training step fit on my GPU, and what do I change if it won't?"""
+    from memplan.api_terms import command_line_terms
+
+    # memplan.api words its errors in keywords for Python callers; for the command it runs, in flags
+    context.with_resource(command_line_terms())
 
 
 for command in (presets.presets, estimate.estimate, plan.plan, sweep.sweep, compare.compare, validate.validate):

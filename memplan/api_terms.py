@@ -1,0 +1,166 @@
+"""Error messages in the caller's own terms: the CLI's flags on the command line, keywords from Python.
+
+memplan's checks are shared by both front-ends (the CLI calls memplan.api), and their messages name the
+CLI's flags: "--batch-sizes takes positive integers", "pass --budget (e.g. 24GiB) or --gpu NAME". A Python
+caller never typed a flag. So each API function rewords a MemplanError on its way out: every flag that has
+an API keyword becomes that keyword, with the value the message gives it ("batch_sizes takes positive
+integers", "pass budget (e.g. 24GiB) or gpu=NAME", "--device cuda" as "device='cuda'"). Flags without a
+keyword (--json, --plot, --hf-args, ...) stay as they are. While the command line runs (memplan.cli's group
+holds `command_line_terms()` for the command), messages keep the flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+from memplan.distributed.modes import FSDP_MIXED_PRECISIONS, OFFLOAD_MODES, PARALLEL_MODES
+from memplan.errors import MemplanError
+from memplan.gpus import GPUS
+from memplan.settings import (
+    ATTENTION_IMPLEMENTATIONS,
+    CHECKPOINT_MODES,
+    DEVICES,
+    LOOPS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANT_TYPES,
+    TrainingSettings,
+)
+
+_command_line = ContextVar("memplan_command_line_terms", default=False)
+
+# Flags whose keyword is not the flag with '-' as '_' (memplan.cli.options and each command's own options).
+_RENAMED = {
+    "cudnn-tf32": "cudnn_allow_tf32",
+    "cudnn-workspace-cap": "cudnn_workspace_cap_mib",
+    "deepspeed": "deepspeed_config",
+    "lora": "lora_rank",
+    "timeout": "timeout_s",
+}
+
+# Switches: the flag alone sets a bool keyword (click's `--x/--no-x` pairs and the flags of `is_flag=True`).
+_SWITCHES = {
+    "cudnn-benchmark": "cudnn_benchmark=True",
+    "cudnn-tf32": "cudnn_allow_tf32=True",
+    "no-cudnn-tf32": "cudnn_allow_tf32=False",
+    "deterministic": "deterministic=True",
+    "ddp-bucket-view": "ddp_bucket_view=True",
+    "kbit-upcast": "kbit_upcast=True",
+    "no-kbit-upcast": "kbit_upcast=False",
+    "nccl-nvls": "nccl_nvls=True",
+    "no-nccl-nvls": "nccl_nvls=False",
+    "selective": "selective=True",
+    "resume": "resume=True",
+    "force": "replace=True",  # validate_suite's; the API writes no other file that exists (the CLI checks --plot...)
+}
+
+# Flags that are an API function of their own.
+_FUNCTIONS = {"maximize-batch": "plan_batch"}
+
+# The values a message may give a flag, by keyword: a word after a flag is its value only where it is one of
+# these ("--device cuda"), not where it goes on with the sentence ("--checkpoint mode", "--budget or").
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "precision": PRECISIONS,
+    "precisions": PRECISIONS,
+    "checkpoint": CHECKPOINT_MODES,
+    "checkpoints": CHECKPOINT_MODES,
+    "device": DEVICES,
+    "optimizer": OPTIMIZERS,
+    "optimizer_impl": OPTIMIZER_IMPLS,
+    "loop": LOOPS,
+    "attn_impl": ATTENTION_IMPLEMENTATIONS,
+    "quantize": QUANT_TYPES,
+    "parallel": PARALLEL_MODES,
+    "offload": OFFLOAD_MODES,
+    "fsdp_mixed_precision": FSDP_MIXED_PRECISIONS,
+    "gpu": tuple(GPUS),
+    "maximize": ("seq-len",),
+}
+
+_FLAG = re.compile(r"(?<![\w-])--(?P<flag>[a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?: (?P<value>'[^']*'|[\w.-]*\w))?")
+_NUMBER = re.compile(r"-?\d+(\.\d+)?")
+_PLACEHOLDER = re.compile(r"[A-Z][A-Z_]*")  # NAME, N, RANK
+
+Wrapped = TypeVar("Wrapped", bound=Callable[..., Any])
+
+
+@contextmanager
+def command_line_terms() -> Iterator[None]:
+    """While held, messages keep the CLI's flags (memplan.cli's group holds it for each command)."""
+    token = _command_line.set(True)
+    try:
+        yield
+    finally:
+        _command_line.reset(token)
+
+
+@functools.cache
+def _keywords() -> frozenset[str]:
+    """Every keyword a Python caller can give: the settings and the API functions' own arguments."""
+    import memplan.api as api
+
+    arguments = {
+        name
+        for function in (getattr(api, name) for name in api.__all__)
+        for name in inspect.signature(function).parameters
+    }
+    return frozenset(TrainingSettings.__dataclass_fields__) | arguments
+
+
+def _keyword_form(match: re.Match[str]) -> str:
+    flag, value = match.group("flag"), match.group("value")
+    if flag in _SWITCHES or flag in _FUNCTIONS:
+        # a switch takes no value: a word after it goes on with the sentence ("pass --resume to continue")
+        return (_SWITCHES.get(flag) or _FUNCTIONS[flag]) + ("" if value is None else f" {value}")
+    keyword = _RENAMED.get(flag, flag.replace("-", "_"))
+    if keyword not in _keywords():
+        return match.group(0)
+    if value is None:
+        return keyword
+    if value in _CHOICES.get(keyword, ()) or (value[0].isdigit() and not _NUMBER.fullmatch(value)):
+        return f"{keyword}={value!r}"  # one of the keyword's choices, or a size ('24GiB')
+    if value.startswith("'") or _NUMBER.fullmatch(value) or _PLACEHOLDER.fullmatch(value):
+        return f"{keyword}={value}"  # quoted already, a number, or a placeholder
+    return f"{keyword} {value}"  # the sentence goes on
+
+
+def in_api_terms(message: str) -> str:
+    """The message with each flag that has an API keyword written as that keyword (see the module's doc)."""
+    return _FLAG.sub(_keyword_form, message)
+
+
+def _reworded(error: MemplanError) -> MemplanError:
+    if not _command_line.get() and error.args and isinstance(error.args[0], str):
+        error.args = (in_api_terms(error.args[0]), *error.args[1:])
+    return error
+
+
+def _reworded_items(items: Iterator[Any]) -> Iterator[Any]:
+    try:
+        yield from items
+    except MemplanError as error:
+        _reworded(error)
+        raise
+
+
+def speaks_api_terms(function: Wrapped) -> Wrapped:
+    """`function`'s MemplanErrors worded in the API's keywords unless the command line called it; a function
+    that returns an iterator (validate_suite) has the errors its iteration raises reworded as well."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            returned = function(*args, **kwargs)
+        except MemplanError as error:
+            _reworded(error)
+            raise
+        return _reworded_items(returned) if inspect.isgenerator(returned) else returned
+
+    return wrapper  # type: ignore[return-value]
