@@ -20,7 +20,9 @@ from memplan.api_arguments import (
     checked_progress,
     model_source,
     name_tuple,
+    plan_inputs,
     positive_count,
+    run_limits,
     settings_for_plan,
     settings_from,
 )
@@ -32,7 +34,6 @@ from memplan.explore.compare import CompareResult, run_compare
 from memplan.explore.gpus import GpuChoiceResult, run_gpu_choice
 from memplan.explore.sweep import DEFAULT_BATCH_SIZES, SweepResult, run_sweep
 from memplan.models.objects import is_model_object
-from memplan.models.source import ModelSpec
 from memplan.planner.maximize import MaximizeResult, maximize_batch
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.planner.plan_file import apply_plan as _apply_plan
@@ -235,7 +236,7 @@ def plan(
     how many processes trace the layouts at once (default: one per available core). Write
     the result with `memplan.planner.plan_file.write_plan` and use it with `apply_plan`.
     """
-    spec, settings, budget_bytes = _plan_inputs(
+    spec, settings, budget_bytes = plan_inputs(
         model, settings, budget, inputs, loss, task, setting_overrides, candidates, jobs
     )
     if not isinstance(selective, bool):
@@ -250,29 +251,6 @@ def plan(
         selective=selective,
         jobs=jobs,
     )
-
-
-def _plan_inputs(
-    model: str,
-    settings: TrainingSettings | None,
-    budget: str | int | None,
-    inputs: str | None,
-    loss: str | None,
-    task: str | None,
-    overrides: dict[str, Any],
-    candidates: str | None = None,
-    jobs: int | None = None,
-) -> tuple[ModelSpec, TrainingSettings, int]:
-    if overrides.get("checkpoint", "none") != "none":
-        raise SettingsError("a plan chooses the checkpointing itself: drop checkpoint=")
-    settings, _ = settings_from(settings, {**overrides, "checkpoint": "none"}, inputs)
-    if candidates is not None and not isinstance(candidates, str):
-        raise SettingsError(f"candidates must be a regular expression (a string) over module names; got {candidates!r}")
-    positive_count(jobs, "jobs", allow_none=True)
-    budget_bytes = budget_in_bytes(budget, settings)
-    if budget_bytes is None:
-        raise SettingsError("a plan needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
-    return model_source(model, inputs, loss, task), settings, budget_bytes
 
 
 @speaks_api_terms
@@ -298,7 +276,7 @@ def plan_batch(
     with every block checkpointed; each option is a traced, fitting plan (`.best.plan` can be
     written with `write_plan`). cuda targets only: the ranking needs the card's time estimate.
     """
-    spec, settings, budget_bytes = _plan_inputs(
+    spec, settings, budget_bytes = plan_inputs(
         model, settings, budget, inputs, loss, task, setting_overrides, candidates, jobs
     )
     return maximize_batch(
@@ -310,18 +288,6 @@ def plan_batch(
         progress=checked_progress(progress),
         jobs=jobs,
     )
-
-
-def _run_limits(warmup: Any, timeout_s: Any) -> tuple[int, float]:
-    """A real run's warm-up count and time limit, checked as the CLI's --warmup and --timeout are."""
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-        raise SettingsError(
-            f"--warmup must be an integer of at least 1 (the first iteration creates the optimizer state), "
-            f"got {warmup!r}"
-        )
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise SettingsError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
-    return warmup, float(timeout_s)
 
 
 @speaks_api_terms
@@ -348,7 +314,7 @@ def validate(
     snapshot of the measured iteration for memory_viz.
     """
     settings, loaded = settings_from(settings, setting_overrides, inputs)
-    warmup, timeout_s = _run_limits(warmup, timeout_s)
+    warmup, timeout_s = run_limits(warmup, timeout_s)
     if snapshot is not None and not isinstance(snapshot, str | os.PathLike):
         raise UsageError(f"snapshot must be a file path, got {snapshot!r}")
     check_can_measure(settings.device, snapshot)
@@ -397,7 +363,7 @@ def validate_suite(
     path = Path(results)
     if not path.resolve().parent.is_dir():  # before the first measurement, not after it
         raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")
-    warmup, timeout_s = _run_limits(warmup, timeout_s)
+    warmup, timeout_s = run_limits(warmup, timeout_s)
     if not isinstance(device, str):
         raise SettingsError(f"device must be a string, got {device!r} ({type(device).__name__})")
 

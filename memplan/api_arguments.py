@@ -225,3 +225,40 @@ def settings_for_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | 
     if plan is not None:
         check_settings(plan, settings)
     return settings
+
+
+def plan_inputs(
+    model: str,
+    settings: TrainingSettings | None,
+    budget: str | int | None,
+    inputs: str | None,
+    loss: str | None,
+    task: str | None,
+    overrides: dict[str, Any],
+    candidates: str | None = None,
+    jobs: int | None = None,
+) -> tuple[ModelSpec, TrainingSettings, int]:
+    """plan's and plan_batch's arguments: the model, its settings (checkpointing left to the plan) and the
+    budget, which a plan cannot do without."""
+    if overrides.get("checkpoint", "none") != "none":
+        raise SettingsError("a plan chooses the checkpointing itself: drop checkpoint=")
+    settings, _ = settings_from(settings, {**overrides, "checkpoint": "none"}, inputs)
+    if candidates is not None and not isinstance(candidates, str):
+        raise SettingsError(f"candidates must be a regular expression (a string) over module names; got {candidates!r}")
+    positive_count(jobs, "jobs", allow_none=True)
+    budget_bytes = budget_in_bytes(budget, settings)
+    if budget_bytes is None:
+        raise SettingsError("a plan needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
+    return model_source(model, inputs, loss, task), settings, budget_bytes
+
+
+def run_limits(warmup: Any, timeout_s: Any) -> tuple[int, float]:
+    """A real run's warm-up count and time limit, checked as the CLI's --warmup and --timeout are."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise SettingsError(
+            f"--warmup must be an integer of at least 1 (the first iteration creates the optimizer state), "
+            f"got {warmup!r}"
+        )
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise SettingsError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
+    return warmup, float(timeout_s)

@@ -70,6 +70,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.distributed.deepspeed_fakes import (
     NO_AUTOCAST,
+    answer_no_overflow,
+    as_deepspeed_cpu_adam,
     autocast_globals,
     config_errors_in_one_line,
     cpu_accelerator,
@@ -80,26 +82,6 @@ from memplan.distributed.deepspeed_fakes import (
 from memplan.distributed.modes import DEEPSPEED_MODE_OF_STAGE
 from memplan.distributed.offload import HostCopies, HostMemory
 from memplan.errors import SettingsError
-
-
-def _as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:
-    """`optimizer` steps as DeepSpeedCPUAdam does (deepspeed/ops/adam/cpu_adam.py, `step`): each parameter's
-    state made once, `exp_avg` and `exp_avg_sq` in float32 (fp32_optimizer_states, its default) like the
-    parameter, and the update done in place by its C++ kernel, which allocates no tensor."""
-
-    def step(closure: Any = None) -> None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = optimizer.state[param]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param.data, dtype=torch.float)
-                    state["exp_avg_sq"] = torch.zeros_like(param.data, dtype=torch.float)
-                state["step"] += 1
-
-    optimizer.step = step  # type: ignore[method-assign]
 
 
 class DeepSpeedRank:
@@ -182,13 +164,13 @@ class DeepSpeedRank:
         if self.offload:
             zero = self.engine.optimizer
             if self.cpu_adam:
-                _as_deepspeed_cpu_adam(zero.optimizer)
+                as_deepspeed_cpu_adam(zero.optimizer)
             self._timed_on_host(zero.optimizer, "step")
             self._timed_on_host(zero, "complete_grad_norm_calculation_for_cpu_offload")
         self._noted: dict[StorageWeakRef, tuple[int, str]] = {}
         self._accumulated: frozenset[int] = frozenset()
         self._note_released_buckets()
-        self._no_overflow()
+        answer_no_overflow(self.engine.optimizer)
 
     def _timed_on_host(self, owner: object, name: str) -> None:
         """`owner.name` noted in host_windows each time it runs while a node clock is set."""
@@ -347,31 +329,6 @@ class DeepSpeedRank:
                 storage = tensor.untyped_storage()
                 noted.append((StorageWeakRef(storage), storage.nbytes(), category))
         return noted
-
-    def _no_overflow(self) -> None:
-        """The overflow check runs (its temporaries count) and finds none, as in a healthy step: it
-        reads its verdict with `.item()` on a byte tensor, which fake tensors have no value for (with
-        bf16 and fp16 it would otherwise skip every step, and the optimizer state would never exist); torch's
-        GradScaler, which the ZeRO optimizers step through under torch_autocast in float16, likewise."""
-        zero = self.engine.optimizer
-        check = getattr(zero, "has_overflow", None)
-        if check is not None:
-
-            def has_overflow(*args: Any, **kwargs: Any) -> bool:
-                check(*args, **kwargs)
-                return False
-
-            zero.has_overflow = has_overflow
-        scaler = getattr(zero, "torch_autocast_gradscaler", None)
-        if scaler is not None:
-            # torch_autocast in float16: the ZeRO optimizer steps through torch's GradScaler, which reads its
-            # found-inf flags with `.item()` and skips the step where one is set (grad_scaler.py, _maybe_opt_step).
-            def maybe_opt_step(optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
-                for found_inf in optimizer_state["found_inf_per_device"].values():
-                    found_inf.item()
-                return optimizer.step(*args, **kwargs)
-
-            scaler._maybe_opt_step = maybe_opt_step
 
     def _note_released_buckets(self) -> None:
         zero = self.engine.optimizer

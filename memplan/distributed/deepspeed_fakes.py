@@ -1,7 +1,8 @@
 """What DeepSpeed needs to run one rank over fake tensors on torch's fake process group
 (memplan.distributed.deepspeed): its import (its log moved off stdout), a fresh fake group with its own cached
 groups forgotten, its CPU accelerator, answers to the value checks fake tensors cannot make (overflow, the
-gradient norm, cross-rank consistency), its autocast globals per rank, and its configuration errors in one line.
+gradient norm, cross-rank consistency), its autocast globals per rank, its configuration errors in one line, and
+a stand-in for DeepSpeedCPUAdam's C++ step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest.mock import patch
+
+import torch
 
 from memplan.errors import SettingsError
 
@@ -199,3 +202,48 @@ def _valid_after_checking(check: Callable[[Any], bool]) -> Callable[[Any], bool]
 
 def _same_on_every_rank(*_: Any, **__: Any) -> None:
     return None  # what rank 0 sees is what every rank of a fake group sees
+
+
+def answer_no_overflow(zero: Any) -> None:
+    """ZeRO's optimizer `zero`: its overflow check runs (its temporaries count) and finds none, as in a healthy step: it
+    reads its verdict with `.item()` on a byte tensor, which fake tensors have no value for (with
+    bf16 and fp16 it would otherwise skip every step, and the optimizer state would never exist); torch's
+    GradScaler, which the ZeRO optimizers step through under torch_autocast in float16, likewise."""
+    check = getattr(zero, "has_overflow", None)
+    if check is not None:
+
+        def has_overflow(*args: Any, **kwargs: Any) -> bool:
+            check(*args, **kwargs)
+            return False
+
+        zero.has_overflow = has_overflow
+    scaler = getattr(zero, "torch_autocast_gradscaler", None)
+    if scaler is not None:
+        # torch_autocast in float16: the ZeRO optimizer steps through torch's GradScaler, which reads its
+        # found-inf flags with `.item()` and skips the step where one is set (grad_scaler.py, _maybe_opt_step).
+        def maybe_opt_step(optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
+            for found_inf in optimizer_state["found_inf_per_device"].values():
+                found_inf.item()
+            return optimizer.step(*args, **kwargs)
+
+        scaler._maybe_opt_step = maybe_opt_step
+
+
+def as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer` steps as DeepSpeedCPUAdam does (deepspeed/ops/adam/cpu_adam.py, `step`): each parameter's
+    state made once, `exp_avg` and `exp_avg_sq` in float32 (fp32_optimizer_states, its default) like the
+    parameter, and the update done in place by its C++ kernel, which allocates no tensor."""
+
+    def step(closure: Any = None) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = optimizer.state[param]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param.data, dtype=torch.float)
+                    state["exp_avg_sq"] = torch.zeros_like(param.data, dtype=torch.float)
+                state["step"] += 1
+
+    optimizer.step = step  # type: ignore[method-assign]
