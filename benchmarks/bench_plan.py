@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from memplan.estimator.trace import build_fake_setup, trace_step
+from memplan.forked import available_cores
 from memplan.models.source import resolve_model
-from memplan.planner.forked import available_cores
 from memplan.planner.plan import make_plan
 from memplan.settings import TrainingSettings
 from memplan.sizes import format_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.timeline import MemoryTimeline, reserved_peak_bytes
 from memplan.estimator.trace import build_fake_setup, trace_step
 from memplan.estimator.traced_step import TracedStep
+from memplan.forked import ForkedJob, ForkedJobFailed
 from memplan.interrupts import raise_if_interrupted
 from memplan.models.fingerprint import check_fingerprint
 from memplan.models.source import ModelSpec
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 Progress = Callable[[str], None]
+_log = logging.getLogger(__name__)
 
 
 def second_batch_size(batch_size: int) -> int:
@@ -67,6 +70,34 @@ class BatchTracer:
         self.interpolated: dict[int, dict[str, int]] = {}  # batch size -> fit_phase_peaks, from the lines
         self.interpolated_timelines: dict[int, MemoryTimeline] = {}  # batch size -> its timeline, from the lines
         self._slope_batch_size: int | None = None
+        self._aside: dict[int, ForkedJob] = {}  # batch size -> its trace and simulation in a forked child
+
+    def trace_aside(self, batch_size: int) -> None:
+        """Start tracing and simulating `batch_size` in a forked child (memplan.forked.ForkedJob) while this
+        process traces another: on two cores, an estimate's two batch sizes in about the time of one.
+        simulate() collects it, and traces here instead where the child could not; close() stops it. The
+        child traces the optimizer step itself, where a trace here replays the first trace's recording of
+        it: the same requests (memplan.estimator.replay)."""
+        if batch_size in self.simulations or batch_size in self._aside or not ForkedJob.can_start():
+            return
+        settings = self.settings.replace(batch_size=batch_size)
+        self._aside[batch_size] = ForkedJob(lambda: simulate(trace_step(self.spec, settings, self.setup, None)))
+
+    def close(self) -> None:
+        """Stop the forked traces nobody collected (the estimate failed or was interrupted before it needed them)."""
+        for job in self._aside.values():
+            job.cancel()
+        self._aside.clear()
+
+    def _collected(self, batch_size: int) -> Simulation | None:
+        job = self._aside.pop(batch_size, None)
+        if job is None:
+            return None
+        try:
+            return job.result()
+        except ForkedJobFailed as failure:  # whatever it was, the trace here says it again, or succeeds
+            _log.debug("batch size %d traced in this process: the forked trace failed (%s)", batch_size, failure)
+            return None
 
     def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
         if batch_size in self.simulations or self.lines is None or batch_size == 1:
@@ -110,11 +141,17 @@ class BatchTracer:
     def simulate(self, batch_size: int) -> Simulation:
         if batch_size not in self.simulations:
             raise_if_interrupted()
-            self.report(f"tracing batch size {batch_size} (trace {len(self.simulations) + 1})")
-            replay = self.first.optimizer_recording if self.first else None  # batch size cannot change the step
-            traced = trace_step(self.spec, self.settings.replace(batch_size=batch_size), self.setup, replay)
-            self.simulations[batch_size] = simulate(traced)
-            self.first = self.first or traced
+            if batch_size in self._aside:
+                self.report(f"tracing batch size {batch_size} in a forked process (trace {len(self.simulations) + 1})")
+            collected = self._collected(batch_size)
+            if collected is not None:
+                self.simulations[batch_size] = collected
+            else:
+                self.report(f"tracing batch size {batch_size} (trace {len(self.simulations) + 1})")
+                replay = self.first.optimizer_recording if self.first else None  # batch size cannot change the step
+                traced = trace_step(self.spec, self.settings.replace(batch_size=batch_size), self.setup, replay)
+                self.simulations[batch_size] = simulate(traced)
+                self.first = self.first or traced
             self._confirm_lines(batch_size)
         return self.simulations[batch_size]
 
@@ -221,10 +258,26 @@ def run_estimate(
     if maximize_seq_len and settings.seq_len is None:
         raise SettingsError(f"--maximize seq-len: {spec.name} takes no sequence length (--seq-len)")
     tracer = BatchTracer(spec, settings, progress)
+    try:
+        return _estimate(tracer, spec, settings, budget_bytes, plan_fingerprint, maximize_seq_len, started)
+    finally:
+        tracer.close()
+
+
+def _estimate(
+    tracer: BatchTracer,
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    budget_bytes: int | None,
+    plan_fingerprint: str | None,
+    maximize_seq_len: bool,
+    started: float,
+) -> EstimateResult:
     if plan_fingerprint is not None:
         check_fingerprint(plan_fingerprint, "another model", tracer.setup.state.built_model, spec.name)
     simulations = tracer.simulations
     batch_size = settings.batch_size
+    tracer.trace_aside(second_batch_size(batch_size))  # the slope's batch size, beside the first trace
     main = tracer.simulate(batch_size)
     traced = tracer.first
     assert traced is not None

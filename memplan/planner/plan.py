@@ -28,10 +28,10 @@ from memplan.estimator.search import find_max_batch_size
 from memplan.estimator.simulate import Simulation, simulate
 from memplan.estimator.trace import FakeSetup, build_fake_setup, trace_step
 from memplan.estimator.traced_step import TracedStep
+from memplan.forked import available_cores, can_fork, map_forked
 from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
-from memplan.planner.forked import available_cores, can_fork, map_forked
 from memplan.planner.solvers import Solution, dp, greedy, solution_for
 from memplan.planner.solvers.baselines import BASELINES, all_blocks
 from memplan.settings import TrainingSettings

@@ -1,10 +1,11 @@
-"""Run independent jobs of the planner in forked copies of this process, one per free core.
+"""Run independent traces in forked copies of this process, one per free core.
 
 Planning traces several checkpointing layouts of one fake model (the solver's answer and every
-baseline), and no trace depends on another. A trace is single-threaded Python (fake tensors run no
-kernels), so on a 2-core machine two forked traces take about the time of one. Forking, not
-spawning, lets each worker start from the model already built under fake tensors in this process:
-nothing has to be pickled but the job's argument and its result.
+baseline), and no trace depends on another; an estimate traces a second batch size for the per-sample
+slope beside its first (ForkedJob). A trace is single-threaded Python (fake tensors run no kernels), so
+on a 2-core machine two forked traces take about the time of one. Forking, not spawning, lets each
+worker start from the model already built under fake tensors in this process: nothing has to be
+pickled but the job's argument and its result.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import gc
 import logging
 import multiprocessing
 import os
+import pickle
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,6 +73,14 @@ def _autograd_works_after_fork() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def _note_fork_breaks_autograd(message: str) -> None:
+    """A forked child's error that says autograd cannot run after fork (Engine's fork handler): no more forks."""
+    global _fork_breaks_autograd
+    if "autograd's threading" in message:
+        _fork_breaks_autograd = True
+        _log.debug("tracing in one process from now on: autograd fails in a forked child of this process")
+
+
 def _start_worker() -> None:
     # A forked child keeps no threads but the one that forked: a lock another thread held at the
     # fork (the progress spinner writing to stderr) would stay held. Workers report nothing.
@@ -103,3 +114,72 @@ def map_forked(job: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> li
     finally:
         gc.unfreeze()
         _job = None
+
+
+class ForkedJobFailed(Exception):
+    """A ForkedJob's child raised, or died; the caller runs the job itself instead (not a MemplanError: the
+    user never sees it)."""
+
+
+class ForkedJob:
+    """`job()` running in a forked child while this process goes on; `result()` waits for its value.
+
+    Started only where it can help: the platform forks, a second core is free, and no child of this
+    process has found autograd unusable after fork (can_fork's probe is not run: a child that finds it
+    reports the error, the caller runs the job itself, and later jobs run in this process). The value
+    comes back pickled through a pipe; the child leaves with os._exit, running none of this process's
+    exit code.
+    """
+
+    @staticmethod
+    def can_start() -> bool:
+        return "fork" in multiprocessing.get_all_start_methods() and not _fork_breaks_autograd and available_cores() > 1
+
+    def __init__(self, job: Callable[[], Any]) -> None:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            os.close(read)
+            status = 1
+            try:
+                _start_worker()
+                gc.freeze()  # its collections skip (and do not copy) what it inherited
+                try:
+                    payload = ("value", job())
+                except BaseException as error:  # noqa: BLE001 (reported to the parent, which runs the job itself)
+                    payload = ("error", f"{type(error).__name__}: {error}")
+                with os.fdopen(write, "wb") as pipe:
+                    pipe.write(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        self._pid: int | None = pid
+        self._read = read
+
+    def result(self) -> Any:
+        """The job's value, once the child has finished; ForkedJobFailed where it raised or died."""
+        assert self._pid is not None, "result() is read once"
+        with os.fdopen(self._read, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(self._pid, 0)
+        self._pid = None
+        if os.waitstatus_to_exitcode(status) != 0 or not data:
+            raise ForkedJobFailed(f"the forked child exited with status {os.waitstatus_to_exitcode(status)}")
+        kind, value = pickle.loads(data)
+        if kind == "error":
+            _note_fork_breaks_autograd(value)
+            raise ForkedJobFailed(value)
+        return value
+
+    def cancel(self) -> None:
+        """Stop the child if it still runs (the caller no longer needs its value)."""
+        if self._pid is None:
+            return
+        try:
+            os.kill(self._pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self._pid, 0)
+        os.close(self._read)
+        self._pid = None

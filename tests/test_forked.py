@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from memplan import forked
 from memplan.errors import TraceError
+from memplan.forked import map_forked
 from memplan.models.source import resolve_model
-from memplan.planner import forked
-from memplan.planner.forked import map_forked
 from memplan.planner.plan import make_plan
 from memplan.settings import TrainingSettings
 from tests.zoo import TINY_HF_CONFIGS
@@ -90,3 +90,84 @@ def test_when_autograd_cannot_run_in_a_fork_the_jobs_run_here_and_debug_says_why
         results = map_forked(_pid_and_square, [1, 2, 3], jobs=2)
     assert results == [(os.getpid(), 1), (os.getpid(), 4), (os.getpid(), 9)]
     assert "autograd fails in a forked child" in caplog.text
+
+
+# An estimate's second trace (the per-sample slope's batch size) in a forked child: ForkedJob.
+
+
+@needs_fork
+def test_a_forked_job_runs_in_another_process_and_hands_back_its_value():
+    pid, value = forked.ForkedJob(lambda: (os.getpid(), {"bytes": 7 << 30})).result()
+    assert pid != os.getpid() and value == {"bytes": 7 << 30}
+
+
+@needs_fork
+def test_a_forked_jobs_error_fails_the_job_and_autograd_s_says_no_more_forks(monkeypatch):
+    monkeypatch.setattr(forked, "_fork_breaks_autograd", False)
+    with pytest.raises(forked.ForkedJobFailed, match="ZeroDivisionError"):
+        forked.ForkedJob(lambda: 1 // 0).result()
+    assert not forked._fork_breaks_autograd  # an error of the job's own leaves forking alone
+
+    def engine_refuses() -> None:
+        raise RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing")
+
+    with pytest.raises(forked.ForkedJobFailed, match="autograd's threading"):
+        forked.ForkedJob(engine_refuses).result()
+    assert not forked.ForkedJob.can_start()
+
+
+@needs_fork
+def test_a_cancelled_job_s_child_is_gone():
+    job = forked.ForkedJob(lambda: __import__("time").sleep(60))
+    pid = job._pid
+    job.cancel()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    job.cancel()  # twice is nothing
+
+
+def _estimate_both_ways(monkeypatch, model: str, **settings) -> tuple[dict, dict, int]:
+    import memplan
+
+    started = []
+    real_job = forked.ForkedJob
+
+    class CountedJob(real_job):
+        def __init__(self, job):
+            started.append(1)
+            super().__init__(job)
+
+    monkeypatch.setattr("memplan.estimator.estimate.ForkedJob", CountedJob)
+    aside = memplan.estimate(model, **settings).to_dict()
+    monkeypatch.setattr(CountedJob, "can_start", staticmethod(lambda: False))
+    here = memplan.estimate(model, **settings).to_dict()
+    for result in (aside, here):
+        result.pop("seconds")
+    return aside, here, len(started)
+
+
+@needs_fork
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_estimate_s_slope_traced_in_a_forked_child_is_the_one_traced_here(monkeypatch, device):
+    if not forked.ForkedJob.can_start():
+        pytest.skip("no second core, or autograd cannot run in a forked child of this process")
+    aside, here, forks = _estimate_both_ways(monkeypatch, "tiny-gpt2", batch_size=6, seq_len=64, device=device)
+    assert forks == 1 and aside["traces"] == here["traces"] == 2
+    assert aside == here
+
+
+@needs_fork
+def test_a_slope_that_cannot_be_traced_at_half_the_batch_is_traced_at_twice_after_a_forked_failure(monkeypatch):
+    """Batch 2's slope runs at 1, where BatchNorm in training fails: the child reports it, and the estimate
+    goes on as it does in one process (twice the batch)."""
+    if not forked.ForkedJob.can_start():
+        pytest.skip("no second core, or autograd cannot run in a forked child of this process")
+    models = {
+        "inputs": "tests.zoo_models:flat_inputs",
+        "loss": "tests.zoo_models:mean_square_loss",
+        "batch_size": 2,
+        "device": "cpu",
+    }
+    aside, here, forks = _estimate_both_ways(monkeypatch, "tests.zoo_models:batch_norm_mlp", **models)
+    assert forks == 1 and aside == here
+    assert aside["per_sample_activation_bytes"] > 0
