@@ -11,6 +11,7 @@ holds `command_line_terms()` for the command), messages keep the flags.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -151,8 +152,9 @@ def _reworded_items(items: Iterator[Any]) -> Iterator[Any]:
 
 
 def speaks_api_terms(function: Wrapped) -> Wrapped:
-    """`function`'s MemplanErrors worded in the API's keywords unless the command line called it; a function
-    that returns an iterator (validate_suite) has the errors its iteration raises reworded as well."""
+    """`function`'s MemplanErrors, and the notes of the result it returns, worded in the API's keywords unless
+    the command line called it; a function that returns an iterator (validate_suite) has the errors its
+    iteration raises reworded as well."""
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -161,6 +163,16 @@ def speaks_api_terms(function: Wrapped) -> Wrapped:
         except MemplanError as error:
             _reworded(error)
             raise
-        return _reworded_items(returned) if inspect.isgenerator(returned) else returned
+        if inspect.isgenerator(returned):
+            return _reworded_items(returned)
+        return _with_notes_reworded(returned)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _with_notes_reworded(result: Any) -> Any:
+    """A result whose `notes` (EstimateResult's: "give yours with --cuda-context") speak the caller's terms."""
+    notes = getattr(result, "notes", None)
+    if _command_line.get() or not dataclasses.is_dataclass(result) or not isinstance(notes, tuple):
+        return result
+    return dataclasses.replace(result, notes=tuple(in_api_terms(note) for note in notes))

@@ -1,6 +1,7 @@
 """Errors in the caller's terms: keywords for a Python caller, flags on the command line (memplan.api_terms)."""
 
 import inspect
+import json
 
 import click
 import pytest
@@ -115,3 +116,12 @@ def test_lora_targets_may_be_a_list_of_names():
     assert listed.settings.lora_targets == "c_attn,c_proj"
     assert listed.peak_bytes == joined.peak_bytes
     assert listed.trainable_parameter_count == joined.trainable_parameter_count
+
+
+def test_an_estimate_s_notes_name_keywords_from_python_and_flags_on_the_command_line():
+    result = memplan.estimate("tiny-gpt2", seq_len=32, gpu="A100-40GB")
+    context = next(note for note in result.notes if "CUDA context" in note)
+    assert context.endswith("give yours with cuda_context") and "--" not in context
+    shown = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--seq-len", "32", "--gpu", "A100-40GB", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert any(note.endswith("give yours with --cuda-context") for note in json.loads(shown.stdout)["notes"])
