@@ -426,7 +426,7 @@ def test_an_offloading_rank_s_host_memory_worked_by_hand():
     assert torch_adamw.host_peak_bytes > cpu_adam.host_peak_bytes + partition_bytes  # at least one temporary
     assert torch_adamw.peak_bytes == cpu_adam.peak_bytes  # the GPU's share does not depend on it
     note = next(note for note in cpu_adam.notes if "offload_optimizer" in note)
-    assert "DeepSpeedCPUAdam" in note and "--optimizer adamw" in note
+    assert "DeepSpeedCPUAdam" in note and "optimizer='adamw'" in note
 
 
 def _mlp(model: str = "tests.two_layer_mlp:two_layer", **settings):
