@@ -17,7 +17,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ import torch
 _job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
 _log = logging.getLogger(__name__)
 _fork_breaks_autograd = False
+_in_worker = False  # this process is a worker of imap_forked
 
 
 def available_cores() -> int:
@@ -87,6 +88,12 @@ def _start_worker() -> None:
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the worker)
     # Intra-op threads are not fork-safe (OpenMP), as torch's DataLoader workers also assume.
     torch.set_num_threads(1)
+    # As gc.freeze's documentation advises for fork without exec: the child's collections then skip
+    # (and do not copy) everything inherited (timed once: a 48-block trace in a worker, -8%). Frozen in
+    # the child, where the parent's own freeze (the CLI's, memplan.estimator.collector) stays as it was.
+    gc.freeze()
+    global _in_worker
+    _in_worker = True  # its cores are taken: a job here forks no children of its own (ForkedJob.can_start)
 
 
 def _run(item: Any) -> Any:
@@ -94,26 +101,30 @@ def _run(item: Any) -> Any:
     return _job(item)
 
 
-def map_forked(job: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
-    """`[job(item) for item in items]`, in up to `jobs` forked workers; in this process when one is enough.
+def imap_forked(job: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> Generator[Any, None, None]:
+    """`job(item)` for each item, in order, from up to `jobs` forked workers (in this process when one is
+    enough), each value as soon as it and those before it are done: a caller that stops early (Ctrl-C)
+    keeps what came, and closing the iterator stops the workers.
 
     Items are handed out in order, one at a time: put the longest first. An exception a job
     raises is raised here.
     """
     workers = min(jobs, len(items))
-    if workers <= 1 or not can_fork():
-        return [job(item) for item in items]
+    if workers <= 1 or _in_worker or not can_fork():
+        yield from (job(item) for item in items)
+        return
     global _job
     _job = job
-    # As gc.freeze's documentation advises for fork without exec: the workers' collections then
-    # skip (and do not copy) everything inherited (timed once: a 48-block trace in a worker, -8%).
-    gc.freeze()
     try:
         with multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker) as pool:
-            return pool.map(_run, items, chunksize=1)
+            yield from pool.imap(_run, items, chunksize=1)
     finally:
-        gc.unfreeze()
         _job = None
+
+
+def map_forked(job: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
+    """`[job(item) for item in items]`, in up to `jobs` forked workers (imap_forked)."""
+    return list(imap_forked(job, items, jobs))
 
 
 class ForkedJobFailed(Exception):
@@ -133,7 +144,9 @@ class ForkedJob:
 
     @staticmethod
     def can_start() -> bool:
-        return "fork" in multiprocessing.get_all_start_methods() and not _fork_breaks_autograd and available_cores() > 1
+        if _in_worker or _fork_breaks_autograd:
+            return False
+        return "fork" in multiprocessing.get_all_start_methods() and available_cores() > 1
 
     def __init__(self, job: Callable[[], Any]) -> None:
         read, write = os.pipe()
@@ -143,7 +156,6 @@ class ForkedJob:
             status = 1
             try:
                 _start_worker()
-                gc.freeze()  # its collections skip (and do not copy) what it inherited
                 try:
                     payload = ("value", job())
                 except BaseException as error:  # noqa: BLE001 (reported to the parent, which runs the job itself)

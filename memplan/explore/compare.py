@@ -21,6 +21,7 @@ from memplan.distributed.modes import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES
 from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
+from memplan.forked import available_cores, can_fork, imap_forked
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
 from memplan.settings import TrainingSettings
@@ -190,6 +191,22 @@ class CompareResult:
         return fields_dict(self)
 
 
+def _row_estimate(
+    spec: ModelSpec, variant: tuple[str, Technique, TrainingSettings | SettingsError], report: Progress | None
+) -> EstimateResult | str:
+    """One row's estimate, or why its technique cannot apply (the as-given row's mistakes are the user's: raised)."""
+    label, technique, settings = variant
+    assert isinstance(settings, TrainingSettings)
+    try:
+        progress = (lambda message: report(f"{label}: {message}")) if report is not None else None
+        return run_estimate(spec, settings, progress=progress)
+    except (SettingsError, UsageError) as error:
+        if not technique.changes:
+            raise  # the configuration as given is the user's to fix
+        # e.g. QLoRA without bitsandbytes, or on a model that is not a transformers model
+        return str(error)
+
+
 def run_compare(
     spec: ModelSpec,
     settings: TrainingSettings,
@@ -219,26 +236,33 @@ def run_compare(
     results: dict[str, EstimateResult] = {}
     rows, skipped = [], []
     listed = techniques(settings)
-    interrupted = False
+    entries: list[tuple[str, Technique, TrainingSettings | SettingsError]] = []
     for number, technique in enumerate(listed, start=1):
-        try:
-            variant = settings.replace(**technique.changes)
-        except SettingsError as error:  # e.g. autocast or accumulation rows with --step
-            skipped.append(f"{technique.name}: {error}")
-            continue
         label = f"[{number}/{len(listed)}] {technique.name}"
         try:
-            try:
-                result = run_estimate(
-                    spec, variant, progress=lambda message, label=label: report(f"{label}: {message}")
-                )
-            except (SettingsError, UsageError) as error:
-                if not technique.changes:
-                    raise  # the configuration as given is the user's to fix
-                # A technique this model or installation cannot take (QLoRA without bitsandbytes,
-                # or on a model that is not a transformers model): said, not fatal.
-                skipped.append(f"{technique.name}: {error}")
+            entries.append((label, technique, settings.replace(**technique.changes)))
+        except SettingsError as error:  # e.g. autocast or accumulation rows with --step
+            entries.append((label, technique, error))
+    variants = [entry for entry in entries if isinstance(entry[2], TrainingSettings)]
+    # Rows side by side in forked workers, one per core (each reports only as it arrives), else one by one
+    # here (each reporting its traces as it goes).
+    workers = available_cores() if len(variants) > 1 and can_fork() else 1
+    estimates = imap_forked(
+        lambda variant: _row_estimate(spec, variant, None if workers > 1 else report), variants, workers
+    )
+    interrupted = False
+    try:
+        for label, technique, variant in entries:
+            if isinstance(variant, SettingsError):
+                skipped.append(f"{technique.name}: {variant}")
                 continue
+            if workers > 1:
+                report(f"{label}: tracing in a forked process")
+            outcome = next(estimates)
+            if isinstance(outcome, str):  # a technique this model or installation cannot take: said, not fatal
+                skipped.append(f"{technique.name}: {outcome}")
+                continue
+            result = outcome
             if technique.changes.get("checkpoint") == "all" and not result.checkpointed_blocks:
                 skipped.append(f"{technique.name}: the model has no repeated blocks to checkpoint")
                 continue
@@ -248,14 +272,15 @@ def run_compare(
                 twin = next((r for r in results.values() if r.settings == same), None)
                 twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
                 recompute = result.step_flops - twin.step_flops
-        except KeyboardInterrupt:
-            if not rows:
-                raise  # nothing finished to show
-            interrupted = True  # keep what is finished; the caller shows it and exits as interrupted
-            break
-        results[technique.name] = result
-        effective = variant.batch_size * variant.grad_accum * gpus
-        fits = result.fits_within(budget_bytes) if budget_bytes is not None else None
-        rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute, fits))
+            results[technique.name] = result
+            effective = variant.batch_size * variant.grad_accum * gpus
+            fits = result.fits_within(budget_bytes) if budget_bytes is not None else None
+            rows.append(CompareRow(technique.name, technique.cost, result, effective, recompute, fits))
+    except KeyboardInterrupt:
+        if not rows:
+            raise  # nothing finished to show
+        interrupted = True  # keep what is finished; the caller shows it and exits as interrupted
+    finally:
+        estimates.close()  # stops the workers of rows not needed
     seconds = time.perf_counter() - started
     return CompareResult(spec.name, settings, gpus, budget_bytes, tuple(rows), tuple(skipped), seconds, interrupted)
