@@ -171,3 +171,14 @@ def test_a_slope_that_cannot_be_traced_at_half_the_batch_is_traced_at_twice_afte
     aside, here, forks = _estimate_both_ways(monkeypatch, "tests.zoo_models:batch_norm_mlp", **models)
     assert forks == 1 and aside == here
     assert aside["per_sample_activation_bytes"] > 0
+
+
+@needs_fork
+def test_an_iterator_closed_early_keeps_what_came_and_stops_its_workers():
+    if not forked.can_fork():
+        pytest.skip("autograd cannot run in a forked child of this process (torch's fork handler is armed)")
+    values = forked.imap_forked(_pid_and_square, list(range(8)), jobs=2)
+    came = [next(values), next(values)]
+    values.close()
+    assert [square for _, square in came] == [0, 1]
+    assert not __import__("multiprocessing").active_children()
