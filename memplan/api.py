@@ -276,6 +276,9 @@ def plan_batch(
     with every block checkpointed; each option is a traced, fitting plan (`.best.plan` can be
     written with `write_plan`). cuda targets only: the ranking needs the card's time estimate.
     """
+    given = setting_overrides.get("batch_size", settings.batch_size if settings is not None else None)
+    if given not in (None, TrainingSettings.batch_size):  # the CLI passes on the default
+        raise UsageError("plan_batch chooses the batch size; leave out batch_size")
     spec, settings, budget_bytes = plan_inputs(
         model, settings, budget, inputs, loss, task, setting_overrides, candidates, jobs
     )

@@ -13,7 +13,7 @@ from memplan.errors import MemplanError, SettingsError, UsageError, a_type
 from memplan.gpus import gpu_named
 from memplan.models.objects import batch_size_of, is_model_object, object_spec
 from memplan.models.source import ModelSpec, resolve_model
-from memplan.planner.plan_file import Plan, check_settings, load_plan
+from memplan.planner.plan_file import Plan, check_settings, check_source, load_plan
 from memplan.settings import CHECKPOINT_MODES, TrainingSettings
 from memplan.sizes import parse_size
 
@@ -223,6 +223,7 @@ def batch_size_tuple(values: Any) -> tuple[int, ...]:
 def settings_for_plan(spec: ModelSpec, settings: TrainingSettings, plan: Plan | None) -> TrainingSettings:
     settings = spec.settings_for(settings)
     if plan is not None:
+        check_source(plan, spec.ref.to_dict())
         check_settings(plan, settings)
     return settings
 

@@ -429,6 +429,7 @@ API_CASES = [
     (api("plan", "tiny-gpt2", budget="1GiB", candidates="(", **C), 2, ["not a valid regular expression"]),
     (api("plan", "tiny-gpt2", budget="1GiB", selective="yes", **C), 2, ["selective is True or False"]),
     (api("plan_batch", "tiny-gpt2", budget="1GiB", **C), 2, ["plan_batch ranks by", "device='cuda'"]),
+    (api("plan_batch", "tiny-gpt2", budget="1GiB", batch_size=4, seq_len=32), 2, ["plan_batch chooses the batch"]),
     # validate, validate_suite
     (api("validate", "tiny-gpt2", warmup=0, **C), 2, ["warmup must be an integer of at least 1", "got 0"]),
     (api("validate", "tiny-gpt2", warmup=-1, **C), 2, ["warmup must", "got -1"]),

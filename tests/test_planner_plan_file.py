@@ -4,7 +4,7 @@ import pytest
 
 from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import PlanFileError
-from memplan.planner.plan_file import Plan, check_settings
+from memplan.planner.plan_file import Plan, check_settings, check_source
 from memplan.settings import TrainingSettings
 
 
@@ -29,3 +29,37 @@ def test_bytes_held_outside_the_allocator_do_not_change_the_plan():
 def test_a_setting_that_changes_the_trace_refuses_the_plan():
     with pytest.raises(PlanFileError, match="precision 'fp32' in the plan, 'amp-bf16' here"):
         check_settings(_plan(TrainingSettings()), TrainingSettings(precision="amp-bf16"))
+
+
+def test_a_plan_traced_with_other_inputs_is_refused_and_one_from_before_they_were_kept_is_not(tmp_path):
+    """The fingerprint sees the parameters only: the same model fed a wider batch (or another loss) is another
+    step, whose planned peak the plan does not predict."""
+    import json
+
+    import memplan
+    from memplan.planner.plan_file import load_plan, write_plan
+
+    model = "tests.zoo_models:linear_stack"
+    common = {"loss": "tests.zoo_models:mean_square_loss", "device": "cpu", "batch_size": 4}
+    made = memplan.plan(model, budget="1GiB", inputs="tests.zoo_models:features_inputs", **common)
+    path = tmp_path / "plan.json"
+    write_plan(made, path)
+    document = json.loads(path.read_text())
+    assert document["source"] == {
+        "inputs": "tests.zoo_models:features_inputs",
+        "loss": "tests.zoo_models:mean_square_loss",
+        "task": None,
+    }
+    same = memplan.estimate(model, checkpoint=str(path), inputs="tests.zoo_models:features_inputs", **common)
+    assert same.peak_bytes == made.predicted_peak_bytes
+    with pytest.raises(
+        PlanFileError, match="inputs tests.zoo_models:features_inputs in the plan, tests.zoo_models:flat"
+    ):
+        memplan.estimate(model, checkpoint=str(path), inputs="tests.zoo_models:flat_inputs", **common)
+    with pytest.raises(PlanFileError, match="--loss tests.zoo_models:mean_square_loss in the plan, [(]none[)] here"):
+        check_source(load_plan(path), {"inputs": "tests.zoo_models:features_inputs", "loss": None, "task": None})
+    del document["source"]  # as plan files were written before 2026-11-29
+    path.write_text(json.dumps(document))
+    assert load_plan(path).source is None
+    flat = memplan.estimate(model, checkpoint=str(path), inputs="tests.zoo_models:flat_inputs", **common)
+    assert flat.peak_bytes < same.peak_bytes

@@ -87,6 +87,10 @@ class PlanResult:
     smallest_device_bytes: int | None = None  # cuda: the least memory it completes in, what the budget holds
     step_seconds: float | None = None  # cuda: roofline time of the planned step on the card (a lower bound)
     recompute_seconds: float | None = None  # cuda: what the recomputation adds to it
+    # How the model was named besides `model` (--inputs, --loss, --task): a plan's step is theirs too
+    inputs: str | None = None
+    loss: str | None = None
+    task: str | None = None
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the CLI's report (memplan.render.notebook)."""
@@ -326,6 +330,9 @@ def make_plan(
     segments = [(costs.names.index(segment[0]), costs.names.index(segment[-1])) for segment in layout.segments]
     return PlanResult(
         model=spec.name,
+        inputs=spec.ref.inputs,
+        loss=spec.ref.loss,
+        task=spec.ref.task,
         fingerprint=model_fingerprint(model),
         settings=settings.replace(checkpoint=layout),
         budget_bytes=budget_bytes,

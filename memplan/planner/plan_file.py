@@ -39,6 +39,12 @@ class Plan:
     fits: bool
     predicted_peak_bytes: int
     recompute_flops: int
+    # --inputs, --loss and --task as the plan was made with them; None for a file written before they were kept
+    source: dict[str, str | None] | None = None
+
+
+# How a model is named besides its name: the batch, the loss and the head a plan's step was traced with.
+SOURCE_FIELDS = ("inputs", "loss", "task")
 
 
 def plan_document(result: PlanResult) -> dict[str, Any]:
@@ -48,6 +54,7 @@ def plan_document(result: PlanResult) -> dict[str, Any]:
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
         "model": result.model,
+        "source": {field: getattr(result, field) for field in SOURCE_FIELDS},
         "fingerprint": result.fingerprint,
         "settings": settings,
         "layout": result.layout.to_dict(),
@@ -101,9 +108,35 @@ def load_plan(source: str | Path | Plan) -> Plan:
             fits=bool(document["fits"]),
             predicted_peak_bytes=int(document["predicted_peak_bytes"]),
             recompute_flops=int(document["recompute_flops"]),
+            source=_source(document.get("source")),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise PlanFileError(f"{source} is missing or mangles field {error}; re-run `memplan plan --output`") from None
+
+
+def _source(value: Any) -> dict[str, str | None] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(value.get(field), str | None) for field in SOURCE_FIELDS):
+        raise TypeError("'source'")
+    return {field: value.get(field) for field in SOURCE_FIELDS}
+
+
+def check_source(plan: Plan, source: dict[str, str | None]) -> None:
+    """A plan traced with other --inputs, --loss or --task is a plan for another step (the fingerprint sees only
+    the model's parameters): refused, as other settings are. Files written before the plan kept them pass."""
+    if plan.source is None:
+        return
+    differing = [
+        f"--{field} {plan.source[field] or '(none)'} in the plan, {source.get(field) or '(none)'} here"
+        for field in SOURCE_FIELDS
+        if plan.source[field] != source.get(field)
+    ]
+    if differing:
+        raise PlanFileError(
+            "the plan was made for another step of this model (" + "; ".join(differing) + "); give the plan's "
+            "or make a new plan with `memplan plan`"
+        )
 
 
 def check_settings(plan: Plan, settings: TrainingSettings) -> None:
