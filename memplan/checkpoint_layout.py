@@ -28,6 +28,19 @@ class CheckpointLayout:
     policies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        segments, policies = self.segments, self.policies
+        if not _sequence_of(segments, tuple | list) or not all(_sequence_of(segment, str) for segment in segments):
+            raise SettingsError(
+                "a checkpoint layout's segments are lists of module names, e.g. "
+                f"(('transformer.h.0', 'transformer.h.1'),); got {segments!r}"
+            )
+        if not _sequence_of(policies, str):
+            raise SettingsError(
+                f"a checkpoint layout's policies are a list, one of {', '.join(CHECKPOINT_POLICIES)} per segment; "
+                f"got {policies!r}"
+            )
+        object.__setattr__(self, "segments", tuple(tuple(segment) for segment in segments))
+        object.__setattr__(self, "policies", tuple(policies))
         if not self.policies:
             object.__setattr__(self, "policies", ("full",) * len(self.segments))
         if len(self.policies) != len(self.segments):
@@ -72,7 +85,11 @@ class CheckpointLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CheckpointLayout:
-        return cls(
-            segments=tuple(tuple(segment) for segment in data.get("segments", ())),
-            policies=tuple(data.get("policies", ())),
-        )
+        if not isinstance(data, dict):
+            raise SettingsError(f"a checkpoint layout is an object with 'segments' and 'policies'; got {data!r}")
+        return cls(segments=data.get("segments", ()), policies=data.get("policies", ()))
+
+
+def _sequence_of(value: Any, kind: Any) -> bool:
+    """A list or tuple (not a string, which iterates as its letters) of `kind`."""
+    return isinstance(value, tuple | list) and all(isinstance(item, kind) for item in value)

@@ -54,8 +54,28 @@ def test_a_layout_survives_a_plan_file():
         ((("h.0",),), ("partial",), "checkpoint policy"),
         ((("h.0",), ()), (), "a checkpoint segment must name at least one module"),
         ((("h.1",), ("h.0", "h.1"), ("h.0",)), (), "modules checkpointed twice in one layout: h.0, h.1"),
+        # the wrong types, as a hand-edited plan file or a Python caller gives them
+        (
+            ("h.0",),
+            (),
+            "segments are lists of module names, e.g. (('transformer.h.0', 'transformer.h.1'),); got ('h.0',)",
+        ),
+        (((0,),), (), "segments are lists of module names"),
+        ("h.0", (), "segments are lists of module names"),
+        ((("h.0",),), "full", "policies are a list, one of full, selective per segment; got 'full'"),
+        ((("h.0",),), (None,), "policies are a list"),
     ],
 )
 def test_a_malformed_layout_is_refused_with_its_reason(segments, policies, message):
     with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         CheckpointLayout(segments=segments, policies=policies)
+
+
+def test_lists_are_taken_as_tuples_and_a_layout_that_is_no_object_is_refused():
+    assert CheckpointLayout(segments=[["h.0", "h.1"]], policies=["selective"]) == CheckpointLayout(
+        segments=(("h.0", "h.1"),), policies=("selective",)
+    )
+    with pytest.raises(
+        SettingsError, match="a checkpoint layout is an object with 'segments' and 'policies'; got None"
+    ):
+        CheckpointLayout.from_dict(None)

@@ -1,5 +1,7 @@
 """A plan's settings against the step it is used for (memplan.planner.plan_file.check_settings)."""
 
+import re
+
 import pytest
 
 from memplan.checkpoint_layout import CheckpointLayout
@@ -63,3 +65,45 @@ def test_a_plan_traced_with_other_inputs_is_refused_and_one_from_before_they_wer
     assert load_plan(path).source is None
     flat = memplan.estimate(model, checkpoint=str(path), inputs="tests.zoo_models:flat_inputs", **common)
     assert flat.peak_bytes < same.peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layout": None}, "'layout' is None, not an object of segments and policies"),
+        ({"layout": {"segments": [[0]]}}, "segments are lists of module names"),
+        ({"layout": {"segments": [["h.0"]], "policies": "full"}}, "policies are a list"),
+        ({"budget_bytes": "lots"}, "'budget_bytes' is 'lots', not a whole number of bytes"),
+        ({"budget_bytes": True}, "'budget_bytes' is True, not a whole number of bytes"),
+        ({"fits": "yes"}, "'fits' is 'yes', not true or false"),
+        ({"model": None}, "has no 'model' field"),
+        ({"source": [1]}, "'source' is not the model's inputs, loss and task"),
+    ],
+)
+def test_a_mangled_plan_file_is_refused_in_one_line_naming_what_is_wrong(tmp_path, change, message):
+    import json
+
+    from memplan.planner.plan_file import PLAN_FORMAT, PLAN_VERSION, load_plan
+
+    document = {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "model": "gpt2",
+        "source": {"inputs": None, "loss": None, "task": None},
+        "fingerprint": "abc",
+        "settings": {},
+        "layout": {"segments": [["h.0"]], "policies": ["full"]},
+        "budget_bytes": 2**30,
+        "fits": True,
+        "predicted_peak_bytes": 2**29,
+        "recompute_flops": 0,
+    }
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(document))
+    assert load_plan(path).layout.modules == ("h.0",)
+    document.update(change)
+    if change.get("model", "") is None:
+        del document["model"]
+    path.write_text(json.dumps(document))
+    with pytest.raises(PlanFileError, match=re.escape(message)):
+        load_plan(path)

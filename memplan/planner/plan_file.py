@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from memplan.checkpoint_layout import CheckpointLayout
-from memplan.errors import PlanFileError, UsageError, a_type
+from memplan.errors import PlanFileError, SettingsError, UsageError, a_type
 from memplan.estimator.checkpointing import apply_layout
 from memplan.gpus import DEFAULT_GPU
 from memplan.models.fingerprint import check_fingerprint
@@ -98,20 +98,35 @@ def load_plan(source: str | Path | Plan) -> Plan:
             f"{source} is plan format version {document.get('version')}; this memplan reads version {PLAN_VERSION}: "
             "re-run `memplan plan`"
         )
+
+    def field(name: str, kind: type | tuple[type, ...], what: str) -> Any:
+        if name not in document:
+            raise PlanFileError(f"{source} has no {name!r} field; re-run `memplan plan --output`")
+        value = document[name]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            raise PlanFileError(f"{source}: {name!r} is {value!r}, not {what}; re-run `memplan plan --output`")
+        return value
+
     try:
-        return Plan(
-            model=document["model"],
-            fingerprint=document["fingerprint"],
-            settings=dict(document["settings"]),
-            layout=CheckpointLayout.from_dict(document["layout"]),
-            budget_bytes=int(document["budget_bytes"]),
-            fits=bool(document["fits"]),
-            predicted_peak_bytes=int(document["predicted_peak_bytes"]),
-            recompute_flops=int(document["recompute_flops"]),
-            source=_source(document.get("source")),
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        raise PlanFileError(f"{source} is missing or mangles field {error}; re-run `memplan plan --output`") from None
+        layout = CheckpointLayout.from_dict(field("layout", dict, "an object of segments and policies"))
+        plan_source = _source(document.get("source"))
+    except SettingsError as error:
+        raise PlanFileError(f"{source}: {error}; re-run `memplan plan --output`") from None
+    except TypeError:
+        raise PlanFileError(
+            f"{source}: 'source' is not the model's inputs, loss and task; re-run `memplan plan --output`"
+        ) from None
+    return Plan(
+        model=field("model", str, "a model name"),
+        fingerprint=field("fingerprint", str, "a fingerprint"),
+        settings=dict(field("settings", dict, "an object of settings")),
+        layout=layout,
+        budget_bytes=field("budget_bytes", int, "a whole number of bytes"),
+        fits=field("fits", bool, "true or false"),
+        predicted_peak_bytes=field("predicted_peak_bytes", int, "a whole number of bytes"),
+        recompute_flops=field("recompute_flops", int, "a whole number"),
+        source=plan_source,
+    )
 
 
 def _source(value: Any) -> dict[str, str | None] | None:
