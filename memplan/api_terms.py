@@ -62,8 +62,8 @@ _SWITCHES = {
     "force": "replace=True",  # validate_suite's; the API writes no other file that exists (the CLI checks --plot...)
 }
 
-# Flags that are an API function of their own.
-_FUNCTIONS = {"maximize-batch": "plan_batch"}
+# Flags that are a thing of their own in the API: a function, a file that a function reads.
+_FUNCTIONS = {"maximize-batch": "plan_batch", "hf-args": "TrainingArguments file"}
 
 # The values a message may give a flag, by keyword: a word after a flag is its value only where it is one of
 # these ("--device cuda"), not where it goes on with the sentence ("--checkpoint mode", "--budget or").

@@ -6,7 +6,9 @@ trainer.py `get_optimizer_cls_and_kwargs` and training_args.py):
 
 - per_device_train_batch_size -> batch_size; gradient_accumulation_steps -> grad_accum
 - gradient_checkpointing: true -> checkpoint "all" (Trainer calls gradient_checkpointing_enable,
-  which checkpoints every decoder/encoder layer, as memplan's "all" does)
+  which checkpoints every decoder/encoder layer, as memplan's "all" does, non-reentrant by default in
+  transformers 5: modeling_utils `_activation_checkpointing_enable`); gradient_checkpointing_kwargs'
+  use_reentrant: true is noted, not modelled
 - bf16 / fp16: true -> amp-bf16 / amp-fp16 (Trainer autocasts through accelerate; the weights stay fp32)
 - optim -> OPTIMS below; the default is adamw_torch_fused, as TrainingArguments' on torch >= 2.8
 - full_determinism: true -> deterministic algorithms, cudnn.benchmark off and CUBLAS_WORKSPACE_CONFIG
@@ -20,14 +22,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memplan.api_terms import speaks_api_terms
 from memplan.distributed.deepspeed_file import parse_deepspeed_config
 from memplan.distributed.modes import DEEPSPEED_MODE_OF_STAGE
-from memplan.errors import HfArgsError, SettingsError
+from memplan.errors import HfArgsError, SettingsError, a_type
 
 # TrainingArguments.optim -> (memplan optimizer, optimizer implementation).
 OPTIMS: dict[str, tuple[str, str]] = {
@@ -190,6 +194,7 @@ def _with_deepspeed(
     notes.append(f"deepspeed: one ZeRO-{stage} rank traced with DeepSpeed itself{ask}")
 
 
+@speaks_api_terms
 def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_given: bool = False) -> HfTrainingArgs:
     """Settings from a TrainingArguments JSON/YAML file (as saved by `TrainingArguments.to_json_string`).
 
@@ -197,6 +202,8 @@ def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_
     cannot model is no error then. `world_size_given`: the caller gives the job's ranks itself, so a
     DeepSpeed file's note does not ask for them.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise HfArgsError(f"a TrainingArguments file is a path (str or pathlib.Path); got {a_type(path)}")
     path = Path(path)
     data = _load(path)
     settings: dict[str, Any] = {}
@@ -219,6 +226,13 @@ def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_
         settings["grad_accum"] = grad_accum
     if _flag(data, "gradient_checkpointing"):
         settings["checkpoint"] = "all"
+        checkpointing = data.get("gradient_checkpointing_kwargs") or {}
+        if isinstance(checkpointing, dict) and checkpointing.get("use_reentrant") is True:
+            notes.append(
+                "gradient_checkpointing_kwargs use_reentrant: true is traced as a non-reentrant checkpoint "
+                "(transformers' default): a reentrant one recomputes each layer whole in the backward, with no "
+                "early stop, and can hold a little more there"
+            )
     if _flag(data, "bf16") and _flag(data, "fp16"):
         raise HfArgsError(f"--hf-args {path} sets both bf16 and fp16; TrainingArguments refuses that too")
     if _flag(data, "bf16"):

@@ -40,7 +40,8 @@ TINY = {"device": "cpu", "seq_len": 32}
         ("--no-cudnn-tf32 and --cudnn-benchmark", "cudnn_allow_tf32=False and cudnn_benchmark=True"),
         ("--maximize-batch ranks by time", "plan_batch ranks by time"),
         # flags without a keyword stay as they are, and so does what only looks like a flag
-        ("write it with --plot or --json, or --hf-args", "write it with --plot or --json, or --hf-args"),
+        ("write it with --plot or --json", "write it with --plot or --json"),
+        ("cannot read --hf-args a.json", "cannot read TrainingArguments file a.json"),
         ("torchrun --nproc-per-node 8; a--b; x --", "torchrun --nproc-per-node 8; a--b; x --"),
     ],
 )

@@ -107,13 +107,13 @@ def test_a_trainer_under_deepspeed_zero2_is_one_traced_rank(tmp_path):
     assert loaded.settings["parallel"] == "zero2" and loaded.settings["precision"] == "bf16"
     assert loaded.settings["loop"] == "canonical"
     assert json.loads(loaded.settings["deepspeed_config"])["zero_optimization"]["reduce_bucket_size"] == 1000
-    assert any("--world-size" in note for note in loaded.notes)
+    assert any("world_size" in note for note in loaded.notes)
 
 
 def test_the_deepspeed_note_asks_for_the_ranks_only_where_they_were_not_given(tmp_path):
     write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 2}})
     args = write(tmp_path, "args.json", {"deepspeed": "ds_config.json"})
-    assert any("give --world-size N" in note for note in read_training_args(args).notes)
+    assert any("give world_size=N" in note for note in read_training_args(args).notes)
     given = read_training_args(args, world_size_given=True).notes
     assert "deepspeed: one ZeRO-2 rank traced with DeepSpeed itself" in given
     # the CLI tells it from the flags typed
@@ -230,7 +230,8 @@ def test_a_misspelt_memory_field_is_an_error_and_other_unknown_keys_are_noted(tm
     fields = {field.name for field in dataclasses.fields(TrainingArguments)}
     assert READ_KEYS <= fields  # every key memplan reads is a real field (a misspelt one would never match)
     typo = write(tmp_path, "typo.json", {**TRAINING_ARGS, "gradient_acumulation_steps": 2})
-    with pytest.raises(HfArgsError, match=f"^--hf-args {typo}: 'gradient_acumulation_steps' is not a Train"):
+    file = "TrainingArguments file"  # as Python callers read it; the CLI says --hf-args
+    with pytest.raises(HfArgsError, match=f"^{file} {typo}: 'gradient_acumulation_steps' is not a Train"):
         read_training_args(typo)
     with pytest.raises(HfArgsError, match="did you mean 'gradient_accumulation_steps'"):
         read_training_args(typo)
@@ -247,11 +248,11 @@ def test_without_full_determinism_or_tf32_the_torch_defaults_stand(tmp_path):
 
 def test_a_file_that_cannot_be_read_names_itself_and_why(tmp_path):
     missing = tmp_path / "nope.json"
-    with pytest.raises(HfArgsError, match=f"^cannot read --hf-args {missing}: No such file or directory$"):
+    with pytest.raises(HfArgsError, match=f"^cannot read TrainingArguments file {missing}: No such file or directory$"):
         read_training_args(missing)
     listed = write(tmp_path, "list.json", {})
     listed.write_text("[1, 2]")
-    with pytest.raises(HfArgsError, match=f"^--hf-args {listed} must hold one mapping of TrainingArguments fields$"):
+    with pytest.raises(HfArgsError, match=f"^TrainingArguments file {listed} must hold one mapping of Training"):
         read_training_args(listed)
 
 
@@ -264,13 +265,14 @@ def test_the_suffix_picks_the_parser_and_errors_keep_their_first_line(tmp_path):
     as_json.write_text(yaml_text)  # YAML in a .json file is read as JSON, and is not valid JSON
     with pytest.raises(HfArgsError) as error:
         read_training_args(as_json)
-    assert str(error.value) == f"--hf-args {as_json} is not valid JSON: Expecting value: line 1 column 1 (char 0)"
+    expected = f"TrainingArguments file {as_json} is not valid JSON: Expecting value: line 1 column 1 (char 0)"
+    assert str(error.value) == expected
     broken = tmp_path / "broken.yaml"
     broken.write_text("a: [1,\n")
     with pytest.raises(HfArgsError) as error:
         read_training_args(broken)
     message = str(error.value)
-    assert message.startswith(f"--hf-args {broken} is not valid YAML: ") and "\n" not in message
+    assert message.startswith(f"TrainingArguments file {broken} is not valid YAML: ") and "\n" not in message
 
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("yes", True), ("YES ", True), ("no", False), (0, False)])
@@ -287,7 +289,8 @@ def test_counts_are_positive_integers_and_messages_name_the_file(tmp_path):
     assert one.path == str(tmp_path / "one.json")
     for key, value in (("per_device_train_batch_size", True), ("gradient_accumulation_steps", 0)):
         path = write(tmp_path, f"{key}.json", {key: value})
-        with pytest.raises(HfArgsError, match=f"^--hf-args {path}: {key} must be a positive integer, got {value!r}$"):
+        message = f"^TrainingArguments file {path}: {key} must be a positive integer, got {value!r}$"
+        with pytest.raises(HfArgsError, match=message):
             read_training_args(path)
 
 
@@ -327,5 +330,34 @@ def test_notes_say_what_is_read_differently_or_not_modelled(tmp_path):
 
 def test_an_unreadable_optim_says_how_to_override_it(tmp_path):
     path = write(tmp_path, "args.json", {"optim": "lion_8bit"})
-    with pytest.raises(HfArgsError, match=r"\(or pass --optimizer to override the file\)$"):
+    with pytest.raises(HfArgsError, match=r"\(or pass optimizer to override the file\)$"):
         read_training_args(path)
+
+
+def test_reentrant_checkpointing_asked_for_is_noted_as_traced_non_reentrant(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text(
+        json.dumps({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}})
+    )
+    read = read_training_args(path)
+    assert read.settings["checkpoint"] == "all"
+    assert any("use_reentrant: true is traced as a non-reentrant checkpoint" in note for note in read.notes)
+    path.write_text(
+        json.dumps({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}})
+    )
+    assert not any("reentrant" in note for note in read_training_args(path).notes)
+
+
+@pytest.mark.parametrize("given", [None, 5, b"args.json"])
+def test_a_file_that_is_no_path_is_one_line_from_python(given):
+    with pytest.raises(HfArgsError, match="a TrainingArguments file is a path"):
+        read_training_args(given)
+
+
+def test_python_callers_read_of_the_file_not_of_a_flag(tmp_path):
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"bf16": True, "fp16": True}))
+    with pytest.raises(HfArgsError, match=f"^TrainingArguments file {path} sets both bf16 and fp16"):
+        read_training_args(path)
+    shown = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--hf-args", str(path)])
+    assert shown.exit_code == 2 and f"--hf-args {path} sets both bf16 and fp16" in shown.output
