@@ -121,8 +121,7 @@ _Measured = tuple[Simulation, float | None, int | None]
 
 
 def _measure(traced: TracedStep, layout: CheckpointLayout, lifetimes: Liveness | None = None) -> _Measured:
-    flops = step_flops(traced) if "selective" in layout.policies else None
-    return simulate(traced, lifetimes), step_seconds(traced), flops
+    return simulate(traced, lifetimes), step_seconds(traced), step_flops(traced)
 
 
 def _trace_length(layout: CheckpointLayout) -> int:
@@ -139,7 +138,7 @@ class _Tracer:
         self.spec, self.settings, self.setup, self.report, self.jobs = spec, settings, setup, report, jobs
         self.simulations: dict[CheckpointLayout, Simulation] = {}
         self.step_seconds: dict[CheckpointLayout, float | None] = {}  # roofline time of each layout's step
-        self.step_flops: dict[CheckpointLayout, int] = {}  # FLOPs of selective layouts' steps, off their traces
+        self.step_flops: dict[CheckpointLayout, int] = {}  # FLOPs of each layout's step, off its trace
         self.traces = 0
         # Checkpointing and batch size leave the optimizer step alone: the first trace's is replayed.
         self.optimizer_recording: OptimizerRecording | None = None
@@ -191,10 +190,14 @@ class _Tracer:
         planned, plain = self.step_seconds[layout], self.step_seconds[CheckpointLayout()]
         return planned - plain if planned is not None and plain is not None else None
 
-    def traced_step_flops(self, layout: CheckpointLayout) -> int:
-        """FLOPs of a selective layout's traced step (recorded when it is traced)."""
+    def recompute_flops(self, layout: CheckpointLayout) -> int:
+        """What the layout's step recomputes, read off the traces: its FLOPs beyond the step without checkpointing.
+        The cost model's figure (ChainCosts.recompute_flops, every block's whole forward) ranks layouts for the
+        solver; this one is what `estimate --checkpoint` of the plan shows. They differ where a non-reentrant
+        checkpoint stops recomputing once it has what the backward needs (torch.utils.checkpoint's early stop:
+        a Llama block's last projection, whose output nothing saves, is not run again)."""
         self.simulation(layout)
-        return self.step_flops[layout]
+        return self.step_flops[layout] - self.step_flops[CheckpointLayout()]
 
     def option(self, name: str, layout: CheckpointLayout, recompute_flops: int, budget_bytes: int) -> PlanOption:
         simulation = self.simulation(layout)
@@ -300,13 +303,12 @@ def make_plan(
     found = _solve_verified(costs, SOLVERS[chosen_solver], tracer, budget_bytes)
 
     baselines = []
-    for name, segments in baseline_segments.items():
-        baselines.append(tracer.option(name, baseline_layouts[name], costs.recompute_flops(segments), budget_bytes))
+    for name in baseline_segments:
+        layout = baseline_layouts[name]
+        baselines.append(tracer.option(name, layout, tracer.recompute_flops(layout), budget_bytes))
     if selective:
         layout = baseline_layouts[SELECTIVE_OPTION]
-        # The cost model knows full checkpoints only: the recompute is read off the two traces.
-        flops = tracer.traced_step_flops(layout) - costs.step_flops
-        baselines.append(tracer.option(SELECTIVE_OPTION, layout, flops, budget_bytes))
+        baselines.append(tracer.option(SELECTIVE_OPTION, layout, tracer.recompute_flops(layout), budget_bytes))
 
     # The cost model may rank two layouts differently from their simulations (or, budgeting the
     # reserved peak on cuda, miss what fits): of everything traced that fits, keep the least
@@ -314,7 +316,8 @@ def make_plan(
     options = [(o.recompute_flops, o.predicted_peak_bytes, o.layout) for o in baselines if o.fits]
     if found is not None:
         solution, peak = found
-        options.append((solution.recompute_flops, peak, layout_of(costs, solution.segments)))
+        solved = layout_of(costs, solution.segments)
+        options.append((tracer.recompute_flops(solved), peak, solved))
     suggestions: tuple[str, ...] = ()
     if options:
         # No checkpoint recomputes nothing: where the step fits as it is, that is the plan, whatever the FLOP
