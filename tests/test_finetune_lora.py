@@ -9,6 +9,7 @@ the adapters are peft's, not memplan's); and peft's own dtype rule for 16-bit mo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,10 @@ def test_lora_mistakes_are_one_line_usage_errors(tiny_model_dirs):
         (["--lora", "0"], "LoRA rank must be a positive integer"),
         (["--lora", "4", "--lora-dropout", "1"], "--lora-dropout is a probability below 1"),
         (["--lora", "4", "--lora-targets", "nope"], "Target modules {'nope'} not found"),
+        (
+            ["--lora", "4", "--lora-targets", "nope"],
+            "--lora-targets c_attn,c_proj (this model's linear layers: c_attn, c_proj, c_fc, lm_head), or all-linear",
+        ),
         (["--lora", "4", "--lora-targets", "c_attn,,c_proj"], "--lora-targets 'c_attn,,c_proj' has an empty name"),
     ):
         result = CliRunner().invoke(main, ["estimate", model, "--device", "cpu", "--seq-len", "16", *extra])
@@ -119,3 +124,23 @@ def test_lora_mistakes_are_one_line_usage_errors(tiny_model_dirs):
     assert data["settings"]["lora_rank"] == 4 and data["trainable_parameter_count"] == 4 * (64 + 1)
     with pytest.raises(SettingsError, match="lora_alpha must be a number"):
         memplan.estimate(model, device="cpu", lora_rank=4, lora_alpha=True)
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_head_as_peft_s_shorthand_does(tiny_model_dirs):
+    """peft takes "all-linear" as a string (not a module's name): every linear layer but the output head. On
+    GPT-2 those are its Conv1D layers c_attn, c_proj and c_fc, whose sizes give the adapters' parameters."""
+    model = tiny_model_dirs["gpt2"]
+    common = {"batch_size": 2, "seq_len": SEQ_LEN, "device": "cpu", "lora_rank": 4}
+    every = memplan.estimate(model, lora_targets="all-linear", **common)
+    listed = memplan.estimate(model, lora_targets="c_attn,c_proj,c_fc", **common)
+    config = json.loads((Path(model) / "config.json").read_text())
+    width, layers = config["n_embd"], config["n_layer"]
+    inner = config.get("n_inner") or 4 * width
+    shapes = [
+        (width, 3 * width),
+        (width, width),
+        (width, inner),
+        (inner, width),
+    ]  # c_attn, attn c_proj, c_fc, mlp c_proj
+    assert every.trainable_parameter_count == layers * sum(4 * (rows + columns) for rows, columns in shapes)
+    assert every.trainable_parameter_count == listed.trainable_parameter_count

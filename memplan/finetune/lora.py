@@ -40,7 +40,9 @@ def with_lora(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     if settings.lora_alpha is not None:
         options["lora_alpha"] = settings.lora_alpha
     if settings.lora_targets is not None:
-        options["target_modules"] = [name.strip() for name in settings.lora_targets.split(",")]  # none empty (settings)
+        names = [name.strip() for name in settings.lora_targets.split(",")]  # none empty (settings)
+        # peft's shorthand for every linear layer but the output head is a string, not a module's name
+        options["target_modules"] = ALL_LINEAR if names == [ALL_LINEAR] else names
     with warnings.catch_warnings():
         # peft says it switched fan_in_fan_out on for GPT-2's Conv1D layers (it handles them itself),
         # and asks transformers a question transformers 5 calls by a new name: neither is the user's.
@@ -49,8 +51,28 @@ def with_lora(model: nn.Module, settings: TrainingSettings) -> nn.Module:
         try:
             return get_peft_model(model, LoraConfig(**options))
         except ValueError as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            # peft's message runs over several lines (the module it could not adapt, printed whole): one line
+            reason = " ".join(str(error).split()) or type(error).__name__
+            if len(reason) > 300:
+                reason = reason[:297] + "..."
+            layers = _linear_layer_names(model)
+            example = ",".join(layers[:2]) if layers else "q_proj,v_proj"
+            listed = f" (this model's linear layers: {', '.join(layers)})" if layers else ""
             raise SettingsError(
                 f"peft cannot add LoRA adapters to this model ({reason}); name the layers to adapt with "
-                "--lora-targets, e.g. --lora-targets q_proj,v_proj"
+                f"--lora-targets, e.g. --lora-targets {example}{listed}, or {ALL_LINEAR}"
             ) from None
+
+
+ALL_LINEAR = "all-linear"  # peft's INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+
+def _linear_layer_names(model: nn.Module) -> list[str]:
+    """The distinct names of the model's linear layers (nn.Linear, transformers' Conv1D), in model order: what
+    --lora-targets can name."""
+    names = [
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")
+    ]
+    return list(dict.fromkeys(names))
