@@ -124,6 +124,10 @@ def settings_from(
     if isinstance(targets, list | tuple) and all(isinstance(name, str) for name in targets):
         # peft's target_modules as a list, which settings (and the CLI's --lora-targets) keep comma-separated
         overrides = {**overrides, "lora_targets": ",".join(targets)}
+    deepspeed = overrides.get("deepspeed_config")
+    if isinstance(deepspeed, os.PathLike) or (isinstance(deepspeed, str) and deepspeed.strip()[:1] not in "{["):
+        # a file's path, as the CLI's --deepspeed takes it (JSON text starts with a brace)
+        overrides = {**overrides, "deepspeed_config": _deepspeed_file(deepspeed)}
     if isinstance(overrides.get("deepspeed_config"), dict):  # a DeepSpeed configuration, as deepspeed takes it
         overrides = {**overrides, "deepspeed_config": json.dumps(overrides["deepspeed_config"], sort_keys=True)}
     overrides = _check_types(overrides)
@@ -140,6 +144,23 @@ def settings_from(
             f"got {checkpoint!r}"
         )
     return (settings or TrainingSettings()).replace(**overrides), plan
+
+
+def _deepspeed_file(path: str | os.PathLike) -> str:
+    """A DeepSpeed configuration file's JSON text, as the CLI's --deepspeed reads it."""
+    from memplan.distributed.deepspeed_file import parse_deepspeed_config
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.dumps(parse_deepspeed_config(handle.read()), sort_keys=True)
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise SettingsError(
+            f"deepspeed_config {os.fspath(path)!r} is neither a DeepSpeed configuration (a dict or its JSON text) "
+            f"nor a file memplan can read ({reason})"
+        ) from None
+    except SettingsError as error:
+        raise SettingsError(f"deepspeed_config {os.fspath(path)}: {error}") from None
 
 
 def _step_path(function: Any) -> str:

@@ -167,6 +167,11 @@ _ALIASES.update({_key("H100"): "H100-80GB", _key("A100"): "A100-80GB", _key("V10
 def gpu_named(name: str) -> Gpu:
     """`H100-80GB`, `h100`, `A100 40GB`, `rtx4090`: case, spaces and dashes don't matter."""
     found = _ALIASES.get(_key(name))
+    if found is None and "," in name and all(_key(part) in _ALIASES for part in name.split(",")):
+        raise SettingsError(
+            f"--gpu {name!r} names several cards, and this takes one: `memplan estimate` compares cards given as "
+            "a list (which_gpu from Python)"
+        )
     if found is None:
         raise SettingsError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
     return GPUS[found]

@@ -249,6 +249,7 @@ CLI_CASES = [
     case(["estimate", "tiny-gpt2", "--snapshot", "args.json", "--hf-args", "args.json"], ["also an input"]),
     # --- plan
     case(["plan", "tiny-gpt2", *TINY], ["needs a budget"]),
+    case(["plan", "tiny-gpt2", "--gpu", "T4,L4"], ["--gpu 'T4,L4' names several cards", "`memplan estimate` compares"]),
     case(["plan", "gpt2", "--gpu", "A100-80GB", "--device", "cpu", "--budget", "1GiB"], ["--gpu", "--device cpu"]),
     case(["plan", "tiny-gpt2", *TINY, "--budget", "abc"], ["cannot read 'abc' as a size"]),
     case(["plan", "tiny-gpt2", *TINY, *BUDGET, "--candidates", "("], ["not a valid regular expression"]),
@@ -421,6 +422,7 @@ API_CASES = [
     (api("compare", "tiny-gpt2", gpus=2, parallel="ddp", world_size=4, **C), 2, ["both count data-parallel GPUs"]),
     (api("compare", "tiny-gpt2", budget={}, **C), 2, ["budget must be a size"]),
     (api("plan", "tiny-gpt2", **C), 2, ["needs a budget"]),
+    (api("plan", "tiny-gpt2", gpu="T4,L4"), 2, ["gpu='T4,L4' names several cards", "which_gpu from Python"]),
     (api("plan", "tiny-gpt2", budget="1GiB", checkpoint="all", **C), 2, ["chooses the checkpointing itself"]),
     (api("plan", "tiny-gpt2", budget="1GiB", solver="magic", **C), 2, ["solver must be"]),
     (api("plan", "tiny-gpt2", budget="1GiB", jobs=0, **C), 2, ["jobs must be a positive integer, got 0"]),
