@@ -48,3 +48,15 @@ def test_cli_json_and_refusals(tmp_path):
     # what fits is the memory each option completes in, which the text shows and the JSON must carry
     assert all(0 < option["smallest_device_bytes"] <= BUDGET for option in data["options"])
     assert json.loads(plan_path.read_text())["settings"]["batch_size"] == data["best"]["batch_size"]
+
+
+def test_a_budget_past_memplan_s_search_limit_says_larger_batches_may_fit_too():
+    from memplan.estimator.search import MAX_BATCH_SIZE
+
+    ran = CliRunner().invoke(main, ["plan", "tiny-gpt2", "--seq-len", "16", "--maximize-batch", "--budget", "1TiB"])
+    assert ran.exit_code == 0, ran.output
+    assert f"best: batch {MAX_BATCH_SIZE} with 0 blocks checkpointed (memplan's search limit" in ran.stdout
+    within = CliRunner().invoke(
+        main, ["plan", "tiny-gpt2", "--seq-len", "128", "--budget", str(BUDGET), "--maximize-batch"]
+    )
+    assert within.exit_code == 0 and "search limit" not in within.stdout

@@ -18,6 +18,7 @@ from typing import Any
 
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import BatchTracer
+from memplan.estimator.search import MAX_BATCH_SIZE
 from memplan.models.source import ModelSpec
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.results import fields_dict
@@ -62,6 +63,8 @@ class MaximizeResult:
     options: tuple[BatchOption, ...]  # by batch size
     best: BatchOption
     seconds: float
+    # The largest batch searched is memplan's limit (MAX_BATCH_SIZE): larger ones may fit too
+    largest_is_limit: bool = False
 
     def _repr_html_(self) -> str:
         """Jupyter's view: the CLI's report (memplan.render.notebook)."""
@@ -133,4 +136,5 @@ def maximize_batch(
         tuple(options),
         best,
         time.perf_counter() - started,
+        largest_is_limit=options[-1].batch_size == MAX_BATCH_SIZE,
     )

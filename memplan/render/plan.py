@@ -139,6 +139,8 @@ def render_batch_options(result: MaximizeResult, console: Console, output: str |
     best = result.best
     largest = result.options[-1]
     verdict = f"best: batch {best.batch_size} with {len(best.plan.layout.modules)} blocks checkpointed"
+    if result.largest_is_limit and best is largest:
+        verdict += " (memplan's search limit: larger batches may fit too)"
     if largest is not best:
         verdict += (
             f" beats batch {largest.batch_size} with {len(largest.plan.layout.modules)}: "
