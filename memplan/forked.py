@@ -167,13 +167,14 @@ class ForkedJob:
                 os._exit(status)
         os.close(write)
         self._pid: int | None = pid
-        self._read = read
+        self._read: int | None = read
 
     def result(self) -> Any:
         """The job's value, once the child has finished; ForkedJobFailed where it raised or died."""
-        assert self._pid is not None, "result() is read once"
-        with os.fdopen(self._read, "rb") as pipe:
-            data = pipe.read()
+        assert self._pid is not None and self._read is not None, "result() is read once"
+        read, self._read = self._read, None  # the file object below closes it, however the read ends
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read()  # a Ctrl-C here leaves the child to cancel()
         _, status = os.waitpid(self._pid, 0)
         self._pid = None
         if os.waitstatus_to_exitcode(status) != 0 or not data:
@@ -193,5 +194,7 @@ class ForkedJob:
         except ProcessLookupError:
             pass
         os.waitpid(self._pid, 0)
-        os.close(self._read)
+        if self._read is not None:
+            os.close(self._read)
+            self._read = None
         self._pid = None

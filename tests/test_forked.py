@@ -182,3 +182,34 @@ def test_an_iterator_closed_early_keeps_what_came_and_stops_its_workers():
     values.close()
     assert [square for _, square in came] == [0, 1]
     assert not __import__("multiprocessing").active_children()
+
+
+@needs_fork
+def test_a_job_whose_wait_was_interrupted_is_cancelled_cleanly(monkeypatch):
+    """Ctrl-C while the parent reads the child's value: the read's file is closed by then, and cancel() (the
+    estimate's `finally`) stops the child without closing it again."""
+    job = forked.ForkedJob(lambda: __import__("time").sleep(60))
+    pid = job._pid
+
+    real_fdopen = os.fdopen
+
+    class InterruptedRead:
+        def __init__(self, descriptor: int, mode: str) -> None:
+            self.file = real_fdopen(descriptor, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exception) -> None:
+            self.file.close()
+
+        def read(self) -> bytes:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fdopen", InterruptedRead)
+    with pytest.raises(KeyboardInterrupt):
+        job.result()
+    monkeypatch.undo()
+    job.cancel()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
