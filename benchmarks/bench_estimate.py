@@ -32,6 +32,8 @@ CASES = {
     "memtracker-gpt2": [sys.executable, str(ROOT / "benchmarks" / "memtracker_step.py")],
     "gpt2-sweep-12": [sys.executable, "-m", "memplan", "sweep", "gpt2", "--seq-len", "1024"]
     + ["--batch-sizes", ",".join(map(str, range(1, 13))), "--json"],
+    "gpt2-compare": [sys.executable, "-m", "memplan", "compare", "gpt2", "--batch-size", "8", "--seq-len", "1024"]
+    + ["--json"],
 }
 CASES["gpt2-from-cache"] = CASES["gpt2"]
 
@@ -46,7 +48,9 @@ def run(name: str, command: list[str], environment: dict[str, str]) -> dict:
     row = {"name": name, "wall_s": round(wall, 2), "peak_rss_bytes": rss, "exit_code": done.returncode}
     if done.returncode == 0 and done.stdout.strip().startswith("{"):
         data = json.loads(done.stdout)
-        if "series" in data:  # a sweep
+        if "rows" in data:  # a compare
+            row.update(rows=len(data["rows"]))
+        elif "series" in data:  # a sweep
             series = data["series"]
             row.update(points=sum(len(s["points"]) for s in series), traces=sum(s["traces"] for s in series))
         else:
