@@ -17,6 +17,7 @@ from typing import Any
 from memplan.distributed.deepspeed_file import file_precision
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import BatchTracer, Progress
+from memplan.forked import available_cores, can_fork, imap_forked
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
 from memplan.settings import CHECKPOINT_MODES, PRECISIONS, TrainingSettings
@@ -117,6 +118,37 @@ def tracing_order(batch_sizes: tuple[int, ...]) -> list[int]:
     return first + [batch for batch in ordered if batch not in first]
 
 
+def _series(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    series: tuple[str, str],
+    batch_sizes: tuple[int, ...],
+    budget_bytes: int | None,
+    progress: Progress | None,
+) -> SweepSeries:
+    """One series (precision, checkpoint mode): its points in tracing order (lines once three traces agree)."""
+    precision, checkpoint = series
+    variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
+    tracer = BatchTracer(spec, variant, progress)
+    points = []
+    for batch in tracing_order(batch_sizes):
+        figures = tracer.figures(batch)
+        fits = tracer.fits(batch, budget_bytes) if budget_bytes is not None else None
+        points.append(
+            SweepPoint(
+                batch,
+                figures.peak_bytes,
+                figures.reserved_peak_bytes,
+                fits,
+                figures.smallest_device_bytes,
+                figures.traced,
+            )
+        )
+    points.sort(key=lambda point: point.batch_size)
+    max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
+    return SweepSeries(precision, checkpoint, tuple(points), max_batch, len(tracer.simulations))
+
+
 def run_sweep(
     spec: ModelSpec,
     settings: TrainingSettings,
@@ -137,35 +169,33 @@ def run_sweep(
         raise SettingsError("--batch-sizes takes positive integers, e.g. 1,2,4,8")
     _refuse_repeats(batch_sizes, "--batch-sizes")
     report = progress or (lambda message: None)
-    series = []
+    series: list[SweepSeries] = []
     combinations = [(precision, checkpoint) for precision in precisions for checkpoint in checkpoints]
+    labels = [
+        f"[{number}/{len(combinations)}] {series_label(precision, checkpoint)}"
+        for number, (precision, checkpoint) in enumerate(combinations, start=1)
+    ]
+    # Series side by side in forked workers, one per core (each reports only as it arrives), else one by one
+    # here (each reporting its traces as it goes).
+    workers = available_cores() if len(combinations) > 1 and can_fork() else 1
+
+    def one_series(index: int) -> SweepSeries:
+        label = labels[index]
+        here = None if workers > 1 else lambda message: report(f"{label}: {message}")
+        return _series(spec, settings, combinations[index], batch_sizes, budget_bytes, here)
+
+    traced = imap_forked(one_series, range(len(combinations)), workers)
     interrupted = False
-    for number, (precision, checkpoint) in enumerate(combinations, start=1):
-        variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
-        label = f"[{number}/{len(combinations)}] {series_label(precision, checkpoint)}"
-        try:
-            tracer = BatchTracer(spec, variant, lambda message, label=label: report(f"{label}: {message}"))
-            points = []
-            for batch in tracing_order(batch_sizes):
-                figures = tracer.figures(batch)
-                fits = tracer.fits(batch, budget_bytes) if budget_bytes is not None else None
-                points.append(
-                    SweepPoint(
-                        batch,
-                        figures.peak_bytes,
-                        figures.reserved_peak_bytes,
-                        fits,
-                        figures.smallest_device_bytes,
-                        figures.traced,
-                    )
-                )
-            points.sort(key=lambda point: point.batch_size)
-            max_batch = tracer.max_batch_size(budget_bytes) if budget_bytes is not None else None
-        except KeyboardInterrupt:
-            if not series:
-                raise  # nothing finished to show
-            interrupted = True  # keep what is finished; the caller shows it and exits as interrupted
-            break
-        series.append(SweepSeries(precision, checkpoint, tuple(points), max_batch, len(tracer.simulations)))
+    try:
+        for label in labels:
+            if workers > 1:
+                report(f"{label}: tracing in a forked process")
+            series.append(next(traced))
+    except KeyboardInterrupt:
+        if not series:
+            raise  # nothing finished to show
+        interrupted = True  # keep what is finished; the caller shows it and exits as interrupted
+    finally:
+        traced.close()  # stops the workers of series not needed
     seconds = time.perf_counter() - started
     return SweepResult(spec.name, spec.settings_for(settings), budget_bytes, tuple(series), seconds, interrupted)
