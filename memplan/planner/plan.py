@@ -18,20 +18,17 @@ from typing import Any
 
 from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import SettingsError
-from memplan.estimator.checkpointing import block_names, layout_applied
+from memplan.estimator.checkpointing import block_names
 from memplan.estimator.cuda.allocator import ROUND_LARGE_BYTES
-from memplan.estimator.cuda.roofline import step_seconds
-from memplan.estimator.estimate import step_flops
-from memplan.estimator.liveness import Liveness, liveness
-from memplan.estimator.replay import OptimizerRecording
+from memplan.estimator.liveness import liveness
 from memplan.estimator.search import find_max_batch_size
-from memplan.estimator.simulate import Simulation, simulate
-from memplan.estimator.trace import FakeSetup, build_fake_setup, trace_step
-from memplan.estimator.traced_step import TracedStep
-from memplan.forked import available_cores, can_fork, map_forked
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import FakeSetup, build_fake_setup
+from memplan.forked import available_cores
 from memplan.models.fingerprint import model_fingerprint
 from memplan.models.source import ModelSpec
 from memplan.planner.costs import ChainCosts, chain_costs, select_candidates
+from memplan.planner.layout_tracer import LayoutTracer, PlanOption
 from memplan.planner.solvers import Solution, dp, greedy, solution_for
 from memplan.planner.solvers.baselines import BASELINES, all_blocks
 from memplan.settings import TrainingSettings
@@ -44,24 +41,6 @@ VERIFY_ROUNDS = 4
 SELECTIVE_OPTION = "all blocks, selective"
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class PlanOption:
-    """One checkpointing layout, traced and simulated."""
-
-    name: str
-    layout: CheckpointLayout
-    fits: bool
-    predicted_peak_bytes: int
-    recompute_flops: int
-    recompute_seconds: float | None = None  # cuda: roofline time the recomputation adds to the step
-    reserved_peak_bytes: int | None = None  # cuda: max_memory_reserved of the layout's step
-    smallest_device_bytes: int | None = None  # cuda: what the budget is compared with (Simulation.fit_bytes)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**data, "layout": self.layout.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -116,112 +95,6 @@ def layout_of(costs: ChainCosts, segments: tuple[tuple[int, int], ...] | list[tu
     return CheckpointLayout(segments=tuple(tuple(costs.names[a : b + 1]) for a, b in segments))
 
 
-# A layout's simulated step: the simulation, its roofline seconds (cuda), its FLOPs (selective layouts).
-_Measured = tuple[Simulation, float | None, int | None]
-
-
-def _measure(traced: TracedStep, layout: CheckpointLayout, lifetimes: Liveness | None = None) -> _Measured:
-    return simulate(traced, lifetimes), step_seconds(traced), step_flops(traced)
-
-
-def _trace_length(layout: CheckpointLayout) -> int:
-    """Checkpointed modules are traced twice (forward and recomputation): the longest traces go first."""
-    return sum(len(segment) for segment in layout.segments)
-
-
-class _Tracer:
-    """Traces layouts on one fake model, each layout once."""
-
-    def __init__(
-        self, spec: ModelSpec, settings: TrainingSettings, setup: FakeSetup, report: Progress, jobs: int
-    ) -> None:
-        self.spec, self.settings, self.setup, self.report, self.jobs = spec, settings, setup, report, jobs
-        self.simulations: dict[CheckpointLayout, Simulation] = {}
-        self.step_seconds: dict[CheckpointLayout, float | None] = {}  # roofline time of each layout's step
-        self.step_flops: dict[CheckpointLayout, int] = {}  # FLOPs of each layout's step, off its trace
-        self.traces = 0
-        # Checkpointing and batch size leave the optimizer step alone: the first trace's is replayed.
-        self.optimizer_recording: OptimizerRecording | None = None
-
-    def trace(self, layout: CheckpointLayout, batch_size: int) -> TracedStep:
-        self.traces += 1
-        with layout_applied(self.setup.state.built_model, layout):
-            settings = self.settings.replace(batch_size=batch_size, checkpoint=layout)
-            traced = trace_step(self.spec, settings, self.setup, self.optimizer_recording)
-        self.optimizer_recording = self.optimizer_recording or traced.optimizer_recording
-        return traced
-
-    def record(self, layout: CheckpointLayout, traced: TracedStep, lifetimes: Liveness | None = None) -> Simulation:
-        """Simulate and time a trace at the planned batch size."""
-        self._store(layout, _measure(traced, layout, lifetimes))
-        return self.simulations[layout]
-
-    def _store(self, layout: CheckpointLayout, measured: _Measured) -> None:
-        self.simulations[layout], self.step_seconds[layout], flops = measured
-        if flops is not None:
-            self.step_flops[layout] = flops
-
-    def _trace_and_measure(self, layout: CheckpointLayout) -> _Measured:
-        return _measure(self.trace(layout, self.settings.batch_size), layout)
-
-    def simulation(self, layout: CheckpointLayout) -> Simulation:
-        if layout not in self.simulations:
-            self.report(f"tracing with {layout.describe()}")
-            self.record(layout, self.trace(layout, self.settings.batch_size))
-        return self.simulations[layout]
-
-    def prefetch(self, layouts: list[CheckpointLayout]) -> None:
-        """Trace the layouts not traced yet, in forked workers when there are cores for them."""
-        missing = sorted(set(layouts) - set(self.simulations), key=_trace_length, reverse=True)
-        workers = min(self.jobs, len(missing)) if can_fork() else 1
-        if workers < 2:
-            return  # each is traced in this process when first asked for, and reported then
-        self.report(f"tracing {len(missing)} layouts in {workers} processes")
-        for layout, measured in zip(missing, map_forked(self._trace_and_measure, missing, workers), strict=True):
-            self._store(layout, measured)
-        self.traces += len(missing)
-
-    def peak(self, layout: CheckpointLayout) -> int:
-        return self.simulation(layout).peak_bytes
-
-    def recompute_seconds(self, layout: CheckpointLayout) -> float | None:
-        """Roofline time the layout adds over no checkpointing (cuda targets only)."""
-        self.simulation(layout)
-        planned, plain = self.step_seconds[layout], self.step_seconds[CheckpointLayout()]
-        return planned - plain if planned is not None and plain is not None else None
-
-    def recompute_flops(self, layout: CheckpointLayout) -> int:
-        """What the layout's step recomputes, read off the traces: its FLOPs beyond the step without checkpointing.
-        The cost model's figure (ChainCosts.recompute_flops, every block's whole forward) ranks layouts for the
-        solver; this one is what `estimate --checkpoint` of the plan shows. They differ where a non-reentrant
-        checkpoint stops recomputing once it has what the backward needs (torch.utils.checkpoint's early stop:
-        a Llama block's last projection, whose output nothing saves, is not run again)."""
-        self.simulation(layout)
-        return self.step_flops[layout] - self.step_flops[CheckpointLayout()]
-
-    def option(self, name: str, layout: CheckpointLayout, recompute_flops: int, budget_bytes: int) -> PlanOption:
-        simulation = self.simulation(layout)
-        return PlanOption(
-            name,
-            layout,
-            simulation.fits_within(budget_bytes),
-            simulation.peak_bytes,
-            recompute_flops,
-            self.recompute_seconds(layout),
-            simulation.reserved_peak_bytes,
-            simulation.smallest_device_bytes,
-        )
-
-    def fits(self, layout: CheckpointLayout, budget_bytes: int) -> bool:
-        """Whether the layout's step fits the budget, decided at the budget (Simulation.fits_within)."""
-        return self.simulation(layout).fits_within(budget_bytes)
-
-    def fit_bytes(self, layout: CheckpointLayout) -> int:
-        """What the budget must hold: on cuda the least memory the step completes in, the allocated
-        peak on cpu (Simulation.fit_bytes)."""
-        return self.simulation(layout).fit_bytes
-
-
 def _overshoot(fit_bytes: int, budget_bytes: int) -> int:
     """How far a step that does not fit is over the budget: its figure's excess, or, where the
     figure is within the budget but the replay at the budget ran out (the retry is not monotone in
@@ -230,7 +103,7 @@ def _overshoot(fit_bytes: int, budget_bytes: int) -> int:
 
 
 def _solve_verified(
-    costs: ChainCosts, solve: Callable[[ChainCosts, int], Solution | None], tracer: _Tracer, budget_bytes: int
+    costs: ChainCosts, solve: Callable[[ChainCosts, int], Solution | None], tracer: LayoutTracer, budget_bytes: int
 ) -> tuple[Solution, int] | None:
     target = budget_bytes
     for _ in range(VERIFY_ROUNDS):
@@ -281,7 +154,7 @@ def make_plan(
             f"{spec.name} has no repeated blocks (an nn.ModuleList of same-class modules) to checkpoint; "
             "name candidate modules with --candidates REGEX"
         )
-    tracer = _Tracer(spec, settings, setup, report, available_cores() if jobs is None else jobs)
+    tracer = LayoutTracer(spec, settings, setup, report, available_cores() if jobs is None else jobs)
     report("tracing without checkpointing")
     traced = tracer.trace(CheckpointLayout(), settings.batch_size)
     lifetimes = liveness(traced)
@@ -361,7 +234,7 @@ def make_plan(
     )
 
 
-def _recompute_cost(tracer: _Tracer, layout: CheckpointLayout, selective: bool) -> float:
+def _recompute_cost(tracer: LayoutTracer, layout: CheckpointLayout, selective: bool) -> float:
     """What ranks fitting layouts before FLOPs: with --selective on a cuda target, the roofline time.
 
     FLOPs cannot compare the policies: selective checkpointing recomputes pointwise ops,
@@ -373,7 +246,7 @@ def _recompute_cost(tracer: _Tracer, layout: CheckpointLayout, selective: bool) 
     return seconds if seconds is not None else 0.0
 
 
-def _suggestions(tracer: _Tracer, layout: CheckpointLayout, budget_bytes: int) -> tuple[str, ...]:
+def _suggestions(tracer: LayoutTracer, layout: CheckpointLayout, budget_bytes: int) -> tuple[str, ...]:
     """What would fit instead: a smaller micro-batch with `layout`, found by tracing; untraced hints after it."""
     settings = tracer.settings
     suggestions = []
