@@ -29,10 +29,14 @@ _in_worker = False  # this process is a worker of imap_forked
 
 
 def available_cores() -> int:
+    """The cores this process may use (`taskset` narrows them), at most MEMPLAN_JOBS where that is set: how many
+    traces run at once."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    limit = os.environ.get("MEMPLAN_JOBS", "").strip()
+    return max(1, min(cores, int(limit))) if limit.isdigit() else cores
 
 
 def can_fork() -> bool:

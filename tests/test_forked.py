@@ -149,6 +149,7 @@ def _estimate_both_ways(monkeypatch, model: str, **settings) -> tuple[dict, dict
 @needs_fork
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_an_estimate_s_slope_traced_in_a_forked_child_is_the_one_traced_here(monkeypatch, device):
+    monkeypatch.setenv("MEMPLAN_JOBS", "2")
     if not forked.ForkedJob.can_start():
         pytest.skip("no second core, or autograd cannot run in a forked child of this process")
     aside, here, forks = _estimate_both_ways(monkeypatch, "tiny-gpt2", batch_size=6, seq_len=64, device=device)
@@ -160,6 +161,7 @@ def test_an_estimate_s_slope_traced_in_a_forked_child_is_the_one_traced_here(mon
 def test_a_slope_that_cannot_be_traced_at_half_the_batch_is_traced_at_twice_after_a_forked_failure(monkeypatch):
     """Batch 2's slope runs at 1, where BatchNorm in training fails: the child reports it, and the estimate
     goes on as it does in one process (twice the batch)."""
+    monkeypatch.setenv("MEMPLAN_JOBS", "2")
     if not forked.ForkedJob.can_start():
         pytest.skip("no second core, or autograd cannot run in a forked child of this process")
     models = {
@@ -213,3 +215,32 @@ def test_a_job_whose_wait_was_interrupted_is_cancelled_cleanly(monkeypatch):
     job.cancel()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_memplan_jobs_caps_the_cores_memplan_uses(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("MEMPLAN_JOBS", "1")
+    assert forked.available_cores() == 1 and not forked.ForkedJob.can_start()
+    monkeypatch.setenv("MEMPLAN_JOBS", "64")
+    assert forked.available_cores() == cores
+    monkeypatch.setenv("MEMPLAN_JOBS", "many")  # not a number: no cap
+    assert forked.available_cores() == cores
+
+
+@needs_fork
+def test_compare_rows_and_sweep_series_side_by_side_are_those_traced_one_by_one(monkeypatch):
+    import memplan
+
+    if not forked.can_fork():
+        pytest.skip("autograd cannot run in a forked child of this process (torch's fork handler is armed)")
+    common = {"seq_len": 32, "device": "cpu"}
+    results = {}
+    for jobs in ("2", "1"):
+        monkeypatch.setenv("MEMPLAN_JOBS", jobs)
+        compared = memplan.compare("tiny-gpt2", batch_size=4, **common).to_dict()
+        swept = memplan.sweep("tiny-gpt2", batch_sizes=(1, 2, 4), precisions=("fp32", "bf16"), **common).to_dict()
+        for result in (compared, swept):
+            result.pop("seconds")
+        results[jobs] = (compared, swept)
+    assert len(results["2"][0]["rows"]) > 5 and len(results["2"][1]["series"]) == 2
+    assert results["2"] == results["1"]
