@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -36,6 +37,10 @@ from memplan.settings import (
 )
 
 _command_line = ContextVar("memplan_command_line_terms", default=False)
+# A trace holds process-wide state (torch's dispatch modes, the collector's freeze, patched library functions,
+# a fake process group): two calls from two threads at once gave one of them wrong figures. Calls from threads
+# wait for each other; a call that makes another (validate_suite's validate) holds the lock already.
+_one_call_at_a_time = threading.RLock()
 
 # Flags whose keyword is not the flag with '-' as '_' (memplan.cli.options and each command's own options).
 _RENAMED = {
@@ -154,12 +159,13 @@ def _reworded_items(items: Iterator[Any]) -> Iterator[Any]:
 def speaks_api_terms(function: Wrapped) -> Wrapped:
     """`function`'s MemplanErrors, and the notes of the result it returns, worded in the API's keywords unless
     the command line called it; a function that returns an iterator (validate_suite) has the errors its
-    iteration raises reworded as well."""
+    iteration raises reworded as well. Calls from several threads run one at a time."""
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            returned = function(*args, **kwargs)
+            with _one_call_at_a_time:
+                returned = function(*args, **kwargs)
         except MemplanError as error:
             _reworded(error)
             raise

@@ -10,6 +10,7 @@ pickled but the job's argument and its result.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import multiprocessing
@@ -17,6 +18,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
@@ -54,6 +56,9 @@ def can_fork() -> bool:
     if "fork" not in multiprocessing.get_all_start_methods():
         _log.debug("planning in one process: this platform cannot fork")
         return False
+    if _others_running():
+        _log.debug("tracing in one process: another thread of this program is running")
+        return False
     global _fork_breaks_autograd
     if _fork_breaks_autograd or not _autograd_works_after_fork():
         _fork_breaks_autograd = True  # nothing mends it later in this process
@@ -86,9 +91,38 @@ def _note_fork_breaks_autograd(message: str) -> None:
         _log.debug("tracing in one process from now on: autograd fails in a forked child of this process")
 
 
+def _others_running() -> bool:
+    """Whether a thread of the caller's other than daemons is running: one that was importing a module as the
+    process forked leaves its import lock held in the child, whose own import of it then waits forever (a
+    compare's worker building the model). Daemons (the progress spinner, a notebook's kernel threads) are
+    memplan's or finish no work of the caller's; a program's own worker threads may be anywhere."""
+    main = threading.main_thread()
+    return any(
+        thread.is_alive() and not thread.daemon and thread is not main and thread is not threading.current_thread()
+        for thread in threading.enumerate()
+    )
+
+
+def _die_with_parent() -> None:
+    """Linux: the child is killed when the process that forked it ends (prctl PR_SET_PDEATHSIG), so a parent
+    stopped by SIGTERM or SIGKILL leaves no trace running on; elsewhere nothing."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def _start_worker() -> None:
     # A forked child keeps no threads but the one that forked: a lock another thread held at the
     # fork (the progress spinner writing to stderr) would stay held. Workers report nothing.
+    _die_with_parent()
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the worker)
     # Intra-op threads are not fork-safe (OpenMP), as torch's DataLoader workers also assume.
     torch.set_num_threads(1)
@@ -105,16 +139,18 @@ def _run(item: Any) -> Any:
     return _job(item)
 
 
-def imap_forked(job: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> Generator[Any, None, None]:
+def imap_forked(
+    job: Callable[[Any], Any], items: Sequence[Any], jobs: int, probed: bool = False
+) -> Generator[Any, None, None]:
     """`job(item)` for each item, in order, from up to `jobs` forked workers (in this process when one is
     enough), each value as soon as it and those before it are done: a caller that stops early (Ctrl-C)
     keeps what came, and closing the iterator stops the workers.
 
     Items are handed out in order, one at a time: put the longest first. An exception a job
-    raises is raised here.
+    raises is raised here. `probed`: the caller has just asked can_fork() itself.
     """
     workers = min(jobs, len(items))
-    if workers <= 1 or _in_worker or not can_fork():
+    if workers <= 1 or _in_worker or not (probed or can_fork()):
         yield from (job(item) for item in items)
         return
     global _job
@@ -148,7 +184,7 @@ class ForkedJob:
 
     @staticmethod
     def can_start() -> bool:
-        if _in_worker or _fork_breaks_autograd:
+        if _in_worker or _fork_breaks_autograd or _others_running():
             return False
         return "fork" in multiprocessing.get_all_start_methods() and available_cores() > 1
 

@@ -244,3 +244,56 @@ def test_compare_rows_and_sweep_series_side_by_side_are_those_traced_one_by_one(
         results[jobs] = (compared, swept)
     assert len(results["2"][0]["rows"]) > 5 and len(results["2"][1]["series"]) == 2
     assert results["2"] == results["1"]
+
+
+def test_no_fork_while_another_thread_of_the_program_runs(monkeypatch):
+    """A thread importing a module as the process forks leaves its import lock held in the child, whose own
+    import of the module then waits forever: memplan traces in one process while such a thread runs."""
+    import threading
+
+    monkeypatch.setenv("MEMPLAN_JOBS", "2")
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait)
+    worker.start()
+    try:
+        assert not forked.ForkedJob.can_start() and not forked.can_fork()
+    finally:
+        release.set()
+        worker.join()
+    daemon = threading.Thread(target=release.wait, daemon=True)  # the progress spinner is one
+    release.clear()
+    daemon.start()
+    try:
+        if "fork" in __import__("multiprocessing").get_all_start_methods():
+            assert forked.ForkedJob.can_start()
+    finally:
+        release.set()
+
+
+@needs_fork
+def test_a_forked_child_ends_with_the_process_that_forked_it(tmp_path):
+    """SIGTERM or SIGKILL to memplan leaves no trace running on (PR_SET_PDEATHSIG in the child)."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, sys, time\n"
+        "from memplan import forked\n"
+        "job = forked.ForkedJob(lambda: time.sleep(60))\n"
+        "print(job._pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(0.5)  # the child has asked for its death signal
+    parent.kill()
+    parent.wait()
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    raise AssertionError("the forked child outlived its parent")

@@ -246,9 +246,9 @@ def run_compare(
     variants = [entry for entry in entries if isinstance(entry[2], TrainingSettings)]
     # Rows side by side in forked workers, one per core (each reports only as it arrives), else one by one
     # here (each reporting its traces as it goes).
-    workers = available_cores() if len(variants) > 1 and can_fork() else 1
+    workers = available_cores() if len(variants) > 1 and available_cores() > 1 and can_fork() else 1
     estimates = imap_forked(
-        lambda variant: _row_estimate(spec, variant, None if workers > 1 else report), variants, workers
+        lambda variant: _row_estimate(spec, variant, None if workers > 1 else report), variants, workers, probed=True
     )
     interrupted = False
     try:

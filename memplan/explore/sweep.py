@@ -177,14 +177,14 @@ def run_sweep(
     ]
     # Series side by side in forked workers, one per core (each reports only as it arrives), else one by one
     # here (each reporting its traces as it goes).
-    workers = available_cores() if len(combinations) > 1 and can_fork() else 1
+    workers = available_cores() if len(combinations) > 1 and available_cores() > 1 and can_fork() else 1
 
     def one_series(index: int) -> SweepSeries:
         label = labels[index]
         here = None if workers > 1 else lambda message: report(f"{label}: {message}")
         return _series(spec, settings, combinations[index], batch_sizes, budget_bytes, here)
 
-    traced = imap_forked(one_series, range(len(combinations)), workers)
+    traced = imap_forked(one_series, range(len(combinations)), workers, probed=True)
     interrupted = False
     try:
         for label in labels:
