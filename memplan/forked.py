@@ -92,13 +92,17 @@ def _note_fork_breaks_autograd(message: str) -> None:
 
 
 def _others_running() -> bool:
-    """Whether a thread of the caller's other than daemons is running: one that was importing a module as the
-    process forked leaves its import lock held in the child, whose own import of it then waits forever (a
-    compare's worker building the model). Daemons (the progress spinner, a notebook's kernel threads) are
-    memplan's or finish no work of the caller's; a program's own worker threads may be anywhere."""
-    main = threading.main_thread()
+    """Whether another thread of the program is running: one that was importing a module as the process forked
+    leaves that module's import lock held in the child, whose own import of it then waits forever (a compare's
+    worker building the model hung so). Daemons too (a notebook's kernel threads import as they please); only
+    the progress spinner's refresh thread (rich.live), which the command line runs and which imports nothing a
+    trace needs, is let be."""
+    here = threading.current_thread()
     return any(
-        thread.is_alive() and not thread.daemon and thread is not main and thread is not threading.current_thread()
+        thread is not here
+        and thread is not threading.main_thread()
+        and thread.is_alive()
+        and type(thread).__module__ != "rich.live"
         for thread in threading.enumerate()
     )
 
