@@ -95,16 +95,20 @@ def _others_running() -> bool:
     """Whether another thread of the program is running: one that was importing a module as the process forked
     leaves that module's import lock held in the child, whose own import of it then waits forever (a compare's
     worker building the model hung so). Daemons too (a notebook's kernel threads import as they please); only
-    the progress spinner's refresh thread (rich.live), which the command line runs and which imports nothing a
-    trace needs, is let be."""
+    library threads that wake to redraw or poll and import nothing a trace needs are let be (_IDLE_THREADS)."""
     here = threading.current_thread()
     return any(
         thread is not here
         and thread is not threading.main_thread()
         and thread.is_alive()
-        and type(thread).__module__ != "rich.live"
+        and type(thread).__module__ not in _IDLE_THREADS
         for thread in threading.enumerate()
     )
+
+
+# rich's refresh thread (the command line's progress spinner, rich.live._RefreshThread) and tqdm's monitor
+# (tqdm._monitor.TMonitor, which transformers' progress bars start and leave running)
+_IDLE_THREADS = ("rich.live", "tqdm._monitor")
 
 
 def _die_with_parent() -> None:
