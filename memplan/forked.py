@@ -170,6 +170,13 @@ def imap_forked(
         _job = None
 
 
+def side_by_side_workers(count: int) -> int:
+    """How many forked workers run `count` independent jobs side by side: one per core, or 1 (in this process)
+    where there is one job or one core, or forking cannot help (can_fork; imap_forked need not ask again)."""
+    cores = available_cores()
+    return cores if count > 1 and cores > 1 and can_fork() else 1
+
+
 def map_forked(job: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
     """`[job(item) for item in items]`, in up to `jobs` forked workers (imap_forked)."""
     return list(imap_forked(job, items, jobs))

@@ -234,15 +234,21 @@ def test_compare_rows_and_sweep_series_side_by_side_are_those_traced_one_by_one(
     if not forked.can_fork():
         pytest.skip("autograd cannot run in a forked child of this process (torch's fork handler is armed)")
     common = {"seq_len": 32, "device": "cpu"}
-    results = {}
+    results, forked_messages = {}, {}
     for jobs in ("2", "1"):
         monkeypatch.setenv("MEMPLAN_JOBS", jobs)
-        compared = memplan.compare("tiny-gpt2", batch_size=4, **common).to_dict()
-        swept = memplan.sweep("tiny-gpt2", batch_sizes=(1, 2, 4), precisions=("fp32", "bf16"), **common).to_dict()
+        said: list[str] = []
+        compared = memplan.compare("tiny-gpt2", batch_size=4, progress=said.append, **common).to_dict()
+        swept = memplan.sweep(
+            "tiny-gpt2", batch_sizes=(1, 2, 4), precisions=("fp32", "bf16"), progress=said.append, **common
+        ).to_dict()
         for result in (compared, swept):
             result.pop("seconds")
         results[jobs] = (compared, swept)
+        forked_messages[jobs] = sum("tracing in a forked process" in message for message in said)
     assert len(results["2"][0]["rows"]) > 5 and len(results["2"][1]["series"]) == 2
+    # side by side with two cores (each row and series said so), one by one with one
+    assert forked_messages["2"] == len(results["2"][0]["rows"]) + 2 and forked_messages["1"] == 0
     assert results["2"] == results["1"]
 
 

@@ -21,7 +21,7 @@ from memplan.distributed.modes import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES
 from memplan.errors import SettingsError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
-from memplan.forked import available_cores, can_fork, imap_forked
+from memplan.forked import imap_forked, side_by_side_workers
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
 from memplan.settings import TrainingSettings
@@ -246,7 +246,7 @@ def run_compare(
     variants = [entry for entry in entries if isinstance(entry[2], TrainingSettings)]
     # Rows side by side in forked workers, one per core (each reports only as it arrives), else one by one
     # here (each reporting its traces as it goes).
-    workers = available_cores() if len(variants) > 1 and available_cores() > 1 and can_fork() else 1
+    workers = side_by_side_workers(len(variants))
     estimates = imap_forked(
         lambda variant: _row_estimate(spec, variant, None if workers > 1 else report), variants, workers, probed=True
     )

@@ -17,7 +17,7 @@ from typing import Any
 from memplan.distributed.deepspeed_file import file_precision
 from memplan.errors import SettingsError
 from memplan.estimator.estimate import BatchTracer, Progress
-from memplan.forked import available_cores, can_fork, imap_forked
+from memplan.forked import imap_forked, side_by_side_workers
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict
 from memplan.settings import CHECKPOINT_MODES, PRECISIONS, TrainingSettings
@@ -177,7 +177,7 @@ def run_sweep(
     ]
     # Series side by side in forked workers, one per core (each reports only as it arrives), else one by one
     # here (each reporting its traces as it goes).
-    workers = available_cores() if len(combinations) > 1 and available_cores() > 1 and can_fork() else 1
+    workers = side_by_side_workers(len(combinations))
 
     def one_series(index: int) -> SweepSeries:
         label = labels[index]
