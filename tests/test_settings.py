@@ -35,3 +35,36 @@ def test_settings_replace_validates_and_round_trips():
     assert settings.replace(batch_size=8).to_dict()["batch_size"] == 8
     with pytest.raises(SettingsError):
         settings.replace(batch_size=0)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "zero_optimization", "offload"),
+    [
+        ("zero2", {"offload_optimizer": {"device": "cpu"}}, "optimizer"),
+        ("zero3", {"offload_optimizer": {"device": "cpu"}}, "optimizer"),
+        ("zero3", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "params"),
+        ("zero3", {"offload_optimizer": {"device": "none"}}, "none"),
+        ("zero2", {}, "none"),
+    ],
+)
+def test_settings_say_what_a_deepspeed_file_offloads(parallel, zero_optimization, offload):
+    """The settings (the JSON's `settings.offload`) name the offload that the --deepspeed file itself asks for, as
+    --offload would, and read back to the same settings."""
+    import json
+
+    config = json.dumps({"zero_optimization": zero_optimization})
+    settings = TrainingSettings(parallel=parallel, world_size=4, deepspeed_config=config)
+    assert settings.offload == offload
+    assert TrainingSettings.from_dict(settings.to_dict()) == settings
+
+
+def test_a_deepspeed_file_offloading_parameters_alone_is_still_refused():
+    """offload_param without offload_optimizer is not what --offload params means (that moves both): it is left to
+    the configuration's own check, not turned into --offload params."""
+    from memplan.distributed.deepspeed_config import deepspeed_config
+
+    config = '{"zero_optimization": {"offload_param": {"device": "cpu"}}}'
+    settings = TrainingSettings(parallel="zero3", world_size=4, deepspeed_config=config)
+    assert settings.offload == "none"
+    with pytest.raises(SettingsError, match="offload_param without offload_optimizer"):
+        deepspeed_config(3, 1, "fp32", settings.deepspeed_settings, 64, 1, settings.offload)

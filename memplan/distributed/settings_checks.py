@@ -86,6 +86,8 @@ def _check_shard_size(settings: TrainingSettings) -> None:
 def _check_offload(settings: TrainingSettings) -> None:
     check_choice("offload", settings.offload, OFFLOAD_MODES)
     if settings.offload == "none":
+        # A --deepspeed file that offloads by itself: the settings (their JSON, compare's rows) say so too.
+        object.__setattr__(settings, "offload", _offload_of_deepspeed_file(settings))
         return
     if settings.deepspeed_stage is not None:
         if settings.offload == "params" and settings.deepspeed_stage != 3:
@@ -106,6 +108,16 @@ def _check_offload(settings: TrainingSettings) -> None:
         )
     if settings.step is not None:
         raise SettingsError("--offload with --step is not traced yet: leave out one of them")
+
+
+def _offload_of_deepspeed_file(settings: TrainingSettings) -> str:
+    """What the --deepspeed file's zero_optimization sections put on the host, as --offload names it: "params"
+    where ZeRO-3 offloads both the parameters and the optimizer, "optimizer" where the optimizer alone. A
+    section the file gets wrong (offload_param alone, or below stage 3) keeps "none" here, so that
+    deepspeed_config's own message refuses it."""
+    if settings.deepspeed_stage is None or not settings.offloads_to_host:
+        return "none"
+    return "params" if settings.deepspeed_offloads_parameters else "optimizer"
 
 
 def _check_deepspeed(settings: TrainingSettings) -> None:
