@@ -81,6 +81,8 @@ FP32_CASES = [("two-layer", 2, "fp32"), ("two-layer", 8, "fp32"), ("stack", 2, "
     [
         *(("zero2", *case) for case in [*FP32_CASES, ("stack-bf16", 4, "bf16")]),
         *(("zero3", *case) for case in FP32_CASES),
+        # seven ranks: every bucket's reduce-scatter pads (memplan.distributed.deepspeed_collectives' stand-in)
+        ("zero3", "stack", 7, "fp32"),
         ("zero3", "stack-fp16", 8, "fp16"),  # its peak is in the forward (-55,408 B while the real run skipped steps)
         ("zero1", "stack", 2, "fp32"),
         # DeepSpeed's torch_autocast: a float32 model whose forward the engine runs in torch.autocast, gradients of

@@ -38,22 +38,26 @@ def test_settings_replace_validates_and_round_trips():
 
 
 @pytest.mark.parametrize(
-    ("parallel", "zero_optimization", "offload"),
+    ("parallel", "zero_optimization", "given", "offload"),
     [
-        ("zero2", {"offload_optimizer": {"device": "cpu"}}, "optimizer"),
-        ("zero3", {"offload_optimizer": {"device": "cpu"}}, "optimizer"),
-        ("zero3", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "params"),
-        ("zero3", {"offload_optimizer": {"device": "none"}}, "none"),
-        ("zero2", {}, "none"),
+        ("zero2", {"offload_optimizer": {"device": "cpu"}}, "none", "optimizer"),
+        ("zero3", {"offload_optimizer": {"device": "cpu"}}, "none", "optimizer"),
+        ("zero3", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "none", "params"),
+        ("zero3", {"offload_optimizer": {"device": "none"}}, "none", "none"),
+        ("zero2", {}, "none", "none"),
+        # --offload adds to the file: the optimizer by the flag and the parameters by the file is ZeRO-3's both
+        ("zero3", {"offload_param": {"device": "cpu"}}, "optimizer", "params"),
+        ("zero3", {"offload_optimizer": {"device": "cpu"}}, "params", "params"),
+        ("zero2", {}, "optimizer", "optimizer"),
     ],
 )
-def test_settings_say_what_a_deepspeed_file_offloads(parallel, zero_optimization, offload):
-    """The settings (the JSON's `settings.offload`) name the offload that the --deepspeed file itself asks for, as
-    --offload would, and read back to the same settings."""
+def test_settings_say_what_a_deepspeed_rank_offloads(parallel, zero_optimization, given, offload):
+    """The settings (the JSON's `settings.offload`) name what the rank offloads, by --offload or by the --deepspeed
+    file's own sections, as --offload would name it, and read back to the same settings."""
     import json
 
     config = json.dumps({"zero_optimization": zero_optimization})
-    settings = TrainingSettings(parallel=parallel, world_size=4, deepspeed_config=config)
+    settings = TrainingSettings(parallel=parallel, world_size=4, deepspeed_config=config, offload=given)
     assert settings.offload == offload
     assert TrainingSettings.from_dict(settings.to_dict()) == settings
 

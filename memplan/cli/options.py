@@ -226,8 +226,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "copied to the GPU for its all-gather). With --parallel zero2 or zero3 (or zero1 with --deepspeed): "
             "optimizer is DeepSpeed's offload_optimizer (the float32 master partition, its gradient and the optimizer "
             "state in host memory, the step run there); with zero3, params is that and offload_param (the "
-            "parameter partitions on the host too). The GPU figures leave the host's share out and "
-            "host_peak_bytes counts it.",
+            "parameter partitions on the host too), added to what a --deepspeed file offloads by itself. The GPU "
+            "figures leave the host's share out and host_peak_bytes counts it.",
         ),
         click.option(
             "--ddp-bucket-view",

@@ -68,6 +68,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan.distributed.deepspeed_collectives import per_rank_loops_replaced
 from memplan.distributed.deepspeed_fakes import (
     NO_AUTOCAST,
     answer_no_overflow,
@@ -237,7 +238,11 @@ class DeepSpeedRank:
         if host:
             accelerator.on_accelerator = lambda tensor: StorageWeakRef(tensor.untyped_storage()) not in host
         try:
-            with fake_tensors_tolerated(self.world_size, truth_values), autocast_globals(self._autocast):
+            with (
+                fake_tensors_tolerated(self.world_size, truth_values),
+                autocast_globals(self._autocast),
+                per_rank_loops_replaced(),
+            ):
                 yield
         finally:
             torch.nn.functional.linear = linear

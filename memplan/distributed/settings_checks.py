@@ -85,16 +85,17 @@ def _check_shard_size(settings: TrainingSettings) -> None:
 
 def _check_offload(settings: TrainingSettings) -> None:
     check_choice("offload", settings.offload, OFFLOAD_MODES)
-    if settings.offload == "none":
-        # A --deepspeed file that offloads by itself: the settings (their JSON, compare's rows) say so too.
-        object.__setattr__(settings, "offload", _offload_of_deepspeed_file(settings))
-        return
     if settings.deepspeed_stage is not None:
         if settings.offload == "params" and settings.deepspeed_stage != 3:
             raise SettingsError(
                 f"--offload params with --parallel {settings.parallel}: DeepSpeed offloads parameters at stage 3 "
                 "(offload_param): give --parallel zero3, or --offload optimizer"
             )
+        # --offload adds to what the --deepspeed file offloads by itself (deepspeed_config): the settings (their
+        # JSON, compare's rows) name what the rank runs.
+        object.__setattr__(settings, "offload", _deepspeed_offload(settings))
+        return
+    if settings.offload == "none":
         return
     if settings.parallel not in FSDP_MODES:
         raise SettingsError(
@@ -110,12 +111,12 @@ def _check_offload(settings: TrainingSettings) -> None:
         raise SettingsError("--offload with --step is not traced yet: leave out one of them")
 
 
-def _offload_of_deepspeed_file(settings: TrainingSettings) -> str:
-    """What the --deepspeed file's zero_optimization sections put on the host, as --offload names it: "params"
-    where ZeRO-3 offloads both the parameters and the optimizer, "optimizer" where the optimizer alone. A
-    section the file gets wrong (offload_param alone, or below stage 3) keeps "none" here, so that
+def _deepspeed_offload(settings: TrainingSettings) -> str:
+    """What a DeepSpeed rank puts on the host, as --offload names it: "params" where ZeRO-3 offloads both the
+    parameters and the optimizer, "optimizer" where the optimizer alone, by --offload or by the file's own
+    sections. A file's offload_param without any offload of the optimizer keeps "none" here, so that
     deepspeed_config's own message refuses it."""
-    if settings.deepspeed_stage is None or not settings.offloads_to_host:
+    if not settings.offloads_to_host:
         return "none"
     return "params" if settings.deepspeed_offloads_parameters else "optimizer"
 
