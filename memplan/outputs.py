@@ -4,7 +4,9 @@
 system), so a crash or Ctrl-C leaves either the old file or the whole new one. `check_output`
 runs before any work: the folder must exist, the file must not be one of the command's inputs
 (a --hf-args, DeepSpeed or plan file, the model's config.json, the source file of a
-`module:function` the command imports), and an existing file is refused unless the user said --force.
+`module:function` the command imports), it must be a regular file where it exists (never a device such as
+/dev/null, a pipe or a folder), and an existing file is refused unless the user said --force. A link's file is
+replaced, the link kept.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def check_output(option: str, path: str | Path, *, inputs: Iterable[str | Path] 
     for given in inputs:
         if Path(given).exists() and target.exists() and os.path.samefile(given, target):
             raise UsageError(f"--{option} {path} is also an input of this command; name another file")
+    if target.exists() and not target.is_file():
+        # a folder, a device (/dev/null), a pipe or a socket: renaming a file over it (--force) would put a plain
+        # file in its place, and for /dev/null as root that breaks the machine
+        raise UsageError(f"--{option} {path} is not a regular file (a folder, device or pipe); name a file to write")
     if target.exists() and not force:
         raise UsageError(f"--{option} {path} exists; pass --force to replace it, or name another file")
 
@@ -47,8 +53,11 @@ def _mode_for(target: Path) -> int:
 
 
 def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None], what: str) -> None:
-    """`write(file)` into a temporary file beside `path`, then rename it over `path`."""
+    """`write(file)` into a temporary file beside `path`, then rename it over `path` (over the file a link there
+    points to: the user's link stays)."""
     target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
     try:
         descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.resolve().parent)
     except OSError as error:

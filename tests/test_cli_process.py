@@ -79,3 +79,37 @@ def _version() -> str:
     from memplan.version import __version__
 
     return __version__
+
+
+def _memplan(args: list[str], **streams: object) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "memplan", *args], env=ENVIRONMENT, cwd=ROOT, timeout=300, check=False, **streams
+    )
+
+
+def _stdout_closed(args: str) -> str:
+    """What `memplan <args> >&-` says on stderr, then its exit status."""
+    command = f'"{sys.executable}" -m memplan {args} >&-; echo "status $?" >&2'
+    done = subprocess.run(
+        ["sh", "-c", command], env=ENVIRONMENT, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    return done.stderr
+
+
+def test_a_closed_standard_output_is_no_traceback_and_keeps_the_usage_error_s_status() -> None:
+    """`memplan ... >&-`: Python makes sys.stdout None; the flush at exit failed on it, a traceback and status 1
+    for `--version`, and status 1 for a usage error that had said itself in one line."""
+    assert _stdout_closed("--version") == "status 0\n"
+    refused = _stdout_closed("estimate gpt2 -b 0")
+    assert refused == "memplan: error: batch size must be a positive integer, got 0\nstatus 2\n"
+
+
+def test_an_answer_that_cannot_be_written_is_one_line_and_status_1() -> None:
+    """`memplan estimate ... > /dev/full` (a full disk): a 30-line traceback from the cache's replay, and an
+    internal error from the traced answer."""
+    with open("/dev/full", "w") as full:
+        for cache in ("--no-cache", None):  # traced (and kept), then answered from the cache
+            args = ["estimate", "tiny-gpt2", "-b", "2", "--seq-len", "16", "--device", "cpu", "-q"]
+            done = _memplan([*args, *([cache] if cache else [])], stdout=full, stderr=subprocess.PIPE)
+            assert done.returncode == 1
+            assert done.stderr == b"memplan: error: cannot write the answer: No space left on device\n"

@@ -148,3 +148,31 @@ def test_a_written_file_has_the_mode_open_would_give_it(tmp_path, umask, mode):
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == mode
     assert stat.S_IMODE(replaced.stat().st_mode) == 0o604 and replaced.read_bytes() == b"{}"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_what_is_not_a_regular_file_is_never_replaced_even_with_force(tmp_path, kind):
+    """`-o /dev/null --force` renamed a plain file over the device (as root, the machine's /dev/null); a pipe or a
+    folder the same. (A device is not made here: were the check to go, the test would replace it.)"""
+    target = tmp_path / "out"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
+    before = os.stat(target)
+    result = run("plan", "tiny-gpt2", "-b", "2", "--seq-len", "32", "--budget", "1GiB", "-o", str(target), "--force")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "is not a regular file" in result.output or (kind == "folder" and "is a directory" in result.output)
+    after = os.stat(target)
+    assert stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode) and after.st_ino == before.st_ino
+
+
+def test_force_through_a_link_replaces_the_file_it_points_to_and_keeps_the_link(tmp_path):
+    real = tmp_path / "plans" / "plan.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(real)
+    write_atomically(link, lambda file: file.write(b"new"), "plan")
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert real.read_text() == "new"

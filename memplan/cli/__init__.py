@@ -72,6 +72,12 @@ def run() -> None:
     raised anything but SystemExit (a --debug traceback), the exit is Python's own. Tests call main() in
     their process."""
     code = None
+    # A stream closed when the process started (`memplan ... >&-`) is None in Python: what memplan would print
+    # there goes nowhere, as the user asked, instead of failing on None.
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (the process's stdout, open to its end)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
     try:
         main()
     except SystemExit as exit_request:
@@ -85,7 +91,8 @@ def run() -> None:
 def _exit_status(code: object) -> int:
     """What Python's own exit would make of SystemExit's code (None is 0, an int itself, anything else is
     printed to stderr and is 1), after the atexit functions and with the standard streams flushed: 120
-    where a flush fails, as CPython exits when it cannot flush them (Py_FinalizeEx)."""
+    where a flush fails, as CPython exits when it cannot flush them (Py_FinalizeEx), unless the command
+    failed already."""
     status = 0
     if isinstance(code, int):
         status = code
@@ -97,5 +104,5 @@ def _exit_status(code: object) -> int:
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (`memplan ... | head`), a closed stream
-            status = 120
+            status = status or 120  # a failure already said (a full disk) keeps its own status
     return status

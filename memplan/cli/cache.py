@@ -110,8 +110,11 @@ class CachedAnswer:
             output = stored["stdout"]
         except (OSError, ValueError, KeyError, TypeError):
             return False  # none, or unreadable: trace
-        sys.stdout.write(output)
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(output)
+            sys.stdout.flush()
+        except BrokenPipeError:  # a reader that stopped reading (`| head -1`): as rich's console ends then
+            raise SystemExit(1) from None
         with contextlib.suppress(OSError):
             self.path.touch()  # recently used
         from memplan.cli.options import _quiet

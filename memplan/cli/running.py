@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import errno
 import functools
 import gc
 import logging
@@ -101,6 +102,8 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
             message, code = "memplan: interrupted", 130
         elif isinstance(error, MemplanError):
             message, code = f"memplan: error: {error}", error.exit_code
+        elif isinstance(error, OSError) and error.errno in _FULL:  # printing the answer (`> /dev/full`)
+            message, code = _cannot_write(error), 1
         else:  # a bug in memplan or torch: say so, keep the details for --debug
             rerun = "" if debug else " (rerun with --debug)"
             message, code = f"memplan: internal error: {type(error).__name__}: {error}{rerun}", 1
@@ -108,6 +111,14 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         _collect_before_teardown()
         click.echo(message, err=True)
         sys.exit(code)
+
+
+# What writing the answer to a full or failing disk raises (files memplan writes say so as OutputError).
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def _cannot_write(error: OSError) -> str:
+    return f"memplan: error: cannot write the answer: {error.strerror}"
 
 
 def _run_cached(command: str, debug: bool, action: Callable[[], None]) -> None:
@@ -127,7 +138,14 @@ def _run_cached(command: str, debug: bool, action: Callable[[], None]) -> None:
     if answer is None:
         _run(debug, action)
         return
-    if answer.replay():
+    try:
+        replayed = answer.replay()
+    except OSError as error:  # not through _run, which would import torch
+        if error.errno not in _FULL or debug:
+            raise
+        click.echo(_cannot_write(error), err=True)
+        sys.exit(1)
+    if replayed:
         return
 
     def recorded() -> None:
