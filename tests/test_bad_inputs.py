@@ -45,6 +45,10 @@ FILES = {
     "negative-layers.json": json.dumps({"model_type": "gpt2", "n_layer": -1, "n_embd": 64, "n_head": 4}),
     "zero-vocab.json": json.dumps({"model_type": "gpt2", "vocab_size": 0, "n_layer": 1, "n_embd": 64, "n_head": 4}),
     "list.json": "[1, 2]",
+    # GPT-2 calls it n_layer: transformers kept n_layers as an attribute and built the default 12 layers
+    "layers-typo.json": json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layers": 2, "n_head": 4}),
+    # memplan's own preset file, copied to edit: its fields under "config" built a full-size GPT-2
+    "preset-copy.json": json.dumps({"model_type": "gpt2", "task": "causal-lm", "config": {"n_embd": 64, "n_layer": 2}}),
     "my_model.py": "def build():\n    pass\n",
     "tiny-vit.json": json.dumps(
         {
@@ -86,6 +90,8 @@ CLI_CASES = [
     case(["estimate", "empty.json"], ["no model_type"]),
     case(["estimate", "not-json.json"], ["cannot read", "JSON"]),
     case(["estimate", "list.json"], ["no model_type"]),
+    case(["estimate", "layers-typo.json", *TINY], ["'n_layers' is not a field", "n_layer (12)", "'n_layer'?"]),
+    case(["estimate", "preset-copy.json", *TINY], ["is a memplan preset file", "at the top level"]),
     case(["estimate", "unknown-type.json"], ["transformers cannot load", "no-such-architecture"]),
     case(["estimate", "heads-do-not-divide.json", "-b", "1", "--seq-len", "8"], ["cannot build", "fix the config"]),
     case(["estimate", "negative-layers.json", *TINY], ["num_hidden_layers (n_layer) = -1", "fix the config"]),

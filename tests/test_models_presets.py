@@ -48,3 +48,25 @@ def test_a_hub_id_not_in_the_cache_resolves_to_its_preset_offline():
     shapes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     preset = all_presets()["llama-3.2-1b"].config
     assert [getattr(source.config, key) for key in shapes] == [preset[key] for key in shapes]
+
+
+def test_every_preset_written_as_a_config_json_loads_with_its_own_sizes(tmp_path):
+    """memplan refuses a config.json key that is a near miss of a field left at its default (memplan.models.hf,
+    `n_layers` for GPT-2's `n_layer`): no preset's own fields, written as a user would or as transformers saves
+    them (every field, `architectures` and `transformers_version` with them), may be refused or lose a size."""
+    import json
+
+    from transformers import AutoConfig
+
+    from memplan.models.hf import _local_config
+    from memplan.models.presets import all_presets
+
+    for name, preset in all_presets().items():
+        built = AutoConfig.for_model(preset.model_type, **preset.config)
+        saved = json.loads(built.to_json_string())
+        for form, data in (("written", {"model_type": preset.model_type, **preset.config}), ("saved", saved)):
+            path = tmp_path / f"{name}-{form}.json"
+            path.write_text(json.dumps(data))
+            config = _local_config(str(path))
+            where = {"transformers_version": None, "_name_or_path": None}  # what says where the file came from
+            assert config.to_dict() | where == built.to_dict() | where, (name, form)

@@ -105,11 +105,43 @@ def _local_config(path: str) -> Any:
             '(for example "model_type": "llama")'
         )
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         model_type = data["model_type"]
         raise UsageError(f"transformers cannot load {where} (model_type {model_type!r}): {first_line}") from error
+    _check_fields(data, type(config), where)
+    return config
+
+
+def _check_fields(data: dict[str, Any], config_class: type, where: str) -> None:
+    """transformers keeps a key its config class does not know as a plain attribute and builds the model from
+    its defaults: memplan's own preset file (its fields under "config") built a full-size GPT-2, and `n_layers`
+    for GPT-2's `n_layer` its default 12 layers. A key that is a near miss of a field the file leaves at its
+    default is refused; other unknown keys (hub files carry some of their own) are left alone."""
+    import difflib
+    import inspect
+
+    from memplan.errors import UsageError
+
+    defaults = config_class().to_dict()
+    renames: dict[str, str] = dict(getattr(config_class, "attribute_map", {}) or {})
+    known = set(defaults) | set(renames) | set(inspect.signature(config_class.__init__).parameters)
+    given = {renames.get(key, key) for key in data}
+    unknown = [key for key in data if key not in known and not key.startswith("_")]
+    if isinstance(data.get("config"), dict) and "config" in unknown:
+        raise UsageError(
+            f'{where} is a memplan preset file (its fields under "config"): give the preset\'s name, or write '
+            'the fields under "config" at the top level beside model_type, as a transformers config.json has them'
+        )
+    left_at_default = sorted(field for field in defaults if field not in given and not field.startswith("_"))
+    for key in unknown:
+        meant = difflib.get_close_matches(key, left_at_default, n=1, cutoff=0.8)
+        if meant:
+            raise UsageError(
+                f"{where}: {key!r} is not a field of transformers' {config_class.__name__}, which would build "
+                f"the model with its default {meant[0]} ({defaults[meant[0]]!r}): did you mean {meant[0]!r}?"
+            )
 
 
 def resolve_hf(name: str, task: str | None) -> HFSource | None:
