@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.api_terms import speaks_api_terms
-from memplan.distributed.deepspeed_file import parse_deepspeed_config
+from memplan.distributed.deepspeed_file import parse_deepspeed_config, with_zero_section_read
 from memplan.distributed.modes import DEEPSPEED_MODE_OF_STAGE
 from memplan.errors import HfArgsError, SettingsError, a_type
 
@@ -157,7 +157,10 @@ def deepspeed_file_of(path: str | Path) -> Path | None:
 def _deepspeed_config(value: object, path: Path) -> dict[str, Any]:
     """TrainingArguments.deepspeed: a ds_config.json path (_deepspeed_path) or the configuration itself."""
     if isinstance(value, dict):
-        return value
+        try:
+            return with_zero_section_read(value)
+        except SettingsError as error:
+            raise HfArgsError(f"--hf-args {path}: its deepspeed entry: {error}") from error
     found = _deepspeed_path(value, path)
     if found is None:
         raise HfArgsError(f"--hf-args {path} sets deepspeed {value!r}, which is not a file here or beside {path.name}")

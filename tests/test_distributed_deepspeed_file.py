@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from memplan.distributed.deepspeed_file import file_precision, replaced_values
+from memplan.distributed.deepspeed_file import file_precision, parse_deepspeed_config, replaced_values
 from memplan.errors import SettingsError
 from memplan.estimator.notes import settings_notes
 from memplan.settings import TrainingSettings
@@ -204,3 +204,40 @@ def test_the_offload_notes_name_the_model_s_own_dtype(precision, partition):
     notes = settings_notes(_rank({}, parallel="zero3", offload="params", precision=precision))
     assert any(f"the updated {partition} partition back after the step" in note for note in notes)
     assert any(f"ZeRO-3's {partition} parameter partitions live in host memory" in note for note in notes)
+
+
+@pytest.mark.parametrize(
+    ("zero", "message"),
+    [
+        ([1], 'zero_optimization is [1], where DeepSpeed takes a section such as {"stage": 2}'),
+        ("stage2", 'zero_optimization is "stage2", where DeepSpeed takes a section'),
+        ({"stage": 2, "offload_optimizer": "cpu"}, 'offload_optimizer is "cpu", where DeepSpeed takes a section'),
+        ({"stage": 3, "offload_param": [1]}, "offload_param is [1], where DeepSpeed takes a section"),
+        ({"stage": 2, "offload_optimizer": {"device": "CPU"}}, 'device is "CPU", which DeepSpeed refuses: give "cpu"'),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": "half"}}, 'ratio is "half", where DeepSpeed'),
+        ({"stage": "two"}, 'stage is "two", which DeepSpeed refuses: give 0, 1, 2 or 3'),
+        ({"stage": 4}, "stage is 4, which DeepSpeed refuses"),
+        ({"stage": True}, "stage is true, which DeepSpeed refuses"),
+    ],
+)
+def test_a_zero_section_deepspeed_would_refuse_is_one_settings_error(zero, message):
+    """They were AttributeErrors and ValueErrors deep in memplan (an internal error, exit 1; from the API not a
+    MemplanError)."""
+    with pytest.raises(SettingsError) as refused:
+        parse_deepspeed_config(json.dumps({"zero_optimization": zero}))
+    assert message in str(refused.value)
+    config = json.dumps({"zero_optimization": zero})
+    with pytest.raises(SettingsError, match="DeepSpeed"):
+        TrainingSettings(parallel="zero2", world_size=2, deepspeed_config=config)
+
+
+@pytest.mark.parametrize("stage", ["2", 2.0, " 2"])
+def test_a_stage_deepspeed_reads_as_an_integer_is_that_integer(stage):
+    """DeepSpeed's ZeroStageEnum through pydantic's lax mode reads "2" and 2.0 as 2; memplan said '--deepspeed sets
+    ZeRO stage 2; --parallel zero2 traces stage 2: memplan traces stages 1 to 3'."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert int(DeepSpeedZeroConfig(stage=stage).stage) == 2
+    config = json.dumps({"zero_optimization": {"stage": stage}})
+    assert parse_deepspeed_config(config)["zero_optimization"]["stage"] == 2
+    assert TrainingSettings(parallel="zero2", world_size=2, deepspeed_config=config).deepspeed_stage == 2

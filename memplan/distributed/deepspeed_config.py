@@ -59,10 +59,15 @@ def deepspeed_config(
             del zero[key]  # stage 3's settings that size no buffer (or a stage that reads none): DeepSpeed's default
         elif key in AUTO_FROM_HIDDEN_SIZE and hidden_size is not None:
             zero[key] = AUTO_FROM_HIDDEN_SIZE[key](hidden_size)
-        else:
+        elif key in AUTO_FROM_HIDDEN_SIZE:  # a model without a hidden size in its config
             raise SettingsError(
                 f'--deepspeed: zero_optimization.{key} is "auto", which transformers fills from the model\'s '
-                "config and memplan cannot here: give a number"
+                "hidden size, and this model's config has none: give a number"
+            )
+        else:  # transformers fills no other key of the section (integrations/deepspeed.py): DeepSpeed refuses it
+            raise SettingsError(
+                f'--deepspeed: zero_optimization.{key} is "auto", which transformers does not fill (it fills '
+                f"{', '.join(AUTO_FROM_HIDDEN_SIZE)}), and DeepSpeed refuses: give its value, or leave it out"
             )
     offload_optimizer = _offload_optimizer(zero, offload)
     if offload_optimizer is not None:

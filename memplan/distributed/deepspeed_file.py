@@ -177,4 +177,66 @@ def parse_deepspeed_config(text: str) -> dict[str, Any]:
         raise SettingsError(
             f"the DeepSpeed configuration holds a JSON {type(config).__name__}, not an object as ds_config.json does"
         )
-    return config
+    return with_zero_section_read(config)
+
+
+# DeepSpeed's offload devices (runtime/zero/offload_config.py, OffloadDeviceEnum), which it takes as written.
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def with_zero_section_read(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with its zero_optimization section checked as DeepSpeed's pydantic models read it
+    (runtime/zero/config.py, DeepSpeedZeroConfig; offload_config.py): a section where DeepSpeed takes one, its
+    stage an integer from 0 to 3 (pydantic reads "2" and 2.0 as 2, and so does memplan: the stage is returned as
+    an int), an offload section's device one of OFFLOAD_DEVICES and its ratio a number. What DeepSpeed would
+    refuse is one line here, before memplan reads the section."""
+    zero = config.get("zero_optimization")
+    if zero is None:
+        return config
+    if not isinstance(zero, dict):
+        raise SettingsError(
+            f"the DeepSpeed configuration's zero_optimization is {json.dumps(zero)}, where DeepSpeed takes a section "
+            'such as {"stage": 2}: give one'
+        )
+    zero = dict(zero)
+    if "stage" in zero:
+        zero["stage"] = _stage(zero["stage"])
+    for name in ("offload_optimizer", "offload_param"):
+        section = zero.get(name)
+        if section is None:
+            continue
+        where = f"zero_optimization.{name}"
+        if not isinstance(section, dict):
+            raise SettingsError(
+                f"the DeepSpeed configuration's {where} is {json.dumps(section)}, where DeepSpeed takes a section "
+                'such as {"device": "cpu"}: give one'
+            )
+        device = section.get("device", "none")
+        if device is not None and device not in OFFLOAD_DEVICES:
+            raise SettingsError(
+                f"the DeepSpeed configuration's {where}.device is {json.dumps(device)}, which DeepSpeed refuses: "
+                f'give "cpu" (or "none"; memplan does not trace "nvme")'
+            )
+        ratio = section.get("ratio", 1.0)
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float):
+            raise SettingsError(
+                f"the DeepSpeed configuration's {where}.ratio is {json.dumps(ratio)}, where DeepSpeed takes a "
+                "number from 0 to 1: give one, or leave it out (1, the whole state)"
+            )
+    return {**config, "zero_optimization": zero}
+
+
+def _stage(stage: Any) -> int:
+    """zero_optimization.stage as DeepSpeed reads it (ZeroStageEnum, an int enum, through pydantic's lax mode):
+    an integer, or a string or float that is one."""
+    value = stage
+    if isinstance(stage, str) and stage.strip().isdigit():
+        value = int(stage)
+    elif isinstance(stage, float) and stage.is_integer():
+        value = int(stage)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 3:
+        raise SettingsError(
+            f"the DeepSpeed configuration's zero_optimization.stage is {json.dumps(stage)}, which DeepSpeed refuses: "
+            "give 0, 1, 2 or 3"
+        )
+    return value
