@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import numbers
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -159,10 +160,13 @@ def _reworded_items(items: Iterator[Any]) -> Iterator[Any]:
 def speaks_api_terms(function: Wrapped) -> Wrapped:
     """`function`'s MemplanErrors, and the notes of the result it returns, worded in the API's keywords unless
     the command line called it; a function that returns an iterator (validate_suite) has the errors its
-    iteration raises reworded as well. Calls from several threads run one at a time."""
+    iteration raises reworded as well. Its arguments' numbers are Python's own (plain_numbers). Calls from
+    several threads run one at a time."""
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(plain_numbers(value) for value in args)
+        kwargs = {name: plain_numbers(value) for name, value in kwargs.items()}
         try:
             with _one_call_at_a_time:
                 returned = function(*args, **kwargs)
@@ -174,6 +178,20 @@ def speaks_api_terms(function: Wrapped) -> Wrapped:
         return _with_notes_reworded(returned)
 
     return wrapper  # type: ignore[return-value]
+
+
+def plain_numbers(value: Any) -> Any:
+    """An argument with numpy's (or any library's) integers as Python ints, and a one-dimensional array as a
+    list: `batch_size=np.int64(2)` and `batch_sizes=np.arange(1, 9)` are what a loop over a numpy range or a
+    pandas column gives, and the checks take ints ("batch size must be a positive integer, got np.int64(2)").
+    bool and float values stay what they are, as the checks refuse them."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, int | bool):
+        return int(value)
+    if type(value) in (list, tuple):  # not a named tuple or other subclass, whose constructor differs
+        return type(value)(plain_numbers(item) for item in value)
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1:
+        return [plain_numbers(item) for item in value.tolist()]
+    return value
 
 
 def _with_notes_reworded(result: Any) -> Any:

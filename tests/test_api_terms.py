@@ -174,3 +174,18 @@ def test_api_calls_from_threads_never_overlap():
         thread.join()
     assert [kind for kind, _ in events] == ["in", "out", "in", "out"]
     assert events[0][1] == events[1][1] and events[2][1] == events[3][1]
+
+
+def test_numpy_numbers_are_the_numbers_they_hold():
+    """A loop over np.arange or a pandas column gives numpy integers: refused as "batch size must be a positive
+    integer, got np.int64(2)"; their estimate is the one of Python's ints."""
+    import numpy as np
+
+    plain = memplan.api.estimate("tiny-gpt2", batch_size=2, seq_len=16, device="cpu")
+    given = memplan.api.estimate("tiny-gpt2", batch_size=np.int64(2), seq_len=np.int32(16), device="cpu")
+    assert given.peak_bytes == plain.peak_bytes and given.settings.batch_size == 2
+    assert type(given.settings.batch_size) is int
+    swept = memplan.api.sweep("tiny-gpt2", batch_sizes=np.arange(1, 3), seq_len=16, device="cpu")
+    assert [point.batch_size for point in swept.series[0].points] == [1, 2]
+    with pytest.raises(memplan.MemplanError, match="batch size must be a positive integer"):
+        memplan.api.estimate("tiny-gpt2", batch_size=np.float64(2.0), seq_len=16, device="cpu")
