@@ -259,3 +259,40 @@ def test_the_gpu_harness_builds_weights_in_the_dtype_they_train_in(precision: st
     with pytest.raises(RuntimeError):
         built_in_storage_dtype(replace(spec, build=failing)).build(settings)
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_results_file_is_continued_only_on_the_device_and_torch_it_was_begun_with(tmp_path) -> None:
+    """--resume on a file measured elsewhere mixed a GPU's rows and the CPU's under one header and one summary."""
+    import dataclasses
+
+    import torch
+
+    from memplan.errors import UsageError
+    from memplan.validate.suite import failed_result, run_suite
+
+    config = SMOKE[0]
+    begun = failed_result(config, "cuda", RuntimeError("a row measured on the GPU"))
+    begun = dataclasses.replace(begun, device_name="NVIDIA H100 80GB HBM3", torch_version=torch.__version__)
+    results = tmp_path / "smoke.json"
+    document = {"suite": "smoke", "device_name": begun.device_name, "torch_version": torch.__version__}
+    text = json.dumps({**document, "configs": [{"id": config.id, **begun.to_dict()}]})
+    results.write_text(text)
+
+    def measured_on(name: str):
+        def measure(measured):
+            return dataclasses.replace(failed_result(measured, "cuda", RuntimeError("x")), device_name=name)
+
+        return measure
+
+    for device, measure, words in [
+        ("cpu", measured_on("cpu"), "was measured with --device cuda: continue it with --device cuda"),
+        ("cuda", measured_on("NVIDIA A100-SXM4-40GB"), "was measured on NVIDIA H100 80GB HBM3, and this run is"),
+    ]:
+        with pytest.raises(UsageError, match=words):
+            list(run_suite("smoke", SMOKE[:2], results, measure, device=device, resume=True))
+        assert results.read_text() == text  # nothing of the other machine written into it
+    results.write_text(json.dumps({**document, "torch_version": "1.13.1", "configs": []}))
+    with pytest.raises(UsageError, match="measured with torch 1.13.1, and this run is measured with torch"):
+        list(run_suite("smoke", SMOKE[:1], results, measured_on("cpu"), device="cpu", resume=True))
+    same = list(run_suite("smoke", SMOKE[:2], tmp_path / "new.json", measured_on("H100"), device="cuda", resume=True))
+    assert len(same) == 2

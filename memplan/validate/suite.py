@@ -289,6 +289,7 @@ def run_suite(
     document = load_results(results_path) if resume and results_path.exists() else {"suite": name, "configs": []}
     if document.get("suite") != name:
         raise UsageError(f"{results_path} holds suite {document.get('suite')!r}, not {name!r}")
+    _check_same_machine(document, results_path, device)
     done = {entry["id"] for entry in document["configs"]}
     for config in configs:
         if config.id in done:
@@ -300,11 +301,35 @@ def run_suite(
             raise  # the suite itself is wrong: nothing later would go better
         except MemplanError as error:  # this configuration failed (a trace error): record it, go on
             result = failed_result(config, device, error)
+        _check_recorded(document, results_path, "device_name", result.device_name, "measured on")
         document.setdefault("device_name", result.device_name)
         document.setdefault("torch_version", result.torch_version)
         document["configs"].append({"id": config.id, **result.to_dict()})
         _write_atomically(results_path, document)
         yield config, result
+
+
+def _check_same_machine(document: dict[str, Any], path: Path, device: str) -> None:
+    """A results file is continued (--resume) only where it was begun: the same --device and torch (the device's
+    name is checked at the first new result), or one file would mix measurements under one header and summary."""
+    import torch
+
+    other = sorted({str(entry.get("device")) for entry in document["configs"] if "device" in entry} - {device})
+    if other:
+        raise UsageError(
+            f"{path} was measured with --device {other[0]}: continue it with --device {other[0]}, or give another "
+            "--results file"
+        )
+    _check_recorded(document, path, "torch_version", torch.__version__, "measured with torch")
+
+
+def _check_recorded(document: dict[str, Any], path: Path, key: str, value: str, what: str) -> None:
+    recorded = document.get(key)
+    if recorded not in (None, "unknown") and value != "unknown" and recorded != value:
+        raise UsageError(
+            f"{path} was {what} {recorded}, and this run is {what} {value}: continue it there, or give another "
+            "--results file"
+        )
 
 
 def failed_result(config: SuiteConfig, device: str, error: Exception) -> ValidationResult:
