@@ -5,6 +5,7 @@ Checkpointing only lowers activations, so it is advice only when activations are
   keep less state (8-bit Adam, Adafactor), store weights in bf16, or shard across GPUs (FSDP2);
 - the optimizer step's peak over the budget (gradients + optimizer temporaries, the same at every
   batch size): the optimizer's implementation and state, not the batch, decide;
+- DeepSpeed's buckets making most of the peak: their sizes in its configuration decide;
 - otherwise the forward/backward peak: activations, which checkpointing, autocast and a shorter
   sequence or smaller image lower.
 """
@@ -102,6 +103,16 @@ def when_nothing_fits(result: EstimateResult, budget_bytes: int) -> str:
         return (
             f"workspaces take {format_bytes(workspaces)} of the {format_bytes(result.peak_bytes)} peak, the same at "
             f"every batch size: try {'; '.join(options)}"
+        )
+    communication = result.breakdown.communication
+    if settings.deepspeed_stage is not None and 2 * communication >= result.peak_bytes:
+        # DeepSpeed's buckets are sized in elements by its configuration (zero_optimization.reduce_bucket_size,
+        # 500,000,000 by default: runtime/zero/config.py), not by the batch or the activations.
+        prefetch = ", and stage3_prefetch_bucket_size" if settings.deepspeed_stage == 3 else ""
+        return (
+            f"DeepSpeed's buckets take {format_bytes(communication)} of the {format_bytes(result.peak_bytes)} peak, "
+            f"the same at every batch size: give a --deepspeed file with a smaller zero_optimization."
+            f"reduce_bucket_size{prefetch} (elements; DeepSpeed's default is 500,000,000)"
         )
     # On cuda a budget must hold what the step completes in, the allocator's rounding and segments included: the
     # phases' live bytes are compared with what is left of it after that.

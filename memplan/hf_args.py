@@ -172,7 +172,6 @@ def _deepspeed_config(value: object, path: Path) -> dict[str, Any]:
 
 def _with_deepspeed(
     config: dict[str, Any],
-    data: dict[str, Any],
     path: Path,
     settings: dict[str, Any],
     notes: list[str],
@@ -188,22 +187,22 @@ def _with_deepspeed(
         )
     settings["parallel"] = DEEPSPEED_MODE_OF_STAGE[stage]
     settings["deepspeed_config"] = json.dumps(config, sort_keys=True)
-    if _flag(data, "bf16"):
-        settings["precision"] = "bf16"  # DeepSpeed's bf16: a 16-bit model, float32 master weights
-    elif _flag(data, "fp16"):
-        settings["precision"] = "fp16"  # DeepSpeed's fp16: the same, with its dynamic loss scale
     # The file cannot say how many ranks the job runs (the launcher does): asked for where it was not given.
     ask = "" if world_size_given else "; give --world-size N for the job's data-parallel ranks"
     notes.append(f"deepspeed: one ZeRO-{stage} rank traced with DeepSpeed itself{ask}")
 
 
 @speaks_api_terms
-def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_given: bool = False) -> HfTrainingArgs:
+def read_training_args(
+    path: str | Path, *, read_optim: bool = True, world_size_given: bool = False, deepspeed_given: bool = False
+) -> HfTrainingArgs:
     """Settings from a TrainingArguments JSON/YAML file (as saved by `TrainingArguments.to_json_string`).
 
     `read_optim=False` leaves the optimizer out (the caller names one itself), so an optim memplan
     cannot model is no error then. `world_size_given`: the caller gives the job's ranks itself, so a
-    DeepSpeed file's note does not ask for them.
+    DeepSpeed file's note does not ask for them. `deepspeed_given`: the caller gives the DeepSpeed configuration
+    itself (--deepspeed), which replaces the file's deepspeed entry: the file's stage and its note are left out,
+    and the run is still DeepSpeed's (its loop, its bf16).
     """
     if not isinstance(path, str | os.PathLike):
         raise HfArgsError(f"a TrainingArguments file is a path (str or pathlib.Path); got {a_type(path)}")
@@ -220,7 +219,11 @@ def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_
             "does not read yet: remove fsdp from the file and give --parallel fsdp (or fsdp-grad-op) --world-size N, "
             "which traces one FSDP2 rank"
         )
-    deepspeed = _deepspeed_config(data.get("deepspeed"), path) if data.get("deepspeed") else None
+    # A --deepspeed the caller gives replaces the file's entry (its stage and sections); the run is DeepSpeed's
+    # either way.
+    entry = data.get("deepspeed") if not deepspeed_given else None
+    deepspeed = _deepspeed_config(entry, path) if entry else None
+    runs_deepspeed = deepspeed is not None or deepspeed_given
     batch_size = _positive_int(data, "per_device_train_batch_size", path)
     if batch_size is not None:
         settings["batch_size"] = batch_size
@@ -242,8 +245,14 @@ def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_
         settings["precision"] = "amp-bf16"
     elif _flag(data, "fp16"):
         settings["precision"] = "amp-fp16"
+    if runs_deepspeed:
+        # the Trainer hands bf16 and fp16 to DeepSpeed's own (16-bit weights, float32 master weights), not autocast
+        if _flag(data, "bf16"):
+            settings["precision"] = "bf16"
+        elif _flag(data, "fp16"):
+            settings["precision"] = "fp16"
     if deepspeed is not None:
-        _with_deepspeed(deepspeed, data, path, settings, notes, world_size_given)
+        _with_deepspeed(deepspeed, path, settings, notes, world_size_given)
     optim = str(data.get("optim") or DEFAULT_OPTIM).lower() if read_optim else None
     if optim is not None and optim not in OPTIMS:
         raise HfArgsError(
@@ -265,7 +274,7 @@ def read_training_args(path: str | Path, *, read_optim: bool = True, world_size_
         settings["cudnn_allow_tf32"] = _flag(data, "tf32")
     # Trainer's own loop: clipping to max_grad_norm before the step, model.zero_grad() after it;
     # with DeepSpeed, the engine's (its backward and step, clipping inside it).
-    settings["loop"] = "canonical" if deepspeed is not None else "hf-trainer"
+    settings["loop"] = "canonical" if runs_deepspeed else "hf-trainer"
     max_grad_norm = data.get("max_grad_norm", 1.0)
     if not max_grad_norm:
         notes.append("max_grad_norm 0 turns Trainer's clipping off; memplan traces it anyway (a few scalars in excess)")

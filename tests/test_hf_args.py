@@ -147,6 +147,29 @@ def test_a_trainer_under_deepspeed_zero3_is_one_traced_zero3_rank(tmp_path):
     assert any("one ZeRO-3 rank" in note for note in loaded.notes)
 
 
+def test_a_deepspeed_flag_replaces_the_file_s_entry_and_the_run_stays_deepspeed_s(tmp_path):
+    """--deepspeed beside --hf-args: the file's stage-3 entry still named the rank ("one ZeRO-3 rank" in a ZeRO-2
+    trace's notes) and, without --parallel, refused the flag's file as stage 2 under "--parallel zero3" the user
+    never gave; a file without a deepspeed entry set the Trainer's loop, which DeepSpeed's rank refuses."""
+    write(tmp_path, "z3.json", {"zero_optimization": {"stage": 3}})
+    zero2 = write(tmp_path, "z2.json", {"zero_optimization": {"stage": 2, "reduce_bucket_size": 1500}})
+    with_entry = write(tmp_path, "args.json", {"per_device_train_batch_size": 2, "bf16": True, "deepspeed": "z3.json"})
+    without = write(tmp_path, "plain.json", {"per_device_train_batch_size": 2, "bf16": True})
+    for args in (with_entry, without):
+        loaded = read_training_args(args, deepspeed_given=True)
+        assert "parallel" not in loaded.settings and "deepspeed_config" not in loaded.settings
+        assert loaded.settings["loop"] == "canonical" and loaded.settings["precision"] == "bf16"  # DeepSpeed's bf16
+        assert not any("ZeRO" in note for note in loaded.notes)
+        flags = ["--hf-args", str(args), "--deepspeed", str(zero2), "--parallel", "zero2", "--world-size", "2"]
+        traced = estimate_json(*flags, "--device", "cpu")
+        assert traced["settings"]["parallel"] == "zero2" and traced["settings"]["loop"] == "canonical"
+        assert not any("ZeRO-3" in note for note in traced["notes"])
+    without_parallel = CliRunner().invoke(
+        main, ["estimate", "tiny-gpt2", "--hf-args", str(with_entry), "--deepspeed", str(zero2), "--device", "cpu"]
+    )
+    assert without_parallel.exit_code == 2 and "give --parallel zero1, zero2 or zero3" in without_parallel.output
+
+
 def estimate_json(*args):
     result = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--seq-len", "32", "--json", *args])
     assert result.exit_code == 0, result.output

@@ -252,7 +252,12 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> tuple[dict[str, An
     def typed(name: str) -> bool:
         return context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
 
-    loaded = read_training_args(path, read_optim=not typed("optimizer"), world_size_given=typed("world_size"))
+    loaded = read_training_args(
+        path,
+        read_optim=not typed("optimizer"),
+        world_size_given=typed("world_size"),
+        deepspeed_given=typed("deepspeed_config"),
+    )
     context_name = context.info_name
     if context_name == "plan":
         loaded.settings.pop("checkpoint", None)  # plan chooses the checkpointing itself
