@@ -169,7 +169,7 @@ def which_gpu(
     string): whether it fits the card's usable memory, the largest batch that does, and the card's
     listed price per hour where memplan.prices has one. `result.cheapest` is the fitting card with
     the lowest listed price. Each card is its own trace: it picks the CUDA kernels."""
-    names = name_tuple(gpus, "gpus") or ()
+    names = name_tuple(gpus, "gpus", flag="--gpu") or ()
     if "gpu" in setting_overrides or (settings is not None and settings.gpu is not None):
         raise SettingsError("which_gpu takes the cards as gpus; leave gpu out of the settings")
     if "budget" in setting_overrides:

@@ -211,14 +211,18 @@ def positive_count(value: Any, name: str, allow_none: bool = False) -> int | Non
     return value
 
 
-def name_tuple(values: Any, option: str) -> tuple[str, ...] | None:
-    """A tuple of names; a string is a comma-separated list, as the CLI's option takes it."""
+def name_tuple(values: Any, option: str, flag: str | None = None) -> tuple[str, ...] | None:
+    """A tuple of names; a string is a comma-separated list, as the CLI's option takes it (`flag`, where it is not
+    `option` spelled as a flag)."""
     if values is None:
         return None
     if isinstance(values, str):
         names = [part.strip() for part in values.split(",")] if values.strip() else []
         if not all(names):  # an empty entry ("fp32,,bf16") is a typo, as the CLI's option takes it
-            raise SettingsError(f"{option} has an empty name between its commas; got {values!r}")
+            from memplan.api_terms import speaks_command_line
+
+            named = flag if flag is not None and speaks_command_line() else option
+            raise SettingsError(f"{named} has an empty name between its commas; got {values!r}")
         values = names
     if not isinstance(values, Iterable) or not all(isinstance(value, str) for value in values):
         raise SettingsError(

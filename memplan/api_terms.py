@@ -108,6 +108,12 @@ def command_line_terms() -> Iterator[None]:
         _command_line.reset(token)
 
 
+def speaks_command_line() -> bool:
+    """Whether the command line called: a message whose flag and keyword differ in more than spelling (--gpu
+    T4,L4 is which_gpu's gpus=) names the one its reader typed."""
+    return _command_line.get()
+
+
 @functools.cache
 def _keywords() -> frozenset[str]:
     """Every keyword a Python caller can give: the settings and the API functions' own arguments."""

@@ -189,3 +189,11 @@ def test_numpy_numbers_are_the_numbers_they_hold():
     assert [point.batch_size for point in swept.series[0].points] == [1, 2]
     with pytest.raises(memplan.MemplanError, match="batch size must be a positive integer"):
         memplan.api.estimate("tiny-gpt2", batch_size=np.float64(2.0), seq_len=16, device="cpu")
+
+
+def test_an_empty_gpu_name_is_named_as_its_reader_gave_it():
+    """`--gpu T4,,L4` was told "gpus has an empty name": which_gpu's keyword, not the flag typed."""
+    typed = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "-b", "2", "--seq-len", "16", "--gpu", "T4,,L4"])
+    assert typed.exit_code == 2 and "--gpu has an empty name between its commas" in typed.output
+    with pytest.raises(memplan.MemplanError, match="^gpus has an empty name between its commas"):
+        memplan.api.which_gpu("tiny-gpt2", gpus="T4,,L4", batch_size=2, seq_len=16)

@@ -230,7 +230,8 @@ CLI_CASES = [
     case(["estimate", "tiny-gpt2", "--budget", "-5GiB"], ["cannot read '-5GiB' as a size"]),
     case(["estimate", "tiny-gpt2", "--budget", "1XB"], ["cannot read '1XB' as a size"]),
     case(["estimate", "tiny-gpt2", "--budget", "0.1"], ["at least one byte"]),
-    case(["estimate", "tiny-gpt2", *TINY, "--checkpoint", "sometimes"], ["sometimes is neither", "a plan file"]),
+    case(["estimate", "tiny-gpt2", *TINY, "--checkpoint", "sometimes"], ["sometimes is not one of", "a plan file"]),
+    case(["estimate", "tiny-gpt2", *TINY, "--checkpoint", "All"], ["All is not one of", "did you mean all?"]),
     case(["estimate", "tiny-gpt2", *TINY, "--checkpoint", "plan-garbage.json"], ["is not JSON"]),
     case(["estimate", "tiny-gpt2", *TINY, "--checkpoint", "plan-other-format.json"], ["not a memplan checkpoint plan"]),
     case(["estimate", "tiny-gpt2", *TINY, "--checkpoint", "empty-dir"], ["cannot read plan empty-dir"]),
@@ -491,3 +492,10 @@ def test_memplan_validate_is_the_function_not_the_subpackage():
 def test_every_api_function_has_cases():
     named = {call.values[0] for call, _, _ in API_CASES}
     assert {"estimate", "sweep", "compare", "plan", "validate", "validate_suite", "apply_plan"} <= named
+
+
+def test_a_name_like_no_model_gets_no_suggestion():
+    """'nosuchmodel' was asked "did you mean neucodec?" (difflib's 0.6 cutoff); near misses still get theirs."""
+    result = CliRunner().invoke(main, ["estimate", "nosuchmodel"])
+    assert result.exit_code == 2 and "did you mean" not in result.output
+    assert "did you mean llama-2-7b" in CliRunner().invoke(main, ["estimate", "llama2-7b"]).output

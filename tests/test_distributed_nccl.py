@@ -94,8 +94,12 @@ def test_the_device_figure_and_the_budget_count_the_bands_top():
 
 
 def test_nccl_memory_without_a_data_parallel_cuda_rank_is_refused():
-    for settings in ({}, {"parallel": "ddp", "world_size": 2, "device": "cpu"}):
-        with pytest.raises(SettingsError, match="nccl_memory"):
+    for settings, reason in (
+        ({}, "a data-parallel job: give parallel="),
+        # not "give --parallel ddp, ..." to a rank that had it: the cpu target is what is wrong
+        ({"parallel": "ddp", "world_size": 2, "device": "cpu"}, "device='cpu' traces no GPU"),
+    ):
+        with pytest.raises(SettingsError, match=f"nccl_memory sizes what NCCL holds on one GPU.*{reason}"):
             memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=2, nccl_memory="1GiB", **settings)
     with pytest.raises(SettingsError, match="NCCL memory must be"):
         memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=2, parallel="ddp", nccl_memory=-1)
@@ -167,3 +171,11 @@ def test_nccl_variables_come_from_the_environment_for_a_data_parallel_rank_only(
     # Given as flags without --parallel, they are a mistake.
     refused = CliRunner().invoke(main, command + ["--no-nccl-nvls"])
     assert refused.exit_code == 2 and "--no-nccl-nvls" in refused.output
+
+
+def test_a_job_of_one_rank_is_told_it_has_no_nccl_buffers():
+    """The note said "NCCL's communicator holds 0 B to 0 B ... give yours with --nccl-memory"."""
+    alone = memplan.estimate("tests.ddp_models:stack", **SOURCE, batch_size=2, parallel="ddp", world_size=1)
+    assert alone.communicator_bytes == 0
+    assert "NCCL: a job of one rank has no peer to exchange with, so no NCCL buffers are counted" in alone.notes
+    assert not any("0 B to 0 B" in note for note in alone.notes)

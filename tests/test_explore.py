@@ -291,3 +291,59 @@ def test_a_precision_named_twice_is_one_line():
 
     with pytest.raises(SettingsError, match="precisions names fp32 more than once"):
         sweep("tiny-gpt2", batch_sizes=(1,), precisions=("fp32", "fp32"), **BASE)
+
+
+def test_which_gpu_on_a_data_parallel_rank_says_nccl_s_buffers_are_left_out_of_usable_too():
+    """Its footnote said "the card's memory less the CUDA context" where the budget leaves NCCL's buffers out too."""
+    from memplan.api import which_gpu
+    from memplan.gpus import CONTEXT_BYTES, GPUS
+
+    result = which_gpu("tiny-gpt2", "T4,L4", batch_size=2, seq_len=16, parallel="ddp", world_size=2)
+    for option in result.options:
+        e = option.estimate
+        assert (
+            e.communicator_bytes
+            and e.budget_bytes == GPUS[option.gpu].total_bytes - CONTEXT_BYTES - e.communicator_bytes
+        )
+    shown = CliRunner().invoke(
+        main,
+        [
+            "estimate",
+            "tiny-gpt2",
+            "-b",
+            "2",
+            "--seq-len",
+            "16",
+            "--gpu",
+            "T4,L4",
+            "--parallel",
+            "ddp",
+            "--world-size",
+            "2",
+        ],
+    )
+    assert shown.exit_code == 0 and "less the CUDA context and NCCL's buffers" in " ".join(shown.output.split())
+
+
+def test_compare_s_figures_are_whole_in_a_120_column_pipe():
+    """Piped, the table is 120 columns wide; the technique names on one line left the figures "optimi…" and
+    "+30897…%". Every row's figures must be there whole."""
+    import io
+
+    from rich.console import Console
+
+    from memplan.render.explore import render_compare
+    from memplan.sizes import format_bytes
+
+    result = compare("tiny-gpt2", batch_size=2, seq_len=16, device="cpu", parallel="ddp", world_size=2)
+    console = Console(width=120, file=io.StringIO(), highlight=False)
+    render_compare(result, console)
+    shown = console.file.getvalue()
+    assert max(len(line) for line in shown.splitlines()) <= 120
+    cells = {cell.strip() for line in shown.splitlines() for cell in line.split("│")}
+    reference = result.rows[0].estimate.peak_bytes
+    for row in result.rows:
+        e = row.estimate
+        assert {format_bytes(e.breakdown.optimizer_state), format_bytes(e.breakdown.activations)} <= cells, row.name
+        if row is not result.rows[0]:
+            assert f"{(e.peak_bytes - reference) / reference:+.1%}" in cells, row.name

@@ -178,10 +178,15 @@ def _check_nccl(settings: TrainingSettings) -> None:
         ("--nccl-max-ctas (NCCL_MAX_CTAS)", settings.nccl_max_ctas, None),
         ("--no-nccl-nvls (NCCL_NVLS_ENABLE=0)", settings.nccl_nvls, True),
     )
-    if given and (settings.parallel == "none" or settings.device != "cuda"):
+    if given and settings.parallel == "none":
         raise SettingsError(
             f"{given[0]} sizes what NCCL holds on one GPU of a data-parallel job: give --parallel "
             f"{DATA_PARALLEL_MODES} on the cuda target"
+        )
+    if given and settings.device != "cuda":
+        raise SettingsError(
+            f"{given[0]} sizes what NCCL holds on one GPU, and --device {settings.device} traces no GPU: drop it, "
+            "or leave out --device cpu"
         )
     if settings.nccl_memory is not None and settings.nccl_memory < 0:
         raise SettingsError(f"NCCL memory must be 0 or more bytes, got {settings.nccl_memory}")

@@ -123,6 +123,8 @@ def _nccl_note(settings: TrainingSettings, low: int, high: int) -> str:
     """What the device figure counts for NCCL (memplan.distributed.nccl)."""
     if settings.nccl_memory is not None:
         return f"NCCL: {format_bytes(settings.nccl_memory)} (--nccl-memory) counted in the device figure and fits"
+    if high == 0:  # one rank (memplan.distributed.nccl sizes no channel buffers without a peer)
+        return "NCCL: a job of one rank has no peer to exchange with, so no NCCL buffers are counted"
     variables = [
         f"{name}={value}"
         for name, value, default in (

@@ -217,11 +217,12 @@ def not_a_module(name: str, built: object) -> UsageError:
 
 
 def _suggest(name: str) -> str:
-    """Close spellings of presets and model types (a hub id that is a preset's resolves to it)."""
+    """Close spellings of presets and model types (a hub id that is a preset's resolves to it). At difflib's
+    default cutoff, 0.6, 'nosuchmodel' was asked "did you mean neucodec?"."""
     candidates = list(all_presets()) + model_types()
-    close = difflib.get_close_matches(name.lower(), list(dict.fromkeys(candidates)), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name.lower(), list(dict.fromkeys(candidates)), n=3, cutoff=0.7)
     if "/" in name and not close:  # a hub id: try its last part against the preset names
-        close = difflib.get_close_matches(name.rsplit("/", 1)[1].lower(), list(all_presets()), n=3, cutoff=0.6)
+        close = difflib.get_close_matches(name.rsplit("/", 1)[1].lower(), list(all_presets()), n=3, cutoff=0.7)
     return f"did you mean {', '.join(close)}? " if close else ""
 
 

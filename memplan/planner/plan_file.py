@@ -82,9 +82,10 @@ def load_plan(source: str | Path | Plan) -> Plan:
     except OSError as error:
         path = Path(source)
         if not path.exists() and not path.suffix and os.sep not in str(source):  # a policy's name mistyped
+            meant = f"did you mean {str(source).lower()}? " if str(source).lower() in CHECKPOINT_MODES else ""
             raise PlanFileError(
-                f"--checkpoint {source} is neither {', '.join(CHECKPOINT_MODES[:-1])} or {CHECKPOINT_MODES[-1]} "
-                f"nor a plan file ({error.strerror})"
+                f"--checkpoint {source} is not one of {', '.join(CHECKPOINT_MODES)}, nor a plan file "
+                f"({error.strerror}): {meant}give one of them, or a file from `memplan plan --output`"
             ) from None
         raise PlanFileError(f"cannot read plan {source}: {error.strerror}") from None
     except json.JSONDecodeError as error:

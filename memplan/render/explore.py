@@ -67,10 +67,14 @@ def render_compare(result: CompareResult, console: Console) -> None:
     on_gpus = f", rows on {result.gpus} data-parallel GPUs" if several else ""
     console.print(f"[bold]{result.model}[/bold]: {describe_settings(result.settings)}{on_gpus}")
     table = Table(title="techniques, each traced and simulated", title_justify="left")
-    table.add_column("technique", no_wrap=True)
+    # Where there is room (a 120-column pipe or wider), the names wrap (sharding rows' run past 80 characters) and
+    # the figures do not: with the names on one line, a pipe cut the figures' columns to "optimi…" and "+30897…%".
+    # On a narrower terminal every column wraps.
+    wide = console.width >= 100
+    table.add_column("technique", max_width=36 if wide else None, no_wrap=not wide)
     for column in ("batch", "peak", "vs given", "optimizer", "activations"):
-        table.add_column(column, justify="right")
-    table.add_column("costs")
+        table.add_column(column, justify="right", no_wrap=wide)
+    table.add_column("costs", min_width=24 if wide else None)
     reference = result.rows[0].estimate.peak_bytes
     for row in result.rows:
         e = row.estimate
@@ -141,8 +145,9 @@ def render_gpu_choice(result: GpuChoiceResult, console: Console) -> None:
     else:
         names = ", ".join(option.gpu for option in result.fitting)
         console.print(f"fits {names}; memplan has no listed price for these cards")
+    nccl = " and NCCL's buffers (a data-parallel rank)" if result.settings.parallel != "none" else ""
     console.print(
-        "[dim]usable: the card's memory less the CUDA context; completes in: the least memory the step runs in, "
+        f"[dim]usable: the card's memory less the CUDA context{nccl}; completes in: the least memory the step runs in, "
         "what is compared. Prices: one hour of one card on demand, from memplan.prices (its source and date); "
         "they change often[/dim]"
     )
