@@ -10,7 +10,13 @@ tensors rank by rank, the flat buffer, the rank's narrowed outputs of that buffe
 without the views: its figures are DeepSpeed's (tests/test_distributed_deepspeed_collectives.py compares the
 two traces event by event, and the rank with the real run).
 
-It stands in only for the function it was written from (its source's digest) and only over fake tensors: a
+ZeRO-3 gathers a module's parameters in one flat buffer per dtype and then, in `AllGatherCoalescedHandle.wait`
+(runtime/zero/partition_parameters.py), concatenates each parameter from one narrowed view per rank: the stand-in
+makes each parameter's buffer and copies into it from a two-dimensional view of the flat one, the same
+allocation without the views. (The handle's list of one view per rank is made in a closure DeepSpeed builds per
+parameter, which stays DeepSpeed's.)
+
+Each stands in only for the function it was written from (its source's digest) and only over fake tensors: a
 real run (memplan's CPU validator) runs DeepSpeed's own, and another DeepSpeed version keeps its own function,
 slower but right.
 """
@@ -27,13 +33,22 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-# sha256 of `inspect.getsource(reduce_scatter_coalesced)` in DeepSpeed 0.19.8, the version it was written from.
-REDUCE_SCATTER_COALESCED_SHA256 = "89aab0f80f1a80b328a6b87b3cec95352b8973c4a69e3c805ac162950ff9f7fc"
+# sha256 of each function's source (inspect.getsource) in DeepSpeed 0.19.8, the version the stand-ins were written
+# from: coalesced_collectives.reduce_scatter_coalesced and partition_parameters.AllGatherCoalescedHandle.wait.
+REDUCE_SCATTER_COALESCED_SHA256 = "d05c7b944514f710d32f74ef474522992b1dc9d334de78e511af810b5e4e6cc5"
+COALESCED_WAIT_SHA256 = "66e20af5df511a69fb0d9a53dc67213e0416f40d9b077c4b5ffaf163892fee53"
 
 
 def source_digest(function: Callable[..., Any]) -> str:
-    """sha256 of a function's source (its decorators stripped off by `inspect.unwrap` first)."""
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(function)).encode()).hexdigest()
+    """sha256 of a function's own source, under its decorators: those of functools.wraps (`__wrapped__`) and
+    DeepSpeed's `instrument_w_nvtx`, whose `wrapped_fn` keeps the function only in its closure (as `func`)."""
+    while True:
+        function = inspect.unwrap(function)
+        inner = inspect.getclosurevars(function).nonlocals.get("func") if function.__name__ == "wrapped_fn" else None
+        if not callable(inner):
+            break
+        function = inner
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
 
 
 def padding_sizes(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -100,20 +115,67 @@ def reduce_scatter_coalesced_of(original: Callable[..., Any]) -> Callable[..., A
     return reduce_scatter_coalesced
 
 
+def coalesced_wait_of(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`AllGatherCoalescedHandle.wait` for a fake, unquantized gather on a synchronized device (the CPU
+    accelerator memplan gives DeepSpeed), DeepSpeed's `original` otherwise."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    def wait(self: Any, handle_dependency: bool = True) -> None:
+        if self.complete:
+            return
+        partitions = self.partitions
+        if (
+            self.quantization
+            or self.use_secondary_tensor
+            or not partitions
+            or not isinstance(partitions[0], FakeTensor)
+            or not get_accelerator().is_synchronized_device()
+            or any(param.ds_tensor.ds_numel == 0 for param in self.params)
+        ):
+            return original(self, handle_dependency)
+        self.allgather_handle.wait()
+        first = partitions[0]
+        row = first.numel()  # one rank's partition of every parameter in the gather
+        grid = first.as_strided((self.world_size, row), (row, 1), first.storage_offset())
+        offset = 0
+        for param in self.params:
+            assert param.ds_status == ZeroParamStatus.INFLIGHT, f"expected param {param.ds_summary()} to be inflight"
+            shard = param.ds_tensor.ds_numel
+            gathered = torch.empty(param.ds_numel, dtype=first.dtype, device=first.device)  # torch.cat's output
+            whole_ranks = min(param.ds_numel // shard, self.world_size)
+            if whole_ranks:
+                whole = grid[:whole_ranks, offset : offset + shard]
+                gathered[: whole_ranks * shard].view(whole_ranks, shard).copy_(whole)
+            rest = param.ds_numel - whole_ranks * shard
+            if rest:
+                gathered[whole_ranks * shard :].copy_(grid[whole_ranks, offset : offset + rest])
+            param.data = gathered.view(param.ds_shape).to(param.ds_tensor.dtype)
+            param.ds_status = ZeroParamStatus.AVAILABLE
+            offset += shard
+        self.complete = True
+
+    return wait
+
+
 @contextlib.contextmanager
 def per_rank_loops_replaced() -> Iterator[None]:
-    """ZeRO-3's reduce_scatter_coalesced (stage3.py imports it by name) replaced while the rank runs, where it is
-    the function the stand-in was written from."""
+    """ZeRO-3's reduce_scatter_coalesced (stage3.py imports it by name) and AllGatherCoalescedHandle.wait replaced
+    while the rank runs, each where it is the function its stand-in was written from."""
+    import deepspeed.runtime.zero.partition_parameters as partition_parameters
     import deepspeed.runtime.zero.stage3 as stage3
 
-    original = stage3.reduce_scatter_coalesced
-    if getattr(original, "memplan_stand_in", False) or source_digest(original) != REDUCE_SCATTER_COALESCED_SHA256:
+    handle = partition_parameters.AllGatherCoalescedHandle
+    with contextlib.ExitStack() as replaced:
+        for owner, name, digest, stand_in_of in (
+            (stage3, "reduce_scatter_coalesced", REDUCE_SCATTER_COALESCED_SHA256, reduce_scatter_coalesced_of),
+            (handle, "wait", COALESCED_WAIT_SHA256, coalesced_wait_of),
+        ):
+            original = getattr(owner, name)
+            if getattr(original, "memplan_stand_in", False) or source_digest(original) != digest:
+                continue
+            stand_in = stand_in_of(original)
+            stand_in.memplan_stand_in = True  # type: ignore[attr-defined]
+            setattr(owner, name, stand_in)
+            replaced.callback(setattr, owner, name, original)
         yield
-        return
-    stand_in = reduce_scatter_coalesced_of(original)
-    stand_in.memplan_stand_in = True  # type: ignore[attr-defined]
-    stage3.reduce_scatter_coalesced = stand_in
-    try:
-        yield
-    finally:
-        stage3.reduce_scatter_coalesced = original
