@@ -36,6 +36,12 @@ CASES = {
     + ["--json"],
 }
 CASES["gpt2-from-cache"] = CASES["gpt2"]
+# One ZeRO-3 rank of small and large jobs: what the rank runs grows with its world size only where DeepSpeed loops
+# over the ranks (memplan.distributed.deepspeed_collectives).
+ZERO3 = ["--parallel", "zero3", "--json", "--world-size"]
+for ranks in (8, 512):
+    CASES[f"llama-3-8b-zero3-{ranks}"] = MEMPLAN + ["llama-3-8b", "-b", "1", "--seq-len", "512", *ZERO3, str(ranks)]
+CASES["tiny-gpt2-zero3-1024"] = MEMPLAN + ["tiny-gpt2", "-b", "2", "--seq-len", "64", "--device", "cpu", *ZERO3, "1024"]
 
 
 def run(name: str, command: list[str], environment: dict[str, str]) -> dict:
