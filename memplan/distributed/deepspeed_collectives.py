@@ -94,7 +94,7 @@ def reduce_scatter_coalesced_of(original: Callable[..., Any]) -> Callable[..., A
                 if not chunk:  # an empty tensor: nothing of it in any rank's partition
                     continue
                 whole_ranks = tensor.numel() // chunk
-                source = tensor.reshape(-1)
+                source = tensor.view(-1)  # as DeepSpeed flattens it: a view, never a copy
                 whole = source[: whole_ranks * chunk].view(whole_ranks, chunk)
                 grid[:whole_ranks, offset : offset + chunk].copy_(whole)
                 rest = tensor.numel() - whole_ranks * chunk
