@@ -83,9 +83,10 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
         # One untraced iteration leaves the state a steady-state one finds: whatever the user's own
         # step leaves; under DDP, the optimizer's state and the order the gradients became ready,
         # in which the second iteration's forward makes the buckets again.
+        untraced = ModuleTracker(state.built_model, lambda: 0)  # names the module a failure is in
         try:
             offload_copies = copies_made(state.data_parallel)
-            with fake_mode, real_run_paths(), target_kernels(settings), constant_item(), offload_copies:
+            with fake_mode, real_run_paths(), target_kernels(settings), constant_item(), offload_copies, untraced:
                 iteration(state)  # the user's step, where there is one
                 if state.data_parallel is not None:
                     # Now, not at the traced step's first forward: that would trace the old buckets
@@ -96,7 +97,7 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
         except Exception as error:
             if settings.step is not None:
                 raise step_failure(error, settings) from error
-            raise trace_failure(error, None, spec, state.batch) from error
+            raise trace_failure(error, untraced.current(), spec, state.batch) from error
     return FakeSetup(fake_mode=fake_mode, state=state)
 
 
@@ -144,7 +145,16 @@ def trace_step(
             for param in state.trainable:
                 param.grad = torch.zeros_like(param)
     if gradients_outlive_the_step(settings) and state.data_parallel is not None:
-        _gradients_as_ddp_makes_them(state, settings, fake_mode)
+        # an untraced micro-batch: a failure in the user's model is said as the traced one's is (a BatchNorm at
+        # batch 1 was an internal error here, and the slope's fallback to a larger batch never ran)
+        untraced = ModuleTracker(state.built_model, lambda: 0)
+        try:
+            with untraced:
+                _gradients_as_ddp_makes_them(state, settings, fake_mode)
+        except MemplanError:
+            raise
+        except Exception as error:
+            raise trace_failure(error, untraced.current(), spec, state.batch) from error
     previous_grads = [
         (storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in current_grads(state)
     ]
