@@ -40,6 +40,7 @@ from memplan.estimator.loop import (
     optimizer_tensors,
     prepare,
 )
+from memplan.estimator.module_attributes import attribute_tensors
 from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
@@ -193,6 +194,8 @@ def trace_step(
             with lifetimes_tracked(eager_lifetimes):
                 micro_batch(state, marker)
             eager_lifetimes.finish()
+            # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
+            kept_on_modules = {storage_key(tensor) for tensor in attribute_tensors(state.built_model)}
             grads = current_grads(state)
             step_start = recorder.node_count()
             # No module runs in the step. A module whose forward a checkpoint's recomputation stopped
@@ -225,6 +228,8 @@ def trace_step(
         raise
     except Exception as error:  # any failure inside the user's model becomes one clear message
         raise trace_failure(error, tracker.current(), spec, state.batch) from error
+    step_end = recorder.node_count() - 1
+    eager_lifetimes.local_lifetimes += [(key, step_end) for key in kept_on_modules]
     held_at_end = storages_held_by_fake_tensors() if swaps_seen is not None else None
     graph = recorder.finish(grads)
     categories, sizes = categorize_storages(state, grads)
