@@ -175,6 +175,46 @@ def test_a_segment_recomputes_exactly_what_torchs_own_checkpoint_does():
     assert expected.count("aten.mul.Tensor") == 5
 
 
+class _SequentialStack(nn.Module):
+    """Its blocks in an nn.Sequential, called as a whole: a ResNet stage's bottlenecks are held so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)).sum()
+
+
+def test_a_segment_of_a_sequential_s_blocks_recomputes_what_torchs_own_checkpoint_does():
+    """`plan --candidates` matching a Sequential's children was refused ("not a run of consecutive blocks of one
+    ModuleList") after the planner had chosen such a segment. Truth: torch.utils.checkpoint over those blocks."""
+    torch.manual_seed(0)
+    model = _SequentialStack()
+
+    def by_torch(x: torch.Tensor) -> torch.Tensor:
+        first_two = torch.utils.checkpoint.checkpoint(
+            lambda hidden: model.blocks[1](model.blocks[0](hidden)), x, use_reentrant=False
+        )
+        return model.head(model.blocks[2](first_two)).sum()
+
+    expected = _ops_in_backward(model, by_torch)
+    apply_layout(model, CheckpointLayout(segments=(("blocks.0", "blocks.1"),)))
+    assert _ops_in_backward(model, model) == expected
+
+
+def test_checkpoint_all_on_a_model_without_repeated_block_lists_is_refused():
+    """The header said "checkpoint all blocks" over an unchanged step: a Sequential's blocks are not taken as
+    repeated blocks (`plan --candidates` names them)."""
+    from memplan.estimator.checkpointing import apply_checkpointing
+
+    model = _SequentialStack()
+    with pytest.raises(SettingsError, match="--checkpoint all checkpoints each block of the model's nn.ModuleLists"):
+        apply_checkpointing(model, "all")
+    assert _untouched(model)
+
+
 def test_a_segment_passes_non_tensor_arguments_to_its_recomputation_and_checkpoints_every_iteration():
     """Truth: the gradients without checkpointing, and each block's forward running once in the
     forward and once more in the backward (its recomputation), in every iteration."""

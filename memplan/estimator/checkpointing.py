@@ -234,9 +234,12 @@ def _check_consecutive(model: nn.Module, segment: tuple[str, ...]) -> None:
     consecutive = all(index.isdigit() for index in indices) and [int(i) for i in indices] == list(
         range(int(indices[0]), int(indices[0]) + len(indices))
     )
-    if not isinstance(parent, nn.ModuleList) or not consecutive:
+    # An nn.Sequential calls its children one after another as a ModuleList's owner does: _Segment's hooks on
+    # each block see the same sequence (a ResNet stage's bottlenecks, `plan --candidates` matching them).
+    if not isinstance(parent, nn.ModuleList | nn.Sequential) or not consecutive:
         raise SettingsError(
-            f"checkpoint segment {segment[0]} … {segment[-1]} is not a run of consecutive blocks of one ModuleList"
+            f"checkpoint segment {segment[0]} … {segment[-1]} is not a run of consecutive blocks of one ModuleList "
+            "or Sequential"
         )
 
 
@@ -298,6 +301,12 @@ def apply_checkpointing(model: nn.Module, checkpointing: str | CheckpointLayout)
     """The settings' `checkpoint` value applied: "none", "all" / "selective" (every repeated block) or a layout."""
     if checkpointing in ("all", "selective"):
         layout = all_blocks_layout(model, "full" if checkpointing == "all" else "selective")
+        if not layout.segments:  # a header saying "checkpoint all blocks" over an unchanged step misleads
+            raise SettingsError(
+                f"--checkpoint {checkpointing} checkpoints each block of the model's nn.ModuleLists of repeated "
+                "blocks, and this model has none (blocks in an nn.Sequential are not taken as such): name the "
+                "modules to checkpoint with `memplan plan --candidates REGEX`, or leave out --checkpoint"
+            )
     else:
         layout = checkpointing
     if not isinstance(layout, CheckpointLayout):
