@@ -98,3 +98,36 @@ def test_a_model_that_cannot_run_at_half_the_batch_is_estimated_at_the_batch_ask
     )
     assert result.error is None
     assert abs(result.predicted_peak_bytes - result.measured_peak_bytes) <= 0.005 * result.measured_peak_bytes
+
+
+class _LabelledLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(512, 64)
+        self.head = nn.Linear(64, 512)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.embed(ids)).flatten(0, 1), labels.flatten())
+
+
+def labelled_lm() -> nn.Module:
+    return _LabelledLM()
+
+
+def shared_ids(batch_size: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 512, (batch_size, 256), generator=torch.Generator().manual_seed(0))
+    return {"ids": ids, "labels": ids}
+
+
+def test_one_tensor_under_two_names_in_a_batch_is_one_tensor():
+    """`{"ids": t, "labels": t}`, a causal LM's usual batch, was resized entry by entry: two copies of t in the
+    inputs where the step has one (4,096 B too many here). The estimate is the real run's, and the inputs
+    function's, whose batch shares the tensor."""
+    spec = resolve_model("tests.test_models_objects:labelled_lm", inputs="tests.test_models_objects:shared_ids")
+    settings = spec.settings_for(TrainingSettings(**SETTINGS))
+    measured = measure_cpu(spec, settings).peak_bytes
+    given = memplan.estimate(_LabelledLM(), inputs=shared_ids(4), device="cpu")
+    assert given.breakdown.inputs == 4 * 256 * 8  # one int64 batch
+    assert abs(given.peak_bytes - measured) <= 16, (given.peak_bytes, measured)
+    from_function = memplan.estimate(_LabelledLM(), inputs=shared_ids, **SETTINGS)
+    assert given.peak_bytes == from_function.peak_bytes

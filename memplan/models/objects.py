@@ -67,12 +67,17 @@ def _rows(batch: Batch) -> int:
 
 
 def _resized(batch: Batch, size: int, rows: int) -> Batch:
-    """Rows repeated or cut to `size`, made by an op so the batch is the step's own (inputs memory)."""
+    """Rows repeated or cut to `size`, made by an op so the batch is the step's own (inputs memory). One tensor
+    given under two names (a causal LM's `{"ids": t, "labels": t}`) stays one tensor, as an inputs function's
+    batch keeps it: resized apart, it was counted twice."""
     index = torch.arange(size) % rows
+    resized: dict[int, torch.Tensor] = {}
 
     def resize(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.index_select(0, index)
+            if id(value) not in resized:
+                resized[id(value)] = value.index_select(0, index)
+            return resized[id(value)]
         return value
 
     if isinstance(batch, Mapping):
