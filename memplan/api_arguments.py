@@ -13,6 +13,7 @@ from memplan.errors import MemplanError, SettingsError, UsageError, a_type
 from memplan.gpus import gpu_named
 from memplan.models.objects import batch_size_of, is_model_object, object_spec
 from memplan.models.source import ModelSpec, resolve_model
+from memplan.planner.plan import PlanResult
 from memplan.planner.plan_file import Plan, check_settings, check_source, load_plan
 from memplan.settings import CHECKPOINT_MODES, TrainingSettings
 from memplan.sizes import parse_size
@@ -133,14 +134,15 @@ def settings_from(
     overrides = _check_types(overrides)
     checkpoint = overrides.get("checkpoint")
     plan = None
-    if isinstance(checkpoint, Plan | os.PathLike) or (
+    if isinstance(checkpoint, Plan | PlanResult | os.PathLike) or (
         isinstance(checkpoint, str) and checkpoint not in CHECKPOINT_MODES
     ):
         plan = load_plan(checkpoint)
         overrides = {**overrides, "checkpoint": plan.layout}
     elif checkpoint is not None and not isinstance(checkpoint, str | CheckpointLayout):
         raise SettingsError(
-            f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, a CheckpointLayout or a plan file; "
+            f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, a CheckpointLayout, a plan file or what "
+            "memplan.plan returned; "
             f"got {checkpoint!r}"
         )
     return (settings or TrainingSettings()).replace(**overrides), plan

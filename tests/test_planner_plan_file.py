@@ -107,3 +107,22 @@ def test_a_mangled_plan_file_is_refused_in_one_line_naming_what_is_wrong(tmp_pat
     path.write_text(json.dumps(document))
     with pytest.raises(PlanFileError, match=re.escape(message)):
         load_plan(path)
+
+
+def test_what_memplan_plan_returns_is_a_plan_as_its_file_is(tmp_path):
+    """apply_plan refused the PlanResult memplan.plan returns ("got a PlanResult"); it and an estimate's checkpoint=
+    take it as the file written from it."""
+    import memplan
+    from memplan.planner.plan_file import write_plan
+    from tests.zoo_models import features_inputs, linear_stack, mean_square_loss
+
+    source = {"inputs": features_inputs, "loss": mean_square_loss, "batch_size": 64, "device": "cpu"}
+    unplanned = memplan.estimate(linear_stack(), **source)
+    result = memplan.plan(linear_stack(), **source, budget=int(unplanned.peak_bytes * 0.9))
+    assert result.fits and result.layout.segments  # it checkpoints something
+    path = tmp_path / "plan.json"
+    write_plan(result, path)
+    by_file, by_result = linear_stack(), linear_stack()
+    assert memplan.apply_plan(by_result, result) == memplan.apply_plan(by_file, path)
+    estimates = [memplan.estimate(linear_stack(), **source, checkpoint=plan) for plan in (path, result)]
+    assert estimates[0].peak_bytes == estimates[1].peak_bytes == result.predicted_peak_bytes

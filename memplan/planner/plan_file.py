@@ -70,12 +70,16 @@ def write_plan(result: PlanResult, path: str | Path) -> None:
     write_atomically(path, lambda file: file.write(text), "plan")
 
 
-def load_plan(source: str | Path | Plan) -> Plan:
+def load_plan(source: str | Path | Plan | PlanResult) -> Plan:
+    """A plan from its file, or from what `memplan.plan` returned (the document its file would hold)."""
     if isinstance(source, Plan):
         return source
+    if isinstance(source, PlanResult):
+        return _plan_of(plan_document(source), "the plan")
     if not isinstance(source, str | os.PathLike):
         raise PlanFileError(
-            f"a plan is a file from `memplan plan --output` (its path) or a loaded Plan; got {a_type(source)}"
+            "a plan is a file from `memplan plan --output` (its path), a loaded Plan or what memplan.plan returned; "
+            f"got {a_type(source)}"
         )
     try:
         document = json.loads(Path(source).read_text())
@@ -94,6 +98,11 @@ def load_plan(source: str | Path | Plan) -> Plan:
         ) from None
     if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
         raise PlanFileError(f"{source} is not a memplan checkpoint plan; make one with `memplan plan --output FILE`")
+    return _plan_of(document, source)
+
+
+def _plan_of(document: dict[str, Any], source: str | os.PathLike) -> Plan:
+    """A plan document (plan_document's, or a file's) as a Plan; `source` names it in messages."""
     if document.get("version") not in READABLE_VERSIONS:
         raise PlanFileError(
             f"{source} is plan format version {document.get('version')}; this memplan reads version {PLAN_VERSION}: "
@@ -178,7 +187,7 @@ def _as_traced(settings: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def apply_plan(model: nn.Module, plan: str | Path | Plan) -> list[str]:
+def apply_plan(model: nn.Module, plan: str | Path | Plan | PlanResult) -> list[str]:
     """Checkpoint a real model as a plan says (non-reentrant checkpoints); returns the modules checkpointed.
 
     The plan is refused if it was made for a model with other module names or parameter shapes, for a model
