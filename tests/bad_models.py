@@ -91,6 +91,12 @@ def no_grad() -> nn.Module:
     return NoGrad()
 
 
+def all_frozen() -> nn.Module:
+    model = Mlp()
+    model.requires_grad_(False)
+    return model
+
+
 def not_a_module() -> str:
     return "a model"
 

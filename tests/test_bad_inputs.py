@@ -158,6 +158,9 @@ CLI_CASES = [
     case(["estimate", *_factory("returns_vector")], ["not a scalar loss", "--loss"]),
     case(["estimate", *_factory("raises_in_forward")], ["cannot trace", "the user's forward is broken"], code=1),
     case(["estimate", *_factory("no_grad")], ["cannot trace", "does not require grad"], code=1),
+    # autograd's "element 0 of tensors does not require grad", exit 1, before
+    case(["estimate", *_factory("all_frozen")], ["all_frozen has no trainable parameter", "unfreeze"]),
+    case(["estimate", *_factory("no_parameters")], ["no_parameters has no trainable parameter"]),
     case(["estimate", *MLP, "--loss", "tests.bad_models:nosuch"], ["no attribute 'nosuch'"]),
     case(["estimate", *VECTOR, "--loss", "tests.bad_models:loss_not_scalar"], ["scalar", "shape (1, 3)"]),
     case(["estimate", *VECTOR, "--loss", "tests.bad_models:loss_float"], ["must return a scalar tensor, got float"]),

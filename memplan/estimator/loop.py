@@ -44,7 +44,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memplan.distributed.modes import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MODES
-from memplan.errors import UsageError
+from memplan.errors import SettingsError, UsageError
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
@@ -111,6 +111,13 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     checkpointed = apply_checkpointing(model, settings.checkpoint)
     batch = spec.make_batch(settings, dtype)
     trainable = [param for param in model.parameters() if param.requires_grad]
+    if not trainable and settings.step is None and settings.parallel == "none":
+        # The backward would fail in autograd ("element 0 of tensors does not require grad"): a usage mistake.
+        # (The data-parallel ranks say it themselves; a --step may train what it likes.)
+        raise SettingsError(
+            f"{spec.name} has no trainable parameter (none requires grad), so a training step has "
+            "nothing to compute gradients for: unfreeze what it trains, or give --lora RANK to train adapters"
+        )
     data_parallel = None
     # DDP wraps the model as built, adapted and checkpointed, as scripts do (not under DeepSpeed's stage 1).
     if settings.parallel in DDP_MODES and settings.deepspeed_stage is None:

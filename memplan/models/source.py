@@ -208,7 +208,7 @@ def _set_attention(model: nn.Module, attn_impl: str, name: str) -> None:
 
 def _a(noun: str) -> str:
     """The noun with its article: "an int", "a list"."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+    return f"{'an' if noun[:1].lower() in 'aeiou' or noun == 'ndarray' else 'a'} {noun}"
 
 
 def not_a_module(name: str, built: object) -> UsageError:
