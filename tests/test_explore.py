@@ -337,3 +337,17 @@ def test_compare_s_figures_are_whole_in_a_120_column_pipe():
         assert {format_bytes(e.breakdown.optimizer_state), format_bytes(e.breakdown.activations)} <= cells, row.name
         if row is not result.rows[0]:
             assert f"{(e.peak_bytes - reference) / reference:+.1%}" in cells, row.name
+
+
+def test_a_sweep_plot_s_title_names_the_precision_only_where_one_is_swept(monkeypatch, tmp_path):
+    """Over fp32 and amp-bf16 its title said "fp32", where the table's heading names none."""
+    import memplan.render.plot as plot_module
+
+    titles: list[str] = []
+    monkeypatch.setattr(plot_module, "plot_sweep", lambda *args, title, **kwargs: titles.append(title))
+    args = ["sweep", "tiny-gpt2", "--seq-len", "16", "--batch-sizes", "1,2", "--device", "cpu", "-q"]
+    for precisions in ("fp32,amp-bf16", "amp-bf16"):
+        done = CliRunner().invoke(main, [*args, "--precisions", precisions, "--plot", str(tmp_path / "sweep.png")])
+        assert done.exit_code == 0, done.output
+    assert "fp32" not in titles[0] and "amp-bf16" not in titles[0]
+    assert "amp-bf16" in titles[1]

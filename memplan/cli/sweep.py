@@ -84,7 +84,7 @@ def sweep(
             budget=budget,
         )
         if plot is not None:
-            from memplan.render.estimate import describe_settings
+            from memplan.render.explore import sweep_settings
             from memplan.render.plot import plot_sweep
 
             device = result.settings.device == "cuda"  # what the budget is compared with there
@@ -92,11 +92,10 @@ def sweep(
                 s.label: [(p.batch_size, p.smallest_device_bytes if device else p.peak_bytes) for p in s.points]
                 for s in result.series
             }
-            base = result.settings.replace(checkpoint="none")
             plot_sweep(
                 series,
                 plot,
-                title=f"{result.model}: {describe_settings(base, with_batch=False)}",
+                title=f"{result.model}: {sweep_settings(result)}",  # the precision only where one is swept
                 budget_bytes=result.budget_bytes,
                 max_batch_sizes={s.label: s.max_batch_size for s in result.series},
                 measure="predicted memory the step completes in" if device else "predicted peak",

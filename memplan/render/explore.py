@@ -30,12 +30,18 @@ def _sweep_cell(point: SweepPoint) -> str:
     return f"[green]{text}[/green]" if point.fits else f"[red]{text}{OVER}[/red]"
 
 
-def render_sweep(result: SweepResult, console: Console) -> None:
+def sweep_settings(result: SweepResult) -> str:
+    """The sweep's settings as its heading (and its plot's title) gives them: without the checkpointing, and
+    without the precision where several are swept (each series names its own)."""
     base = result.settings.replace(checkpoint="none")
     described = describe_settings(base, with_batch=False)
-    if len({series.precision for series in result.series}) > 1:  # each column names its own precision
+    if len({series.precision for series in result.series}) > 1:
         described = ", ".join(part for part in described.split(", ") if part != base.precision)
-    console.print(f"[bold]{result.model}[/bold]: {described}")
+    return described
+
+
+def render_sweep(result: SweepResult, console: Console) -> None:
+    console.print(f"[bold]{result.model}[/bold]: {sweep_settings(result)}")
     reserved = result.settings.device == "cuda"
     table = Table(title="predicted peak" + (" (memory it completes in)" if reserved else ""), title_justify="left")
     table.add_column("batch", justify="right")
