@@ -65,3 +65,21 @@ def canonical(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimi
     model(**batch)["loss"].backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def own_adam(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The step's own optimizer, made at its first call and kept on the model (memplan's is left unused)."""
+    if not hasattr(model, "memplan_test_adam"):
+        model.memplan_test_adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(**batch)["loss"].backward()
+    model.memplan_test_adam.step()
+    model.memplan_test_adam.zero_grad(set_to_none=True)
+
+
+def by_hand(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """SGD written out: each weight updated from its gradient, then the gradients freed."""
+    model(**batch)["loss"].backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(param.grad, alpha=-0.01)
+    model.zero_grad(set_to_none=True)

@@ -160,3 +160,17 @@ def test_a_step_that_keeps_its_gradients_leaves_no_recording_alive():
         GraphRecorder.__init__ = original_init
     gc.collect()
     assert len(recorders) == 3 and all(recorder() is None for recorder in recorders)
+
+
+@pytest.mark.parametrize("name", ["own_adam", "by_hand"])
+def test_a_step_s_own_optimizer_and_its_gradients_are_named_as_such(name):
+    """A step that made its own Adam, or updated the weights by hand, had its gradients and the Adam's state
+    reported as temporaries and its optimizer phase as 0 B; the peak is the real run's."""
+    predicted = _predicted(name, batch_size=1)  # one row: the backward's peak holds every gradient
+    weights = sum(p.numel() * p.element_size() for p in zoo_models.tied_lm().parameters())
+    params = len(list(zoo_models.tied_lm().parameters()))
+    assert predicted.breakdown["gradients"] == weights
+    if name == "own_adam":  # two float32 moments per weight and a float32 step count per parameter
+        assert predicted.breakdown["optimizer_state"] == 2 * weights + 4 * params
+        assert predicted.phase_peak_bytes["optimizer"] >= 3 * weights  # its step: weights, gradients, moments
+    assert predicted.peak_bytes == pytest.approx(_measured_peak(name, 1), rel=0.005, abs=16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -18,6 +19,7 @@ from memplan.estimator.hf_patches import real_run_paths
 from memplan.estimator.leaves import local_tensor
 from memplan.estimator.loop import TrainingState, current_grads, custom_step
 from memplan.estimator.module_tracker import ModuleTracker
+from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.trace_errors import trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
@@ -47,11 +49,15 @@ def trace_custom_step(
     def marker(phase: str) -> None:
         boundaries[phase] = recorder.node_count()
 
-    def on_step(grads: list[torch.Tensor]) -> None:
+    own_optimizers: list[Any] = []  # optimizers the step made itself, whose state is optimizer state
+
+    def on_step(grads: list[torch.Tensor], optimizer: Any) -> None:
         seen.extend((storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in grads)
         # `.grad` holds them until the step's zero_grad (or the next backward) lets go, past the
         # optimizer's last read of them: watched like the previous gradients.
         finalizers.extend(_note_when_freed(grads, freed_at, recorder.node_count))
+        if optimizer is not None and optimizer is not state.optimizer:
+            own_optimizers.append(optimizer)
 
     eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
@@ -72,6 +78,11 @@ def trace_custom_step(
     left = current_grads(state)
     graph = recorder.finish(left)
     categories, sizes = categorize_storages(state, left)
+    for optimizer in own_optimizers:
+        for tensor in optimizer_state_tensors(optimizer):
+            key = storage_key(tensor)
+            categories[key], sizes[key] = "optimizer_state", local_tensor(tensor).untyped_storage().nbytes()
+    own_optimizers.clear()  # nothing of the step's own is kept past the trace
     for key, nbytes in seen:
         categories[key], sizes[key] = "gradients", nbytes
         if key in freed_at:

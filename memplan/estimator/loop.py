@@ -316,14 +316,16 @@ def step_function(settings: TrainingSettings) -> StepFunction:
     return step
 
 
-GradientsSeen = Callable[[list[torch.Tensor]], None]
+# Shown the gradients (and, at an optimizer's step, that optimizer): memplan.estimator.custom_step_trace.
+GradientsSeen = Callable[[list[torch.Tensor], Any], None]
 
 
 @contextlib.contextmanager
 def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | None) -> Iterator[None]:
-    """Mark the forward's end at the first backward call and the backward's end at the first
-    optimizer.step(), showing `on_step` the gradients that step finds (or, without a step, those the
-    function leaves). `on_step` must not keep them: the step's own zero_grad frees them."""
+    """Mark the forward's end at the first backward call and the backward's end at the first step of an
+    optimizer (memplan's, or one the function makes itself: torch's global step pre-hook), showing `on_step`
+    the gradients each backward leaves and those the step finds, with that optimizer (or, without a step, those
+    the function leaves). `on_step` must not keep them: the step's own zero_grad frees them."""
     marked: set[str] = set()
     original_backward = torch.autograd.backward
 
@@ -331,19 +333,33 @@ def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | 
         if not marked:
             marked.add("forward")
             marker("forward")
-        return original_backward(*args, **kwargs)
+        returned = original_backward(*args, **kwargs)
+        if on_step is not None:  # a function that updates the weights by hand, then frees .grad, has them here
+            on_step(current_grads(state), None)
+        return returned
 
     optimizer = state.optimizer
     original_step = optimizer.step if optimizer is not None else None
 
-    def step(*args: Any, **kwargs: Any) -> Any:
+    def stepping(stepped: Any) -> None:
         if "backward" not in marked:
             marked.update(("forward", "backward"))
             if on_step is not None:
-                on_step(current_grads(state))
+                on_step(current_grads(state), stepped)
             marker("backward")
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        stepping(optimizer)
         assert original_step is not None
         return original_step(*args, **kwargs)
+
+    def any_step(stepped: Any, args: Any, kwargs: Any) -> None:
+        if stepped is not optimizer:  # the function's own optimizer (memplan's marks its step above)
+            stepping(stepped)
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    any_step_hook = register_optimizer_step_pre_hook(any_step)
 
     torch.autograd.backward = backward  # Tensor.backward looks it up as torch.autograd.backward
     own_step = optimizer.__dict__.get("step") if optimizer is not None else None  # e.g. an LR scheduler's
@@ -353,6 +369,7 @@ def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | 
     try:
         yield
     finally:
+        any_step_hook.remove()
         torch.autograd.backward = original_backward
         if optimizer is not None:
             if own_step is None:
@@ -360,7 +377,7 @@ def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | 
             else:
                 optimizer.step = own_step
     if "backward" not in marked and on_step is not None:
-        on_step(current_grads(state))
+        on_step(current_grads(state), None)
 
 
 def custom_step(state: TrainingState, marker: Marker = _no_marker, on_step: GradientsSeen | None = None) -> None:
