@@ -204,15 +204,25 @@ def test_a_segment_of_a_sequential_s_blocks_recomputes_what_torchs_own_checkpoin
     assert _ops_in_backward(model, model) == expected
 
 
-def test_checkpoint_all_on_a_model_without_repeated_block_lists_is_refused():
-    """The header said "checkpoint all blocks" over an unchanged step: a Sequential's blocks are not taken as
-    repeated blocks (`plan --candidates` names them)."""
-    from memplan.estimator.checkpointing import apply_checkpointing
+def sequential_stack() -> nn.Module:
+    return _SequentialStack()
 
-    model = _SequentialStack()
-    with pytest.raises(SettingsError, match="--checkpoint all checkpoints each block of the model's nn.ModuleLists"):
-        apply_checkpointing(model, "all")
-    assert _untouched(model)
+
+def rows(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 8)
+
+
+def test_checkpoint_all_on_a_model_without_repeated_block_lists_says_nothing_is_checkpointed():
+    """The header said "checkpoint all blocks" over an unchanged step, without a word: a Sequential's blocks are
+    not taken as repeated blocks (`plan --candidates` names them)."""
+    import memplan
+
+    source = {"inputs": "tests.test_checkpointing:rows", "batch_size": 4, "device": "cpu"}
+    plain = memplan.estimate("tests.test_checkpointing:sequential_stack", **source)
+    result = memplan.estimate("tests.test_checkpointing:sequential_stack", **source, checkpoint="all")
+    assert result.checkpointed_blocks == () and result.peak_bytes == plain.peak_bytes
+    assert any("found no nn.ModuleList of two or more repeated blocks" in note for note in result.notes)
+    assert not any("repeated blocks" in note for note in plain.notes)
 
 
 def test_a_segment_passes_non_tensor_arguments_to_its_recomputation_and_checkpoints_every_iteration():

@@ -60,3 +60,14 @@ def test_a_budget_past_memplan_s_search_limit_says_larger_batches_may_fit_too():
         main, ["plan", "tiny-gpt2", "--seq-len", "128", "--budget", str(BUDGET), "--maximize-batch"]
     )
     assert within.exit_code == 0 and "search limit" not in within.stdout
+
+
+def test_a_budget_below_the_library_workspaces_is_told_what_holds_it():
+    """tiny-llama's two cuBLAS workspaces (64 MiB) are more than a 30 MiB budget: the hint was a lower precision or
+    a smaller optimizer, neither of which touches them. Following the new hint, batches fit."""
+    from memplan.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="cuBLAS and cuDNN workspaces alone take 64.00 MiB of the 30.00 MiB"):
+        plan_batch("tiny-llama", seq_len=64, budget="30MiB")
+    followed = plan_batch("tiny-llama", seq_len=64, budget="30MiB", cublas_workspace_config=":16:8")
+    assert followed.options and followed.best.batch_size >= 1

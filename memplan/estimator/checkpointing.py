@@ -301,12 +301,6 @@ def apply_checkpointing(model: nn.Module, checkpointing: str | CheckpointLayout)
     """The settings' `checkpoint` value applied: "none", "all" / "selective" (every repeated block) or a layout."""
     if checkpointing in ("all", "selective"):
         layout = all_blocks_layout(model, "full" if checkpointing == "all" else "selective")
-        if not layout.segments:  # a header saying "checkpoint all blocks" over an unchanged step misleads
-            raise SettingsError(
-                f"--checkpoint {checkpointing} checkpoints each block of the model's nn.ModuleLists of repeated "
-                "blocks, and this model has none (blocks in an nn.Sequential are not taken as such): name the "
-                "modules to checkpoint with `memplan plan --candidates REGEX`, or leave out --checkpoint"
-            )
     else:
         layout = checkpointing
     if not isinstance(layout, CheckpointLayout):

@@ -15,7 +15,7 @@ from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
 from memplan.estimator.interpolate import fits as timeline_fits
-from memplan.estimator.notes import settings_notes
+from memplan.estimator.notes import settings_notes, unchecked_blocks_notes
 from memplan.estimator.optimizers import local_optimizer
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
@@ -331,6 +331,9 @@ def _estimate(
         max_seq_len_is_limit=max_seq_len_is_limit,
         paged_optimizer_bytes=paged,
         host_peak_bytes=main.host_peak_bytes,
-        notes=tuple(settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)),
+        notes=tuple(
+            settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)
+            + unchecked_blocks_notes(settings, traced.checkpointed_blocks)
+        ),
         timeline=main.timeline,
     )

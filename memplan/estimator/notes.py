@@ -210,3 +210,14 @@ def _library_notes(settings: TrainingSettings, has_convolutions: bool) -> list[s
             f"{settings.cudnn_workspace_cap_mib} MiB (a cuDNN variable NVIDIA does not document; read as MiB per call)"
         )
     return notes
+
+
+def unchecked_blocks_notes(settings: TrainingSettings, checkpointed_blocks: list[str] | tuple[str, ...]) -> list[str]:
+    """--checkpoint all or selective over a model they found no blocks in: said, as the header and the figures
+    would otherwise read as a checkpointed step (memplan.estimator.checkpointing.repeated_block_lists)."""
+    if settings.checkpoint not in ("all", "selective") or checkpointed_blocks:
+        return []
+    return [
+        f"--checkpoint {settings.checkpoint} found no nn.ModuleList of two or more repeated blocks in this model, so "
+        "nothing is checkpointed (blocks in an nn.Sequential are named with `memplan plan --candidates REGEX`)"
+    ]

@@ -23,6 +23,7 @@ from memplan.models.source import ModelSpec
 from memplan.planner.plan import PlanResult, make_plan
 from memplan.results import fields_dict
 from memplan.settings import TrainingSettings
+from memplan.sizes import format_bytes
 
 Progress = Callable[[str], None]
 # Batch sizes planned between the two ends (log-spaced), besides the ends themselves.
@@ -106,6 +107,13 @@ def maximize_batch(
         tracer = BatchTracer(spec, settings.replace(checkpoint=mode), report)
         ends[mode], setups[mode] = tracer.max_batch_size(budget_bytes), tracer.setup
     if ends["all"] == 0:
+        workspaces = tracer.simulate(1).breakdown["workspaces"]  # the "all" tracer: traced at batch 1 already
+        if 2 * workspaces >= budget_bytes:  # library workspaces, which no precision or optimizer changes
+            raise SettingsError(
+                f"not even batch size 1 fits with every block checkpointed: cuBLAS and cuDNN workspaces alone take "
+                f"{format_bytes(workspaces)} of the {format_bytes(budget_bytes)} budget; try --cublas-workspace-config "
+                ":16:8 (8 workspaces of 16 KiB), or a larger budget"
+            )
         raise SettingsError(
             "not even batch size 1 fits with every block checkpointed; try --precision amp-bf16 or bf16, "
             "or --optimizer adam8bit or adafactor"
