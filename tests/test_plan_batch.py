@@ -69,5 +69,5 @@ def test_a_budget_below_the_library_workspaces_is_told_what_holds_it():
 
     with pytest.raises(SettingsError, match="cuBLAS and cuDNN workspaces alone take 64.00 MiB of the 30.00 MiB"):
         plan_batch("tiny-llama", seq_len=64, budget="30MiB")
-    followed = plan_batch("tiny-llama", seq_len=64, budget="30MiB", cublas_workspace_config=":16:8")
-    assert followed.options and followed.best.batch_size >= 1
+    followed = estimate("tiny-llama", seq_len=64, batch_size=1, budget="30MiB", cublas_workspace_config=":16:8")
+    assert followed.fits
