@@ -18,6 +18,7 @@ from memplan.estimator.fake_mode import constant_item
 from memplan.estimator.hf_patches import real_run_paths
 from memplan.estimator.leaves import local_tensor
 from memplan.estimator.loop import TrainingState, current_grads, custom_step
+from memplan.estimator.module_attributes import attribute_tensors
 from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.estimator.recorder import GraphRecorder
@@ -68,6 +69,11 @@ def trace_custom_step(
             with lifetimes_tracked(eager_lifetimes), constant_item():
                 custom_step(state, marker, on_step)
             eager_lifetimes.finish()
+            # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
+            step_end = recorder.node_count() - 1
+            eager_lifetimes.local_lifetimes += [
+                (storage_key(tensor), step_end) for tensor in attribute_tensors(state.built_model)
+            ]
     except MemplanError:
         raise
     except Exception as error:

@@ -6,7 +6,8 @@ attribute is assigned again. No op reads it after its birth, so the graph alone 
 classifier keeping its 16 MiB of logits was predicted 20.9% low against its real CPU run. After the traced
 forward and backward, memplan looks on every module for such attributes (one level into lists, tuples and dicts,
 as a frame's locals are read: memplan.estimator.eager_lifetimes) and keeps each storage the step made that one
-of them holds to the step's end.
+of them holds to the step's end; after a `--step` function's whole iteration the same (memplan.estimator
+.custom_step_trace).
 
 Not counted: the previous iteration's copy, which is alive at the start of the step until the forward assigns
 the attribute again (the step is traced once, so there is no previous copy to see); memplan's CPU validator
