@@ -241,16 +241,12 @@ def read_training_args(
             )
     if _flag(data, "bf16") and _flag(data, "fp16"):
         raise HfArgsError(f"--hf-args {path} sets both bf16 and fp16; TrainingArguments refuses that too")
+    # Under DeepSpeed the Trainer hands bf16 and fp16 to DeepSpeed's own (16-bit weights, float32 master weights);
+    # alone it runs them as autocast.
     if _flag(data, "bf16"):
-        settings["precision"] = "amp-bf16"
+        settings["precision"] = "bf16" if runs_deepspeed else "amp-bf16"
     elif _flag(data, "fp16"):
-        settings["precision"] = "amp-fp16"
-    if runs_deepspeed:
-        # the Trainer hands bf16 and fp16 to DeepSpeed's own (16-bit weights, float32 master weights), not autocast
-        if _flag(data, "bf16"):
-            settings["precision"] = "bf16"
-        elif _flag(data, "fp16"):
-            settings["precision"] = "fp16"
+        settings["precision"] = "fp16" if runs_deepspeed else "amp-fp16"
     if deepspeed is not None:
         _with_deepspeed(deepspeed, path, settings, notes, world_size_given)
     optim = str(data.get("optim") or DEFAULT_OPTIM).lower() if read_optim else None

@@ -107,7 +107,8 @@ def maximize_batch(
         tracer = BatchTracer(spec, settings.replace(checkpoint=mode), report)
         ends[mode], setups[mode] = tracer.max_batch_size(budget_bytes), tracer.setup
     if ends["all"] == 0:
-        workspaces = tracer.simulate(1).breakdown["workspaces"]  # the "all" tracer: traced at batch 1 already
+        # the "all" tracer's own batch size, traced already by its search
+        workspaces = tracer.simulate(tracer.settings.batch_size).breakdown["workspaces"]
         if 2 * workspaces >= budget_bytes:  # library workspaces, which no precision or optimizer changes
             raise SettingsError(
                 f"not even batch size 1 fits with every block checkpointed: cuBLAS and cuDNN workspaces alone take "
