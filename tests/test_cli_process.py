@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # stdout block-buffered as a pipe is by default (PYTHONUNBUFFERED, set on some machines, would hide a missing flush)
@@ -81,9 +82,9 @@ def _version() -> str:
     return __version__
 
 
-def _memplan(args: list[str], **streams: object) -> subprocess.CompletedProcess[bytes]:
+def _memplan(args: list[str], environment: dict[str, str] = ENVIRONMENT, **streams: object) -> Any:
     return subprocess.run(
-        [sys.executable, "-m", "memplan", *args], env=ENVIRONMENT, cwd=ROOT, timeout=300, check=False, **streams
+        [sys.executable, "-m", "memplan", *args], env=environment, cwd=ROOT, timeout=300, check=False, **streams
     )
 
 
@@ -104,12 +105,15 @@ def test_a_closed_standard_output_is_no_traceback_and_keeps_the_usage_error_s_st
     assert refused == "memplan: error: batch size must be a positive integer, got 0\nstatus 2\n"
 
 
-def test_an_answer_that_cannot_be_written_is_one_line_and_status_1() -> None:
+def test_an_answer_that_cannot_be_written_is_one_line_and_status_1(tmp_path: Path) -> None:
     """`memplan estimate ... > /dev/full` (a full disk): a 30-line traceback from the cache's replay, and an
-    internal error from the traced answer."""
+    internal error from the traced answer. The suite turns the cache off (conftest); these children have one."""
+    cached = {key: value for key, value in ENVIRONMENT.items() if key != "MEMPLAN_NO_CACHE"}
+    cached["MEMPLAN_CACHE_DIR"] = str(tmp_path)
+    args = ["estimate", "tiny-gpt2", "-b", "2", "--seq-len", "16", "--device", "cpu", "-q"]  # a preset: cached
+    assert _memplan(args, cached, stdout=subprocess.DEVNULL).returncode == 0  # answered, and kept
     with open("/dev/full", "w") as full:
-        for cache in ("--no-cache", None):  # traced (and kept), then answered from the cache
-            args = ["estimate", "tiny-gpt2", "-b", "2", "--seq-len", "16", "--device", "cpu", "-q"]
-            done = _memplan([*args, *([cache] if cache else [])], stdout=full, stderr=subprocess.PIPE)
+        for extra in ([], ["--no-cache"]):  # answered from the cache, then traced
+            done = _memplan([*args, *extra], cached, stdout=full, stderr=subprocess.PIPE)
             assert done.returncode == 1
             assert done.stderr == b"memplan: error: cannot write the answer: No space left on device\n"
