@@ -1,5 +1,6 @@
 """memplan.cli.run, the `memplan` process's entry point: it leaves with os._exit once main() is done, so what a
-normal exit does before the teardown it skips must still happen, each checked in a real child process."""
+normal exit does before the teardown it skips must still happen, each checked in a real child process; and
+memplan.cli.running._run imports torch with Python's collector off, and gives it back for the command."""
 
 from __future__ import annotations
 
@@ -117,3 +118,22 @@ def test_an_answer_that_cannot_be_written_is_one_line_and_status_1(tmp_path: Pat
             done = _memplan([*args, *extra], cached, stdout=full, stderr=subprocess.PIPE)
             assert done.returncode == 1
             assert done.stderr == b"memplan: error: cannot write the answer: No space left on device\n"
+
+
+def test_torch_is_imported_with_the_collector_off_and_the_command_runs_with_it_on(monkeypatch) -> None:
+    import gc
+
+    import memplan.cli.running as running
+
+    seen: dict[str, bool] = {}
+    monkeypatch.setattr(running, "require_supported_torch", lambda: seen.setdefault("importing", gc.isenabled()))
+    assert gc.isenabled()
+    running._run(False, lambda: seen.setdefault("command", gc.isenabled()))
+    assert seen == {"importing": False, "command": True}
+    assert gc.isenabled()
+    gc.disable()  # a process that keeps the collector off itself: _run leaves it off
+    try:
+        running._run(False, lambda: seen.update(command=gc.isenabled()))
+        assert seen["command"] is False
+    finally:
+        gc.enable()

@@ -4,6 +4,7 @@ consoles, --hf-args and the environment's settings, output paths, JSON or tables
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -12,7 +13,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,11 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
     try:
         try:
             with reliable_interrupts():
-                with deferred():  # imports torch: an interrupt must not land inside its C++ initialisers
+                # imports torch: an interrupt must not land inside its C++ initialisers
+                with deferred(), _collector_held():
                     require_supported_torch()
                     import torch  # noqa: F401  (also where MEMPLAN_ALLOW_UNSUPPORTED_TORCH skips the check)
+                _collect_less()
                 action()
         finally:
             _stop_progress()
@@ -307,15 +310,32 @@ def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]
     return settings
 
 
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """Python's cyclic collector off while torch is imported. The import makes about a million objects and
+    hardly any garbage, yet with the collector on every full collection walks all that exist so far, and
+    one falls due each time their number has grown by a quarter: `import torch, transformers, torch._dynamo`
+    then the gpt2 modelling took 4.0-4.5 s with it on and 3.2 s with it off, three runs each (2026-11-29, this
+    2-core machine). What torch's import leaves is then frozen (_collect_less), so later imports and the
+    trace do not walk it either."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @functools.cache
 def _collect_less() -> None:
     """A command traces and exits. Python's cyclic collector would walk the objects torch's import made
     (a million or so) at every full collection while the trace makes its own, which live until the
-    answer is printed: the objects there now are moved out of its reach (gc.freeze) and it runs less
-    often. The gpt2 estimate's phases in one process: 4.34 s, 3.69 s so, 3.60 s with no collector at
-    all; peak RSS 366, 370 and 379 MiB (`python benchmarks/estimate_phases.py [--collect-less |
-    --no-collector]`, 2026-11-25). Once per process (the test suite runs many commands in one); a
-    measured iteration still holds the collector itself."""
+    answer is printed: once torch is imported (_run), the objects there are moved out of its reach
+    (gc.freeze) and it runs less often. The gpt2 estimate's phases in one process: 4.34 s, 3.69 s so,
+    3.60 s with no collector at all; peak RSS 366, 370 and 379 MiB (`python
+    benchmarks/estimate_phases.py [--collect-less | --no-collector]`, 2026-11-25). Once per process
+    (the test suite runs many commands in one); a measured iteration still holds the collector itself."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
 
