@@ -5,7 +5,9 @@ adapters with get_peft_model. Nothing of memplan's is used to build them."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import torch
@@ -41,6 +43,7 @@ def saved(name: str, dtype: str) -> str:
     """A folder with the config and random weights in `dtype` (made once per process)."""
     folder = os.path.join(tempfile.gettempdir(), f"memplan-qlora-{name}-{dtype}-{os.getpid()}")
     if not os.path.exists(os.path.join(folder, "config.json")):
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # one folder per test process, gone with it
         torch.manual_seed(0)
         config = AutoConfig.for_model(**CONFIGS[name])
         AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).save_pretrained(folder)
