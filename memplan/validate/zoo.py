@@ -4,6 +4,14 @@
 most PyTorch re-implementations write it): the conv workload whose cuDNN workspaces and large
 feature maps the presets' ResNets do not reach. Used as
 `memplan estimate memplan.validate.zoo:unet --inputs memplan.validate.zoo:unet_inputs`.
+
+`vgg16` is torchvision's `vgg16()` (configuration "D" of Simonyan and Zisserman 2014, as
+torchvision/models/vgg.py builds it: thirteen 3x3 convolutions with biases and in-place ReLUs, five
+max-pools, an adaptive average pool to 7x7, a classifier of three Linear layers with dropout; 138,357,544
+parameters), written out so that no torchvision is needed. Its first convolutions run on 224x224 maps of
+64 channels, where GPUMemNet's A100 runs of torchvision's vgg16 used 21-23% more memory than memplan
+predicts (docs/validation.md, "cuDNN convolution workspaces"): which plans cuDNN picks there is what a
+GPU run of it shows. `memplan estimate memplan.validate.zoo:vgg16 --inputs memplan.validate.zoo:vgg16_inputs`.
 """
 
 from __future__ import annotations
@@ -69,3 +77,47 @@ def unet_inputs(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     images = torch.randn(batch_size, 3, UNET_IMAGE_SIZE, UNET_IMAGE_SIZE)
     masks = torch.randint(0, UNET_CLASSES, (batch_size, UNET_IMAGE_SIZE, UNET_IMAGE_SIZE))
     return images, masks
+
+
+VGG16_CONVOLUTIONS = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+VGG16_IMAGE_SIZE = 224
+VGG16_CLASSES = 1000
+
+
+class VGG16(nn.Module):
+    def __init__(self, classes: int = VGG16_CLASSES) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = 3
+        for width in VGG16_CONVOLUTIONS:
+            if width == "M":
+                layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+            else:
+                layers += [nn.Conv2d(channels, int(width), kernel_size=3, padding=1), nn.ReLU(inplace=True)]
+                channels = int(width)
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(
+            nn.Linear(512 * 7 * 7, 4096),
+            nn.ReLU(True),
+            nn.Dropout(p=0.5),
+            nn.Linear(4096, 4096),
+            nn.ReLU(True),
+            nn.Dropout(p=0.5),
+            nn.Linear(4096, classes),
+        )
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(self.avgpool(self.features(images)), 1)
+        return functional.cross_entropy(self.classifier(x), labels)
+
+
+def vgg16() -> VGG16:
+    return VGG16()
+
+
+def vgg16_inputs(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet-sized images and their class labels; the model returns the loss."""
+    images = torch.randn(batch_size, 3, VGG16_IMAGE_SIZE, VGG16_IMAGE_SIZE)
+    labels = torch.randint(0, VGG16_CLASSES, (batch_size,))
+    return images, labels
