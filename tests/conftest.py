@@ -30,7 +30,7 @@ def tiny_model_dirs(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _collector_spares_earlier_tests():
     """What the worker holds from earlier tests (and the imports) is frozen for the test's length, as the
-    command line freezes what its imports made (memplan.cli.running, _collect_less): a test's collections,
+    command line freezes what its imports made (memplan.cli.collector, collect_less): a test's collections,
     and the measurements' own (tests.hand_measure, memplan.measure.collector), walk what the test makes,
     not a whole worker's objects. Given back after, so that nothing stays frozen past its test."""
     gc.freeze()

@@ -1,6 +1,7 @@
 """memplan.cli.run, the `memplan` process's entry point: it leaves with os._exit once main() is done, so what a
 normal exit does before the teardown it skips must still happen, each checked in a real child process; and
-memplan.cli.running._run imports torch with Python's collector off, and gives it back for the command."""
+memplan.cli.running._run imports torch with Python's collector off (memplan.cli.collector), and gives it
+back for the command."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ from typing import Any
 import click
 
 from memplan.cli.options import SizeType, _cache_option, _training_options
+from memplan.cli.output_paths import check_output_paths
 from memplan.cli.running import (
     _call,
-    _check_output_paths,
     _emit,
     _quiet_transformers,
     _run_cached,
@@ -87,7 +87,7 @@ def estimate(
                 "--snapshot draws the default allocator's segments, not expandable segments; "
                 "drop one of --snapshot and expandable_segments:True"
             )
-        _check_output_paths(plot=plot, snapshot=snapshot)
+        check_output_paths(plot=plot, snapshot=snapshot)
         _quiet_transformers()
         result = _call(run_estimate, model, settings, as_json, budget=budget, maximize=maximize)
         _write_pictures(result, plot, snapshot)

@@ -9,7 +9,8 @@ from typing import Any
 import click
 
 from memplan.cli.options import SizeType, _training_options
-from memplan.cli.running import _call, _check_output_paths, _emit, _quiet_transformers, _run, _stdout_console
+from memplan.cli.output_paths import check_output_paths
+from memplan.cli.running import _call, _emit, _quiet_transformers, _run, _stdout_console
 from memplan.errors import UsageError
 
 
@@ -90,7 +91,7 @@ def plan(
         from memplan.planner.plan_file import write_plan
         from memplan.render.plan import plan_to_json, render_plan
 
-        _check_output_paths(output=output)
+        check_output_paths(output=output)
         _quiet_transformers()
         call = functools.partial(
             _call,

@@ -1,25 +1,22 @@
 """What every command does around its one library call: errors and exit codes, progress, the
-consoles, --hf-args and the environment's settings, output paths, JSON or tables."""
+consoles, --hf-args and the environment's settings, JSON or tables (the output paths are checked in
+memplan.cli.output_paths, the collector set in memplan.cli.collector)."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import errno
-import functools
-import gc
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from memplan import interrupts
+from memplan.cli.collector import collect_before_teardown, collect_less, collector_held
 from memplan.cli.options import _quiet
 from memplan.compat import require_supported_torch
 from memplan.errors import MemplanError, UsageError
@@ -89,10 +86,10 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
         try:
             with reliable_interrupts():
                 # imports torch: an interrupt must not land inside its C++ initialisers
-                with deferred(), _collector_held():
+                with deferred(), collector_held():
                     require_supported_torch()
                     import torch  # noqa: F401  (also where MEMPLAN_ALLOW_UNSUPPORTED_TORCH skips the check)
-                _collect_less()
+                collect_less()
                 action()
         finally:
             _stop_progress()
@@ -111,7 +108,7 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
             rerun = "" if debug else " (rerun with --debug)"
             message, code = f"memplan: internal error: {type(error).__name__}: {error}{rerun}", 1
     if message is not None:
-        _collect_before_teardown()
+        collect_before_teardown()
         click.echo(message, err=True)
         sys.exit(code)
 
@@ -156,88 +153,6 @@ def _run_cached(command: str, debug: bool, action: Callable[[], None]) -> None:
             action()
 
     _run(debug, recorded)
-
-
-@functools.cache
-def _collect_before_teardown() -> None:
-    """Free the failed work's objects at exit, before the interpreter tears its modules down (atexit
-    handlers run first), so that their finalizers still find torch intact. Registered once (cached),
-    not run at each error: a full collection over a large heap takes a good part of a second, which
-    every refused command would pay (the test suite's hundred refusals in one process did)."""
-    atexit.register(gc.collect)
-
-
-def _check_output_paths(**paths: str | None) -> None:
-    """Before the work, not after it: refuse an output whose folder does not exist, that is one of
-    the command's own input files, that another output of the command names too, or that exists when
-    --force was not given (memplan.outputs)."""
-    from memplan.outputs import check_output
-
-    context = click.get_current_context()
-    force = bool(context.find_root().meta.get("memplan.force"))
-    files = _input_paths(context)
-    named: dict[Path, str] = {}
-    for option, path in paths.items():
-        if path is None:
-            continue
-        check_output(option, path, inputs=files, force=force)
-        target = Path(path).resolve()
-        if target in named:
-            raise UsageError(f"--{named[target]} and --{option} both name {path}; give each its own file")
-        named[target] = option
-    if paths.get("plot") is not None:
-        from memplan.render.plot import check_plot_path
-
-        check_plot_path(paths["plot"])
-
-
-def _input_paths(context: click.Context) -> list[str]:
-    """The files the command reads, which no output may replace: --hf-args and the DeepSpeed file it names,
-    --deepspeed, a --checkpoint plan, the model's config.json (given as the file or its folder), and the source
-    file of each `module:function` it imports (the model, --inputs, --loss, --step)."""
-    from memplan.hf_args import deepspeed_file_of
-    from memplan.models.imports import is_import_path
-
-    params = context.params
-    files = [params.get(name) for name in ("hf_args", "checkpoint")]
-    files.append(context.meta.get("memplan.deepspeed_path"))
-    if isinstance(params.get("hf_args"), str):
-        files.append(str(deepspeed_file_of(params["hf_args"]) or ""))
-    for name in ("model", "inputs", "loss", "step"):
-        value = params.get(name)
-        if not isinstance(value, str) or not value:
-            continue
-        if is_import_path(value):
-            files.append(str(_module_file(value.partition(":")[0]) or ""))
-        elif Path(value).is_dir():
-            files.append(str(Path(value) / "config.json"))  # the one file memplan reads from a model's folder
-        else:
-            files.append(value)
-    return [given for given in files if isinstance(given, str) and given]
-
-
-def _module_file(module: str) -> Path | None:
-    """Where `module` (dotted) would be imported from, found without running it: the working directory first, as
-    memplan.models.imports puts it, then where Python's finders place its top-level package (an editable
-    install's too; finding a top-level package runs none of its code)."""
-    import importlib.util
-
-    top, *rest = module.split(".")
-    roots = [Path(os.getcwd()) / top]
-    try:
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        roots += [Path(location) for location in spec.submodule_search_locations or ()]
-        if spec.origin and not rest:
-            roots.append(Path(spec.origin).with_suffix(""))
-    for root in roots:
-        base = root.joinpath(*rest)
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-    return None
 
 
 def _with_hf_args(settings: dict[str, Any], as_json: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -310,39 +225,9 @@ def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]
     return settings
 
 
-@contextlib.contextmanager
-def _collector_held() -> Iterator[None]:
-    """Python's cyclic collector off while torch is imported. The import makes about a million objects and
-    hardly any garbage, yet with the collector on every full collection walks all that exist so far, and
-    one falls due each time their number has grown by a quarter: `import torch, transformers, torch._dynamo`
-    then the gpt2 modelling took 4.0-4.5 s with it on and 3.2 s with it off, three runs each (2026-11-29, this
-    2-core machine). What torch's import leaves is then frozen (_collect_less), so later imports and the
-    trace do not walk it either."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@functools.cache
-def _collect_less() -> None:
-    """A command traces and exits. Python's cyclic collector would walk the objects torch's import made
-    (a million or so) at every full collection while the trace makes its own, which live until the
-    answer is printed: once torch is imported (_run), the objects there are moved out of its reach
-    (gc.freeze) and it runs less often. The gpt2 estimate's phases in one process: 4.34 s, 3.69 s so,
-    3.60 s with no collector at all; peak RSS 366, 370 and 379 MiB (`python
-    benchmarks/estimate_phases.py [--collect-less | --no-collector]`, 2026-11-25). Once per process
-    (the test suite runs many commands in one); a measured iteration still holds the collector itself."""
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
-
-
 def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as_json: bool, **options: Any) -> Any:
     """One library call with the options every command shares: the model's source, --hf-args, progress."""
-    _collect_less()
+    collect_less()
     settings = _with_environment(dict(settings), as_json)
     source = {key: settings.pop(key) for key in ("inputs", "loss", "task")}
     merged, file_notes = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner

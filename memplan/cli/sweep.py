@@ -7,7 +7,8 @@ from typing import Any
 import click
 
 from memplan.cli.options import SizeType, _cache_option, _training_options
-from memplan.cli.running import _call, _check_output_paths, _emit, _quiet_transformers, _run_cached, _stderr_console
+from memplan.cli.output_paths import check_output_paths
+from memplan.cli.running import _call, _emit, _quiet_transformers, _run_cached, _stderr_console
 from memplan.errors import UsageError
 
 
@@ -71,7 +72,7 @@ def sweep(
 
         if click.get_current_context().get_parameter_source("batch_size") != ParameterSource.DEFAULT:
             raise UsageError("sweep traces --batch-sizes (e.g. 1,2,4,8); --batch-size is for one configuration")
-        _check_output_paths(plot=plot)
+        check_output_paths(plot=plot)
         _quiet_transformers()
         result = _call(
             run_sweep,

@@ -9,7 +9,8 @@ from typing import Any
 import click
 
 from memplan.cli.options import _training_options
-from memplan.cli.running import _call, _check_output_paths, _quiet_transformers, _run, _stderr_console, _stdout_console
+from memplan.cli.output_paths import check_output_paths
+from memplan.cli.running import _call, _quiet_transformers, _run, _stderr_console, _stdout_console
 from memplan.errors import UsageError
 
 
@@ -86,7 +87,7 @@ def validate(
         from memplan.api import validate as run_validate
         from memplan.render.validate import render_validation, validation_to_json
 
-        _check_output_paths(snapshot=snapshot)
+        check_output_paths(snapshot=snapshot)
         result = _call(run_validate, model, settings, as_json, warmup=warmup, snapshot=snapshot, timeout_s=timeout)
         if as_json:
             click.echo(validation_to_json(result))
@@ -113,7 +114,7 @@ def _validate_suite(
         raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")
     replace = bool(click.get_current_context().find_root().meta.get("memplan.force")) and not resume
     if replace:
-        _check_output_paths(results=str(path))  # --force replaces outputs, never the command's inputs
+        check_output_paths(results=str(path))  # --force replaces outputs, never the command's inputs
     interrupted = False
     try:
         for config, result in validate_suite(

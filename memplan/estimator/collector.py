@@ -5,7 +5,7 @@ tensors_python_holds: a full collection, then gc.get_objects()), and a full coll
 object the process holds: in a process that imported torch, transformers and DeepSpeed, a million
 or so, 0.5 s a collection on this 2-core machine, twice per trace. What exists before memplan
 builds anything is no part of the step, so for the call's length it is moved out of the collector's
-reach (gc.freeze), as the command line does once per process (memplan.cli.running, _collect_less);
+reach (gc.freeze), as the command line does once per process (memplan.cli.collector, collect_less);
 gc.get_objects() leaves frozen objects out too. A process that froze objects of its own (the
 command line; a server that forks) is left as it is.
 """
