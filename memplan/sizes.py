@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from memplan.errors import SizeParseError
+
+# The largest size memplan takes: an int64's, as torch.cuda counts bytes (8 EiB, more than any device).
+MAX_SIZE_BYTES = 2**63 - 1
 
 # Binary and decimal units; "GB" is 10**9 as disks and nvidia-smi's marketing sizes use it,
 # "GiB" is 2**30 as torch.cuda reports it.
@@ -31,17 +35,25 @@ def parse_size(text: str | int, *, allow_zero: bool = False) -> int:
     """Parse `80GB`, `24GiB`, `512MiB`, `1.5 GiB` or plain bytes into a byte count; with `allow_zero`, 0 too
     (bytes held outside the allocator, such as the CUDA context, can be none)."""
     least = 0 if allow_zero else 1
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         if text < least:
             raise SizeParseError(f"size must be {'0 or more' if allow_zero else 'positive'}, got {text}")
-        return text
+        return _at_most_max(text, text)
     match = _SIZE_RE.match(str(text))
-    if not match or match.group(2).lower() not in _UNITS:
+    if isinstance(text, bool) or not match or match.group(2).lower() not in _UNITS:
         raise SizeParseError(f"cannot read {text!r} as a size; write e.g. 24GiB, 80GB, 512MiB or a number of bytes")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    # Exact: a float would turn 400 digits into infinity and round 9007199254740993 bytes to ...992.
+    value = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
     if value < 1 and not (allow_zero and value == 0):
         raise SizeParseError(f"size must be {'0 or ' if allow_zero else ''}at least one byte, got {text!r}")
-    return int(value)
+    return _at_most_max(int(value), text)
+
+
+def _at_most_max(num_bytes: int, text: str | int) -> int:
+    if num_bytes > MAX_SIZE_BYTES:
+        shown = text if len(str(text)) <= 30 else f"{str(text)[:27]}..."
+        raise SizeParseError(f"size {shown!r} is larger than any device: memplan takes at most {MAX_SIZE_BYTES:,} B")
+    return num_bytes
 
 
 def format_bytes(num_bytes: float) -> str:

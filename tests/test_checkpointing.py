@@ -58,6 +58,9 @@ def test_layout_errors_name_the_problem():
     model = _Scaled()
     with pytest.raises(SettingsError, match="does not have"):
         apply_layout(model, CheckpointLayout(segments=(("blocks.7",),)))
+    with pytest.raises(SettingsError, match="'blocks', a ModuleList that is never called itself .* e.g. blocks.0$"):
+        apply_layout(model, CheckpointLayout(segments=(("blocks",),)))  # checkpointing it would checkpoint nothing
+    assert "forward" not in vars(model.blocks)
     with pytest.raises(SettingsError, match="consecutive blocks"):
         apply_layout(nn.Sequential(_Scaled(), _Scaled()), CheckpointLayout(segments=(("0.blocks.1", "1.blocks.0"),)))
     with pytest.raises(SettingsError, match="checkpointed twice"):
@@ -297,3 +300,80 @@ def test_a_segment_that_cannot_be_replayed_names_the_block():
     message = "cannot checkpoint blocks.0…blocks.2 as one segment: block 2 of it takes a tensor that is neither"
     with pytest.raises(SegmentError, match=message):
         model(torch.randn(3, 8, requires_grad=True))
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    return [parameter.grad.clone() for parameter in model.parameters()]
+
+
+@pytest.mark.parametrize("segments", [(("blocks.0",), ("blocks.1",)), (("blocks.0", "blocks.1", "blocks.2"),)])
+def test_a_copy_of_a_checkpointed_model_is_checkpointed_on_its_own_weights(segments):
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = _Chained()
+    apply_layout(model, CheckpointLayout(segments=segments))
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.mul_(0.5)  # the copy's weights are its own from here on
+    plain = copy.deepcopy(_Chained())
+    plain.load_state_dict(copied.state_dict())
+    x = torch.randn(4, 8)
+    copied_grads = _grads(copied, x)
+    assert all(parameter.grad is None for parameter in model.parameters())  # nothing landed on the original
+    for expected, actual in zip(_grads(plain, x), copied_grads, strict=True):
+        torch.testing.assert_close(actual, expected)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the whole module pickles
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for expected, actual in zip(_grads(model, x), _grads(loaded, x), strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
+class _FailingOnce(nn.Module):
+    """A block whose forward raises once when told to (an out-of-memory error, a bad batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.fail: type[BaseException] | None = None
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.fail is not None:
+            error, self.fail = self.fail, None
+            raise error("simulated failure inside the segment")
+        return torch.tanh(self.linear(x)) * scale
+
+
+@pytest.mark.parametrize(
+    ("failing", "error"), [(0, RuntimeError), (1, RuntimeError), (2, RuntimeError), (1, KeyboardInterrupt)]
+)
+def test_a_forward_that_fails_inside_a_segment_leaves_autograd_and_the_model_working(failing, error):
+    torch.manual_seed(0)
+    model = _Chained()
+    model.blocks = nn.ModuleList(_FailingOnce() for _ in range(3))
+    reference = _Chained()
+    reference.blocks = nn.ModuleList(_FailingOnce() for _ in range(3))
+    reference.load_state_dict(model.state_dict())
+    apply_layout(model, CheckpointLayout(segments=(("blocks.0", "blocks.1", "blocks.2"),)))
+    x = torch.randn(4, 8)
+    model.blocks[failing].fail = error
+    with pytest.raises(error):
+        model(x)
+
+    def unrelated_autograd_works() -> None:
+        unrelated = torch.ones(3, requires_grad=True)
+        (unrelated * unrelated).sum().backward()
+        torch.testing.assert_close(unrelated.grad, torch.full((3,), 2.0))
+
+    if error is not KeyboardInterrupt:  # torch runs no hook for a BaseException: the model's next forward closes it
+        unrelated_autograd_works()
+    planned = _grads(model, x)
+    unrelated_autograd_works()
+    for expected, actual in zip(_grads(reference, x), planned, strict=True):
+        torch.testing.assert_close(actual, expected)

@@ -189,3 +189,31 @@ def test_where_one_block_is_enough_the_plan_beats_every_baseline(deep_models):
     assert result.layout not in [baseline.layout for baseline in result.baselines]
     # The budget is a traced peak to the byte; the real CPU step is within the zoo's few bytes of its trace.
     assert measure_cpu(spec, result.settings).peak_bytes <= budget + 16
+
+
+def test_a_plan_for_a_model_object_with_its_cache_on_is_what_its_planned_step_measures():
+    """from_config leaves use_cache on; apply_plan turns it off, so the plan is traced with it off too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import memplan
+    from tests.hand_measure import measured_step_peak
+
+    config = AutoConfig.for_model(**{**TINY_HF_CONFIGS["gpt2"], "n_layer": 4})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    assert model.config.use_cache is True
+    ids = torch.randint(0, config.vocab_size, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    every_block = memplan.estimate(model, batch_size=2, device="cpu", inputs=batch, checkpoint="all")
+    result = memplan.plan(model, budget=every_block.peak_bytes, batch_size=2, device="cpu", inputs=batch)
+    assert result.fits and result.layout.segments
+    memplan.apply_plan(model, result)
+
+    def step(model, batch, optimizer):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    measured = measured_step_peak(step, model, batch, torch.optim.AdamW(model.parameters()))
+    error = (result.predicted_peak_bytes - measured) / measured
+    assert abs(error) <= TOLERANCE, f"predicted {result.predicted_peak_bytes:,} B, measured {measured:,} B"

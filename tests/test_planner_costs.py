@@ -132,6 +132,11 @@ def test_candidates_are_the_blocks_or_the_outermost_modules_a_pattern_matches():
     assert select_candidates(names, blocks, r"h\.\d+") == ["h.0", "h.1"]
     assert select_candidates(names, blocks, r"h\.\d+\.mlp") == ["h.0.mlp", "h.1.mlp"]
     assert select_candidates(names, blocks, r"h.*") == ["h", "head"]  # h.0 ... lie inside h
+    # where h is a ModuleList, which nobody calls: its blocks instead, or a message where it alone matched
+    assert select_candidates(names, blocks, r"h.*", frozenset({"h"})) == ["h.0", "h.1", "head"]
+    only_the_list = r"--candidates 'h' matches only 'h', a container of blocks that is never called itself"
+    with pytest.raises(SettingsError, match=re.escape(only_the_list) + r".*e\.g\. 'h\\.\\d\+'"):
+        select_candidates(names, blocks, "h", frozenset({"h"}))
     assert select_candidates(names, blocks, r".*mlp") == ["h.0.mlp", "h.1.mlp", "mlp"]
     message = "--candidates 'nope' matches no module; module names look like ['h.0', 'h.1']"
     with pytest.raises(SettingsError, match=re.escape(message)):  # the first two block names

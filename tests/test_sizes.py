@@ -16,13 +16,19 @@ from memplan.sizes import format_bytes, parse_size
         ("1048576", 2**20),
         ("4kb", 4000),
         (12345, 12345),
+        ("9007199254740993", 2**53 + 1),  # exact: a float has no such number
+        ("0.1234567890123KiB", 126),  # 126.419...: the fraction of a byte dropped, as int() of it
+        ("9223372036854775807", 2**63 - 1),  # the largest
+        ("9223372036854.775807MB", 2**63 - 1),
     ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "-3GB", "0", "1e9", "0.1B"])
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "12 parsecs", "-3GB", "0", "1e9", "0.1B", True, "9" * 400, 2**63, "8388608TiB"]
+)
 def test_parse_size_rejects(text):
     with pytest.raises(SizeParseError):
         parse_size(text)
@@ -63,6 +69,12 @@ def test_one_byte_is_the_least_size(text):
             "12 parsecs",
             False,
             "cannot read '12 parsecs' as a size; write e.g. 24GiB, 80GB, 512MiB or a number of bytes",
+        ),
+        (
+            "9" * 400,
+            False,
+            "size '999999999999999999999999999...' is larger than any device: memplan takes at most "
+            "9,223,372,036,854,775,807 B",
         ),
     ],
 )

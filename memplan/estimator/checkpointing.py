@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,16 +97,34 @@ def _context_fn(policy: str) -> Callable[[], Any]:
 
 
 def checkpoint_module(module: nn.Module, policy: str = "full") -> Callable[[], None]:
-    """Non-reentrant checkpointing of one module's forward (kwargs pass through); returns the undo."""
-    forward = module.forward
-    module.forward = functools.partial(  # type: ignore[method-assign]
-        checkpoint, _recomputable(forward), use_reentrant=False, context_fn=_context_fn(policy)
-    )
+    """Non-reentrant checkpointing of one module's forward (kwargs pass through); returns the undo.
+
+    The module is an argument of the partial that becomes its forward, not a closure's cell: copy.deepcopy
+    and pickle copy a partial's arguments (through their memo), so a copy of the model (an EMA or reference
+    model, memplan's own skeleton of a model object) checkpoints its own blocks with its own weights, and
+    `torch.save(model)` can name the function. A forward set on the instance before (another library's
+    wrapper) is the one checkpointed, and the undo puts it back."""
+    own = vars(module).get("forward")
+    module.forward = functools.partial(_checkpointed_forward, module, policy, own)  # type: ignore[method-assign]
 
     def undo() -> None:
-        del module.forward
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own  # type: ignore[method-assign]
 
     return undo
+
+
+def _checkpointed_forward(
+    module: nn.Module, policy: str, own: Callable[..., Any] | None, *args: Any, **kwargs: Any
+) -> Any:
+    forward = own if own is not None else type(module).forward.__get__(module)
+    return checkpoint(_recomputable(forward), *args, use_reentrant=False, context_fn=_context_fn(policy), **kwargs)
+
+
+class LayoutModuleMissing(SettingsError):
+    """A layout names a module the model does not have (a plan made for another model, a name mistyped)."""
 
 
 class SegmentError(SettingsError):
@@ -145,6 +164,8 @@ class _Segment:
         if self.replaying:
             return
         if position == 0:
+            # a forward that stopped inside the segment where no hook ran (Ctrl-C, a raise between two blocks)
+            self._abandon()
             self.first_inputs = tensors_in((args, kwargs))
             self.generator = _checkpoint_without_reentrant_generator(
                 self._replay, True, _context_fn(self.policy), "default", False, True, *args, **kwargs
@@ -156,6 +177,14 @@ class _Segment:
     def _post(self, position: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self.replaying:
             return
+        # A block that raised: torch runs always_call hooks from its `except Exception` with no output
+        # (Module._call_impl). The caller may catch it and go on (an out-of-memory retry, a bad batch); the
+        # checkpoint's saved-tensor hooks must not outlive the forward, or every later backward in the
+        # process unpacks through them. A BaseException (Ctrl-C) runs no hook: the segment's next forward
+        # closes the checkpoint it left open (_pre), and autograd before that still finds its hooks.
+        if output is None and sys.exc_info()[1] is not None:
+            self._abandon()
+            return
         self.previous_output = tensors_in(output)
         if position == len(self.blocks) - 1 or self.generator is None:
             generator, self.generator = self.generator, None
@@ -163,6 +192,14 @@ class _Segment:
             if generator is not None:
                 for _ in generator:  # closes the checkpoint (saved-tensor hooks) after the last block
                     raise AssertionError("checkpoint generator yielded twice")
+
+    def _abandon(self) -> None:
+        """Close an open checkpoint without finishing it: closing the generator runs its context managers'
+        exits, which pop the saved-tensor hooks it pushed."""
+        generator, self.generator = self.generator, None
+        self.first_inputs, self.previous_output = [], []
+        if generator is not None:
+            generator.close()
 
     def _template(self, position: int, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
         leaves, spec = tree_flatten((args, kwargs))
@@ -224,7 +261,30 @@ def _resolve(model: nn.Module, name: str) -> nn.Module:
     try:
         return model.get_submodule(name)
     except AttributeError:
-        raise SettingsError(f"the checkpoint layout names module {name!r}, which this model does not have") from None
+        raise LayoutModuleMissing(
+            f"the checkpoint layout names module {name!r}, which this model does not have"
+        ) from None
+
+
+def _checkpointable(model: nn.Module, name: str) -> nn.Module:
+    module = _resolve(model, name)
+    if _never_called(module):
+        raise SettingsError(
+            f"the checkpoint layout names {name!r}, a {type(module).__name__} that is never called itself (its "
+            f"parent calls its blocks), so checkpointing it would checkpoint nothing: name its blocks, e.g. "
+            f"{name}.0"
+        )
+    return module
+
+
+def _never_called(module: nn.Module) -> bool:
+    """A container without a forward of its own (nn.ModuleList, nn.ModuleDict): calling it raises."""
+    return type(module).forward is nn.Module.forward
+
+
+def uncalled_containers(model: nn.Module) -> frozenset[str]:
+    """The names of the model's modules that are never called themselves (_never_called)."""
+    return frozenset(name for name, module in model.named_modules() if _never_called(module))
 
 
 def _check_consecutive(model: nn.Module, segment: tuple[str, ...]) -> None:
@@ -260,7 +320,7 @@ def apply_layout(model: nn.Module, layout: CheckpointLayout) -> Callable[[], Non
         )
     resolved: list[tuple[tuple[str, ...], list[nn.Module], str]] = []
     for segment, policy in zip(layout.segments, layout.policies, strict=True):
-        modules = [_resolve(model, name) for name in segment]
+        modules = [_checkpointable(model, name) for name in segment]
         if len(segment) > 1:
             _check_consecutive(model, segment)
         resolved.append((segment, modules, policy))
@@ -286,10 +346,35 @@ def apply_layout(model: nn.Module, layout: CheckpointLayout) -> Callable[[], Non
 @contextlib.contextmanager
 def layout_applied(model: nn.Module, layout: CheckpointLayout) -> Iterator[None]:
     undo = apply_layout(model, layout)
+    cache_back = key_value_cache_off(model) if layout.segments else _nothing
     try:
         yield
     finally:
+        cache_back()
         undo()
+
+
+def _nothing() -> None:
+    pass
+
+
+def key_value_cache_off(model: nn.Module) -> Callable[[], None]:
+    """Turn a Hugging Face model's key/value cache off, as a checkpointed model trains; returns the undo.
+
+    Transformers turns it off under its own gradient checkpointing in training ("`use_cache=True` is
+    incompatible with gradient checkpointing"), and apply_plan does under a plan (a recomputed block would
+    write the cache again). A model named on the command line is built with it off anyway
+    (memplan.models.hf); a model object keeps the user's config, and a plan traced with its cache on would
+    count gigabytes its planned run does not hold."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is not True:
+        return _nothing
+    config.use_cache = False
+
+    def undo() -> None:
+        config.use_cache = True
+
+    return undo
 
 
 def all_blocks_layout(model: nn.Module, policy: str = "full") -> CheckpointLayout:
@@ -306,4 +391,6 @@ def apply_checkpointing(model: nn.Module, checkpointing: str | CheckpointLayout)
     if not isinstance(layout, CheckpointLayout):
         return []
     apply_layout(model, layout)
+    if layout.segments:
+        key_value_cache_off(model)
     return list(layout.modules)

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memplan.choices import MAX_COUNT
-from memplan.errors import SettingsError, TraceError
+from memplan.errors import PlanFileError, SettingsError, TraceError
 from memplan.estimator.adam8bit import paged_state_bytes
+from memplan.estimator.checkpointing import LayoutModuleMissing
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
@@ -257,7 +258,16 @@ def run_estimate(
         raise SettingsError("--maximize seq-len needs a budget: pass --budget (e.g. 24GiB) or --gpu NAME")
     if maximize_seq_len and settings.seq_len is None:
         raise SettingsError(f"--maximize seq-len: {spec.name} takes no sequence length (--seq-len)")
-    tracer = BatchTracer(spec, settings, progress)
+    try:
+        tracer = BatchTracer(spec, settings, progress)
+    except LayoutModuleMissing as missing:
+        if plan_fingerprint is None:
+            raise
+        # The plan's layout is applied as the model is built, before its fingerprint can be compared.
+        raise PlanFileError(
+            f"the plan was made for another model (fingerprint {plan_fingerprint}): {missing}; make a plan for "
+            "this model with `memplan plan`"
+        ) from None
     try:
         return _estimate(tracer, spec, settings, budget_bytes, plan_fingerprint, maximize_seq_len, started)
     finally:

@@ -72,8 +72,12 @@ def _nothing_between(nodes: list, end: int, start: int) -> bool:
     )
 
 
-def select_candidates(module_names: list[str], blocks: list[str], pattern: str | None) -> list[str]:
-    """The default candidates are the repeated blocks; a regex picks the outermost matching modules."""
+def select_candidates(
+    module_names: list[str], blocks: list[str], pattern: str | None, containers: frozenset[str] = frozenset()
+) -> list[str]:
+    """The default candidates are the repeated blocks; a regex picks the outermost matching modules that are
+    called. `containers` are modules nobody calls (an nn.ModuleList: its parent calls its blocks): a checkpoint
+    on one would checkpoint nothing, so the match goes on to what is inside."""
     if pattern is None:
         return blocks
     try:
@@ -81,9 +85,16 @@ def select_candidates(module_names: list[str], blocks: list[str], pattern: str |
     except re.error as error:
         raise SettingsError(f"--candidates '{pattern}' is not a valid regular expression: {error}") from None
     chosen: list[str] = []
+    uncalled: list[str] = []
     for name in module_names:
-        if name and regex.fullmatch(name) and not any(name.startswith(outer + ".") for outer in chosen):
-            chosen.append(name)
+        if not name or not regex.fullmatch(name) or any(name.startswith(outer + ".") for outer in chosen):
+            continue
+        (uncalled if name in containers else chosen).append(name)
+    if not chosen and uncalled:
+        raise SettingsError(
+            f"--candidates '{pattern}' matches only {uncalled[0]!r}, a container of blocks that is never called "
+            f"itself (a ModuleList): match its blocks, e.g. '{re.escape(uncalled[0])}\\.\\d+'"
+        )
     if not chosen:
         raise SettingsError(f"--candidates '{pattern}' matches no module; module names look like {blocks[:2]}")
     return chosen

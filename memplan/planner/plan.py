@@ -18,7 +18,7 @@ from typing import Any
 
 from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import SettingsError
-from memplan.estimator.checkpointing import block_names
+from memplan.estimator.checkpointing import block_names, uncalled_containers
 from memplan.estimator.cuda.allocator import ROUND_LARGE_BYTES
 from memplan.estimator.liveness import liveness
 from memplan.estimator.search import find_max_batch_size
@@ -148,7 +148,9 @@ def make_plan(
         report("building the model under fake tensors")
         setup = build_fake_setup(spec, settings)
     model = setup.state.built_model
-    names = select_candidates([name for name, _ in model.named_modules()], block_names(model), candidates)
+    names = select_candidates(
+        [name for name, _ in model.named_modules()], block_names(model), candidates, uncalled_containers(model)
+    )
     if not names:
         raise SettingsError(
             f"{spec.name} has no repeated blocks (an nn.ModuleList of same-class modules) to checkpoint; "

@@ -12,12 +12,13 @@ from torch import nn
 
 from memplan.checkpoint_layout import CheckpointLayout
 from memplan.errors import PlanFileError, SettingsError, UsageError, a_type
-from memplan.estimator.checkpointing import apply_layout
+from memplan.estimator.checkpointing import apply_layout, key_value_cache_off
 from memplan.gpus import DEFAULT_GPU
-from memplan.models.fingerprint import check_fingerprint
+from memplan.models.fingerprint import check_fingerprint, model_fingerprint
 from memplan.outputs import write_atomically
 from memplan.planner.plan import PlanResult
 from memplan.settings import CHECKPOINT_MODES, TrainingSettings
+from memplan.sizes import MAX_SIZE_BYTES
 
 PLAN_FORMAT = "memplan-checkpoint-plan"
 PLAN_VERSION = 2  # 2 added each segment's checkpoint policy; version 1 files (all "full") still load
@@ -96,6 +97,11 @@ def load_plan(source: str | Path | Plan | PlanResult) -> Plan:
         raise PlanFileError(
             f"{source} is not JSON ({error.msg}, line {error.lineno}); pass a file from `memplan plan --output`"
         ) from None
+    except UnicodeDecodeError as error:  # a binary file, or a hand edit saved in another encoding
+        raise PlanFileError(
+            f"{source} is not a UTF-8 text file (byte {error.start}: {error.reason}); pass a file from "
+            "`memplan plan --output`, saved as UTF-8"
+        ) from None
     if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
         raise PlanFileError(f"{source} is not a memplan checkpoint plan; make one with `memplan plan --output FILE`")
     return _plan_of(document, source)
@@ -103,9 +109,10 @@ def load_plan(source: str | Path | Plan | PlanResult) -> Plan:
 
 def _plan_of(document: dict[str, Any], source: str | os.PathLike) -> Plan:
     """A plan document (plan_document's, or a file's) as a Plan; `source` names it in messages."""
-    if document.get("version") not in READABLE_VERSIONS:
+    version = document.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:  # `true` equals 1, "2" is no version
         raise PlanFileError(
-            f"{source} is plan format version {document.get('version')}; this memplan reads version {PLAN_VERSION}: "
+            f"{source} is plan format version {version!r}; this memplan reads version {PLAN_VERSION}: "
             "re-run `memplan plan`"
         )
 
@@ -126,12 +133,15 @@ def _plan_of(document: dict[str, Any], source: str | os.PathLike) -> Plan:
         raise PlanFileError(
             f"{source}: 'source' is not the model's inputs, loss and task; re-run `memplan plan --output`"
         ) from None
+    budget_bytes = field("budget_bytes", int, "a whole number of bytes")
+    if not 1 <= budget_bytes <= MAX_SIZE_BYTES:
+        raise PlanFileError(f"{source}: 'budget_bytes' is {budget_bytes}, not a size; re-run `memplan plan --output`")
     return Plan(
         model=field("model", str, "a model name"),
         fingerprint=field("fingerprint", str, "a fingerprint"),
         settings=dict(field("settings", dict, "an object of settings")),
         layout=layout,
-        budget_bytes=field("budget_bytes", int, "a whole number of bytes"),
+        budget_bytes=budget_bytes,
         fits=field("fits", bool, "true or false"),
         predicted_peak_bytes=field("predicted_peak_bytes", int, "a whole number of bytes"),
         recompute_flops=field("recompute_flops", int, "a whole number"),
@@ -168,10 +178,12 @@ def check_settings(plan: Plan, settings: TrainingSettings) -> None:
     wanted = _as_traced(settings.to_dict())
     defaults = TrainingSettings().to_dict()  # for settings added after the plan was written
     planned = _as_traced({field: plan.settings.get(field, defaults[field]) for field in _MATCHED_SETTINGS})
+    # On another device the card follows from it (no --gpu on the cuda target is the default card): not news.
+    other_device = planned.get("device") != wanted.get("device")
     differing = [
         f"{field} {planned[field]!r} in the plan, {wanted[field]!r} here"
         for field in _MATCHED_SETTINGS
-        if planned[field] != wanted[field]
+        if planned[field] != wanted[field] and not (field == "gpu" and other_device)
     ]
     if differing:
         raise PlanFileError(
@@ -185,6 +197,19 @@ def _as_traced(settings: dict[str, Any]) -> dict[str, Any]:
     if settings.get("device") == "cuda" and settings.get("gpu") is None:
         return {**settings, "gpu": DEFAULT_GPU}
     return settings
+
+
+def _refuse_a_wrapper(model: nn.Module, plan: Plan) -> None:
+    """A model wrapped after it was planned (DistributedDataParallel's `module`, torch.compile's `_orig_mod`) names
+    its modules under the wrapper's prefix: the plan is for the model inside, which is what to say."""
+    inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+    if isinstance(inner, nn.Module) and model_fingerprint(inner) == plan.fingerprint:
+        attribute = "_orig_mod" if getattr(model, "_orig_mod", None) is inner else "module"
+        raise UsageError(
+            f"this model wraps the model the plan was made for ({type(model).__name__}): apply the plan to the model "
+            f"inside (`apply_plan(model.{attribute}, ...)`), or before wrapping it (DistributedDataParallel, "
+            "torch.compile)"
+        )
 
 
 def apply_plan(model: nn.Module, plan: str | Path | Plan | PlanResult) -> list[str]:
@@ -203,6 +228,7 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan | PlanResult) -> list[s
             "memplan's estimates, not a plan"
         )
     loaded = load_plan(plan)
+    _refuse_a_wrapper(model, loaded)
     check_fingerprint(loaded.fingerprint, loaded.model, model, "this model")
     # Hugging Face's own checkpointing (gradient_checkpointing_enable() sets `gradient_checkpointing` on each
     # GradientCheckpointingLayer) would run inside the plan's checkpoints: every block recomputed twice over.
@@ -216,7 +242,5 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan | PlanResult) -> list[s
     # off under its own checkpointing in training ("`use_cache=True` is incompatible with gradient
     # checkpointing"); under a selective plan the second write fails torch's check that the recomputation repeats
     # the forward. So the cache goes off here too (the plan is made for training; set it back to generate).
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) is True:
-        config.use_cache = False
+    key_value_cache_off(model)
     return list(loaded.layout.modules)
