@@ -83,3 +83,21 @@ def by_hand(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimize
         for param in model.parameters():
             param.add_(param.grad, alpha=-0.01)
     model.zero_grad(set_to_none=True)
+
+
+def pop_ids_and_print(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Takes what it needs out of the batch it is given (each step gets its own from a data loader) and logs."""
+    ids = batch.pop("ids")
+    loss = model(ids=ids)["loss"]
+    print("step loss logged")
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def fresh_optimizer_state(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Drops the optimizer's state first (a restart of its moments), which frees what the iteration began with."""
+    optimizer.state.clear()
+    model(**batch)["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -174,3 +174,34 @@ def test_a_step_s_own_optimizer_and_its_gradients_are_named_as_such(name):
         assert predicted.breakdown["optimizer_state"] == 2 * weights + 4 * params
         assert predicted.phase_peak_bytes["optimizer"] >= 3 * weights  # its step: weights, gradients, moments
     assert predicted.peak_bytes == pytest.approx(_measured_peak(name, 1), rel=0.005, abs=16)
+
+
+def test_a_step_that_empties_its_batch_and_prints_is_validated_and_its_json_is_whole():
+    import json
+
+    command = ["validate", "tests.zoo_models:tied_lm", "--inputs", "tests.zoo_models:token_inputs", "--device", "cpu"]
+    done = CliRunner().invoke(main, [*command, "--step", "tests.custom_steps:pop_ids_and_print", "--json"])
+    assert done.exit_code == 0, done.output
+    answer = json.loads(done.stdout)  # the step's print went to stderr
+    assert "step loss logged" in done.stderr
+    assert answer["measured_peak_bytes"] is not None, answer  # the measured run's second call found its ids
+    assert abs(answer["relative_error"]) <= 0.005
+
+
+@pytest.mark.parametrize("name", ["canonical", "fresh_optimizer_state"])
+def test_the_validator_counts_what_a_step_frees_of_what_it_began_with_until_it_frees_it(name):
+    """Against torch's CPU allocator's own events (the profiler's), which know nothing of memplan."""
+    from memplan.measure.cpu import measure_cpu
+    from tests.hand_measure import profiled_third_iteration_peak
+
+    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    step = f"tests.custom_steps:{name}"
+    measured = measure_cpu(spec, spec.settings_for(TrainingSettings(batch_size=BATCH, device="cpu", step=step)))
+
+    def build():
+        torch.manual_seed(0)
+        model, batch = zoo_models.tied_lm(), zoo_models.token_inputs(BATCH)
+        optimizer = torch.optim.AdamW(model.parameters())
+        return lambda: getattr(custom_steps, name)(model, batch, optimizer)
+
+    assert measured.peak_bytes == profiled_third_iteration_peak(build)

@@ -4,6 +4,7 @@ memplan.cli.output_paths, the collector set in memplan.cli.collector)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -231,7 +232,10 @@ def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as
     settings = _with_environment(dict(settings), as_json)
     source = {key: settings.pop(key) for key in ("inputs", "loss", "task")}
     merged, file_notes = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner
-    result = function(model, **source, **options, **merged, progress=_progress(as_json))
+    # --json promises one JSON document on stdout: what the user's code prints meanwhile (a --step's logging,
+    # peft's print_trainable_parameters() in a model factory) goes to stderr instead.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        result = function(model, **source, **options, **merged, progress=_progress(as_json))
     if as_json and file_notes:  # --json printed none of them: they go with the answer
         if dataclasses.is_dataclass(result) and "notes" in {field.name for field in dataclasses.fields(result)}:
             return dataclasses.replace(result, notes=(*file_notes, *result.notes))

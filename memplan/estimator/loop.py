@@ -384,7 +384,18 @@ def custom_step(state: TrainingState, marker: Marker = _no_marker, on_step: Grad
     """The user's iteration, `fn(model, batch, optimizer)`, with its phases marked."""
     function = step_function(state.settings)
     with _step_phases(state, marker, on_step):
-        function(state.model, state.batch, state.optimizer)
+        function(state.model, _container_of_its_own(state.batch), state.optimizer)
+
+
+def _container_of_its_own(batch: Batch) -> Batch:
+    """The batch in a container of its own for each call, as a data loader hands each step a new one: a step
+    may take what it needs out of it (`labels = batch.pop("labels")`), and the next call still finds it all.
+    The tensors are the same ones (no allocation)."""
+    if isinstance(batch, dict):
+        return dict(batch)
+    if isinstance(batch, list | tuple):
+        return type(batch)(batch) if type(batch) in (list, tuple) else batch
+    return batch
 
 
 def iteration(state: TrainingState, marker: Marker = _no_marker) -> None:

@@ -186,7 +186,9 @@ def measure_cpu(
         for _ in range(warmup_iterations):
             iteration(state)
         swaps = getattr(state.data_parallel, "swaps_storages", False)
-        counter = LiveStorageCounter(statics_may_be_freed=swaps, host=host)
+        # A step of the user's own may free what the iteration began with (optimizer.state.clear()): counted
+        # until then, not to the end.
+        counter = LiveStorageCounter(statics_may_be_freed=swaps or settings.step is not None, host=host)
         if host is not None:
             state.data_parallel.host_copies = host
             for tensor in state.data_parallel.host_tensors():
