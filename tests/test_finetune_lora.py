@@ -144,3 +144,34 @@ def test_all_linear_adapts_every_linear_layer_but_the_head_as_peft_s_shorthand_d
     ]  # c_attn, attn c_proj, c_fc, mlp c_proj
     assert every.trainable_parameter_count == layers * sum(4 * (rows + columns) for rows, columns in shapes)
     assert every.trainable_parameter_count == listed.trainable_parameter_count
+
+
+def test_a_users_own_16_bit_peft_model_keeps_its_float32_adapters_and_is_what_its_step_measures():
+    """get_peft_model on a bfloat16 base gives float32 adapters; memplan's cast to --precision bf16 leaves them
+    so. Measured on the user's model itself, never cast by memplan."""
+    from tests.hand_measure import measured_step_peak
+    from tests.lora_models import tokens
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_HF_CONFIGS["gpt2"])).to(torch.bfloat16)
+    adapted = get_peft_model(base, LoraConfig(r=4)).train()
+    predicted = memplan.estimate(adapted, inputs=tokens, batch_size=2, device="cpu", precision="bf16")
+    assert predicted.breakdown.optimizer_state == _adamw_state_bytes("gpt2", bytes_per_element=4)
+
+    def step(model, batch, optimizer):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    trainable = [param for param in adapted.parameters() if param.requires_grad]
+    measured = measured_step_peak(step, adapted, tokens(2), torch.optim.AdamW(trainable))
+    assert abs(predicted.peak_bytes / measured - 1) <= 0.005, (predicted.peak_bytes, measured)
+    with pytest.raises(SettingsError, match="has LoRA adapters already"):  # peft would stack or replace them
+        memplan.estimate(adapted, inputs=tokens, batch_size=2, device="cpu", lora_rank=8)
+
+
+def test_the_lora_targets_suggestion_names_a_sequential_s_layer_with_its_parent():
+    from memplan.finetune.lora import _target_name
+
+    assert _target_name("classifier.1") == "classifier.1"  # `1` alone matches every block numbered 1
+    assert _target_name("model.layers.0.self_attn.q_proj") == "q_proj"

@@ -79,10 +79,18 @@ def fake_friendly_conversions() -> Iterator[None]:
         torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
 
 
-def cast_floating_point(model: nn.Module, dtype: torch.dtype, *, buffers: bool = True, frozen: bool = False) -> None:
+def cast_floating_point(
+    model: nn.Module,
+    dtype: torch.dtype,
+    *,
+    buffers: bool = True,
+    frozen: bool = False,
+    keep: frozenset[int] = frozenset(),
+) -> None:
     """`model.to(dtype)` for floating-point parameters (and buffers, unless `buffers=False`), also
     under fake tensors; `frozen` leaves the parameters without requires_grad, as peft's
-    prepare_model_for_kbit_training does when it casts.
+    prepare_model_for_kbit_training does when it casts; the parameters whose ids are in `keep` stay as
+    they are.
 
     `nn.Module.to` swaps parameter storage in place, which fake tensors refuse; replacing each
     parameter (once, so tied weights stay tied) gives the same memory.
@@ -90,7 +98,7 @@ def cast_floating_point(model: nn.Module, dtype: torch.dtype, *, buffers: bool =
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or not param.is_floating_point():
+            if param is None or not param.is_floating_point() or id(param) in keep:
                 continue
             if id(param) not in replaced:
                 requires_grad = param.requires_grad and not frozen

@@ -48,7 +48,7 @@ from memplan.errors import SettingsError, UsageError
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
-from memplan.finetune.lora import with_lora
+from memplan.finetune.lora import adapter_parameters, with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.imports import import_object
 from memplan.models.source import Batch, ModelSpec, _check_signature, call_model
@@ -104,8 +104,8 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     model = spec.build(settings)
     model.train()
     dtype = STORAGE_DTYPES[settings.precision]
-    if dtype != torch.float32:
-        cast_floating_point(model, dtype)
+    if dtype != torch.float32:  # adapters the user's own peft model holds keep their dtype, as peft keeps them
+        cast_floating_point(model, dtype, keep=adapter_parameters(model))
     model = quantized(model, settings)  # QLoRA: the base layers in 4 bits, before peft wraps them
     model = with_lora(model, settings)  # after the cast: peft keeps a 16-bit model's adapters in float32
     checkpointed = apply_checkpointing(model, settings.checkpoint)

@@ -31,10 +31,35 @@ def _import_peft():  # type: ignore[no-untyped-def]
     return LoraConfig, get_peft_model
 
 
+def adapter_parameters(model: nn.Module) -> frozenset[int]:
+    """The ids of the adapter parameters of peft's tuner layers in `model` (a model the user wrapped with
+    get_peft_model before giving it to memplan): they keep the dtype the user gave them when memplan casts the
+    model to a 16-bit precision, as peft keeps a 16-bit model's adapters in float32 (`autocast_adapter_dtype`).
+    Empty, without importing peft, where no module comes from it."""
+    if not any(type(module).__module__.startswith("peft.") for module in model.modules()):
+        return frozenset()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    kept: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            for name in module.adapter_layer_names:  # ("lora_A", "lora_B", ...): dicts of adapters by name
+                adapters = getattr(module, name, None)
+                if isinstance(adapters, nn.Module):
+                    kept.update(id(param) for param in adapters.parameters())
+    return frozenset(kept)
+
+
 def with_lora(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     """`model` with LoRA adapters where `settings.lora_rank` asks for them, else `model` itself."""
     if settings.lora_rank is None:
         return model
+    if adapter_parameters(model):
+        # peft would replace the user's adapters or add a second set beside them, and warn about it
+        raise SettingsError(
+            "this model has LoRA adapters already (it is a peft model): leave out --lora, or give memplan the "
+            "model before get_peft_model"
+        )
     LoraConfig, get_peft_model = _import_peft()  # noqa: N806 (peft's class, under its own name)
     options: dict[str, object] = {"r": settings.lora_rank, "lora_dropout": settings.lora_dropout}
     if settings.lora_alpha is not None:
@@ -71,8 +96,15 @@ def _linear_layer_names(model: nn.Module) -> list[str]:
     """The distinct names of the model's linear layers (nn.Linear, transformers' Conv1D), in model order: what
     --lora-targets can name."""
     names = [
-        name.rsplit(".", 1)[-1]
+        _target_name(name)
         for name, module in model.named_modules()
         if name and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")
     ]
     return list(dict.fromkeys(names))
+
+
+def _target_name(name: str) -> str:
+    """A layer's name as peft matches --lora-targets (a suffix of the dotted name): the last part, or the last two
+    where the last is an index in a Sequential (`classifier.1`: `1` alone would match every block numbered 1)."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
