@@ -101,3 +101,19 @@ def fresh_optimizer_state(model: torch.nn.Module, batch: dict, optimizer: torch.
     model(**batch)["loss"].backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def auxiliary_loss_logged(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """A second forward whose loss is kept for logging and never backpropagated: its graph holds what it
+    saved for backward until the step returns."""
+    loss = model(**batch)["loss"]
+    logged = model(**batch)["loss"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return logged
+
+
+def forward_only(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """An evaluation written without no_grad: the graph lives until the step returns its loss."""
+    return model(**batch)["loss"]

@@ -18,7 +18,14 @@ from memplan.settings import TrainingSettings
 from tests.hand_measure import measured_step_peak
 
 BATCH = 8
-STEPS = ("two_views", "zero_grad_first_and_log", "accumulate_halves", "with_lr_schedule")
+STEPS = (
+    "two_views",
+    "zero_grad_first_and_log",
+    "accumulate_halves",
+    "with_lr_schedule",
+    "auxiliary_loss_logged",
+    "forward_only",
+)
 
 
 def _measured_peak(name: str, batch_size: int = BATCH, model: str = "tied_lm", inputs: str = "token_inputs") -> int:
