@@ -368,6 +368,9 @@ def test_the_breakdown_reads_the_storages_categories_and_names_the_peaks_module(
     assert simulation.breakdown["inputs"] == 100 * FLOAT
     assert simulation.breakdown["temporaries"] == 2 * 100 * FLOAT  # a and a + 1 at the peak (node 2)
     assert simulation.peak_module == "encoder.head"
+    # the same peak node counted as the backward's: no module named (a recomputation's may linger on later ops)
+    traced.forward_end = 2
+    assert simulate(traced).phase == "backward" and simulate(traced).peak_module is None
     assert [allocation.module for allocation in simulation.timeline.allocations] == [
         None,
         "encoder",

@@ -158,14 +158,17 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
     for key in size:
         if born[key] <= peak_node <= last_use[key]:
             breakdown[_category(key, born[key], last_use[key], traced)] += size[key]
+    phase = _phase_of(peak_node, traced)
     return Simulation(
         peak_bytes=peak_bytes,
         peak_node=peak_node,
-        phase=_phase_of(peak_node, traced),
+        phase=phase,
         breakdown=breakdown,
         phase_peak_bytes=phase_peaks,
         peak_op=op_name(nodes[peak_node]),
-        peak_module=traced.node_modules[peak_node],
+        # Forward ops only: a checkpoint's recomputation that stops early (torch's early stop) leaves no exit
+        # for its module, whose name the backward's later ops would otherwise carry.
+        peak_module=traced.node_modules[peak_node] if phase == "forward" else None,
         unsupported_ops=lifetimes.unsupported_ops,
         timeline_bytes=tuple(live_bytes),
         timeline=timeline,
