@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.distributed.fsdp import storage_resizes_recorded
 from memplan.distributed.offload import copies_made
@@ -42,6 +43,7 @@ from memplan.estimator.loop import (
 )
 from memplan.estimator.module_attributes import attribute_tensors
 from memplan.estimator.module_tracker import ModuleTracker
+from memplan.estimator.optimizers import local_optimizer
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
 from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
@@ -100,6 +102,24 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
                 raise step_failure(error, settings) from error
             raise trace_failure(error, untraced.current(), spec, state.batch) from error
     return FakeSetup(fake_mode=fake_mode, state=state)
+
+
+def _unreached_state(state: TrainingState, settings: TrainingSettings) -> set[StorageWeakRef]:
+    """The optimizer state of trainable parameters the traced backward gave no gradient (a head or pooler the loss
+    does not use): torch's optimizers skip a parameter whose `.grad` is None and never make state for it, where
+    the warm-up (_warm_up_optimizer, zero gradients for every trainable parameter) made some. Read where the
+    micro-batch began with no gradients (the canonical loop's); a loop that keeps gradients across steps was
+    handed zero gradients for them too, which this cannot tell from real ones. Its storages, not read by the
+    traced step, are left out of it. Not on a data-parallel rank (its wrapper holds the gradients)."""
+    if state.optimizer is None or state.data_parallel is not None or gradients_outlive_the_step(settings):
+        return set()
+    optimizer_state = local_optimizer(state.optimizer).state
+    unreached, reached = set(), set()
+    for param in state.trainable:
+        values = optimizer_state.get(param, {}).values()
+        keys = {storage_key(value) for value in values if isinstance(value, torch.Tensor)}
+        (unreached if param.grad is None else reached).update(keys)
+    return unreached - reached  # never one a reached parameter's state shares
 
 
 def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSettings, fake_mode: FakeTensorMode) -> None:
@@ -197,6 +217,7 @@ def trace_step(
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
             kept_on_modules = {storage_key(tensor) for tensor in attribute_tensors(state.built_model)}
             grads = current_grads(state)
+            unreached = _unreached_state(state, settings)
             step_start = recorder.node_count()
             # No module runs in the step. A module whose forward a checkpoint's recomputation stopped
             # early (torch.utils.checkpoint stops once it has what the backward needs) never ran its
@@ -233,6 +254,9 @@ def trace_step(
     held_at_end = storages_held_by_fake_tensors() if swaps_seen is not None else None
     graph = recorder.finish(grads)
     categories, sizes = categorize_storages(state, grads)
+    for key in unreached:
+        categories.pop(key, None)
+        sizes.pop(key, None)
     released_early = []
     if "zero_grad" in boundaries:  # the previous gradients were dropped after the forward
         for key, nbytes in previous_grads:

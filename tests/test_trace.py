@@ -1,0 +1,47 @@
+"""memplan.estimator.trace: what the traced iteration starts with is what a real one finds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memplan
+from tests.hand_measure import measured_step_peak
+
+
+class WithUnusedHead(nn.Module):
+    """A head the loss never reaches (an auxiliary head, a pooler the task does not use): trainable, never graded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 64)
+        self.unused_head = nn.Sequential(nn.Linear(64, 512), nn.Linear(512, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).square().mean()
+
+
+def rows(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 64)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "make"),
+    [
+        ("adamw", lambda params: torch.optim.AdamW(params)),
+        ("sgd-momentum", lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)),
+    ],
+)
+def test_parameters_no_gradient_reaches_get_no_optimizer_state(optimizer, make):
+    """torch's optimizers skip a parameter whose .grad is None: measured on the real step, the head has none."""
+    predicted = memplan.estimate(WithUnusedHead(), inputs=rows, batch_size=32, device="cpu", optimizer=optimizer)
+    model = WithUnusedHead()
+
+    def step(model, batch, optimizer):
+        model(batch["x"]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    measured = measured_step_peak(step, model, {"x": rows(32)}, make(model.parameters()))
+    assert predicted.peak_bytes == pytest.approx(measured, rel=0, abs=16)  # torch.optim may keep a scalar or two
