@@ -117,3 +117,11 @@ def auxiliary_loss_logged(model: torch.nn.Module, batch: dict, optimizer: torch.
 def forward_only(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """An evaluation written without no_grad: the graph lives until the step returns its loss."""
     return model(**batch)["loss"]
+
+
+def clipped(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Gradient clipping before the step, as HF's Trainer does by default (max_grad_norm 1.0)."""
+    model(**batch)["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

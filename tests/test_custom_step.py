@@ -118,6 +118,21 @@ def test_the_api_takes_the_step_as_a_function_or_its_path():
     assert by_function.peak_bytes == by_path.peak_bytes == _measured_peak("two_views")
     with pytest.raises(SettingsError, match="cannot be imported by name"):
         memplan.estimate("tests.zoo_models:tied_lm", step=lambda model, batch, optimizer: None, **common)
+    # A script's own function imports here, but not in validate's measuring process
+    import __main__
+
+    def script_step(model, batch, optimizer):  # as `def` at a script's top level makes it
+        custom_steps.two_views(model, batch, optimizer)
+
+    script_step.__module__, script_step.__qualname__ = "__main__", "script_step"
+    __main__.script_step = script_step
+    try:
+        with pytest.raises(SettingsError, match="cannot be imported by name"):
+            memplan.validate("tests.zoo_models:tied_lm", step=script_step, **common)
+    finally:
+        del __main__.script_step
+    with pytest.raises(SettingsError, match="step must be a function or its 'package.module:function', got 42"):
+        memplan.estimate("tests.zoo_models:tied_lm", step=42, **common)
 
 
 def test_compare_skips_the_techniques_a_custom_step_cannot_take_and_says_why():

@@ -354,3 +354,13 @@ def test_an_amp_fp16_rank_s_unscale_says_nothing_about_dtensors():
         )
     assert result.peak_bytes > 0
     assert not [w for w in caught if "non-scalar tensor" in str(w.message)]
+
+
+def test_an_fsdp_rank_s_own_step_that_clips_its_gradients_runs_for_real_as_predicted():
+    """clip_grad_norm_'s total norm is a DTensor all-reduce, which finds the group by name in the real run."""
+    spec = resolve_model("tiny-llama")
+    options = {"batch_size": 2, "seq_len": 32, "device": "cpu", "step": "tests.custom_steps:clipped"}
+    settings = spec.settings_for(TrainingSettings(**options, parallel="fsdp", world_size=2))
+    predicted = memplan.estimate("tiny-llama", **options, parallel="fsdp", world_size=2)
+    measured = measure_cpu(spec, settings)
+    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 16, (predicted.peak_bytes, measured.peak_bytes)

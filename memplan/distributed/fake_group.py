@@ -77,6 +77,21 @@ def lingering_fake_group(world_size: int, option: str) -> None:
         _lingering[:] = [dist.group.WORLD]
 
 
+def rank_fake_group(world_size: int, option: str) -> None:
+    """The fake default group a rank runs on for as long as it lives: the process's own where that is a fake
+    group of this size, else a lingering one (lingering_fake_group). An FSDP2 rank's step reduces across ranks
+    through it in a real run (clip_grad_norm_'s total norm is a DTensor all-reduce, which finds its group by
+    name), long after fully_shard built the mesh."""
+    import torch.distributed as dist
+
+    with unset_fake_temporarily():
+        if dist.is_initialized() and not (_lingering and dist.group.WORLD is _lingering[0]):
+            if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
+                raise _refusal(world_size, option)
+            return
+    lingering_fake_group(world_size, option)
+
+
 @contextlib.contextmanager
 def fake_default_group(world_size: int, option: str) -> Iterator[None]:
     """`option` names the setting that needs the group, for the refusal."""

@@ -49,7 +49,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memplan.distributed.fake_group import fake_default_group
+from memplan.distributed.fake_group import rank_fake_group
 from memplan.distributed.offload import HostCopies, HostMemory, host_memory
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import block_names
@@ -77,21 +77,22 @@ COLLECTIVE_OPS = frozenset(
 
 @contextlib.contextmanager
 def _fake_world(world_size: int, device_type: str, shard_size: int | None = None) -> Iterator[Any]:
-    """A DeviceMesh of `world_size` ranks over a fake default process group made for the while
-    (memplan.distributed.fake_group): a built FSDP2 module runs on without it. With `shard_size`, HSDP's
-    2-D mesh: world_size / shard_size replicas by shard_size shards (fully_shard then shards over the
-    second dimension and replicates over the first: torch/distributed/fsdp/_fully_shard/_fully_shard.py)."""
+    """A DeviceMesh of `world_size` ranks over a fake default process group that lives as long as the rank
+    (memplan.distributed.fake_group.rank_fake_group: a real run's step reduces across ranks through it).
+    With `shard_size`, HSDP's 2-D mesh: world_size / shard_size replicas by shard_size shards (fully_shard
+    then shards over the second dimension and replicates over the first:
+    torch/distributed/fsdp/_fully_shard/_fully_shard.py)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     option = "--parallel hsdp" if shard_size is not None else "--parallel fsdp"
-    with fake_default_group(world_size, option):
-        with unset_fake_temporarily():  # the mesh's rank tensor must be real
-            if shard_size is None:
-                mesh = init_device_mesh(device_type, (world_size,))
-            else:
-                shape = (world_size // shard_size, shard_size)
-                mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-        yield mesh
+    rank_fake_group(world_size, option)
+    with unset_fake_temporarily():  # the mesh's rank tensor must be real
+        if shard_size is None:
+            mesh = init_device_mesh(device_type, (world_size,))
+        else:
+            shape = (world_size // shard_size, shard_size)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    yield mesh
 
 
 @contextlib.contextmanager
