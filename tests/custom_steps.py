@@ -125,3 +125,11 @@ def clipped(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimize
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def adamw_made_in_the_step(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer made anew each call: its state is made in the step and held until the step returns."""
+    own = torch.optim.AdamW(model.parameters())
+    model(**batch)["loss"].backward()
+    own.step()
+    own.zero_grad(set_to_none=True)

@@ -48,10 +48,11 @@ def test_a_custom_step_is_predicted_as_measured(name):
     assert _predicted(name).peak_bytes == pytest.approx(_measured_peak(name), rel=0.005, abs=16)
 
 
-@pytest.mark.parametrize("name", ["canonical", "with_lr_schedule"])
+@pytest.mark.parametrize("name", ["canonical", "with_lr_schedule", "adamw_made_in_the_step"])
 def test_gradients_live_through_the_optimizer_step_until_the_functions_zero_grad(name):
     """At batch 1 the optimizer's step is the peak: every gradient is held by `.grad` through it,
-    past the optimizer's last read of it, until the function's zero_grad (one was lost before)."""
+    past the optimizer's last read of it, until the function's zero_grad (one was lost before); the
+    state of an optimizer the step makes is held by it to the step's end (it was freed at its last read)."""
     model = {"model": "squared_linear", "inputs": "named_features"}
     predicted = _predicted(name, 1, **model)
     assert predicted.phase == "optimizer"

@@ -60,9 +60,21 @@ def trace_custom_step(
         if optimizer is not None and optimizer is not state.optimizer:
             own_optimizers.append(optimizer)
 
+    # Optimizer state the step's optimizers hold after each of their steps (state made in the step: an optimizer
+    # the step makes anew, state it cleared) lives until they drop it, not to its last read.
+    state_held: set[StorageWeakRef] = set()
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        made = [tensor for tensor in optimizer_state_tensors(optimizer) if storage_key(tensor) not in state_held]
+        state_held.update(storage_key(tensor) for tensor in made)
+        finalizers.extend(_note_when_freed(made, freed_at, recorder.node_count))
+
     eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
     graphs = _SavedTensors(recorder.node_count)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    step_hook = register_optimizer_step_post_hook(after_step)
     try:
         on_target = target_kernels(settings)
         resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
@@ -76,11 +88,15 @@ def trace_custom_step(
                 (storage_key(tensor), step_end) for tensor in attribute_tensors(state.built_model)
             ]
             eager_lifetimes.local_lifetimes += graphs.lifetimes(step_end)
+            eager_lifetimes.local_lifetimes += [
+                (key, max(freed_at[key] - 1, 0) if key in freed_at else step_end) for key in state_held
+            ]
     except MemplanError:
         raise
     except Exception as error:
         raise trace_failure(error, tracker.current(), spec, state.batch) from error
     finally:
+        step_hook.remove()
         for finalizer in finalizers:  # gradients the step keeps must not keep this recorder alive
             finalizer.detach()
     left = current_grads(state)
