@@ -201,8 +201,26 @@ def plain_numbers(value: Any) -> Any:
 
 
 def _with_notes_reworded(result: Any) -> Any:
-    """A result whose `notes` (EstimateResult's: "give yours with --cuda-context") speak the caller's terms."""
-    notes = getattr(result, "notes", None)
-    if _command_line.get() or not dataclasses.is_dataclass(result) or not isinstance(notes, tuple):
-        return result
-    return dataclasses.replace(result, notes=tuple(in_api_terms(note) for note in notes))
+    """A result whose `notes` (EstimateResult's: "give yours with --cuda-context") speak the caller's terms, and
+    so do those of the results inside it (which_gpu's and compare's estimates, row by row)."""
+    return result if _command_line.get() else _notes_reworded(result)
+
+
+def _notes_reworded(value: Any) -> Any:
+    if type(value) in (tuple, list):
+        items = [_notes_reworded(item) for item in value]
+        return type(value)(items) if any(new is not old for new, old in zip(items, value, strict=True)) else value
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    changes = {}
+    for field in dataclasses.fields(value):
+        if field.name == "timeline" or not field.init:  # a step's allocations hold no notes
+            continue
+        current = getattr(value, field.name)
+        if field.name == "notes" and isinstance(current, tuple):
+            changed = tuple(in_api_terms(note) if isinstance(note, str) else note for note in current)
+        else:
+            changed = _notes_reworded(current)
+        if changed is not current and changed != current:
+            changes[field.name] = changed
+    return dataclasses.replace(value, **changes) if changes else value

@@ -126,6 +126,10 @@ def test_an_estimate_s_notes_name_keywords_from_python_and_flags_on_the_command_
     shown = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--seq-len", "32", "--gpu", "A100-40GB", "--json"])
     assert shown.exit_code == 0, shown.output
     assert any(note.endswith("give yours with --cuda-context") for note in json.loads(shown.stdout)["notes"])
+    # and so do the estimates inside another result: which_gpu's, card by card
+    for option in memplan.which_gpu("tiny-gpt2", "T4,L4", seq_len=32, batch_size=2).options:
+        context = next(note for note in option.estimate.notes if "CUDA context" in note)
+        assert context.endswith("give yours with cuda_context"), context
 
 
 def test_calls_from_two_threads_at_once_give_the_figures_of_calls_one_after_the_other():
