@@ -26,9 +26,17 @@ def import_object(path: str, what: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # the user's module may raise anything while importing
+        missing = error.name or "" if isinstance(error, ModuleNotFoundError) else None
+        if missing is not None and missing.split(".")[0] == module_name.split(".")[0]:
+            fix = "check the name and PYTHONPATH"  # the module itself was not found, not one it imports
+        elif missing is not None:
+            fix = f"it imports {missing!r}, which is not installed here"
+        elif isinstance(error, SyntaxError):
+            fix = f"fix {error.filename or 'its file'} at line {error.lineno}"
+        else:
+            fix = "the module raised this as it was imported: fix it there"
         raise ImportPathError(
-            f"cannot import module {module_name!r} for {what} {path!r} "
-            f"({type(error).__name__}: {error}); check the name and PYTHONPATH"
+            f"cannot import module {module_name!r} for {what} {path!r} ({type(error).__name__}: {error}); {fix}"
         ) from error
     try:
         obj = getattr(module, attr)
