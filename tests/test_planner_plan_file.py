@@ -66,6 +66,9 @@ def test_a_wrapped_model_is_told_to_apply_the_plan_to_the_model_inside():
     with pytest.raises(PlanFileError, match="fingerprint"):  # a wrapper around another model: the fingerprint says so
         apply_plan(nn.DataParallel(nn.Linear(4, 4)), plan)
     assert apply_plan(model, plan) == ["0"]
+    unfitting = Plan("mlp", model_fingerprint(model), TrainingSettings().to_dict(), layout, 2**20, False, 2**21, 0)
+    with pytest.warns(UserWarning, match=r"does not fit its budget \(2.00 MiB predicted, budget 1.00 MiB\)"):
+        apply_plan(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), unfitting)
 
 
 def test_a_plan_for_another_model_says_so_where_its_modules_are_missing(tmp_path):

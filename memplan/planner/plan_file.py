@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from memplan.models.fingerprint import check_fingerprint, model_fingerprint
 from memplan.outputs import write_atomically
 from memplan.planner.plan import PlanResult
 from memplan.settings import CHECKPOINT_MODES, TrainingSettings
-from memplan.sizes import MAX_SIZE_BYTES
+from memplan.sizes import MAX_SIZE_BYTES, format_bytes
 
 PLAN_FORMAT = "memplan-checkpoint-plan"
 PLAN_VERSION = 2  # 2 added each segment's checkpoint policy; version 1 files (all "full") still load
@@ -238,6 +239,13 @@ def apply_plan(model: nn.Module, plan: str | Path | Plan | PlanResult) -> list[s
             "modules: call model.gradient_checkpointing_disable() before apply_plan"
         )
     apply_layout(model, loaded.layout)
+    if not loaded.fits:  # `memplan plan` writes its best try when nothing fits; applied, it may still run out
+        warnings.warn(
+            f"this plan does not fit its budget ({format_bytes(loaded.predicted_peak_bytes)} predicted, budget "
+            f"{format_bytes(loaded.budget_bytes)}): the step may run out of memory; `memplan plan` printed what "
+            "would fit (a smaller batch, accumulation)",
+            stacklevel=2,
+        )
     # A checkpointed block that recomputes would write the key/value cache again: transformers turns the cache
     # off under its own checkpointing in training ("`use_cache=True` is incompatible with gradient
     # checkpointing"); under a selective plan the second write fails torch's check that the recomputation repeats
