@@ -52,7 +52,8 @@ def settings_notes(settings: TrainingSettings, has_convolutions: bool = False, p
             f"one rank of {settings.world_size}: torch's DistributedDataParallel and ZeroRedundancyOptimizer traced "
             "on a fake process group; the optimizer state is this rank's share of the parameters (whole parameters, "
             "largest first, to the rank with the fewest elements so far), every gradient and DDP's gradient buckets "
-            "whole; DeepSpeed's ZeRO-1 partitions and buckets differ and are not modelled"
+            "whole; DeepSpeed's ZeRO-1 partitions and buckets differ: give its configuration with --deepspeed to "
+            "trace DeepSpeed's stage 1 instead"
         )
     if settings.parallel in FSDP_MODES:
         resharding = settings.parallel in RESHARDING_FSDP_MODES
