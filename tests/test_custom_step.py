@@ -228,3 +228,13 @@ def test_the_validator_counts_what_a_step_frees_of_what_it_began_with_until_it_f
         return lambda: getattr(custom_steps, name)(model, batch, optimizer)
 
     assert measured.peak_bytes == profiled_third_iteration_peak(build)
+
+
+def test_a_factory_that_builds_on_the_meta_device_is_estimated_and_run_as_the_model_it_describes():
+    import memplan
+
+    common = {"inputs": "tests.zoo_models:token_inputs", "batch_size": BATCH, "device": "cpu"}
+    checked = memplan.validate("tests.zoo_models:tied_lm_on_meta", **common)
+    assert checked.measured_peak_bytes is not None, checked
+    assert abs(checked.relative_error) <= 0.005
+    assert checked.predicted_peak_bytes == memplan.estimate("tests.zoo_models:tied_lm", **common).peak_bytes

@@ -273,3 +273,9 @@ def squared_linear() -> nn.Module:
 
 def named_features(batch_size: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(batch_size, 256)}
+
+
+def tied_lm_on_meta() -> nn.Module:
+    """tied_lm built on torch.device("meta"): no memory, no values, as large models are built before loading."""
+    with torch.device("meta"):
+        return TiedLM()

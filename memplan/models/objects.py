@@ -42,7 +42,9 @@ def is_model_object(model: Any) -> bool:
     return isinstance(model, nn.Module) or callable(model)  # names (str, paths) are not callable
 
 
-def _skeleton(model: nn.Module) -> nn.Module:
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are new empty CPU tensors (fake ones under a fake mode), each
+    tied weight once: what a model object, or a factory's model built on the meta device, is traced as."""
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if id(tensor) not in memo:  # parameters() lists a tied weight once; buffers are never tied
@@ -132,7 +134,7 @@ def object_spec(model: Any, inputs: Any, loss: Any) -> ModelSpec:
         built = model if isinstance(model, nn.Module) else _call_user(model, (), f"model factory {name!r}")
         if not isinstance(built, nn.Module):
             raise not_a_module(name, built)
-        return _skeleton(built)
+        return skeleton(built)
 
     def loss_of(output: Any, batch: Batch) -> torch.Tensor:
         return _checked_loss("loss", loss(output, batch)) if loss is not None else default_loss(output, batch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,13 @@ def _custom_spec(name: str, inputs: str | None, loss: str | None, task: str | No
         model = _call_user(factory, (), f"model factory {name!r}")
         if not isinstance(model, nn.Module):
             raise not_a_module(name, model)
+        if any(tensor.is_meta for tensor in itertools.chain(model.parameters(), model.buffers())):
+            # Built on torch.device("meta") (no memory, no values), as a model object may be: given storage here as
+            # a model object's copy is (tied weights stay tied, which Module.to_empty does not keep), fake under an
+            # estimate, real and uninitialized in validate's run (memory does not read values).
+            from memplan.models.objects import skeleton
+
+            model = skeleton(model)
         if settings.attn_impl != "sdpa":
             _set_attention(model, settings.attn_impl, name)
         return model
