@@ -175,3 +175,18 @@ def test_the_lora_targets_suggestion_names_a_sequential_s_layer_with_its_parent(
 
     assert _target_name("classifier.1") == "classifier.1"  # `1` alone matches every block numbered 1
     assert _target_name("model.layers.0.self_attn.q_proj") == "q_proj"
+
+
+class _WithUnusedLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(16, 16)
+        self.spare = torch.nn.Linear(16, 16)  # never called by forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x).square().mean()
+
+
+def test_adapters_only_on_a_layer_the_forward_never_calls_are_refused_saying_so():
+    with pytest.raises(SettingsError, match="does not depend on any parameter that trains .* never calls"):
+        memplan.estimate(_WithUnusedLayer(), inputs=torch.zeros(4, 16), device="cpu", lora_rank=4, lora_targets="spare")

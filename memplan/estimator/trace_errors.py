@@ -44,6 +44,13 @@ def trace_failure(
             f"cannot trace {spec.name}: op {op} {where} has no fake-tensor implementation; "
             "memplan cannot predict its memory (report it with --debug output)"
         )
+    if isinstance(error, RuntimeError) and "does not require grad and does not have a grad_fn" in str(error):
+        # autograd's refusal of a loss that no trainable parameter reached
+        return SettingsError(
+            f"the loss of {spec.name} does not depend on any parameter that trains (none the forward ran requires "
+            "grad): with --lora, the adapters are on layers the forward never calls (adapt layers it calls, with "
+            "--lora-targets); otherwise unfreeze what it trains"
+        )
     hint = ""
     if module and spec.ref.inputs is not None:  # the user's own batch may not be what the model takes
         hint = f"; check that the batch from --inputs {spec.ref.inputs} ({_describe_batch(batch)}) is what it takes"
