@@ -47,9 +47,9 @@ def trace_failure(
     if isinstance(error, RuntimeError) and "does not require grad and does not have a grad_fn" in str(error):
         # autograd's refusal of a loss that no trainable parameter reached
         return SettingsError(
-            f"the loss of {spec.name} does not depend on any parameter that trains (none the forward ran requires "
-            "grad): with --lora, the adapters are on layers the forward never calls (adapt layers it calls, with "
-            "--lora-targets); otherwise unfreeze what it trains"
+            f"the loss of {spec.name} does not depend on any parameter that trains (autograd: it does not require "
+            "grad): its forward runs under torch.no_grad() or detaches, or, with --lora, the adapters are on layers "
+            "the forward never calls (adapt layers it calls, with --lora-targets)"
         )
     hint = ""
     if module and spec.ref.inputs is not None:  # the user's own batch may not be what the model takes
