@@ -32,9 +32,10 @@ backward at its first optimizer.step().
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -390,12 +391,8 @@ def custom_step(state: TrainingState, marker: Marker = _no_marker, on_step: Grad
 def _container_of_its_own(batch: Batch) -> Batch:
     """The batch in a container of its own for each call, as a data loader hands each step a new one: a step
     may take what it needs out of it (`labels = batch.pop("labels")`), and the next call still finds it all.
-    The tensors are the same ones (no allocation)."""
-    if isinstance(batch, dict):
-        return dict(batch)
-    if isinstance(batch, list | tuple):
-        return type(batch)(batch) if type(batch) in (list, tuple) else batch
-    return batch
+    The tensors are the same ones (no allocation); the container keeps its type (a BatchEncoding stays one)."""
+    return copy.copy(batch) if isinstance(batch, MutableMapping | list) else batch
 
 
 def iteration(state: TrainingState, marker: Marker = _no_marker) -> None:
