@@ -73,16 +73,25 @@ class BatchTracer:
         self._slope_batch_size: int | None = None
         self._aside: dict[int, ForkedJob] = {}  # batch size -> its trace and simulation in a forked child
 
-    def trace_aside(self, batch_size: int) -> None:
+    def trace_aside(self, batch_size: int, device_fit: bool = False) -> None:
         """Start tracing and simulating `batch_size` in a forked child (memplan.forked.ForkedJob) while this
         process traces another: on two cores, an estimate's two batch sizes in about the time of one.
         simulate() collects it, and traces here instead where the child could not; close() stops it. The
         child traces the optimizer step itself, where a trace here replays the first trace's recording of
-        it: the same requests (memplan.estimator.replay)."""
+        it: the same requests (memplan.estimator.replay). With `device_fit` the child also finds the step's
+        least device memory (Simulation.smallest_device_bytes, a bisection of allocator replays that the
+        batch search reads at both batch sizes), which comes back with the simulation."""
         if batch_size in self.simulations or batch_size in self._aside or not ForkedJob.can_start():
             return
         settings = self.settings.replace(batch_size=batch_size)
-        self._aside[batch_size] = ForkedJob(lambda: simulate(trace_step(self.spec, settings, self.setup, None)))
+
+        def job() -> Simulation:
+            simulation = simulate(trace_step(self.spec, settings, self.setup, None))
+            if device_fit:
+                _ = simulation.smallest_device_bytes  # a cached_property: pickled with the simulation
+            return simulation
+
+        self._aside[batch_size] = ForkedJob(job)
 
     def close(self) -> None:
         """Stop the forked traces nobody collected (the estimate failed or was interrupted before it needed them)."""
@@ -287,10 +296,12 @@ def _estimate(
         check_fingerprint(plan_fingerprint, "another model", tracer.setup.state.built_model, spec.name)
     simulations = tracer.simulations
     batch_size = settings.batch_size
-    tracer.trace_aside(second_batch_size(batch_size))  # the slope's batch size, beside the first trace
+    # The slope's batch size beside the first trace; a budget's search reads its least device memory too.
+    tracer.trace_aside(second_batch_size(batch_size), device_fit=budget_bytes is not None)
     main = tracer.simulate(batch_size)
     traced = tracer.first
     assert traced is not None
+    _ = main.smallest_device_bytes  # the result's, found while the forked trace may still run, not after it
     other = tracer.slope_batch_size()
     slope = (main.peak_bytes - tracer.simulate(other).phase_peak_bytes[main.phase]) // (batch_size - other)
     max_batch = fits = None
