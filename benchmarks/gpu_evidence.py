@@ -184,7 +184,8 @@ def environment(out: Path) -> None:
     try:
         facts = receiver.recv() if receiver.poll(120) else {"error": "timed out"}
     except EOFError:  # the child failed before it sent anything (its traceback is on stderr)
-        facts = {"error": f"the environment's process exited with {process.join(30) or process.exitcode}"}
+        process.join(30)
+        facts = {"error": f"the environment's process exited with {process.exitcode}"}
     process.join(30)
     import transformers
 

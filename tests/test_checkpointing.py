@@ -365,6 +365,10 @@ def test_a_forward_that_fails_inside_a_segment_leaves_autograd_and_the_model_wor
     model.blocks[failing].fail = error
     with pytest.raises(error):
         model(x)
+    # What else may hold the open checkpoint (a debugger's frames): it must be closed all the same, not left to
+    # the moment its last reference goes.
+    segment = next(iter(model.blocks[0]._forward_pre_hooks.values())).func.__self__
+    held = segment.generator
 
     def unrelated_autograd_works() -> None:
         unrelated = torch.ones(3, requires_grad=True)
@@ -377,3 +381,4 @@ def test_a_forward_that_fails_inside_a_segment_leaves_autograd_and_the_model_wor
     unrelated_autograd_works()
     for expected, actual in zip(_grads(reference, x), planned, strict=True):
         torch.testing.assert_close(actual, expected)
+    del held

@@ -228,7 +228,6 @@ def _with_environment(settings: dict[str, Any], as_json: bool) -> dict[str, Any]
 
 def _call(function: Callable[..., Any], model: str, settings: dict[str, Any], as_json: bool, **options: Any) -> Any:
     """One library call with the options every command shares: the model's source, --hf-args, progress."""
-    collect_less()
     settings = _with_environment(dict(settings), as_json)
     source = {key: settings.pop(key) for key in ("inputs", "loss", "task")}
     merged, file_notes = _with_hf_args(settings, as_json)  # before _progress: its messages would stop the spinner

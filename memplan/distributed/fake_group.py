@@ -86,10 +86,17 @@ def rank_fake_group(world_size: int, option: str) -> None:
 
     with unset_fake_temporarily():
         if dist.is_initialized() and not (_lingering and dist.group.WORLD is _lingering[0]):
-            if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
-                raise _refusal(world_size, option)
+            _use_the_process_s_own(world_size, option)
             return
     lingering_fake_group(world_size, option)
+
+
+def _use_the_process_s_own(world_size: int, option: str) -> None:
+    """The process's own initialized group is used where it is a fake one of this size, else refused."""
+    import torch.distributed as dist
+
+    if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
+        raise _refusal(world_size, option)
 
 
 @contextlib.contextmanager
@@ -101,8 +108,7 @@ def fake_default_group(world_size: int, option: str) -> Iterator[None]:
     with unset_fake_temporarily():  # what the group makes (a DeviceMesh's rank tensor) must be real
         release_lingering_group()
         if dist.is_initialized():
-            if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
-                raise _refusal(world_size, option)
+            _use_the_process_s_own(world_size, option)
         else:
             _init_fake_group(world_size)
             made = True

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memplan.distributed.fsdp import storage_resizes_recorded
 from memplan.errors import MemplanError
@@ -72,8 +73,6 @@ def trace_custom_step(
     eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
     graphs = _SavedTensors(recorder.node_count)
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     step_hook = register_optimizer_step_post_hook(after_step)
     try:
         on_target = target_kernels(settings)

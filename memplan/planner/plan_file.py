@@ -203,9 +203,9 @@ def _as_traced(settings: dict[str, Any]) -> dict[str, Any]:
 def _refuse_a_wrapper(model: nn.Module, plan: Plan) -> None:
     """A model wrapped after it was planned (DistributedDataParallel's `module`, torch.compile's `_orig_mod`) names
     its modules under the wrapper's prefix: the plan is for the model inside, which is what to say."""
-    inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+    attribute = "_orig_mod" if isinstance(getattr(model, "_orig_mod", None), nn.Module) else "module"
+    inner = getattr(model, attribute, None)
     if isinstance(inner, nn.Module) and model_fingerprint(inner) == plan.fingerprint:
-        attribute = "_orig_mod" if getattr(model, "_orig_mod", None) is inner else "module"
         raise UsageError(
             f"this model wraps the model the plan was made for ({type(model).__name__}): apply the plan to the model "
             f"inside (`apply_plan(model.{attribute}, ...)`), or before wrapping it (DistributedDataParallel, "
