@@ -27,6 +27,25 @@ def tiny_model_dirs(tmp_path_factory):
     return {name: write_tiny_config(name, folder) for name in TINY_HF_CONFIGS}
 
 
+@pytest.fixture
+def measure_in_this_process(monkeypatch):
+    """validate's real measurement (memplan.validate.measure, what its worker process runs) made in the
+    test's own process: the worker's start-up (torch, torch._dynamo for the optimizer, transformers:
+    about 4 s each) is what such a test would otherwise spend its time on. The worker process itself is
+    tested where it is the point (tests/test_validate.py)."""
+    import dataclasses
+
+    from memplan.models.source import resolve_model
+    from memplan.validate import runner
+    from memplan.validate.measure import measure
+
+    def measure_here(model, settings, *, warmup, snapshot=None, timeout_s=None):
+        spec = resolve_model(**model.to_dict())
+        return dataclasses.asdict(measure(spec, settings, warmup=warmup, snapshot=snapshot))
+
+    monkeypatch.setattr(runner, "measure_in_subprocess", measure_here)
+
+
 @pytest.fixture(autouse=True)
 def _collector_spares_earlier_tests():
     """What the worker holds from earlier tests (and the imports) is frozen for the test's length, as the

@@ -163,7 +163,7 @@ def test_plan_jobs_one_process_gives_the_same_plan(tmp_path):
     assert zero.exit_code == 2 and "--jobs" in zero.output
 
 
-def test_plan_json_and_plan_file_round_trip(tmp_path):
+def test_plan_json_and_plan_file_round_trip(tmp_path, measure_in_this_process):
     model = _deep_gpt2(tmp_path)
     common = [model, "-b", "2", "--seq-len", "32", "--device", "cpu"]
     plan_path = tmp_path / "plan.json"

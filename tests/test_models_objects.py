@@ -85,7 +85,7 @@ def test_object_mistakes_are_one_line_errors():
         memplan.estimate(real, inputs=token_inputs, loss=3, device="cpu")
 
 
-def test_a_model_that_cannot_run_at_half_the_batch_is_estimated_at_the_batch_asked():
+def test_a_model_that_cannot_run_at_half_the_batch_is_estimated_at_the_batch_asked(measure_in_this_process):
     """The per-sample slope's second trace ran at half the batch: at 1, where BatchNorm in training fails
     ("Expected more than 1 value per channel"), so estimate and validate stopped on a batch that runs. The
     slope is traced at twice the batch there; the prediction is the real CPU run's."""

@@ -55,7 +55,7 @@ def test_a_crashing_or_slow_measurement_is_a_result_not_an_exception() -> None:
     assert "unknown" not in stopped.output  # no "measured on unknown" for a measurement that never reported
 
 
-def test_smoke_suite_writes_as_it_goes_and_resumes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_smoke_suite_writes_as_it_goes_and_resumes(tmp_path, monkeypatch, measure_in_this_process) -> None:  # type: ignore[no-untyped-def]
     from memplan.api import validate_suite
     from memplan.validate.suite import SUITES
 
