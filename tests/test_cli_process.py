@@ -107,13 +107,20 @@ def test_a_closed_standard_output_is_no_traceback_and_keeps_the_usage_error_s_st
     assert refused == "memplan: error: batch size must be a positive integer, got 0\nstatus 2\n"
 
 
-def test_an_answer_that_cannot_be_written_is_one_line_and_status_1(tmp_path: Path) -> None:
+def test_an_answer_that_cannot_be_written_is_one_line_and_status_1(tmp_path: Path, monkeypatch) -> None:
     """`memplan estimate ... > /dev/full` (a full disk): a 30-line traceback from the cache's replay, and an
     internal error from the traced answer. The suite turns the cache off (conftest); these children have one."""
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
     cached = {key: value for key, value in ENVIRONMENT.items() if key != "MEMPLAN_NO_CACHE"}
     cached["MEMPLAN_CACHE_DIR"] = str(tmp_path)
     args = ["estimate", "tiny-gpt2", "-b", "2", "--seq-len", "16", "--device", "cpu", "-q"]  # a preset: cached
-    assert _memplan(args, cached, stdout=subprocess.DEVNULL).returncode == 0  # answered, and kept
+    monkeypatch.delenv("MEMPLAN_NO_CACHE")
+    monkeypatch.setenv("MEMPLAN_CACHE_DIR", str(tmp_path))
+    assert CliRunner().invoke(main, args).exit_code == 0  # answered, and kept (here: a child would take 2 s more)
+    assert list(tmp_path.iterdir())
     with open("/dev/full", "w") as full:
         for extra in ([], ["--no-cache"]):  # answered from the cache, then traced
             done = _memplan([*args, *extra], cached, stdout=full, stderr=subprocess.PIPE)
