@@ -5,7 +5,7 @@ The phases in order: importing torch; transformers and memplan; the first FakeTe
 imports torch._dynamo); resolving the model; building it and the optimizer's state under fake
 tensors; each of the estimate's two traces and its simulation; then, apart, one more device fit of
 the first trace's timeline (the allocator replays a budget search repeats).
-`--collect-less` applies what the CLI does after its imports (memplan.cli.running._collect_less:
+`--collect-less` applies what the CLI does after its imports (memplan.cli.collector.collect_less:
 gc.freeze and higher thresholds); `--no-collector` turns Python's cyclic collector off altogether.
 """
 
@@ -36,9 +36,9 @@ from memplan.settings import TrainingSettings  # noqa: E402
 
 mark("import transformers and memplan")
 if "--collect-less" in sys.argv:
-    from memplan.cli.running import _collect_less
+    from memplan.cli.collector import collect_less
 
-    _collect_less()
+    collect_less()
 if "--no-collector" in sys.argv:
     import gc
 
