@@ -133,3 +133,25 @@ def adamw_made_in_the_step(model: torch.nn.Module, batch: dict, optimizer: torch
     model(**batch)["loss"].backward()
     own.step()
     own.zero_grad(set_to_none=True)
+
+
+def gradients_by_autograd_grad(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The gradients from torch.autograd.grad, set on the parameters by hand, then the optimizer's step."""
+    params = [param for param in model.parameters() if param.requires_grad]
+    for param, gradient in zip(params, torch.autograd.grad(model(**batch)["loss"], params), strict=True):
+        param.grad = gradient
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def with_a_closure(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The forward and backward in the closure the optimizer's step calls (as LBFGS needs)."""
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch)["loss"]
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    optimizer.zero_grad(set_to_none=True)

@@ -25,6 +25,8 @@ STEPS = (
     "with_lr_schedule",
     "auxiliary_loss_logged",
     "forward_only",
+    "gradients_by_autograd_grad",
+    "with_a_closure",
 )
 
 
@@ -65,10 +67,19 @@ def test_the_steps_differ_as_they_should():
     assert _measured_peak("two_views") > canonical_like > _measured_peak("accumulate_halves")
 
 
-def test_the_phases_are_where_the_function_calls_backward_and_step():
-    simulation = _predicted("two_views")
+@pytest.mark.parametrize("name", ["two_views", "gradients_by_autograd_grad", "with_a_closure"])
+def test_the_phases_are_where_the_function_calls_backward_and_step(name):
+    """`torch.autograd.grad` ends the forward as `loss.backward()` does; a closure's backward ends as it returns,
+    not as the step that calls it begins (its pre-hooks run first). On CUDA the backward runs on the autograd
+    engine's device thread, which gets a cuBLAS handle and workspace of its own (CublasHandlePool.cpp): two
+    workspaces of 32 MiB on an H100 (":4096:8"), one for each thread that multiplies matrices."""
+    simulation = _predicted(name)
     phases = simulation.phase_peak_bytes
     assert set(phases) == {"forward", "backward", "optimizer"} and all(value > 0 for value in phases.values())
+    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    settings = TrainingSettings(batch_size=BATCH, gpu="H100-80GB", step=f"tests.custom_steps:{name}")
+    on_cuda = simulate(trace_step(spec, spec.settings_for(settings)))
+    assert on_cuda.breakdown["workspaces"] == 2 * 4096 * 1024 * 8
 
 
 @pytest.mark.parametrize(

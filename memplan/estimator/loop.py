@@ -323,21 +323,33 @@ GradientsSeen = Callable[[list[torch.Tensor], Any], None]
 
 @contextlib.contextmanager
 def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | None) -> Iterator[None]:
-    """Mark the forward's end at the first backward call and the backward's end at the first step of an
-    optimizer (memplan's, or one the function makes itself: torch's global step pre-hook), showing `on_step`
-    the gradients each backward leaves and those the step finds, with that optimizer (or, without a step, those
-    the function leaves). `on_step` must not keep them: the step's own zero_grad frees them."""
+    """Mark the forward's end at the first backward call (`loss.backward()`, `torch.autograd.backward` or
+    `torch.autograd.grad`) and the backward's end at the first step of an optimizer (memplan's, or one the
+    function makes itself: torch's global step pre-hook), showing `on_step` the gradients each backward leaves
+    and those the step finds, with that optimizer (or, without a step, those the function leaves). `on_step`
+    must not keep them: the step's own zero_grad frees them. A step given a closure (`optimizer.step(closure)`,
+    as LBFGS needs) runs the forward and backward inside it: the backward ends when the closure returns, not
+    when the step begins (torch calls its pre-hooks first). The phases decide which ops ran on the autograd
+    engine's thread, and so how many cuBLAS workspaces the step holds (memplan.estimator.transients)."""
     marked: set[str] = set()
     original_backward = torch.autograd.backward
+    original_grad = torch.autograd.grad
 
-    def backward(*args: Any, **kwargs: Any) -> Any:
+    def forward_ends() -> None:
         if not marked:
             marked.add("forward")
             marker("forward")
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        forward_ends()
         returned = original_backward(*args, **kwargs)
         if on_step is not None:  # a function that updates the weights by hand, then frees .grad, has them here
             on_step(current_grads(state), None)
         return returned
+
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        forward_ends()
+        return original_grad(*args, **kwargs)
 
     optimizer = state.optimizer
     original_step = optimizer.step if optimizer is not None else None
@@ -349,20 +361,43 @@ def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | 
                 on_step(current_grads(state), stepped)
             marker("backward")
 
-    def step(*args: Any, **kwargs: Any) -> Any:
-        stepping(optimizer)
-        assert original_step is not None
-        return original_step(*args, **kwargs)
+    def with_closure_marked(stepped: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The step's arguments with its closure (if any) marking the backward's end as it returns."""
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure) or "backward" in marked:
+            return None
 
-    def any_step(stepped: Any, args: Any, kwargs: Any) -> None:
-        if stepped is not optimizer:  # the function's own optimizer (memplan's marks its step above)
+        def marked_closure() -> Any:
+            returned = closure()
             stepping(stepped)
+            return returned
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": marked_closure}
+        return (marked_closure, *args[1:]), kwargs
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        assert original_step is not None
+        closure_marked = with_closure_marked(optimizer, args, kwargs)
+        if closure_marked is None:
+            stepping(optimizer)
+            return original_step(*args, **kwargs)
+        return original_step(*closure_marked[0], **closure_marked[1])
+
+    def any_step(stepped: Any, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
+        if stepped is optimizer:  # memplan's (its step, above, marks it)
+            return None
+        closure_marked = with_closure_marked(stepped, args, kwargs)
+        if closure_marked is None:
+            stepping(stepped)
+        return closure_marked  # torch calls the step with these arguments (a hook may return new ones)
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     any_step_hook = register_optimizer_step_pre_hook(any_step)
 
     torch.autograd.backward = backward  # Tensor.backward looks it up as torch.autograd.backward
+    torch.autograd.grad = grad
     own_step = optimizer.__dict__.get("step") if optimizer is not None else None  # e.g. an LR scheduler's
     if optimizer is not None:
         # A bound method, as LR schedulers expect of optimizer.step (they wrap its __func__).
@@ -372,6 +407,7 @@ def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | 
     finally:
         any_step_hook.remove()
         torch.autograd.backward = original_backward
+        torch.autograd.grad = original_grad
         if optimizer is not None:
             if own_step is None:
                 del optimizer.step  # back to the class's own method
