@@ -94,6 +94,16 @@ class EagerLifetimes(TorchDispatchMode):
       unshard before a module's backward) is not either. The graph is hooked as backward() is
       called, roots included. Recomputation inside a checkpoint runs with grad mode on, which tells
       its ops apart.
+    - A leaf that requires grad but is no parameter (an embedding's output made to require grad by
+      transformers' `enable_input_require_grads`, the recipe for gradient checkpointing with frozen
+      embeddings; a reentrant checkpoint's detached inputs) is held by its AccumulateGrad Node as long
+      as the graph lives (torch/csrc/autograd/functions/accumulate_grad.h, `variable`), past its last
+      use in the forward: as long as the tensor the backward ran from (the loss, which the loop lets
+      go after the backward), whose Node holds the graph. Told as (leaf's storage, root's storage)
+      pairs in `graph_leaves`; the leaf's own Python object may outlive that here, held by the
+      trace's bookkeeping, so its finalizer would say too late. (The gradient the backward leaves in
+      the leaf's `.grad` is held as long too; no case where that outlives its last read and meets
+      the peak has been found, so it is left to the graph.)
     """
 
     @classmethod
@@ -118,6 +128,9 @@ class EagerLifetimes(TorchDispatchMode):
         self._in_formula = False
         self._hooked = False
         self._finished = False  # finish() ran: the step it watched is over
+        # Leaves of the graph being run that are no parameters, weakly: a reference would keep them alive.
+        self._graph_leaves: list[weakref.ref[torch.Tensor]] = []
+        self.graph_leaves: list[tuple[StorageWeakRef, StorageWeakRef]] = []  # (leaf, root): see above
 
     def _formula_called(self, grad_outputs: object) -> None:
         self._formula_starting = True
@@ -142,10 +155,14 @@ class EagerLifetimes(TorchDispatchMode):
     def before_backward(self, tensors: object) -> None:
         """The backward of `tensors` is about to run: every Node of their graph, roots included, gets
         its hooks now, so the ops a root's tensor pre-hooks run are told from its formula too."""
-        roots = [tensor.grad_fn for tensor in tensors_in(tensors) if tensor.grad_fn is not None]
-        if roots:
+        root_tensors = [tensor for tensor in tensors_in(tensors) if tensor.grad_fn is not None]
+        if root_tensors:
             self._hooked = True
-            self._hook_graph(roots, running=None)
+            self._hook_graph([tensor.grad_fn for tensor in root_tensors], running=None)
+            leaves = [leaf for leaf in (reference() for reference in self._graph_leaves) if leaf is not None]
+            roots = [storage_key(tensor) for tensor in root_tensors]
+            self.graph_leaves += [(storage_key(leaf), root) for leaf in leaves for root in roots]
+        self._graph_leaves.clear()
 
     def _hook_graph(self, roots: list[Any], running: Any) -> None:
         """Hooks on every Node reachable from `roots` but `running`, whose formula runs already."""
@@ -163,6 +180,8 @@ class EagerLifetimes(TorchDispatchMode):
             if node is not running:
                 node.register_prehook(self._formula_called)
                 node.register_hook(self._formula_returned)
+            if type(node).__name__ == "AccumulateGrad" and not isinstance(node.variable, torch.nn.Parameter):
+                self._graph_leaves.append(weakref.ref(node.variable))
             stack.extend(next_node for next_node, _ in node.next_functions)
 
     def _observe_frames(self, now: int) -> None:
