@@ -99,9 +99,12 @@ class EagerLifetimes(TorchDispatchMode):
       embeddings; a reentrant checkpoint's detached inputs) is held by its AccumulateGrad Node as long
       as the graph lives (torch/csrc/autograd/functions/accumulate_grad.h, `variable`), past its last
       use in the forward: as long as the tensor the backward ran from (the loss, which the loop lets
-      go after the backward), whose Node holds the graph. Told as (leaf's storage, root's storage)
-      pairs in `graph_leaves`; the leaf's own Python object may outlive that here, held by the
-      trace's bookkeeping, so its finalizer would say too late. (The gradient the backward leaves in
+      go after the backward), whose Node holds the graph, and at least until that backward returns
+      (a reentrant checkpoint's recomputed output, the root of the backward its own backward runs, is
+      held by torch's frame, which memplan does not watch, until after it reads the detached inputs'
+      gradients). Told as (leaf's storage, root's storage) pairs in `graph_leaves` and as local
+      lifetimes; the leaf's own Python object may outlive that here, held by the trace's
+      bookkeeping, so its finalizer would say too late. (The gradient the backward leaves in
       the leaf's `.grad` is held as long too; no case where that outlives its last read and meets
       the peak has been found, so it is left to the graph.)
     """
@@ -152,17 +155,28 @@ class EagerLifetimes(TorchDispatchMode):
         self._formula_done = True
         self._formula_starting = False
 
-    def before_backward(self, tensors: object) -> None:
+    def before_backward(self, tensors: object) -> list[StorageWeakRef]:
         """The backward of `tensors` is about to run: every Node of their graph, roots included, gets
-        its hooks now, so the ops a root's tensor pre-hooks run are told from its formula too."""
+        its hooks now, so the ops a root's tensor pre-hooks run are told from its formula too. Returns
+        the storages that live at least until this backward returns: the tensors it runs from (the
+        caller passed them: a reentrant checkpoint's recomputed output, held by a torch frame memplan
+        does not watch, has no other use) and the graph's leaves that are no parameters (see the
+        class's docstring)."""
         root_tensors = [tensor for tensor in tensors_in(tensors) if tensor.grad_fn is not None]
+        leaf_keys = []
         if root_tensors:
             self._hooked = True
             self._hook_graph([tensor.grad_fn for tensor in root_tensors], running=None)
             leaves = [leaf for leaf in (reference() for reference in self._graph_leaves) if leaf is not None]
+            leaf_keys = [storage_key(leaf) for leaf in leaves]
             roots = [storage_key(tensor) for tensor in root_tensors]
-            self.graph_leaves += [(storage_key(leaf), root) for leaf in leaves for root in roots]
+            self.graph_leaves += [(leaf, root) for leaf in leaf_keys for root in roots]
+            leaf_keys += roots
         self._graph_leaves.clear()
+        return leaf_keys
+
+    def backward_returned(self, leaf_keys: list[StorageWeakRef]) -> None:
+        self.local_lifetimes += [(key, self.node_count() - 1) for key in leaf_keys]
 
     def _hook_graph(self, roots: list[Any], running: Any) -> None:
         """Hooks on every Node reachable from `roots` but `running`, whose formula runs already."""
@@ -288,8 +302,10 @@ def lifetimes_tracked(eager_lifetimes: EagerLifetimes) -> Iterator[None]:
     backward = torch.autograd.backward
 
     def hooked_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        eager_lifetimes.before_backward(tensors)
-        return backward(tensors, *args, **kwargs)
+        leaves = eager_lifetimes.before_backward(tensors)
+        returned = backward(tensors, *args, **kwargs)
+        eager_lifetimes.backward_returned(leaves)
+        return returned
 
     # A Python autograd Function's backward (PyNode::apply, python_function.cpp) drops its incoming gradients and
     # saved tensors as its Python call returns, before the engine casts a returned gradient to its input's dtype
