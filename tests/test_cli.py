@@ -343,6 +343,14 @@ def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_c
     assert data["settings"]["cuda_alloc_conf"] == "expandable_segments:True"
     assert data["peak_bytes"] == default["peak_bytes"] and data["reserved_peak_bytes"] != default["reserved_peak_bytes"]
     assert any("expandable_segments:True" in note for note in data["notes"])
+    # torch 2.11+ reads PYTORCH_ALLOC_CONF where PYTORCH_CUDA_ALLOC_CONF is unset (CUDAAllocatorConfig.h)
+    newer = CliRunner().invoke(main, common, env={"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+    assert json.loads(newer.stdout)["reserved_peak_bytes"] == data["reserved_peak_bytes"]
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert (
+        json.loads(CliRunner().invoke(main, common, env=both).stdout)["reserved_peak_bytes"]
+        == default["reserved_peak_bytes"]
+    )
     noted = json.loads(run(*common, "--cuda-alloc-conf", "backend:cudaMallocAsync,max_split_size_mb:64").stdout)
     assert noted["reserved_peak_bytes"] == default["reserved_peak_bytes"]  # no block of this step reaches 64 MiB
     assert [note for note in noted["notes"] if "not modelled" in note] == [

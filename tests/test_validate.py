@@ -179,6 +179,7 @@ def test_the_measured_run_sets_the_cuda_library_switches_the_prediction_assumed(
     from memplan.validate.measure import configure_cuda_libraries
 
     monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "999")  # inherited, but not in the settings: removed
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch's other name for the allocator's
     before = (
         torch.backends.cudnn.benchmark,
         torch.backends.cudnn.allow_tf32,
@@ -191,6 +192,7 @@ def test_the_measured_run_sets_the_cuda_library_switches_the_prediction_assumed(
             )
         )
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and "CUDNN_CONV_WSCAP_DBG" not in os.environ
+        assert "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
         assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.allow_tf32
         assert torch.are_deterministic_algorithms_enabled()
     finally:

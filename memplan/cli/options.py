@@ -177,10 +177,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         click.option(
             "--cuda-alloc-conf",
             metavar="KEY:VALUE,...",
-            envvar="PYTORCH_CUDA_ALLOC_CONF",
+            # torch 2.11+ reads PYTORCH_ALLOC_CONF where PYTORCH_CUDA_ALLOC_CONF is unset (CUDAAllocatorConfig.h,
+            # instance()); click takes the first of these that is set, the same order
+            envvar=["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"],
             show_envvar=True,
-            help="The run's PYTORCH_CUDA_ALLOC_CONF: expandable_segments, max_split_size_mb, max_non_split_rounding_mb "
-            "and roundup_power2_divisions are simulated; other keys are noted.",
+            help="The run's PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF): expandable_segments, max_split_size_mb, "
+            "max_non_split_rounding_mb and roundup_power2_divisions are simulated; other keys are noted.",
         ),
         click.option(
             "--loop",

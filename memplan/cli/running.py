@@ -201,7 +201,7 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> tuple[dict[str, An
 _ENVIRONMENT_OPTIONS: dict[str, tuple[tuple[str, ...], Any, bool]] = {
     "cudnn_workspace_cap_mib": (("CUDNN_CONV_WSCAP_DBG",), None, False),
     "cublas_workspace_config": (("CUBLAS_WORKSPACE_CONFIG",), None, False),
-    "cuda_alloc_conf": (("PYTORCH_CUDA_ALLOC_CONF",), None, False),
+    "cuda_alloc_conf": (("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"), None, False),
     "nccl_buffsize": (("NCCL_BUFFSIZE",), None, True),
     "nccl_max_ctas": (("NCCL_MAX_CTAS", "NCCL_MAX_NCHANNELS"), None, True),
     "nccl_nvls": (("NCCL_NVLS_ENABLE",), True, True),

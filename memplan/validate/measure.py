@@ -121,12 +121,15 @@ def configure_cuda_libraries(settings: TrainingSettings) -> None:
     """Set the run's CUDA library switches as the prediction assumed them, before CUDA starts.
 
     The environment variables are set or removed to match the settings exactly (an inherited
-    CUBLAS_WORKSPACE_CONFIG the prediction did not count would make the two runs differ).
+    CUBLAS_WORKSPACE_CONFIG the prediction did not count would make the two runs differ). The allocator's
+    configuration goes in PYTORCH_CUDA_ALLOC_CONF alone: torch 2.11+ reads PYTORCH_ALLOC_CONF where that
+    is unset (c10/cuda/CUDAAllocatorConfig.h, instance()), so an inherited one is removed.
     """
     for variable, value in (
         ("CUBLAS_WORKSPACE_CONFIG", settings.cublas_workspace_config),
         ("CUDNN_CONV_WSCAP_DBG", settings.cudnn_workspace_cap_mib),
         ("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf),  # read when the allocator starts
+        ("PYTORCH_ALLOC_CONF", None),
     ):
         if value is None:
             os.environ.pop(variable, None)
