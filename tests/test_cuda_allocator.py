@@ -310,6 +310,19 @@ def test_the_free_end_of_an_expandable_segment_is_taken_last() -> None:
     assert allocator.block(end) == (base + 14 * MiB, 6 * MiB) and allocator.reserved_bytes == 20 * MiB
 
 
+def test_an_expandable_pool_past_its_addresses_is_refused_not_overlapped() -> None:
+    """Each pool's one segment spans 5 << 46 addresses (320 TiB, more than any device); a step that maps
+    more made a second segment at the same base, whose blocks overlapped the first's (a traced batch of
+    2^20 ended in an AssertionError or a KeyError)."""
+    from memplan.errors import SettingsError
+
+    allocator = _expandable()
+    first = allocator.malloc(3 << 46)
+    assert first is not None and allocator.reserved_bytes == -(-(3 << 46) // (20 * MiB)) * 20 * MiB  # whole pages
+    with pytest.raises(SettingsError, match="more than 320 TiB in one pool"):
+        allocator.malloc(3 << 46)
+
+
 def test_freed_blocks_merge_into_the_end_and_small_requests_share_2mib_pages() -> None:
     allocator = _expandable()
     allocator.malloc(6 * MiB)

@@ -25,6 +25,19 @@ def test_linear_peaks_need_one_confirming_trace():
     assert calls == [40]
 
 
+def test_a_device_figure_that_falls_from_one_batch_to_the_next_is_galloped_from_not_jumped_past():
+    """A cuda step's least device memory is a step function of the batch: it fell by 2 MiB from batch 1 to 2
+    (llama-3.2-1b, amp-bf16, expandable segments), the fitted line had no slope, and the search traced the
+    largest batch memplan models (2^20), which the allocator's replay could not hold."""
+
+    def falls_then_grows(batch):
+        return {"device": 1000 - 2 * batch if batch <= 2 else 996 + 100 * (batch - 2)}
+
+    best, calls = _search(falls_then_grows, 1700, start=(1, 2))
+    assert best == 9  # 996 + 700 fits, 996 + 800 does not
+    assert max(calls) <= 16  # doubled from 2 until over the budget, then bisected back
+
+
 def test_flat_phase_above_budget_means_nothing_fits():
     best, _ = _search(linear, 1400)
     assert best == 0

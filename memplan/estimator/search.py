@@ -57,6 +57,11 @@ def find_max_batch_size(known: dict[int, PhasePeaks], trace_at: Callable[[int], 
             anchor = low or high or 1
             pair = sorted(sorted(known, key=lambda b: (abs(b - anchor), b))[:2])
         guess, predict = _line_max_batch([(b, known[b]) for b in pair], budget_bytes)
+        if guess >= MAX_BATCH_SIZE and high is None:
+            # No phase grew between the two: a cuda step's device figure can fall by a segment from one batch
+            # size to the next (llama-3.2-1b, amp-bf16, expandable segments: 2 MiB less at batch 2 than at 1).
+            # That says nothing of where the budget is reached: gallop up from the largest batch seen.
+            guess = min(2 * max(known), MAX_BATCH_SIZE)
         guess = min(max(guess, low + 1), high - 1 if high is not None else MAX_BATCH_SIZE)
         if high is not None and attempt % 2 == 1:
             guess = (low + high) // 2  # every other step bisects, so a bent line cannot stall the search

@@ -28,6 +28,7 @@ without end, so that second segment never appears (the pages mapped, hence reser
 
 from __future__ import annotations
 
+from memplan.errors import SettingsError
 from memplan.estimator.cuda.alloc_conf import LARGE_SEGMENT_BYTES, AllocatorConfig
 from memplan.estimator.cuda.allocator_blocks import Block, FreePool, PoolKey, UnmappedRanges
 from memplan.estimator.cuda.allocator_sizes import SMALL_SEGMENT_BYTES
@@ -118,6 +119,13 @@ class ExpandableSegments:
                 return start
         # The pool's first request: its segment, all addresses and no memory yet.
         stream, small = key
+        if any(head.pool_key == key for head in self._segment_heads):
+            # Its one segment has no room left: more than any device holds (a second one at the same base
+            # would overlap it). A device of that size would have run out first.
+            raise SettingsError(
+                f"the step maps more than {_EXPANDABLE_ADDRESSES >> 40:,} TiB in one pool of expandable segments; "
+                "give a smaller batch or sequence"
+            )
         segment = Block(_expandable_base(key), _EXPANDABLE_ADDRESSES, small, mapped=False, stream=stream)
         self._unmapped_of(key).add(segment)
         self._segment_heads.append(segment)
