@@ -27,7 +27,7 @@ def output_bytes_rule(*ops: Any) -> Callable[[OutputBytesRule], OutputBytesRule]
 
 
 def _load_families() -> None:
-    from memplan.estimator.oprules import losses, norms, rnn  # noqa: F401  (registers their rules)
+    from memplan.estimator.oprules import col2im, losses, norms, rnn  # noqa: F401  (registers their rules)
 
 
 _load_families()
