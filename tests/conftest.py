@@ -57,6 +57,17 @@ def measure_in_this_process(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _no_fake_group_outlives_its_test():
+    """A rank traced by calling trace_step directly (not through the API, whose entry points release it) leaves
+    its fake default group in place for as long as the rank lives (memplan.distributed.fake_group): a later test
+    that makes a group of its own found one already ("trying to initialize the default process group twice")."""
+    yield
+    from memplan.distributed.fake_group import release_lingering_group
+
+    release_lingering_group()
+
+
+@pytest.fixture(autouse=True)
 def _collector_spares_earlier_tests():
     """What the worker holds from earlier tests (and the imports) is frozen for the test's length, as the
     command line freezes what its imports made (memplan.cli.collector, collect_less): a test's collections,
