@@ -92,6 +92,9 @@ class TrainingState:
     # --parallel: the rank's DistributedDataParallel (its wrapper is `model`) and its buckets, or FSDP2's
     # sharded model.
     data_parallel: Any = None  # memplan.distributed.ddp.DataParallelRank or .fsdp.FullyShardedRank
+    # The trainable parameters a micro-batch's backward reaches (ids), where a warm-up found them out: a loop
+    # that keeps gradients across micro-batches holds gradients for these only (memplan.estimator.trace).
+    reached: frozenset[int] | None = None
 
     @property
     def built_model(self) -> nn.Module:
