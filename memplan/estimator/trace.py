@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,22 @@ class FakeSetup:
     state: TrainingState
 
 
+@contextlib.contextmanager
+def _untraced(state: TrainingState, spec: ModelSpec, settings: TrainingSettings) -> Iterator[None]:
+    """An untraced run of the user's model or step: a failure in it is said as a traced one's is, naming the
+    module it happened in (a BatchNorm at batch 1 had been an internal error)."""
+    tracker = ModuleTracker(state.built_model, lambda: 0)
+    try:
+        with tracker:
+            yield
+    except MemplanError:
+        raise
+    except Exception as error:
+        if settings.step is not None:
+            raise step_failure(error, settings) from error
+        raise trace_failure(error, tracker.current(), spec, state.batch) from error
+
+
 @deferred()
 def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
@@ -97,33 +114,20 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
         if settings.step is None and state.data_parallel is None:
             _warm_up_optimizer(state)
     if settings.step is None and state.data_parallel is None and gradients_outlive_the_step(settings):
-        untraced = ModuleTracker(state.built_model, lambda: 0)  # names the module a failure is in
-        try:
-            with untraced:
-                _find_the_reached_parameters(state, settings, fake_mode)
-        except MemplanError:
-            raise
-        except Exception as error:
-            raise trace_failure(error, untraced.current(), spec, state.batch) from error
+        with _untraced(state, spec, settings):
+            _find_the_reached_parameters(state, settings, fake_mode)
     if settings.step is not None or state.data_parallel is not None:
         # One untraced iteration leaves the state a steady-state one finds: whatever the user's own
         # step leaves; under DDP, the optimizer's state and the order the gradients became ready,
         # in which the second iteration's forward makes the buckets again.
-        untraced = ModuleTracker(state.built_model, lambda: 0)  # names the module a failure is in
-        try:
-            offload_copies = copies_made(state.data_parallel)
-            with fake_mode, real_run_paths(), target_kernels(settings), constant_item(), offload_copies, untraced:
+        offload_copies = copies_made(state.data_parallel)
+        with _untraced(state, spec, settings):
+            with fake_mode, real_run_paths(), target_kernels(settings), constant_item(), offload_copies:
                 iteration(state)  # the user's step, where there is one
                 if state.data_parallel is not None:
                     # Now, not at the traced step's first forward: that would trace the old buckets
                     # freed and the new ones made (where the warm-up ran one forward, it has not yet).
                     state.data_parallel.after_warm_up()
-        except MemplanError:
-            raise
-        except Exception as error:
-            if settings.step is not None:
-                raise step_failure(error, settings) from error
-            raise trace_failure(error, untraced.current(), spec, state.batch) from error
     return FakeSetup(fake_mode=fake_mode, state=state)
 
 
@@ -192,16 +196,8 @@ def trace_step(
                 if state.reached is None or id(param) in state.reached:
                     param.grad = torch.zeros_like(param)
     if gradients_outlive_the_step(settings) and state.data_parallel is not None:
-        # an untraced micro-batch: a failure in the user's model is said as the traced one's is (a BatchNorm at
-        # batch 1 was an internal error here, and the slope's fallback to a larger batch never ran)
-        untraced = ModuleTracker(state.built_model, lambda: 0)
-        try:
-            with untraced:
-                _gradients_as_ddp_makes_them(state, settings, fake_mode)
-        except MemplanError:
-            raise
-        except Exception as error:
-            raise trace_failure(error, untraced.current(), spec, state.batch) from error
+        with _untraced(state, spec, settings):  # (the slope's fallback to a larger batch relies on its errors)
+            _gradients_as_ddp_makes_them(state, settings, fake_mode)
     previous_grads = [
         (storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in current_grads(state)
     ]
