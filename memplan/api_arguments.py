@@ -197,7 +197,10 @@ def budget_in_bytes(budget: str | int | None, settings: TrainingSettings) -> int
                 raise SettingsError(f"budget must be a whole number of bytes or a size such as '24GiB'; got {budget!r}")
             budget = int(budget)
         return parse_size(budget)
-    return gpu_named(settings.gpu).budget_bytes(settings.outside_allocator_bytes) if settings.gpu is not None else None
+    if settings.gpu is None:
+        return None
+    fraction = settings.allocator_config.per_process_memory_fraction
+    return gpu_named(settings.gpu).budget_bytes(settings.outside_allocator_bytes, fraction)
 
 
 def checked_progress(progress: Any) -> Any:

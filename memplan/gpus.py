@@ -67,10 +67,14 @@ class Gpu:
     def usable_bytes(self) -> int:
         return self.budget_bytes(CONTEXT_BYTES)
 
-    def budget_bytes(self, outside_allocator_bytes: int) -> int:
+    def budget_bytes(self, outside_allocator_bytes: int, memory_fraction: float | None = None) -> int:
         """What the card leaves torch's allocator, with `outside_allocator_bytes` (the CUDA context, NCCL's
-        communicator: TrainingSettings.outside_allocator_bytes) taken off; one line where that leaves nothing."""
+        communicator: TrainingSettings.outside_allocator_bytes) taken off; one line where that leaves nothing.
+        `memory_fraction` (PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction) caps the allocator at that
+        share of the card's memory, as torch's allowed_memory_maximum does (CUDACachingAllocator.cpp)."""
         budget = self.total_bytes - outside_allocator_bytes
+        if memory_fraction is not None:
+            budget = min(budget, int(memory_fraction * self.total_bytes))
         if budget <= 0:
             from memplan.sizes import format_bytes
 

@@ -357,6 +357,13 @@ def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_c
         "PYTORCH_CUDA_ALLOC_CONF backend: not modelled; "
         "reserved_peak_bytes follows the allocator's default rules for them"
     ]
+    # per_process_memory_fraction caps the allocator at that share of the card (setMemoryFraction): a T4's
+    # 15,360 MiB x 0.3, where the card alone leaves it 15,360 MiB less the 767 MiB context
+    on_t4 = [*common, "--gpu", "T4"]
+    assert json.loads(run(*on_t4).stdout)["budget_bytes"] == (15360 - 767) * 2**20
+    capped = json.loads(run(*on_t4, "--cuda-alloc-conf", "per_process_memory_fraction:0.3").stdout)
+    assert capped["budget_bytes"] == int(0.3 * 15360 * 2**20)
+    assert any("judged against it on the T4" in note for note in capped["notes"])
     collected = json.loads(run(*common, "--cuda-alloc-conf", "garbage_collection_threshold:0.8").stdout)
     assert collected["reserved_peak_bytes"] == default["reserved_peak_bytes"]
     assert any("set_per_process_memory_fraction" in note for note in collected["notes"])

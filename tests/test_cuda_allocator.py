@@ -367,6 +367,8 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
         "pinned_use_cuda_host_register",
     )
     assert parse_alloc_conf("garbage_collection_threshold:0.6")[0].garbage_collection_threshold == 0.6
+    capped = parse_alloc_conf("per_process_memory_fraction:0.5")
+    assert capped == (AllocatorConfig(per_process_memory_fraction=0.5), ())  # modelled, not a noted key
     rounding = parse_alloc_conf("max_non_split_rounding_mb:30")[0]
     assert (rounding.max_non_split_rounding_bytes, rounding.max_split_size_bytes) == (30 * MiB, None)
     for text, reason in (
@@ -382,6 +384,8 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
         ("roundup_power2_divisions:[256:2", "closing"),
         ("garbage_collection_threshold:1.0", r"in \(0.0, 1.0\)"),
         ("garbage_collection_threshold:0", r"in \(0.0, 1.0\)"),
+        ("per_process_memory_fraction:1.5", r"in \[0.0, 1.0\]"),  # torch: "set it in [0.0, 1.0]"
+        ("per_process_memory_fraction:half", "takes a number"),
         ("roundup_power2_divisions:x", "^roundup_power2_divisions takes a whole number, got 'x'$"),
         ("roundup_power2_divisions:[4:x]", "^roundup_power2_divisions takes a whole number, got 'x'$"),
         ("roundup_power2_divisions:[4:2:1]", "^roundup_power2_divisions takes a whole number, got '2:1'$"),

@@ -194,9 +194,24 @@ def _library_notes(settings: TrainingSettings, has_convolutions: bool) -> list[s
         config, unmodelled = parse_alloc_conf(settings.cuda_alloc_conf)
         if config.expandable_segments:
             notes.append("expandable_segments:True: reserved_peak_bytes follows the allocator's expandable segments")
+        fraction = config.per_process_memory_fraction
+        if fraction is not None:
+            notes.append(
+                f"per_process_memory_fraction:{fraction:g}: torch's allocator is capped at that share of the card's "
+                "memory; "
+                + (
+                    f"fits and the largest batch are judged against it on the {settings.gpu}"
+                    if settings.gpu is not None
+                    else "give --gpu to have fits judged against the card's share (a --budget is taken as given)"
+                )
+            )
         if config.garbage_collection_threshold is not None:
             notes.append(
-                "garbage_collection_threshold: acts only where the process caps itself with "
+                "garbage_collection_threshold: frees cached blocks once the allocator's use passes that share of "
+                "its cap (CUDACachingAllocator.cpp garbage_collect_cached_blocks), which memplan does not model: it "
+                "can only lower reserved_peak_bytes"
+                if fraction is not None
+                else "garbage_collection_threshold: acts only where the process caps itself with "
                 "torch.cuda.set_per_process_memory_fraction (CUDACachingAllocator.cpp malloc), which this step does "
                 "not; it changes nothing here"
             )

@@ -102,7 +102,8 @@ def run_gpu_choice(
     labels = [f"[{number}/{len(names)}] {name}" for number, name in enumerate(names, start=1)]
     for name, label in zip(names, labels, strict=True):
         on_card = settings.replace(gpu=name)
-        budget = gpu_named(name).budget_bytes(on_card.outside_allocator_bytes)
+        fraction = on_card.allocator_config.per_process_memory_fraction
+        budget = gpu_named(name).budget_bytes(on_card.outside_allocator_bytes, fraction)
         estimate = run_estimate(
             spec,
             on_card,

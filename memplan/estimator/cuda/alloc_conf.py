@@ -43,6 +43,10 @@ class AllocatorConfig:
     max_non_split_rounding_bytes: int = LARGE_SEGMENT_BYTES
     roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS
     garbage_collection_threshold: float | None = None
+    # torch 2.11+: the allocator's own cap, as torch.cuda.set_per_process_memory_fraction sets it: the
+    # DeviceCachingAllocator's constructor calls setMemoryFraction with it, after which a segment past
+    # `fraction * totalGlobalMem` is an out-of-memory (CUDACachingAllocator.cpp alloc_block). None: no cap.
+    per_process_memory_fraction: float | None = None
 
     def oversize(self, block_bytes: int) -> bool:
         return self.max_split_size_bytes is not None and block_bytes >= self.max_split_size_bytes
@@ -147,6 +151,14 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
             if not 0.0 < threshold < 1.0:
                 raise ValueError(f"garbage_collection_threshold must be in (0.0, 1.0), got {value}")
             options["garbage_collection_threshold"] = threshold
+        elif key == "per_process_memory_fraction":
+            try:
+                fraction = float(value)
+            except ValueError:
+                raise ValueError(f"per_process_memory_fraction takes a number, got {value!r}") from None
+            if not 0.0 <= fraction <= 1.0:  # CUDAAllocatorConfig's parser: "set it in [0.0, 1.0]"
+                raise ValueError(f"per_process_memory_fraction must be in [0.0, 1.0], got {value}")
+            options["per_process_memory_fraction"] = fraction
         else:
             unmodelled.append(key)
     return AllocatorConfig(**options), tuple(unmodelled)  # type: ignore[arg-type]
