@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import memplan
+from memplan.errors import SettingsError
 from tests.hand_measure import measured_step_peak
 
 
@@ -72,3 +73,20 @@ def test_a_loop_that_keeps_gradients_keeps_none_for_parameters_no_gradient_reach
     model = WithUnusedHead()
     measured = measured_step_peak(step, model, {"x": rows(32)}, torch.optim.AdamW(model.parameters()))
     assert predicted.peak_bytes == pytest.approx(measured, rel=0, abs=16)
+
+
+class SparseEmbeddingBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.EmbeddingBag(1000, 16, sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids).square().mean()
+
+
+def test_a_sparse_embedding_is_refused_in_one_line():
+    """Its gradient is a sparse COO tensor with no storage of its own: torch's "Cannot access storage of
+    SparseTensorImpl" had come out blamed on the loss or optimizer."""
+    ids = lambda batch_size: torch.randint(0, 1000, (batch_size, 4))  # noqa: E731
+    with pytest.raises(SettingsError, match=r"module table makes sparse gradients \(EmbeddingBag\(sparse=True\)\)"):
+        memplan.estimate(SparseEmbeddingBag(), inputs=ids, batch_size=8, device="cpu", optimizer="sgd")

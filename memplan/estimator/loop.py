@@ -103,9 +103,24 @@ class TrainingState:
         return self.data_parallel.module if self.data_parallel is not None else self.model
 
 
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make sparse COO gradients, whose memory is
+    two tensors (indices and values) with no storage of their own: memplan keys every tensor by its storage,
+    and had failed with torch's "Cannot access storage of SparseTensorImpl", blamed on the loss or optimizer."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse and module.weight.requires_grad:
+            kind = type(module).__name__
+            raise SettingsError(
+                f"module {name or kind} makes sparse gradients ({kind}(sparse=True)), which memplan does not model: "
+                "estimate with sparse=False, whose dense gradient is at least as large while a batch holds fewer "
+                "distinct rows than the table"
+            )
+
+
 def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     """Build model, batch and optimizer in the active tensor mode (fake or real)."""
     model = spec.build(settings)
+    _refuse_sparse_gradients(model)
     model.train()
     dtype = STORAGE_DTYPES[settings.precision]
     if dtype != torch.float32:  # adapters the user's own peft model holds keep their dtype, as peft keeps them
