@@ -310,6 +310,20 @@ def test_the_free_end_of_an_expandable_segment_is_taken_last() -> None:
     assert allocator.block(end) == (base + 14 * MiB, 6 * MiB) and allocator.reserved_bytes == 20 * MiB
 
 
+def test_a_large_segment_size_sizes_the_segments_and_pages_of_1_to_10_mib_requests() -> None:
+    """large_segment_size_mb:64 (torch 2.11+): a 6 MiB request gets a 64 MiB segment (get_allocation_size), a
+    second fits in it; with expandable segments the large pool maps 64 MiB pages (find_expandable_block)."""
+    from memplan.estimator.cuda.allocator import AllocatorConfig
+
+    for expandable in (False, True):
+        allocator = CachingAllocator(AllocatorConfig(expandable_segments=expandable, large_segment_bytes=64 * MiB))
+        allocator.malloc(6 * MiB)
+        allocator.malloc(6 * MiB)
+        assert (allocator.segments, allocator.reserved_bytes) == (1, 64 * MiB)
+        allocator.malloc(60 * MiB)  # from 10 MiB on: a segment of its own (2 MiB-rounded), or one more page
+        assert allocator.reserved_bytes == (128 if expandable else 124) * MiB
+
+
 def test_an_expandable_pool_past_its_addresses_is_refused_not_overlapped() -> None:
     """Each pool's one segment spans 5 << 46 addresses (320 TiB, more than any device); a step that maps
     more made a second segment at the same base, whose blocks overlapped the first's (a traced batch of
@@ -367,6 +381,12 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
         "pinned_use_cuda_host_register",
     )
     assert parse_alloc_conf("garbage_collection_threshold:0.6")[0].garbage_collection_threshold == 0.6
+    # torch 2.11+'s large_segment_size_mb: the 1-10 MiB requests' segment, and the split limits' floor in either order
+    large = parse_alloc_conf("large_segment_size_mb:64")[0]
+    assert (large.large_segment_bytes, large.max_non_split_rounding_bytes) == (64 * MiB, 20 * MiB)
+    for text in ("large_segment_size_mb:64,max_split_size_mb:40", "max_split_size_mb:40,large_segment_size_mb:64"):
+        with pytest.raises(ValueError, match="max_split_size_mb too small, must be >= 64"):
+            parse_alloc_conf(text)
     capped = parse_alloc_conf("per_process_memory_fraction:0.5")
     assert capped == (AllocatorConfig(per_process_memory_fraction=0.5), ())  # modelled, not a noted key
     rounding = parse_alloc_conf("max_non_split_rounding_mb:30")[0]
@@ -384,7 +404,11 @@ def test_pytorch_cuda_alloc_conf_is_read_as_torch_reads_it() -> None:
         ("roundup_power2_divisions:[256:2", "closing"),
         ("garbage_collection_threshold:1.0", r"in \(0.0, 1.0\)"),
         ("garbage_collection_threshold:0", r"in \(0.0, 1.0\)"),
-        ("per_process_memory_fraction:1.5", r"in \[0.0, 1.0\]"),  # torch: "set it in [0.0, 1.0]"
+        ("per_process_memory_fraction:1.5", r"in \[0.0, 1.0\]"),
+        (
+            "large_segment_size_mb:10",
+            "must be > 10 MB",
+        ),  # parseLargeSegmentSize: > kMinLargeAlloc / kMB  # torch: "set it in [0.0, 1.0]"
         ("per_process_memory_fraction:half", "takes a number"),
         ("roundup_power2_divisions:x", "^roundup_power2_divisions takes a whole number, got 'x'$"),
         ("roundup_power2_divisions:[4:x]", "^roundup_power2_divisions takes a whole number, got 'x'$"),

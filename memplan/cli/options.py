@@ -182,7 +182,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             envvar=["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"],
             show_envvar=True,
             help="The run's PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF): expandable_segments, max_split_size_mb, "
-            "max_non_split_rounding_mb and roundup_power2_divisions are simulated; other keys are noted.",
+            "max_non_split_rounding_mb, roundup_power2_divisions and large_segment_size_mb are simulated, "
+            "per_process_memory_fraction caps a --gpu's budget; other keys are noted.",
         ),
         click.option(
             "--loop",

@@ -26,12 +26,13 @@ ALLOC_CONF_KEYS = frozenset(
         "backend",
         "graph_capture_record_stream_reuse",
         "per_process_memory_fraction",
+        "large_segment_size_mb",
     }
 )
 
 
 ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: one per power of two from 1 MiB to 64 GiB
-MIN_SPLIT_LIMIT_MB = LARGE_SEGMENT_BYTES >> 20  # max_split_size_mb and max_non_split_rounding_mb floor
+MIN_LARGE_ALLOC_MB = 10  # kMinLargeAlloc: requests from here on get segments of their own rounded size
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class AllocatorConfig:
     # DeviceCachingAllocator's constructor calls setMemoryFraction with it, after which a segment past
     # `fraction * totalGlobalMem` is an out-of-memory (CUDACachingAllocator.cpp alloc_block). None: no cap.
     per_process_memory_fraction: float | None = None
+    # torch 2.11+'s large_segment_size_mb (AcceleratorAllocatorConfig, kLargeBuffer before): the segment a
+    # 1-10 MiB request gets (get_allocation_size), the large pool's expandable page (find_expandable_block),
+    # and the floor of max_split_size_mb (parseMaxSplitSize).
+    large_segment_bytes: int = LARGE_SEGMENT_BYTES
 
     def oversize(self, block_bytes: int) -> bool:
         return self.max_split_size_bytes is not None and block_bytes >= self.max_split_size_bytes
@@ -137,8 +142,6 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
             options["expandable_segments"] = value == "True"
         elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
             megabytes = _whole_number(key, value)
-            if megabytes < MIN_SPLIT_LIMIT_MB:
-                raise ValueError(f"{key} too small, must be >= {MIN_SPLIT_LIMIT_MB}")
             field_name = "max_split_size_bytes" if key == "max_split_size_mb" else "max_non_split_rounding_bytes"
             options[field_name] = megabytes << 20
         elif key == "roundup_power2_divisions":
@@ -159,6 +162,20 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
             if not 0.0 <= fraction <= 1.0:  # CUDAAllocatorConfig's parser: "set it in [0.0, 1.0]"
                 raise ValueError(f"per_process_memory_fraction must be in [0.0, 1.0], got {value}")
             options["per_process_memory_fraction"] = fraction
+        elif key == "large_segment_size_mb":
+            megabytes = _whole_number(key, value)
+            if megabytes <= MIN_LARGE_ALLOC_MB:  # parseLargeSegmentSize: "must be > kMinLargeAlloc / kMB"
+                raise ValueError(f"large_segment_size_mb must be > {MIN_LARGE_ALLOC_MB} MB, got {megabytes}")
+            options["large_segment_bytes"] = megabytes << 20
         else:
             unmodelled.append(key)
+    # The split limits' floor is the large segment (parseMaxSplitSize, parseMaxNonSplitRoundingSize), whichever
+    # order the keys come in.
+    floor_mb = int(options.get("large_segment_bytes", LARGE_SEGMENT_BYTES)) >> 20  # type: ignore[call-overload]
+    for key, field_name in (
+        ("max_split_size_mb", "max_split_size_bytes"),
+        ("max_non_split_rounding_mb", "max_non_split_rounding_bytes"),
+    ):
+        if field_name in options and int(options[field_name]) >> 20 < floor_mb:  # type: ignore[call-overload]
+            raise ValueError(f"{key} too small, must be >= {floor_mb}")
     return AllocatorConfig(**options), tuple(unmodelled)  # type: ignore[arg-type]

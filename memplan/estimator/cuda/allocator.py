@@ -181,7 +181,7 @@ class CachingAllocator(ExpandableSegments):
         return block
 
     def _new_segment(self, request: int, key: PoolKey) -> Block:
-        size = segment_size(request)
+        size = segment_size(request, self.config.large_segment_bytes)
         if not self._room_for(size):
             if not (self._release_oversize_segments(request, key) and self._room_for(size)):
                 self._release_cached_segments()

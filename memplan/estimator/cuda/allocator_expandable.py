@@ -29,7 +29,7 @@ without end, so that second segment never appears (the pages mapped, hence reser
 from __future__ import annotations
 
 from memplan.errors import SettingsError
-from memplan.estimator.cuda.alloc_conf import LARGE_SEGMENT_BYTES, AllocatorConfig
+from memplan.estimator.cuda.alloc_conf import AllocatorConfig
 from memplan.estimator.cuda.allocator_blocks import Block, FreePool, PoolKey, UnmappedRanges
 from memplan.estimator.cuda.allocator_sizes import SMALL_SEGMENT_BYTES
 
@@ -135,7 +135,7 @@ class ExpandableSegments:
     def _map(self, block: Block, size: int) -> Block | None:
         """map_block: back the front of an unmapped range with whole pages (20 MiB large, 2 MiB
         small) covering `size`, merged with free neighbours; None when the device has no room."""
-        page = SMALL_SEGMENT_BYTES if block.small else LARGE_SEGMENT_BYTES
+        page = SMALL_SEGMENT_BYTES if block.small else self.config.large_segment_bytes
         mapped = -(-size // page) * page
         if not self._room_for(mapped):
             return None
@@ -165,7 +165,7 @@ class ExpandableSegments:
     def _unmap(self, block: Block) -> None:
         """unmap_block: unmap the pages wholly inside a cached free block; what is left of the block
         before and after them stays mapped and free."""
-        page = SMALL_SEGMENT_BYTES if block.small else LARGE_SEGMENT_BYTES
+        page = SMALL_SEGMENT_BYTES if block.small else self.config.large_segment_bytes
         base = _expandable_base(block.pool_key)
         begin = base + -(-(block.address - base) // page) * page
         end = base + (block.address + block.size - base) // page * page

@@ -34,10 +34,11 @@ def _roundup_power2_next_division(num_bytes: int, divisions: int) -> int:
     return -(-num_bytes // step) * step
 
 
-def segment_size(rounded_bytes: int) -> int:
-    """get_allocation_size(): how much one cudaMalloc asks for to serve this request."""
+def segment_size(rounded_bytes: int, large_segment_bytes: int = LARGE_SEGMENT_BYTES) -> int:
+    """get_allocation_size(): how much one cudaMalloc asks for to serve this request (`large_segment_bytes`:
+    large_segment_size_mb's, 20 MiB unless set)."""
     if rounded_bytes <= SMALL_REQUEST_BYTES:
         return SMALL_SEGMENT_BYTES
     if rounded_bytes < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_SEGMENT_BYTES
+        return large_segment_bytes
     return -(-rounded_bytes // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
