@@ -25,6 +25,7 @@ from memplan.estimator.held_tensors import (
 )
 from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.recorder import fake_device_query
+from memplan.estimator.regenerated_views import RegeneratedViews
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
@@ -134,6 +135,7 @@ class EagerLifetimes(TorchDispatchMode):
         # Leaves of the graph being run that are no parameters, weakly: a reference would keep them alive.
         self._graph_leaves: list[weakref.ref[torch.Tensor]] = []
         self.graph_leaves: list[tuple[StorageWeakRef, StorageWeakRef]] = []  # (leaf, root): see above
+        self._regenerated_views = RegeneratedViews(node_count, self.local_lifetimes)
 
     def _formula_called(self, grad_outputs: object) -> None:
         self._formula_starting = True
@@ -255,6 +257,7 @@ class EagerLifetimes(TorchDispatchMode):
             return NotImplemented  # observed as the ops on its local tensors
         start = self.node_count()
         self._observe_frames(start - 1)
+        self._regenerated_views.before(func, args)
         autograd_node = torch._C._current_autograd_node()
         out = func(*args, **(kwargs or {}))
         end = self.node_count() - 1
