@@ -354,9 +354,16 @@ def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_c
     noted = json.loads(run(*common, "--cuda-alloc-conf", "backend:cudaMallocAsync,max_split_size_mb:64").stdout)
     assert noted["reserved_peak_bytes"] == default["reserved_peak_bytes"]  # no block of this step reaches 64 MiB
     assert [note for note in noted["notes"] if "not modelled" in note] == [
-        "PYTORCH_CUDA_ALLOC_CONF backend: not modelled; "
-        "reserved_peak_bytes follows the allocator's default rules for them"
+        "PYTORCH_CUDA_ALLOC_CONF backend, max_split_size_mb (ignored under backend:cudaMallocAsync, as torch ignores "
+        "it): not modelled; reserved_peak_bytes follows the allocator's default rules for them"
     ]
+    # torch ignores the native allocator's options under cudaMallocAsync (CUDAAllocatorConfig::parseArgs): so does
+    # memplan, where expandable segments had set reserved_peak_bytes (and said so beside the backend's note)
+    asynchronous = json.loads(
+        run(*common, "--cuda-alloc-conf", "backend:cudaMallocAsync,expandable_segments:True").stdout
+    )
+    assert asynchronous["reserved_peak_bytes"] == default["reserved_peak_bytes"]
+    assert not any(note.startswith("expandable_segments:True") for note in asynchronous["notes"])
     # per_process_memory_fraction caps the allocator at that share of the card (setMemoryFraction): a T4's
     # 15,360 MiB x 0.3, where the card alone leaves it 15,360 MiB less the 767 MiB context
     on_t4 = [*common, "--gpu", "T4"]

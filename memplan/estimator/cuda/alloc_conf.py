@@ -77,7 +77,45 @@ def _split_options(text: str) -> list[str]:
         else:
             current += char
     items.append(current)
-    return [item.strip() for item in items if item.strip()]
+    if items and not items[-1].strip():
+        items.pop()  # a trailing comma ends the list
+    if any(not item.strip() for item in items):  # torch reads the comma as a key: "Unrecognized key ','"
+        raise ValueError("an empty option (a comma where a key:value belongs)")
+    return [item.strip() for item in items]
+
+
+# Keys that take True or False (ConfigTokenizer::toBool: "Expected 'True' or 'False'").
+_TRUE_OR_FALSE_KEYS = frozenset(
+    {
+        "release_lock_on_cudamalloc",
+        "pinned_use_cuda_host_register",
+        "pinned_use_background_threads",
+        "graph_capture_record_stream_reuse",
+    }
+)
+# What the native caching allocator's options become under backend:cudaMallocAsync: ignored, as torch ignores
+# them there (CUDAAllocatorConfig::parseArgs warns "backend:cudaMallocAsync ignores max_split_size_mb,
+# roundup_power2_divisions, and garbage_collect_threshold"; expandable segments are the native allocator's too).
+_NATIVE_ONLY_OPTIONS = {
+    "expandable_segments": "expandable_segments",
+    "max_split_size_bytes": "max_split_size_mb",
+    "max_non_split_rounding_bytes": "max_non_split_rounding_mb",
+    "roundup_power2_divisions": "roundup_power2_divisions",
+    "garbage_collection_threshold": "garbage_collection_threshold",
+    "large_segment_bytes": "large_segment_size_mb",
+}
+
+
+def _check_noted_value(key: str, value: str) -> None:
+    """The values torch refuses at start-up for the keys memplan notes without modelling."""
+    if key in _TRUE_OR_FALSE_KEYS and value not in ("True", "False"):
+        raise ValueError(f"{key} takes True or False, got {value!r}")
+    if key == "backend" and value not in ("native", "cudaMallocAsync"):
+        raise ValueError(f"backend is native or cudaMallocAsync, got {value!r}")
+    if key == "pinned_num_register_threads":
+        threads = _whole_number(key, value)
+        if not power_of_two(threads) or threads > 128:
+            raise ValueError(f"pinned_num_register_threads must be a power of 2 up to 128, got {threads}")
 
 
 def _whole_number(key: str, value: str) -> int:
@@ -168,7 +206,11 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
                 raise ValueError(f"large_segment_size_mb must be > {MIN_LARGE_ALLOC_MB} MB, got {megabytes}")
             options["large_segment_bytes"] = megabytes << 20
         else:
-            unmodelled.append(key)
+            _check_noted_value(key, value)
+            if key == "backend" and value == "cudaMallocAsync":
+                options["backend"] = value
+            if key != "backend" or value != "native":
+                unmodelled.append(key)
     # The split limits' floor is the large segment (parseMaxSplitSize, parseMaxNonSplitRoundingSize), whichever
     # order the keys come in.
     floor_mb = int(options.get("large_segment_bytes", LARGE_SEGMENT_BYTES)) >> 20  # type: ignore[call-overload]
@@ -178,4 +220,8 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
     ):
         if field_name in options and int(options[field_name]) >> 20 < floor_mb:  # type: ignore[call-overload]
             raise ValueError(f"{key} too small, must be >= {floor_mb}")
+    if options.pop("backend", None) == "cudaMallocAsync":
+        for field_name, key in _NATIVE_ONLY_OPTIONS.items():
+            if options.pop(field_name, None) is not None:
+                unmodelled.append(f"{key} (ignored under backend:cudaMallocAsync, as torch ignores it)")
     return AllocatorConfig(**options), tuple(unmodelled)  # type: ignore[arg-type]
