@@ -18,18 +18,27 @@ BASE = {"seq_len": 32, "device": "cpu", "attn_impl": "eager"}
 
 
 def test_sweep_points_and_largest_batches_match_estimates():
+    """Every point and largest batch against a trace at that very batch size (one fake model per setting, as
+    an estimate's own trace at its batch size: memplan.estimator.estimate.BatchTracer)."""
+    spec = resolve_model("tiny-gpt2")
+
+    def traced(checkpoint: str):
+        settings = spec.settings_for(TrainingSettings(batch_size=1, checkpoint=checkpoint, **BASE))
+        tracer = BatchTracer(spec, settings)
+        return lambda batch_size: tracer.simulate(batch_size).peak_bytes
+
+    peak_of = {checkpoint: traced(checkpoint) for checkpoint in ("none", "all")}
     budget = estimate("tiny-gpt2", batch_size=6, **BASE).peak_bytes
+    assert peak_of["none"](6) == budget
     result = sweep("tiny-gpt2", batch_sizes=(1, 4, 8), checkpoints=("none", "all"), budget=budget, **BASE)
     assert [s.label for s in result.series] == ["fp32", "fp32, checkpoint all"]
     for series in result.series:
+        peak = peak_of[series.checkpoint]
         for point in series.points:
-            expected = estimate("tiny-gpt2", batch_size=point.batch_size, checkpoint=series.checkpoint, **BASE)
-            assert point.peak_bytes == expected.peak_bytes
-            assert point.fits == (expected.peak_bytes <= budget)
+            assert point.peak_bytes == peak(point.batch_size)
+            assert point.fits == (peak(point.batch_size) <= budget)
         largest = series.max_batch_size
-        at = estimate("tiny-gpt2", batch_size=largest, checkpoint=series.checkpoint, **BASE).peak_bytes
-        above = estimate("tiny-gpt2", batch_size=largest + 1, checkpoint=series.checkpoint, **BASE).peak_bytes
-        assert at <= budget < above
+        assert peak(largest) <= budget < peak(largest + 1)
     assert result.series[0].max_batch_size == 6
     assert result.series[1].max_batch_size > 6  # checkpointing every block fits a larger batch
 
