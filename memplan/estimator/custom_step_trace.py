@@ -23,6 +23,7 @@ from memplan.estimator.module_attributes import attribute_tensors
 from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.estimator.recorder import GraphRecorder
+from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.trace_errors import trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
 from memplan.models.source import ModelSpec
@@ -72,7 +73,7 @@ def trace_custom_step(
 
     eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
-    graphs = _SavedTensors(recorder.node_count)
+    graphs = SavedTensors(recorder.node_count)
     step_hook = register_optimizer_step_post_hook(after_step)
     try:
         on_target = target_kernels(settings)
@@ -117,58 +118,6 @@ def trace_custom_step(
             released_early.append((key, nbytes, max(freed_at[key] - 1, 0)))
     observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes)
     return traced_step_from(graph, state, boundaries, (categories, sizes), observed, None, released_early)
-
-
-class _Saved:
-    """What autograd keeps of one saved tensor while a --step's graph holds it (_SavedTensors)."""
-
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class _SavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """How long the step's autograd graphs hold the tensors they saved for backward.
-
-    The canonical loop runs a backward through every graph it builds, so a saved tensor's last reader is
-    its backward op. A step of the user's own may build a graph it never runs backward through (an
-    auxiliary loss kept for logging, a forward outside no_grad, the loss it returns): its saved tensors
-    live until the graph is dropped, which no op reads. Each saved tensor is packed in a holder whose
-    release (by the backward that ran it, or with the graph) is noted at the node count of that moment;
-    a holder still alive as the step ends (a graph the step keeps) lives to its end."""
-
-    def __init__(self, node_count: Callable[[], int]) -> None:
-        self._node_count = node_count
-        self._released: dict[StorageWeakRef, int] = {}
-        self._finalizers: list[tuple[StorageWeakRef, weakref.finalize]] = []
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> _Saved:
-        # Detached (the same storage and version counter, no grad_fn): a saved output holding its own grad_fn
-        # through the holder would be a reference cycle through the graph, never freed.
-        holder = _Saved(tensor.detach() if tensor.grad_fn is not None else tensor)
-        key = storage_key(tensor)
-        released, node_count = self._released, self._node_count
-
-        def note() -> None:  # holding neither the holder nor its tensor
-            released[key] = max(released.get(key, 0), node_count())
-
-        self._finalizers.append((key, weakref.finalize(holder, note)))
-        return holder
-
-    @staticmethod
-    def _unpack(holder: _Saved) -> torch.Tensor:
-        return holder.tensor
-
-    def lifetimes(self, step_end: int) -> list[tuple[StorageWeakRef, int]]:
-        """(storage, last node it is alive at) for every saved tensor; the finalizers detached."""
-        ends = {key: max(node - 1, 0) for key, node in self._released.items()}
-        for key, finalizer in self._finalizers:
-            if finalizer.detach() is not None:  # still held as the step ends
-                ends[key] = step_end
-        self._finalizers.clear()
-        return list(ends.items())
 
 
 def _note_when_freed(

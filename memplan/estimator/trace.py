@@ -47,6 +47,7 @@ from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.optimizers import local_optimizer
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
+from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
 from memplan.estimator.trace_errors import step_failure, trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
@@ -216,6 +217,7 @@ def trace_step(
 
     eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
+    graphs = SavedTensors(recorder.node_count)
     try:
         # Autocast's weight-cast cache stays on, as in the real run: EagerLifetimes records how
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).
@@ -233,7 +235,7 @@ def trace_step(
             swaps as swaps_seen,
             copies_made(state.data_parallel) as host_copies,
         ):
-            with lifetimes_tracked(eager_lifetimes):
+            with lifetimes_tracked(eager_lifetimes), graphs:
                 micro_batch(state, marker)
             eager_lifetimes.finish()
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
@@ -273,6 +275,7 @@ def trace_step(
         raise trace_failure(error, tracker.current(), spec, state.batch) from error
     step_end = recorder.node_count() - 1
     eager_lifetimes.local_lifetimes += [(key, step_end) for key in kept_on_modules]
+    eager_lifetimes.local_lifetimes += graphs.lifetimes(step_end)
     held_at_end = storages_held_by_fake_tensors() if swaps_seen is not None else None
     graph = recorder.finish(grads)
     categories, sizes = categorize_storages(state, grads)
