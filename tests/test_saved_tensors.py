@@ -50,3 +50,22 @@ def test_a_saved_tensor_no_op_of_the_backward_reads_lives_until_its_node_runs():
     settings = spec.settings_for(TrainingSettings(batch_size=8, device="cpu", optimizer="sgd"))
     predicted = simulate(trace_step(spec, settings)).peak_bytes
     assert abs(predicted - measure_cpu(spec, settings).peak_bytes) <= 8
+
+
+def test_a_saved_parameter_holds_no_storage_it_no_longer_has():
+    """autograd keeps a saved parameter itself, not the storage it had when saved: DeepSpeed's ZeRO-3 swaps a
+    layer's gathered weights out of the parameter after its forward (`param.data = empty`), and torch frees them
+    though the graph lives. Noting the storage the parameter had kept every layer's gathered weights to the
+    backward (+12 GiB on a llama-3-8b ZeRO-3 rank, docs/walkthroughs.md)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from memplan.estimator.saved_tensors import SavedTensors
+
+    weight = nn.Parameter(torch.randn(256, 256))
+    graphs = SavedTensors(lambda: 7)
+    with graphs:
+        output = torch.randn(4, 256, requires_grad=True) @ weight  # MmBackward0 saves both
+    gathered = StorageWeakRef(weight.untyped_storage())
+    weight.data = torch.empty(0)  # as ZeRO-3 releases a parameter after its module's forward
+    assert gathered.expired() and output.grad_fn is not None  # torch freed it, the graph still alive
+    assert gathered not in dict(graphs.lifetimes(step_end=9))
