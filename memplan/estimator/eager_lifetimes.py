@@ -99,15 +99,15 @@ class EagerLifetimes(TorchDispatchMode):
       transformers' `enable_input_require_grads`, the recipe for gradient checkpointing with frozen
       embeddings; a reentrant checkpoint's detached inputs) is held by its AccumulateGrad Node as long
       as the graph lives (torch/csrc/autograd/functions/accumulate_grad.h, `variable`), past its last
-      use in the forward: as long as the tensor the backward ran from (the loss, which the loop lets
-      go after the backward), whose Node holds the graph, and at least until that backward returns
-      (a reentrant checkpoint's recomputed output, the root of the backward its own backward runs, is
-      held by torch's frame, which memplan does not watch, until after it reads the detached inputs'
-      gradients). Told as (leaf's storage, root's storage) pairs in `graph_leaves` and as local
-      lifetimes; the leaf's own Python object may outlive that here, held by the trace's
-      bookkeeping, so its finalizer would say too late. (The gradient the backward leaves in
-      the leaf's `.grad` is held as long too; no case where that outlives its last read and meets
-      the peak has been found, so it is left to the graph.)
+      use in the forward: here, until the backward that runs the graph returns, as do the tensors it
+      runs from (a reentrant checkpoint's recomputed output, the root of the backward its own
+      backward runs, is held by torch's frame, which memplan does not watch, until after it reads
+      the detached inputs' gradients). The loop lets the loss, and with it the graph, go as the
+      backward returns; a step that keeps the loss longer keeps the leaf longer, which is not
+      modelled. The leaf's own Python object may outlive it here, held by the trace's bookkeeping,
+      so its finalizer would say too late. (The gradient the backward leaves in the leaf's `.grad`
+      is held as long too; no case where that outlives its last read and meets the peak has been
+      found, so it is left to the graph.)
     """
 
     @classmethod
@@ -134,7 +134,6 @@ class EagerLifetimes(TorchDispatchMode):
         self._finished = False  # finish() ran: the step it watched is over
         # Leaves of the graph being run that are no parameters, weakly: a reference would keep them alive.
         self._graph_leaves: list[weakref.ref[torch.Tensor]] = []
-        self.graph_leaves: list[tuple[StorageWeakRef, StorageWeakRef]] = []  # (leaf, root): see above
         self._regenerated_views = RegeneratedViews(node_count, self.local_lifetimes)
 
     def _formula_called(self, grad_outputs: object) -> None:
@@ -170,10 +169,7 @@ class EagerLifetimes(TorchDispatchMode):
             self._hooked = True
             self._hook_graph([tensor.grad_fn for tensor in root_tensors], running=None)
             leaves = [leaf for leaf in (reference() for reference in self._graph_leaves) if leaf is not None]
-            leaf_keys = [storage_key(leaf) for leaf in leaves]
-            roots = [storage_key(tensor) for tensor in root_tensors]
-            self.graph_leaves += [(leaf, root) for leaf in leaf_keys for root in roots]
-            leaf_keys += roots
+            leaf_keys = [storage_key(leaf) for leaf in leaves] + [storage_key(tensor) for tensor in root_tensors]
         self._graph_leaves.clear()
         return leaf_keys
 

@@ -176,9 +176,6 @@ def liveness(traced: TracedStep) -> Liveness:
                     continue
                 for key, _ in storages[index_of[source]]:
                     last_use[key] = max(last_use[key], last)
-    for key, root in traced.graph_leaves:
-        if key in last_use and root in last_use:
-            last_use[key] = max(last_use[key], last_use[root])
     for key, nbytes, end in traced.released_early:
         requested[key] = nbytes
         born[key], last_use[key] = 0, end

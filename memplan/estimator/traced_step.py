@@ -56,9 +56,6 @@ class TracedStep:
     # Graph nodes: weights a backward formula cast into the autocast cache, which the cache holds (python_lifetimes)
     # and the autograd engine does not (no extension to the formula's end).
     formula_casts: frozenset[int] = frozenset()
-    # (storage, root's storage): a graph leaf that is no parameter, or its gradient, held as long as the tensor
-    # the backward ran from (memplan.estimator.eager_lifetimes).
-    graph_leaves: tuple[tuple[StorageWeakRef, StorageWeakRef], ...] = ()
 
 
 @dataclass
@@ -102,7 +99,6 @@ def traced_step_from(
         python_lifetimes=observed.eager_lifetimes.local_lifetimes,
         backward_node_ops=observed.eager_lifetimes.backward_node_ops,
         formula_casts=frozenset(observed.eager_lifetimes.formula_casts),
-        graph_leaves=tuple(observed.eager_lifetimes.graph_leaves),
         seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),

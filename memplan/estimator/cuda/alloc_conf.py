@@ -167,6 +167,7 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
     """
     options: dict[str, object] = {}
     unmodelled = []
+    asynchronous = False  # backend:cudaMallocAsync
     for item in _split_options(text):
         key, separator, value = item.partition(":")
         key, value = key.strip(), value.strip()
@@ -207,9 +208,9 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
             options["large_segment_bytes"] = megabytes << 20
         else:
             _check_noted_value(key, value)
-            if key == "backend" and value == "cudaMallocAsync":
-                options["backend"] = value
-            if key != "backend" or value != "native":
+            if key == "backend":
+                asynchronous = value == "cudaMallocAsync"
+            if key != "backend" or asynchronous:
                 unmodelled.append(key)
     # The split limits' floor is the large segment (parseMaxSplitSize, parseMaxNonSplitRoundingSize), whichever
     # order the keys come in.
@@ -220,7 +221,7 @@ def parse_alloc_conf(text: str) -> tuple[AllocatorConfig, tuple[str, ...]]:
     ):
         if field_name in options and int(options[field_name]) >> 20 < floor_mb:  # type: ignore[call-overload]
             raise ValueError(f"{key} too small, must be >= {floor_mb}")
-    if options.pop("backend", None) == "cudaMallocAsync":
+    if asynchronous:
         for field_name, key in _NATIVE_ONLY_OPTIONS.items():
             if options.pop(field_name, None) is not None:
                 unmodelled.append(f"{key} (ignored under backend:cudaMallocAsync, as torch ignores it)")

@@ -4,12 +4,12 @@ memplan.estimator.cuda.allocator's module docstring says how they are used."""
 
 from __future__ import annotations
 
-from memplan.estimator.cuda.alloc_conf import LARGE_SEGMENT_BYTES, AllocatorConfig, power_of_two
+from memplan.estimator.cuda.alloc_conf import LARGE_SEGMENT_BYTES, MIN_LARGE_ALLOC_MB, AllocatorConfig, power_of_two
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
 SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize
 SMALL_SEGMENT_BYTES = 2 << 20  # kSmallBuffer
-MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
+MIN_LARGE_ALLOC_BYTES = MIN_LARGE_ALLOC_MB << 20  # kMinLargeAlloc
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
 
 
