@@ -129,6 +129,11 @@ def test_a_cancelled_job_s_child_is_gone():
 def _estimate_both_ways(monkeypatch, model: str, **settings) -> tuple[dict, dict, int]:
     import memplan
 
+    return _both_ways(monkeypatch, lambda: memplan.estimate(model, **settings))
+
+
+def _both_ways(monkeypatch, run) -> tuple[dict, dict, int]:
+    """`run()`'s result with forked traces beside this process's, and with none; how many were forked."""
     started = []
     real_job = forked.ForkedJob
 
@@ -138,9 +143,9 @@ def _estimate_both_ways(monkeypatch, model: str, **settings) -> tuple[dict, dict
             super().__init__(job)
 
     monkeypatch.setattr("memplan.estimator.estimate.ForkedJob", CountedJob)
-    aside = memplan.estimate(model, **settings).to_dict()
+    aside = run().to_dict()
     monkeypatch.setattr(CountedJob, "can_start", staticmethod(lambda: False))
-    here = memplan.estimate(model, **settings).to_dict()
+    here = run().to_dict()
     for result in (aside, here):
         result.pop("seconds")
     return aside, here, len(started)
@@ -155,6 +160,25 @@ def test_an_estimate_s_slope_traced_in_a_forked_child_is_the_one_traced_here(mon
     aside, here, forks = _estimate_both_ways(monkeypatch, "tiny-gpt2", batch_size=6, seq_len=64, device=device)
     assert forks == 1 and aside["traces"] == here["traces"] == 2
     assert aside == here
+
+
+@needs_fork
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_sweep_s_traced_points_in_forked_children_are_those_traced_here(monkeypatch, device):
+    """One series: batch 1 here with 8 beside it, then 2 here with 4 beside it (forked after the first trace, so
+    replaying its optimizer step); the lines through them answer 3 and 6."""
+    import memplan
+
+    monkeypatch.setenv("MEMPLAN_JOBS", "2")
+    if not forked.ForkedJob.can_start():
+        pytest.skip("no second core, or autograd cannot run in a forked child of this process")
+    sizes = (1, 2, 3, 4, 6, 8)
+    aside, here, forks = _both_ways(
+        monkeypatch, lambda: memplan.sweep("tiny-gpt2", batch_sizes=sizes, seq_len=64, device=device, budget="1GiB")
+    )
+    assert forks == 2 and aside == here
+    (series,) = aside["series"]
+    assert series["traces"] == 4 and [p["traced"] for p in series["points"]] == [1, 1, 0, 1, 0, 1]
 
 
 @needs_fork

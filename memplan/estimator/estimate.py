@@ -76,22 +76,33 @@ class BatchTracer:
     def trace_aside(self, batch_size: int, device_fit: bool = False) -> None:
         """Start tracing and simulating `batch_size` in a forked child (memplan.forked.ForkedJob) while this
         process traces another: on two cores, an estimate's two batch sizes in about the time of one.
-        simulate() collects it, and traces here instead where the child could not; close() stops it. The
-        child traces the optimizer step itself, where a trace here replays the first trace's recording of
-        it: the same requests (memplan.estimator.replay). With `device_fit` the child also finds the step's
+        simulate() collects it, and traces here instead where the child could not; close() stops it. A
+        child forked before the first trace here traces the optimizer step itself; one forked after it
+        replays that trace's recording of it, as a trace here does: the same requests
+        (memplan.estimator.replay). With `device_fit` the child also finds the step's
         least device memory (Simulation.smallest_device_bytes, a bisection of allocator replays that the
         batch search reads at both batch sizes), which comes back with the simulation."""
         if batch_size in self.simulations or batch_size in self._aside or not ForkedJob.can_start():
             return
         settings = self.settings.replace(batch_size=batch_size)
 
+        # A child forked after the first trace replays its optimizer step, as a trace here would.
+        replay = self.first.optimizer_recording if self.first else None
+
         def job() -> Simulation:
-            simulation = simulate(trace_step(self.spec, settings, self.setup, None))
+            simulation = simulate(trace_step(self.spec, settings, self.setup, replay))
             if device_fit:
                 _ = simulation.smallest_device_bytes  # a cached_property: pickled with the simulation
             return simulation
 
         self._aside[batch_size] = ForkedJob(job)
+
+    def traces_here(self, batch_size: int) -> bool:
+        """Whether answering `batch_size` takes a trace in this process: it is neither traced nor tracing in a
+        forked child, and no confirmed lines answer it (batch size 1 never is on them)."""
+        if batch_size in self.simulations or batch_size in self._aside:
+            return False
+        return self.lines is None or batch_size == 1
 
     def close(self) -> None:
         """Stop the forked traces nobody collected (the estimate failed or was interrupted before it needed them)."""

@@ -130,8 +130,23 @@ def _series(
     precision, checkpoint = series
     variant = spec.settings_for(settings.replace(precision=precision, checkpoint=checkpoint))
     tracer = BatchTracer(spec, variant, progress)
+    try:
+        return _traced_series(tracer, series, tracing_order(batch_sizes), budget_bytes)
+    finally:
+        tracer.close()  # stops a forked trace no point needed (the lines answered it)
+
+
+def _traced_series(
+    tracer: BatchTracer, series: tuple[str, str], order: list[int], budget_bytes: int | None
+) -> SweepSeries:
+    """The points in tracing order. Where a point takes a trace in this process, the next one is traced beside it
+    in a forked child (BatchTracer.trace_aside): on two cores the first four points, the most a series traces
+    before its lines are confirmed, in about the time of two traces."""
+    precision, checkpoint = series
     points = []
-    for batch in tracing_order(batch_sizes):
+    for index, batch in enumerate(order):
+        if index + 1 < len(order) and tracer.traces_here(batch):
+            tracer.trace_aside(order[index + 1], device_fit=True)  # its point reads the device figure
         figures = tracer.figures(batch)
         fits = tracer.fits(batch, budget_bytes) if budget_bytes is not None else None
         points.append(
