@@ -103,21 +103,36 @@ class CachingAllocator(ExpandableSegments):
         return unmapped
 
     def malloc(self, num_bytes: int, stream: int = 0) -> int:
+        # The hottest code of an allocator replay (a device fit replays a step a dozen times): pools and the
+        # best fit are looked up inline, as FreePool.best_fit and FreePool.remove would.
         config = self.config
         size = self._rounded.get(num_bytes)
         if size is None:  # a replay asks for the same sizes every iteration
             size = self._rounded[num_bytes] = round_size(num_bytes, config)
         small = size <= SMALL_REQUEST_BYTES
         key = (stream, small)
-        pool = self._pool(key)
-        block = pool.best_fit(size, expandable=config.expandable_segments)
-        if block is not None and config.oversize(block.size):
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = FreePool()
+        free = pool.free
+        index = bisect.bisect_left(free, (size, -1))
+        block = None
+        if config.expandable_segments:
+            block = pool.best_fit(size, expandable=True)
+        elif index < len(free):
+            block = pool.by_key[free[index]]
+        max_split = config.max_split_size_bytes
+        if block is not None and max_split is not None and block.size >= max_split:
             # get_free_block: no oversize block for a request below the limit, nor one more than
             # max_non_split_rounding larger than a request at or above it.
-            if not config.oversize(size) or block.size >= size + config.max_non_split_rounding_bytes:
+            if size < max_split or block.size >= size + config.max_non_split_rounding_bytes:
                 block = None
         if block is not None:
-            pool.remove(block)
+            if config.expandable_segments:
+                pool.remove(block)
+            else:  # the best fit is the first block at or above the request: `index`
+                del free[index]
+                del pool.by_key[(block.size, block.address)]
         elif config.expandable_segments:
             block = self._expandable_block(size, key)
         else:
@@ -126,17 +141,19 @@ class CachingAllocator(ExpandableSegments):
         if small or config.expandable_segments:
             split = remaining >= MIN_BLOCK_BYTES
         else:
-            split = not config.oversize(size) and remaining > SMALL_REQUEST_BYTES
+            split = (max_split is None or size < max_split) and remaining > SMALL_REQUEST_BYTES
         if split:
-            rest = Block(block.address + size, remaining, small, prev=block, next=block.next, stream=stream)
-            if block.next is not None:
-                block.next.prev = rest
+            following = block.next
+            rest = Block(block.address + size, remaining, small, prev=block, next=following, stream=stream)
+            if following is not None:
+                following.prev = rest
             block.next = rest
             block.size = size
             pool.add(rest)
         block.allocated = True
         self.allocated_bytes += block.size
-        self.max_allocated_bytes = max(self.max_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.max_allocated_bytes:
+            self.max_allocated_bytes = self.allocated_bytes
         handle = self._next_handle
         self._next_handle += 1
         self._handles[handle] = block
@@ -155,30 +172,29 @@ class CachingAllocator(ExpandableSegments):
         block = self._handles.pop(handle)
         block.allocated = False
         self.allocated_bytes -= block.size
-        self._pool(block.pool_key).add(self._merge_free_neighbours(block))
+        pool = self._pool((block.stream, block.small))
+        pool.add(self._merge_free_neighbours(block, pool))
 
-    def _merge_free_neighbours(self, block: Block) -> Block:
+    def _merge_free_neighbours(self, block: Block, pool: FreePool) -> Block:
         """try_merge_blocks with both neighbours: free ones of the same kind (mapped or not) join
-        it; they leave their pool, the merged block is returned to be put back in its own."""
-        for neighbour in (block.prev, block.next):
-            if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
-                continue
-            if neighbour.mapped:
-                self._pool(block.pool_key).remove(neighbour)
-            else:
-                self._unmapped_of(block.pool_key).remove(neighbour)
-            if neighbour is block.prev:
-                neighbour.size += block.size
-                neighbour.next = block.next
-                if block.next is not None:
-                    block.next.prev = neighbour
-                block = neighbour
-            else:
-                block.size += neighbour.size
-                block.next = neighbour.next
-                if neighbour.next is not None:
-                    neighbour.next.prev = block
+        it; they leave their pool (`pool`, the block's own), the merged block is returned to be put back in it."""
+        previous = block.prev
+        if previous is not None and not previous.allocated and previous.mapped == block.mapped:
+            self._leave(previous, block, pool)
+            _join(previous, block)
+            block = previous
+        following = block.next
+        if following is not None and not following.allocated and following.mapped == block.mapped:
+            self._leave(following, block, pool)
+            _join(block, following)
         return block
+
+    def _leave(self, neighbour: Block, block: Block, pool: FreePool) -> None:
+        """A free neighbour about to merge into `block` leaves their pool, or the pool's unmapped ranges."""
+        if neighbour.mapped:
+            pool.remove(neighbour)
+        else:
+            self._unmapped_of(block.pool_key).remove(neighbour)
 
     def _new_segment(self, request: int, key: PoolKey) -> Block:
         size = segment_size(request, self.config.large_segment_bytes)
@@ -266,3 +282,11 @@ class CachingAllocator(ExpandableSegments):
         """torch.cuda.reset_peak_memory_stats(): peaks restart from the current values."""
         self.max_allocated_bytes = self.allocated_bytes
         self.max_reserved_bytes = self.reserved_bytes
+
+
+def _join(block: Block, following: Block) -> None:
+    """`following`, the block right after `block` in its segment, becomes part of it."""
+    block.size += following.size
+    block.next = following.next
+    if following.next is not None:
+        following.next.prev = block

@@ -65,7 +65,7 @@ class ExpandableSegments:
     def _unmapped_of(self, key: PoolKey) -> UnmappedRanges:
         raise NotImplementedError
 
-    def _merge_free_neighbours(self, block: Block) -> Block:
+    def _merge_free_neighbours(self, block: Block, pool: FreePool) -> Block:
         raise NotImplementedError
 
     def _room_for(self, size: int) -> bool:
@@ -158,8 +158,9 @@ class ExpandableSegments:
         block.mapped = True
         self.reserved_bytes += mapped
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
-        merged = self._merge_free_neighbours(block)
-        self._pool(block.pool_key).add(merged)
+        pool = self._pool(block.pool_key)
+        merged = self._merge_free_neighbours(block, pool)
+        pool.add(merged)
         return merged
 
     def _unmap(self, block: Block) -> None:
@@ -191,4 +192,4 @@ class ExpandableSegments:
             pool.add(after)
         block.address, block.size, block.mapped = begin, end - begin, False
         self.reserved_bytes -= end - begin
-        self._unmapped_of(block.pool_key).add(self._merge_free_neighbours(block))
+        self._unmapped_of(block.pool_key).add(self._merge_free_neighbours(block, pool))
