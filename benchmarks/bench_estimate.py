@@ -1,9 +1,15 @@
 """Wall time and peak RSS of whole `memplan estimate` processes, and MemTracker for comparison.
 
-Usage: python benchmarks/bench_estimate.py [--only NAME]
+Usage: python benchmarks/bench_estimate.py [--only NAME] [--repeat N]
 Each command runs as its own process under /usr/bin/time, so start-up (importing torch and
 transformers) is included, as a user would experience it. memplan's answer cache is off for every
 case but "gpt2-from-cache": the gpt2 command run twice on an empty cache, the second timed.
+
+With --repeat N the cases run N times in turn (one round of every case, then the next), and a last
+line gives each case's median wall time and issue 20's ratios from those medians where their cases
+ran: gpt2 against MemTracker's whole process, the budget search and the 12-point sweep against one
+gpt2 estimate. A single run of a 3-second process varies by ±10% on the 2-core machine; the medians
+of interleaved rounds are what the targets are read from.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,19 +75,46 @@ def run(name: str, command: list[str], environment: dict[str, str]) -> dict:
     return row
 
 
+# issue 20's targets: (case, the case it is measured against, the most the ratio may be)
+RATIOS = (("gpt2", "memtracker-gpt2", 0.5), ("gpt2-budget", "gpt2", 1.1), ("gpt2-sweep-12", "gpt2", 1.5))
+
+
+def run_case(name: str) -> dict:
+    if name == "gpt2-from-cache":
+        with tempfile.TemporaryDirectory() as folder:
+            environment = {**os.environ, "MEMPLAN_CACHE_DIR": folder}
+            run(name, CASES[name], environment)  # answers and keeps the answer
+            return run(name, CASES[name], environment)
+    return run(name, CASES[name], {**os.environ, "MEMPLAN_NO_CACHE": "1"})
+
+
+def medians(rows: list[dict]) -> dict:
+    """Each case's median wall time, and the targets' ratios between the medians of the cases that ran."""
+    walls: dict[str, list[float]] = {}
+    for row in rows:
+        walls.setdefault(row["name"], []).append(row["wall_s"])
+    median = {name: round(statistics.median(values), 2) for name, values in walls.items()}
+    ratios = {
+        f"{case} / {against}": {"ratio": round(median[case] / median[against], 3), "target": target}
+        for case, against, target in RATIOS
+        if case in median and against in median
+    }
+    return {"rounds": max(map(len, walls.values()), default=0), "median_wall_s": median, "ratios": ratios}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", action="append", choices=sorted(CASES))
-    names = parser.parse_args().only or list(CASES)
-    for name in names:
-        if name == "gpt2-from-cache":
-            with tempfile.TemporaryDirectory() as folder:
-                environment = {**os.environ, "MEMPLAN_CACHE_DIR": folder}
-                run(name, CASES[name], environment)  # answers and keeps the answer
-                row = run(name, CASES[name], environment)
-        else:
-            row = run(name, CASES[name], {**os.environ, "MEMPLAN_NO_CACHE": "1"})
-        print(json.dumps(row), flush=True)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every case, in turn")
+    arguments = parser.parse_args()
+    names = arguments.only or list(CASES)
+    rows = []
+    for _ in range(max(arguments.repeat, 1)):
+        for name in names:
+            rows.append(run_case(name))
+            print(json.dumps(rows[-1]), flush=True)
+    if arguments.repeat > 1:
+        print(json.dumps(medians(rows)), flush=True)
 
 
 if __name__ == "__main__":
