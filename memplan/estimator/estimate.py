@@ -68,8 +68,8 @@ class BatchTracer:
         self.simulations: dict[int, Simulation] = {}
         self.first: TracedStep | None = None
         self.lines: BatchLines | None = None  # set once a third trace confirmed them
-        self.interpolated: dict[int, dict[str, int]] = {}  # batch size -> fit_phase_peaks, from the lines
         self.interpolated_timelines: dict[int, MemoryTimeline] = {}  # batch size -> its timeline, from the lines
+        self.interpolated: dict[int, dict[str, int]] = {}  # batch size -> fit_phase_peaks, from its timeline
         self._slope_batch_size: int | None = None
         self._aside: dict[int, ForkedJob] = {}  # batch size -> its trace and simulation in a forked child
 
@@ -120,23 +120,32 @@ class BatchTracer:
             _log.debug("batch size %d traced in this process: the forked trace failed (%s)", batch_size, failure)
             return None
 
-    def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
+    def _on_lines(self, batch_size: int) -> MemoryTimeline | None:
+        """The batch size's timeline from the confirmed lines; None where it takes a trace (no lines yet, a batch
+        size traced already, batch 1, which can take shortcuts and is never on them, or one whose requests would
+        not be whole bytes)."""
         if batch_size in self.simulations or self.lines is None or batch_size == 1:
-            return self.simulate(batch_size).fit_phase_peaks  # (batch 1 can take shortcuts: never on the lines)
-        if batch_size not in self.interpolated:
+            return None
+        if batch_size not in self.interpolated_timelines:
             raise_if_interrupted()
             timeline = self.lines.timeline_at(batch_size)
             if timeline is None:
-                return self.simulate(batch_size).fit_phase_peaks
-            self.interpolated[batch_size] = phase_fit_bytes(timeline, self.settings)
+                return None
             self.interpolated_timelines[batch_size] = timeline
+        return self.interpolated_timelines[batch_size]
+
+    def fit_phase_peaks(self, batch_size: int) -> dict[str, int]:
+        timeline = self._on_lines(batch_size)
+        if timeline is None:
+            return self.simulate(batch_size).fit_phase_peaks
+        if batch_size not in self.interpolated:
+            self.interpolated[batch_size] = phase_fit_bytes(timeline, self.settings)
         return self.interpolated[batch_size]
 
     def fits(self, batch_size: int, budget_bytes: int) -> bool:
         """Whether this batch size fits the budget, decided at the budget itself (Simulation.fits_within),
-        from the confirmed lines where they answered it."""
-        self.fit_phase_peaks(batch_size)
-        timeline = self.interpolated_timelines.get(batch_size)
+        from the confirmed lines where they answer it (a replay at the budget: no device figure is needed)."""
+        timeline = self._on_lines(batch_size)
         if timeline is None:
             return self.simulate(batch_size).fits_within(budget_bytes)
         return timeline_fits(timeline, self.settings, budget_bytes)
@@ -148,7 +157,7 @@ class BatchTracer:
         """The batch size's peak, reserved peak and least device memory: from the confirmed lines
         where they answer it, else from a trace."""
         self.fit_phase_peaks(batch_size)
-        timeline = self.interpolated_timelines.get(batch_size)
+        timeline = self._on_lines(batch_size)
         if timeline is None:
             simulation = self.simulate(batch_size)
             peaks = simulation.peak_bytes, simulation.reserved_peak_bytes, simulation.smallest_device_bytes
@@ -353,7 +362,7 @@ def _estimate(
         graph_nodes=len(traced.graph.nodes),
         step_flops=step_flops(traced),
         traces=len(simulations) + seq_len_traces,
-        interpolated_batch_sizes=len(tracer.interpolated),
+        interpolated_batch_sizes=len(tracer.interpolated_timelines),
         seconds=time.perf_counter() - started,
         budget_bytes=budget_bytes,
         fits=fits,

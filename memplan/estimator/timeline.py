@@ -100,6 +100,11 @@ class MemoryTimeline:
         """Its requests grouped as the allocator replay walks them (made when first asked, then kept)."""
         return ReplaySchedule.of(self)
 
+    @cached_property
+    def unlimited_allocator_peaks(self) -> dict[AllocatorConfig, tuple[int, int]]:
+        """allocator_peak_bytes's answers on a device without limit, by configuration, once each."""
+        return {}
+
     def phase_starts(self) -> dict[str, int]:
         return {"forward": 0, "backward": self.forward_end, "optimizer": self.backward_end}
 
@@ -310,9 +315,12 @@ def allocator_peak_bytes(
     (reserved_peak_bytes says how). The allocated figure is the allocator's own count: a request
     served by a cached block it does not split (a large block at most 1 MiB bigger, kSmallSize in
     CUDACachingAllocator.cpp) counts that whole block, as torch's allocated_bytes statistic does."""
-    allocator = CachingAllocator(config, capacity_bytes)
-    replay_steady_state(timeline, allocator)
-    return allocator.max_allocated_bytes, allocator.max_reserved_bytes
+    known = timeline.unlimited_allocator_peaks if capacity_bytes is None else {}
+    if config not in known:  # a device fit and the figures shown beside it replay the same timeline
+        allocator = CachingAllocator(config, capacity_bytes)
+        replay_steady_state(timeline, allocator)
+        known[config] = allocator.max_allocated_bytes, allocator.max_reserved_bytes
+    return known[config]
 
 
 def completes_within(timeline: MemoryTimeline, capacity_bytes: int, config: AllocatorConfig = DEFAULT_CONFIG) -> bool:
