@@ -80,6 +80,55 @@ def _inside_autocast() -> bool:
     return nesting > 0
 
 
+def _tensors_held(value: object) -> list[torch.Tensor]:
+    """The tensors a variable holding `value` keeps alive: itself, or those in it, one level of containers deep (a
+    model's output dict, ModelOutput among them, held in a variable keeps its logits alive)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value if isinstance(value, tuple | list) else value.values() if isinstance(value, dict) else ()
+    return [item for item in items if isinstance(item, torch.Tensor)]
+
+
+class LocalBindings:
+    """What one frame's variables held when last read, until each variable is bound to something else.
+
+    `x = f(x)` keeps the old `x` alive while `f` runs, and anything the frame calls meanwhile: the variable lets go
+    only when it is assigned. Reading the variables at every op of the frame (and as it calls others) tells when
+    each value was bound last; the storages of one that is gone live through the op before (`release`). A value
+    is known by identity: a weak reference to a tensor (none kept alive by this), the id of a container (its
+    contents are read once, when it is bound)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[str, tuple[object, list[StorageWeakRef]]] = {}  # variable -> (identity, storages)
+
+    def read(self, frame: FrameType, now: int, lifetimes: list[tuple[StorageWeakRef, int]]) -> None:
+        """The frame's variables at an op: a value bound since the last read replaces one that lived until `now`."""
+        current = frame.f_locals
+        for name in [name for name in self.held if name not in current]:  # a `del`
+            lifetimes.extend((key, now) for key in self.held.pop(name)[1])
+        held = self.held
+        for name, value in current.items():
+            entry = held.get(name)
+            if entry is not None:
+                identity = entry[0]
+                if identity == id(value) if isinstance(identity, int) else identity() is value:  # type: ignore[operator]
+                    continue
+                lifetimes.extend((key, now) for key in entry[1])
+                del held[name]
+            if isinstance(value, torch.Tensor):
+                held[name] = (weakref.ref(value), [storage_key(value)])
+            elif isinstance(value, tuple | list | dict):  # kept even without tensors: read once
+                held[name] = (id(value), [storage_key(tensor) for tensor in _tensors_held(value)])
+
+    def release(self, end: int, lifetimes: list[tuple[StorageWeakRef, int]]) -> None:
+        """The frame has returned (or the step ended): what its variables held lived through `end`."""
+        for _, keys in self.held.values():
+            lifetimes.extend((key, end) for key in keys)
+        self.held.clear()
+
+
 class EagerLifetimes(TorchDispatchMode):
     """What keeps tensors alive in eager execution past their last use by an op in the graph.
 
@@ -124,6 +173,7 @@ class EagerLifetimes(TorchDispatchMode):
         self.formula_casts: list[int] = []  # graph nodes: weights cast into the autocast cache inside a formula
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
         self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
+        self._bindings: dict[int, LocalBindings] = {}  # id of each of them -> what its variables held when read
         self._depth: dict[int, int] = {}  # id of each of them -> its index there
         self._keeps_locals: dict[object, bool] = {}
         self._current: object = None
@@ -215,10 +265,22 @@ class EagerLifetimes(TorchDispatchMode):
         for returned in self._frames[survivor + 1 :]:
             del self._depth[id(returned)]
             self._record_locals(returned, now)
+            self._bindings.pop(id(returned)).release(now, self.local_lifetimes)
         del self._frames[survivor + 1 :]
         for frame in reversed(fresh):
             self._depth[id(frame)] = len(self._frames)
             self._frames.append(frame)
+            self._bindings[id(frame)] = LocalBindings()
+        # What the frames' variables hold now lives through the op about to run. A frame's variables change
+        # only while it runs its own code, so the frames read are those that ran since the last op: the
+        # innermost (where no new frame was entered above it), the one that has just called into new frames,
+        # and the new frames themselves (their arguments).
+        if not fresh:
+            if self._frames:
+                self._bindings[id(self._frames[-1])].read(self._frames[-1], now, self.local_lifetimes)
+            return
+        for frame in self._frames[max(survivor, 0) :]:
+            self._bindings[id(frame)].read(frame, now, self.local_lifetimes)
 
     def _record_locals(self, frame: FrameType, end: int) -> None:
         for value in frame.f_locals.values():
@@ -243,6 +305,7 @@ class EagerLifetimes(TorchDispatchMode):
         end = self.node_count() - 1
         for frame in self._frames:
             self._record_locals(frame, end)
+            self._bindings.pop(id(frame)).release(end, self.local_lifetimes)
         self._frames.clear()
         self._depth.clear()
 
