@@ -85,14 +85,6 @@ def rebinds_its_variable() -> torch.nn.Module:
     return RebindsItsVariable()
 
 
-def rows(batch_size: int) -> torch.Tensor:
-    return torch.randn(batch_size, 16, 64)
-
-
-def mean_square(output: torch.Tensor, _batch: object) -> torch.Tensor:
-    return output.square().mean()
-
-
 def test_a_variable_keeps_its_old_value_alive_until_it_is_assigned_again():
     """The [8, 16, 64] float32 `h` (32 KiB) lives through `self.ff(s)` and the addition: noting only what a frame
     holds when it returns had freed it at topk, and the peak (212,520 B measured) came out 14,036 B (6.6%) low.
@@ -105,8 +97,8 @@ def test_a_variable_keeps_its_old_value_alive_until_it_is_assigned_again():
 
     spec = resolve_model(
         "tests.test_trace_lifetimes:rebinds_its_variable",
-        inputs="tests.test_trace_lifetimes:rows",
-        loss="tests.test_trace_lifetimes:mean_square",
+        inputs="tests.test_saved_tensors:rows",  # [batch, 16, 64]
+        loss="tests.test_saved_tensors:mean_square",
     )
     settings = spec.settings_for(TrainingSettings(batch_size=8, device="cpu", optimizer="sgd"))
     predicted = simulate(trace_step(spec, settings)).peak_bytes
