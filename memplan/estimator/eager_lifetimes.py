@@ -170,6 +170,9 @@ class EagerLifetimes(TorchDispatchMode):
         super().__init__()
         self.node_count = node_count
         self.backward_node_ops: list[list[int]] = []
+        # For each of them, what the Node returned (its outputs as validate_outputs left them), where its post-hook
+        # saw them: None where it did not (formula_end_and_blocks)
+        self.formula_results: list[frozenset[StorageWeakRef] | None] = []
         self.formula_casts: list[int] = []  # graph nodes: weights cast into the autocast cache inside a formula
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
         self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
@@ -177,6 +180,7 @@ class EagerLifetimes(TorchDispatchMode):
         self._depth: dict[int, int] = {}  # id of each of them -> its index there
         self._keeps_locals: dict[object, bool] = {}
         self._current: object = None
+        self._formula_node: object = None  # the Node whose formula backward_node_ops[-1] holds
         self._formula_done = False
         self._formula_starting = False  # a Node's pre-hook ran: the next ops are its formula's
         self._in_formula = False
@@ -205,6 +209,8 @@ class EagerLifetimes(TorchDispatchMode):
     def _formula_returned(self, grad_inputs: object, grad_outputs: object) -> None:
         self._formula_done = True
         self._formula_starting = False
+        if self.formula_results and torch._C._current_autograd_node() is self._formula_node:
+            self.formula_results[-1] = frozenset(storage_key(tensor) for tensor in tensors_in(grad_inputs))
 
     def before_backward(self, tensors: object) -> list[StorageWeakRef]:
         """The backward of `tensors` is about to run: every Node of their graph, roots included, gets
@@ -344,6 +350,8 @@ class EagerLifetimes(TorchDispatchMode):
             return out
         if autograd_node is not self._current:
             self.backward_node_ops.append([])
+            self.formula_results.append(None)
+            self._formula_node = autograd_node
             self._current = autograd_node
             self._formula_done = False
             self._in_formula = False

@@ -56,6 +56,8 @@ class TracedStep:
     # Graph nodes: weights a backward formula cast into the autocast cache, which the cache holds (python_lifetimes)
     # and the autograd engine does not (no extension to the formula's end).
     formula_casts: frozenset[int] = frozenset()
+    # For each of backward_node_ops, the storages its Node returned (None: not seen); liveness.formula_blocks
+    formula_results: tuple[frozenset[StorageWeakRef] | None, ...] = ()
 
 
 @dataclass
@@ -99,6 +101,7 @@ def traced_step_from(
         python_lifetimes=observed.eager_lifetimes.local_lifetimes,
         backward_node_ops=observed.eager_lifetimes.backward_node_ops,
         formula_casts=frozenset(observed.eager_lifetimes.formula_casts),
+        formula_results=tuple(observed.eager_lifetimes.formula_results),
         seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
