@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import memplan.cli.cache as cache_module
 import memplan.estimator.estimate as estimator
 from memplan.cli import main
-from memplan.cli.cache import _evict
+from memplan.cli.cache import ANSWER_PREFIX, _evict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,18 +122,51 @@ def test_a_failed_command_is_not_kept_and_an_unreadable_answer_is_traced_again(c
     assert json.loads(answer.read_text())["stdout"] == again.stdout  # kept again, whole
 
 
+def _answer_name(digit: str) -> str:
+    return f"{ANSWER_PREFIX}{digit * 64}.json"
+
+
 def test_the_least_recently_used_answers_go_first_above_the_cap(tmp_path):
-    sizes = {"old.json": 400, "middle.json": 300, "new.json": 200}
+    old, middle, new = (_answer_name(digit) for digit in "abc")
+    sizes = {old: 400, middle: 300, new: 200}
     for age, (name, size) in enumerate(sizes.items()):
         path = tmp_path / name
         path.write_text("x" * size)
         os.utime(path, (1_000_000 + age, 1_000_000 + age))
     _evict(tmp_path, 600)
-    assert sorted(path.name for path in tmp_path.glob("*.json")) == ["middle.json", "new.json"]
+    assert sorted(path.name for path in tmp_path.glob("*.json")) == [middle, new]
     _evict(tmp_path, 500)  # exactly the cap: kept
     assert len(list(tmp_path.glob("*.json"))) == 2
     _evict(tmp_path, 499)
-    assert [path.name for path in tmp_path.glob("*.json")] == ["new.json"]
+    assert [path.name for path in tmp_path.glob("*.json")] == [new]
+
+
+def test_files_of_the_user_s_own_in_the_cache_folder_are_never_counted_or_deleted(tmp_path):
+    """MEMPLAN_CACHE_DIR pointed at a project folder: its 70 MB eval_results.json had been deleted as the least
+    recently used "answer" once the folder's .json files passed the cap (a bug hunt)."""
+    theirs = {"eval_results.json": 900, f"{ANSWER_PREFIX}notakey.json": 900, f"{'d' * 64}.json": 900}
+    for name, size in theirs.items():
+        (tmp_path / name).write_text("x" * size)
+        os.utime(tmp_path / name, (1_000, 1_000))  # older than any answer
+    answer = tmp_path / _answer_name("e")
+    answer.write_text("x" * 100)
+    _evict(tmp_path, 100)  # the answers alone are at the cap: nothing goes
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*theirs, answer.name])
+    _evict(tmp_path, 99)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(theirs)
+
+
+def test_a_damaged_answer_is_traced_again_and_replaced(cache, tiny_model_dirs):
+    """`{"stdout": 5}` had raised a TypeError with a traceback on every run until the file was found and deleted."""
+    folder, traces = cache
+    first = _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    (answer,) = folder.glob("*.json")
+    answer.write_text(json.dumps({"stdout": 5}))
+    before = traces[0]
+    again = _estimate(tiny_model_dirs["gpt2"], "-b", "2")
+    assert traces[0] > before and "answered from the cache" not in again.stderr
+    assert again.stdout.splitlines()[:-1] == first.stdout.splitlines()[:-1]  # all but the time it took
+    assert json.loads(answer.read_text())["stdout"] == again.stdout
 
 
 def test_an_answer_from_the_cache_does_not_import_torch(tmp_path, tiny_model_dirs):
@@ -285,9 +318,10 @@ def test_a_terminal_and_a_pipe_keep_their_own_answers(monkeypatch, tmp_path):
 
 
 def test_eviction_stops_as_soon_as_the_folder_is_under_the_cap(tmp_path):
-    for age, (name, size) in enumerate({"old.json": 400, "middle.json": 300, "new.json": 200}.items()):
+    old, middle, new = (_answer_name(digit) for digit in "abc")
+    for age, (name, size) in enumerate({old: 400, middle: 300, new: 200}.items()):
         path = tmp_path / name
         path.write_text("x" * size)
         os.utime(path, (1_000_000 + age, 1_000_000 + age))
     _evict(tmp_path, 250)  # 900 -> 500 -> 200: two go
-    assert [path.name for path in tmp_path.glob("*.json")] == ["new.json"]
+    assert [path.name for path in tmp_path.glob("*.json")] == [new]

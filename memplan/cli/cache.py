@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from importlib import metadata
@@ -97,19 +98,26 @@ def _stream_is_terminal(stream: TextIO) -> bool:
         return False
 
 
+# An answer's file: memplan's prefix and the key's 64 hex digits. The folder may hold files of the user's own
+# (MEMPLAN_CACHE_DIR is theirs to point anywhere): only files so named are ever read as answers or deleted.
+ANSWER_PREFIX = "memplan-answer-"
+_ANSWER_NAME = re.compile(rf"{ANSWER_PREFIX}[0-9a-f]{{64}}\.json")
+
+
 class CachedAnswer:
     """Where a command's answer is kept, and the output it printed."""
 
     def __init__(self, key: str) -> None:
-        self.path = cache_dir() / f"{key}.json"
+        self.path = cache_dir() / f"{ANSWER_PREFIX}{key}.json"
 
     def replay(self) -> bool:
         """Print the kept output, if there is one; whether there was."""
         try:
-            stored = json.loads(self.path.read_text())
-            output = stored["stdout"]
+            output = json.loads(self.path.read_text())["stdout"]
         except (OSError, ValueError, KeyError, TypeError):
             return False  # none, or unreadable: trace
+        if not isinstance(output, str):
+            return False  # damaged ({"stdout": 5}): trace, and keep the new answer in its place
         try:
             sys.stdout.write(output)
             sys.stdout.flush()
@@ -148,8 +156,13 @@ class CachedAnswer:
 
 
 def _evict(folder: Path, cap_bytes: int) -> None:
-    """Delete the least recently used answers until the folder holds at most `cap_bytes`."""
-    entries = [(path.stat().st_mtime, path.stat().st_size, path) for path in folder.glob("*.json")]
+    """Delete the least recently used answers until the folder's answers take at most `cap_bytes`; nothing else
+    in the folder is counted or touched."""
+    entries = [
+        (path.stat().st_mtime, path.stat().st_size, path)
+        for path in folder.glob(f"{ANSWER_PREFIX}*.json")
+        if _ANSWER_NAME.fullmatch(path.name)
+    ]
     total = sum(size for _, size, _ in entries)
     for _, size, path in sorted(entries, key=lambda entry: entry[0]):
         if total <= cap_bytes:
