@@ -39,11 +39,12 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """An embedding-like first layer and a head the root owns, three blocks FSDP2 shards each."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_rows: int = 3) -> None:
         super().__init__()
         self.stem = nn.Linear(WIDTH, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(WIDTH, 3)  # 3 rows: not divisible by the world size, so rank 0's shard is padded
+        # 3 rows: not divisible by the world size, so rank 0's shard is padded
+        self.head = nn.Linear(WIDTH, head_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -54,6 +55,15 @@ class Stack(nn.Module):
 
 def stack() -> nn.Module:
     return Stack()
+
+
+# A vocabulary-sized head whose rows no even world divides (GPT-2's 50,257, scaled down): FSDP2's reduce-scatter
+# copies its gradient once more, padded, on the CPU (memplan.estimator.cpu_kernels).
+WIDE_HEAD_ROWS = 4001
+
+
+def wide_head_stack() -> nn.Module:
+    return Stack(WIDE_HEAD_ROWS)
 
 
 def rows(batch_size: int) -> torch.Tensor:
@@ -72,6 +82,7 @@ def measured_peak(
     optimizer: str = "adamw",
     grad_accum: int = 1,
     shard_size: int | None = None,
+    head_rows: int = 3,
 ) -> int:
     """Rank 0's peak bytes in the third iteration of the real step (two warm up). With `shard_size`,
     HSDP: the mesh is world_size / shard_size replicas by shard_size shards, as torch's docs build it."""
@@ -88,7 +99,7 @@ def measured_peak(
 
         def build() -> Callable[[], None]:
             torch.manual_seed(0)
-            model = Stack()
+            model = Stack(head_rows)
             if checkpoint:
                 checkpoint_each(model.blocks)
             for block in model.blocks:

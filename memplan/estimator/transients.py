@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from memplan.estimator.cpu_kernels import CHUNK_CAT, chunk_cat_padding_bytes
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
 from memplan.estimator.cuda.cublas import cublas_workspace_bytes
@@ -163,12 +164,19 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
 def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scratch, ...]]:
     """What library kernels allocate inside one op: bitsandbytes' 4-bit matmul dequantizes its
     weight there on every target; its 8-bit ops, run on the cuda target only (MatMul8bitLt), keep
-    their int32 products and outlier masks there (memplan.finetune.bnb_kernels)."""
+    their int32 products and outlier masks there (memplan.finetune.bnb_kernels); on the cpu target,
+    FSDP2's reduce-scatter copy-in pads the gradients N does not divide (memplan.estimator.cpu_kernels)."""
     transients = {}
     for index, node in enumerate(nodes):
         if node.op != "call_function":
             continue
-        if is_gemm_4bit(node.target):
+        if device == "cpu" and str(node.target) == CHUNK_CAT:
+            args, kwargs = fake_args(node)
+            named = [*args[1:3], kwargs.get("dim"), kwargs.get("num_chunks")]  # (dim, num_chunks), however given
+            dim, num_chunks = [value for value in named if value is not None][:2]
+            padding = chunk_cat_padding_bytes(args[0], dim, num_chunks)
+            scratch = [("chunk_cat's padded copies", padding)] if padding else []
+        elif is_gemm_4bit(node.target):
             args, kwargs = fake_args(node)
             scratch = gemm_4bit_scratch(args, kwargs, device)
         elif device == "cuda" and is_int8_op(node.target):
