@@ -21,6 +21,8 @@ from typing import IO
 
 from memplan.errors import OutputError, UsageError
 
+_SOURCE_SUFFIXES = frozenset({".py", ".pyi", ".pyx", ".pyc", ".ipynb"})
+
 
 def check_output(option: str, path: str | Path, *, inputs: Iterable[str | Path] = (), force: bool = False) -> None:
     """`inputs`: the files the command reads, which no output may replace."""
@@ -34,6 +36,10 @@ def check_output(option: str, path: str | Path, *, inputs: Iterable[str | Path] 
     for given in inputs:
         if Path(given).exists() and target.exists() and os.path.samefile(given, target):
             raise UsageError(f"--{option} {path} is also an input of this command; name another file")
+    if target.resolve().suffix in _SOURCE_SUFFIXES and target.exists():
+        # memplan writes JSON, pictures and snapshots, never code: an existing source file is someone's program
+        # (a package's __init__.py, the module an --inputs function is re-exported from), --force or not
+        raise UsageError(f"--{option} {path} is a Python source file; memplan never replaces one, name another file")
     if target.exists() and not target.is_file():
         # a folder, a device (/dev/null), a pipe or a socket: renaming a file over it (--force) would put a plain
         # file in its place, and for /dev/null as root that breaks the machine

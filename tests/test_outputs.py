@@ -85,6 +85,25 @@ def test_the_source_of_an_imported_function_is_never_an_output(tmp_path, monkeyp
     assert (package / "train.py").read_text() == source
 
 
+@pytest.mark.parametrize("output", ["mine/__init__.py", "mine/helpers.py"])
+def test_no_python_source_is_ever_an_output_even_with_force(tmp_path, monkeypatch, output):
+    """The package's __init__.py, and the module an --inputs function is really defined in (re-exported by the one
+    named): neither is the named module's file, and --force had replaced both with a plan (a bug hunt)."""
+    package = tmp_path / "mine"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text(
+        "import torch\n\ndef rows(batch_size):\n    return torch.randn(batch_size, 16)\n"
+    )
+    (package / "batches.py").write_text("from mine.helpers import rows  # noqa: F401\n")
+    before = {path.name: path.read_text() for path in package.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    result = run("plan", "tests.two_layer_mlp:two_layer", "--inputs", "mine.batches:rows", "-b", "4",
+                 "--budget", "1GiB", "-o", output, "--force", "-q")  # fmt: skip
+    assert result.exit_code == 2 and "is a Python source file" in result.output, result.output
+    assert {path.name: path.read_text() for path in package.iterdir() if path.suffix == ".py"} == before
+
+
 def test_the_deepspeed_file_hf_args_names_is_never_an_output(tmp_path):
     deepspeed = tmp_path / "ds.json"
     deepspeed.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
