@@ -45,6 +45,11 @@ FILES = {
     "negative-layers.json": json.dumps({"model_type": "gpt2", "n_layer": -1, "n_embd": 64, "n_head": 4}),
     "zero-vocab.json": json.dumps({"model_type": "gpt2", "vocab_size": 0, "n_layer": 1, "n_embd": 64, "n_head": 4}),
     "list.json": "[1, 2]",
+    # a field of the wrong type, and a value the architecture does not know: "internal error", exit 1, had been said
+    "word-layers.json": json.dumps({"model_type": "gpt2", "n_layer": "two", "n_embd": 64, "n_head": 4}),
+    "unknown-activation.json": json.dumps(
+        {"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 4, "activation_function": "nope"}
+    ),
     # GPT-2 calls it n_layer: transformers kept n_layers as an attribute and built the default 12 layers
     "layers-typo.json": json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layers": 2, "n_head": 4}),
     # memplan's own preset file, copied to edit: its fields under "config" built a full-size GPT-2
@@ -96,6 +101,8 @@ CLI_CASES = [
     case(["estimate", "heads-do-not-divide.json", "-b", "1", "--seq-len", "8"], ["cannot build", "fix the config"]),
     case(["estimate", "negative-layers.json", *TINY], ["num_hidden_layers (n_layer) = -1", "fix the config"]),
     case(["estimate", "zero-vocab.json", *TINY], ["vocab_size = 0", "fix the config"]),
+    case(["estimate", "word-layers.json", *TINY], ["transformers cannot load", "'n_layer' expected int"]),
+    case(["estimate", "unknown-activation.json", *TINY], ["names 'nope'", "fix the config"]),
     case(["estimate", "empty-dir"], ["no config.json"]),
     case(["estimate", "missing.json"], ["no file or folder missing.json"]),
     case(["estimate", "./no-such-folder"], ["no file or folder ./no-such-folder"]),

@@ -106,10 +106,13 @@ def _local_config(path: str) -> Any:
         )
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except Exception as error:  # noqa: BLE001 (parsing the file: what it raises is the file's mistake)
+        # huggingface_hub's StrictDataclassFieldValidationError (a field of the wrong type) says which field on its
+        # first line and what is wrong on its second: both, on one
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        said = " ".join(lines[:2]) if lines else type(error).__name__
         model_type = data["model_type"]
-        raise UsageError(f"transformers cannot load {where} (model_type {model_type!r}): {first_line}") from error
+        raise UsageError(f"transformers cannot load {where} (model_type {model_type!r}): {said}") from error
     _check_fields(data, type(config), where)
     return config
 
@@ -226,11 +229,16 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
             # transformers' own default: SDPA where the architecture supports it, eager elsewhere.
             return auto_class.from_config(config)
         return auto_class.from_config(config, attn_implementation=attn_impl)
-    except ValueError as error:
+    except (ValueError, KeyError, TypeError) as error:
+        # A config's values the architecture does not know ("activation_function": "nope" is a KeyError of its
+        # ACT2FN table; "rope_scaling" of an unknown type) are the config's mistake, not memplan's
         from memplan.errors import UsageError
 
+        text = str(error).strip()
+        said = text.splitlines()[0] if text else type(error).__name__
+        if isinstance(error, KeyError):
+            said = f"it names {said}, which the architecture does not know"
         raise UsageError(
             f"transformers cannot build a {source.task} model of type {config.model_type} from this config "
-            f"({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}): "
-            "fix the config, or pick another --task"
+            f"({said}): fix the config, or pick another --task"
         ) from error
