@@ -308,6 +308,8 @@ class EagerLifetimes(TorchDispatchMode):
 
     def finish(self) -> None:
         self._finished = True
+        # The Nodes held here hold this object in their hooks, in C++ where Python's collector cannot see the cycle
+        self._current = self._formula_node = None
         end = self.node_count() - 1
         for frame in self._frames:
             self._record_locals(frame, end)
