@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # stdout block-buffered as a pipe is by default (PYTHONUNBUFFERED, set on some machines, would hide a missing flush)
 ENVIRONMENT = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"} | {"PYTHONPATH": str(ROOT)}
@@ -126,6 +128,15 @@ def test_an_answer_that_cannot_be_written_is_one_line_and_status_1(tmp_path: Pat
             done = _memplan([*args, *extra], cached, stdout=full, stderr=subprocess.PIPE)
             assert done.returncode == 1
             assert done.stderr == b"memplan: error: cannot write the answer: No space left on device\n"
+
+
+@pytest.mark.parametrize("args", [["presets"], ["--version"], ["estimate", "--help"]])
+def test_what_prints_outside_a_command_says_a_full_disk_in_one_line_too(args: list[str]) -> None:
+    """--help, --version and presets print outside a command's error handling: a traceback each (a bug hunt)."""
+    with open("/dev/full", "w") as full:
+        done = _memplan(args, ENVIRONMENT, stdout=full, stderr=subprocess.PIPE)
+    assert done.returncode == 1
+    assert done.stderr == b"memplan: error: cannot write the answer: No space left on device\n"
 
 
 def test_torch_is_imported_with_the_collector_off_and_the_command_runs_with_it_on(monkeypatch) -> None:

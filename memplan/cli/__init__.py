@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from memplan.cli import compare, estimate, plan, presets, sweep, validate
+from memplan.cli.running import FULL_DISK_ERRORS, cannot_write
 from memplan.version import __version__
 
 __all__ = ["main", "run"]
@@ -42,6 +43,13 @@ class _OneLineErrors(click.Group):
         except click.Abort:  # Ctrl-C while click itself ran (a prompt, parsing): as memplan's own interrupt
             click.echo("memplan: interrupted", err=True)
             sys.exit(130)
+        except OSError as error:
+            # --help, --version and `presets` print outside a command's own error handling (running.py's):
+            # `> /dev/full` is said as a command says it
+            if error.errno not in FULL_DISK_ERRORS:
+                raise
+            click.echo(cannot_write(error), err=True)
+            sys.exit(1)
         sys.exit(returned if isinstance(returned, int) else 0)  # --help and --version return their code
 
 

@@ -103,8 +103,8 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
             message, code = "memplan: interrupted", 130
         elif isinstance(error, MemplanError):
             message, code = f"memplan: error: {error}", error.exit_code
-        elif isinstance(error, OSError) and error.errno in _FULL:  # printing the answer (`> /dev/full`)
-            message, code = _cannot_write(error), 1
+        elif isinstance(error, OSError) and error.errno in FULL_DISK_ERRORS:  # printing the answer (`> /dev/full`)
+            message, code = cannot_write(error), 1
         else:  # a bug in memplan or torch: say so, keep the details for --debug
             rerun = "" if debug else " (rerun with --debug)"
             message, code = f"memplan: internal error: {type(error).__name__}: {error}{rerun}", 1
@@ -115,10 +115,10 @@ def _run(debug: bool, action: Callable[[], None]) -> None:
 
 
 # What writing the answer to a full or failing disk raises (files memplan writes say so as OutputError).
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+FULL_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
-def _cannot_write(error: OSError) -> str:
+def cannot_write(error: OSError) -> str:
     return f"memplan: error: cannot write the answer: {error.strerror}"
 
 
@@ -142,9 +142,9 @@ def _run_cached(command: str, debug: bool, action: Callable[[], None]) -> None:
     try:
         replayed = answer.replay()
     except OSError as error:  # not through _run, which would import torch
-        if error.errno not in _FULL or debug:
+        if error.errno not in FULL_DISK_ERRORS or debug:
             raise
-        click.echo(_cannot_write(error), err=True)
+        click.echo(cannot_write(error), err=True)
         sys.exit(1)
     if replayed:
         return
