@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import replace
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 from memplan.cli import main
 from memplan.models.source import ModelRef
 from memplan.settings import TrainingSettings
+from memplan.validate.result import ValidationResult
 from memplan.validate.runner import measure_in_subprocess
 from memplan.validate.suite import SMOKE
 
@@ -89,6 +91,31 @@ def test_smoke_suite_writes_as_it_goes_and_resumes(tmp_path, monkeypatch, measur
     forced = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(results), "--force", "--json")
     assert forced.exit_code == 0, forced.output
     assert [entry["id"] for entry in json.loads(results.read_text())["configs"]] == [suite[0].id]
+
+
+_RESULT_FIELDS = [item.name for item in dataclasses.fields(ValidationResult)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "said"),
+    [
+        ({"id": 5}, "result 1 has no configuration id"),
+        ({"id": "tiny-gpt2-fp32", "model": "tiny-gpt2"}, "result 1 cannot be read"),  # an older layout
+        (
+            {"id": "tiny-gpt2-fp32", **{name: None for name in _RESULT_FIELDS}, "measured_peak_bytes": "abc"},
+            "measured_peak_bytes = 'abc', not a byte count",
+        ),  # fmt: skip
+    ],
+)
+def test_a_results_file_that_cannot_be_continued_is_refused_before_anything_is_measured(tmp_path, entry, said) -> None:  # type: ignore[no-untyped-def]
+    """Such an entry had been read only by the summary, after the whole suite had run (a bug hunt): an internal
+    error then, and at once on every later --resume of the file."""
+    results = tmp_path / "results.json"
+    original = json.dumps({"suite": "smoke", "configs": [entry]})
+    results.write_text(original)
+    refused = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(results), "--resume")
+    assert refused.exit_code == 2 and said in refused.output and len(refused.output.strip().splitlines()) == 1
+    assert results.read_text() == original  # nothing measured, nothing added
 
 
 def test_the_main_suite_is_broad_enough() -> None:

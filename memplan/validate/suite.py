@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +258,33 @@ def load_results(path: Path) -> dict[str, Any]:
         ) from error
     if not isinstance(document, dict) or not isinstance(document.get("configs"), list):
         raise UsageError(f"{path} is not a memplan validation results file")
+    for number, entry in enumerate(document["configs"], start=1):
+        problem = _entry_problem(entry)
+        if problem is not None:  # said now, not after the suite has run (the summary reads every entry)
+            raise UsageError(
+                f"{path}: result {number} {problem}; it is not a result this memplan wrote: pass another --results "
+                "file, or drop --resume and --force to start this one over"
+            )
     return document
+
+
+_BYTE_FIELDS = tuple(item.name for item in fields(ValidationResult) if item.name.endswith("_bytes"))
+
+
+def _entry_problem(entry: object) -> str | None:
+    """What keeps a results file's entry from being read as a result, or None."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+        return "has no configuration id"
+    try:
+        ValidationResult.from_dict(entry)
+    except TypeError as error:  # a field missing (an older layout)
+        return f"cannot be read ({error})"
+    wrong = [
+        name
+        for name in _BYTE_FIELDS
+        if not isinstance(entry.get(name), int | None) or isinstance(entry.get(name), bool)
+    ]
+    return f"has {wrong[0]} = {entry[wrong[0]]!r}, not a byte count" if wrong else None
 
 
 def result_rows(document: dict[str, Any]) -> list[tuple[str, ValidationResult]]:
