@@ -32,6 +32,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from memplan import interrupts
 from memplan.estimator.leaves import local_tensor, map_leaves, tensors_in, wraps_local_tensors
 from memplan.estimator.opgraph import OpGraph, OpNode
+from memplan.estimator.oprules.dtypes import refused_mixed_dtypes
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
 _DEVICE_QUERY = torch.ops.prim.device.default
@@ -122,6 +123,9 @@ class GraphRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _DEVICE_QUERY:  # a metadata query, as make_fx leaves it out
             return fake_device_query(func, args) or func(*args, **kwargs)
+        refused = refused_mixed_dtypes(func, args)
+        if refused is not None:  # the real kernel raises; its fake one computes a shape (oprules.dtypes)
+            raise RuntimeError(refused)
         inputs: list[OpNode] = []
         node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
         out = func(*args, **kwargs)

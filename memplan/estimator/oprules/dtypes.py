@@ -1,0 +1,42 @@
+"""Mixed dtypes that the real kernels refuse and torch's fake kernels let through.
+
+A float32 batch into a model whose weights --precision bf16 stored in bfloat16 reaches `addmm(bias, x, w.t())`
+with float32 `x` and bfloat16 `w`. torch's CPU and CUDA matmul kernels refuse it ("mat1 and mat2 must have the same
+dtype"; cuBLAS has no mixed-dtype gemm for these ops), but the fake kernels (the meta functions) compute the
+output's shape and take the first operand's dtype: the trace went on and predicted a step that cannot run.
+Checked on torch 2.13's CPU kernels (tests/test_oprules_dtypes.py); convolutions are refused by the fake kernel
+itself, as by the real one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memplan.estimator.leaves import tensors_in
+
+# The matrix products of aten (aten/src/ATen/native/LinearAlgebra.cpp, cuda/Blas.cpp): every floating operand one dtype
+MATMUL_OPS = frozenset(
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten.addbmm.default,
+        torch.ops.aten.mv.default,
+        torch.ops.aten.addmv.default,
+        torch.ops.aten.dot.default,
+    }
+)
+
+
+def refused_mixed_dtypes(func: Any, args: tuple) -> str | None:
+    """torch's own words for the mixed floating dtypes a real matmul kernel refuses, or None."""
+    if func not in MATMUL_OPS:
+        return None
+    dtypes = list(dict.fromkeys(tensor.dtype for tensor in tensors_in(args) if tensor.is_floating_point()))
+    if len(dtypes) < 2:
+        return None
+    names = " and ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+    return f"{func.name()} needs operands of one dtype, but got {names} (a float32 batch into 16-bit weights?)"
