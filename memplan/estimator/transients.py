@@ -26,23 +26,15 @@ from memplan.estimator.cuda.cudnn import (
 from memplan.estimator.cuda.reductions import Reduction, reduction_of
 from memplan.estimator.liveness import fake_args, op_name, round_for_device
 from memplan.estimator.opgraph import OpNode
+from memplan.estimator.oprules.dtypes import MATMUL_OPS
 from memplan.estimator.traced_step import TracedStep
 from memplan.finetune.bnb_kernels import gemm_4bit_scratch, int8_scratch, is_gemm_4bit, is_int8_op
 from memplan.gpus import DEFAULT_GPU, gpu_named
 from memplan.settings import TrainingSettings
 
-# Ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp).
-CUBLAS_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten._addmm_activation.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-    torch.ops.aten.addbmm.default,
-    torch.ops.aten.mv.default,
-    torch.ops.aten.addmv.default,
-    torch.ops.aten.dot.default,
-}
+# Ops that call cuBLAS on CUDA (aten/src/ATen/native/cuda/Blas.cpp): the matrix products, and addmm fused with its
+# activation.
+CUBLAS_OPS = MATMUL_OPS | {torch.ops.aten._addmm_activation.default}
 
 
 ATTENTION_BACKWARD_OPS = {
