@@ -370,6 +370,14 @@ def validate_suite(
     if not isinstance(device, str):
         raise SettingsError(f"device must be a string, got {device!r} ({type(device).__name__})")
 
+    for config in configs:  # before the first measurement: a CUDA-only setting had stopped the suite midway
+        try:
+            TrainingSettings(device=device, **config.settings)
+        except SettingsError as error:
+            raise UsageError(
+                f"configuration {config.id} of suite {name} cannot run with --device {device}: {error}"
+            ) from None
+
     def measure(config: SuiteConfig) -> ValidationResult:
         return validate(
             config.model, inputs=config.inputs, warmup=warmup, timeout_s=timeout_s, device=device, **config.settings

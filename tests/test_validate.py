@@ -118,6 +118,15 @@ def test_a_results_file_that_cannot_be_continued_is_refused_before_anything_is_m
     assert results.read_text() == original  # nothing measured, nothing added
 
 
+def test_a_suite_with_a_configuration_the_device_cannot_run_is_refused_before_anything_is_measured(tmp_path) -> None:
+    """The main suite on --device cpu: its expandable-segments configuration sets the CUDA allocator, which had
+    stopped the suite after 23 configurations had run (a bug hunt)."""
+    results = tmp_path / "main.json"
+    refused = run("validate", "--suite", "main", "--device", "cpu", "--results", str(results))
+    assert refused.exit_code == 2 and "configuration gpt2-expandable-segments of suite main" in refused.output
+    assert "--cuda-alloc-conf" in refused.output and not results.exists()
+
+
 def test_the_main_suite_is_broad_enough() -> None:
     from memplan.validate.suite import MAIN
 
