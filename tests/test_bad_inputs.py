@@ -118,6 +118,9 @@ CLI_CASES = [
     case(["estimate", "tiny-gpt2", "--task", "seq2seq", *TINY], ["cannot build", "--task"]),
     case(["estimate", "tiny-gpt2", "--inputs", "tests.bad_models:inputs"], ["--inputs", "drop --inputs"]),
     case(["estimate", "gpt2", "--inputs", "tests.zoo_models:features_inputs"], ["--inputs", "drop --inputs"]),
+    # a custom model misspelt: "drop --inputs" had been said, which only leads to "unknown model"
+    case(["estimate", "tests/bad_models.py:mlp", "--inputs", "tests.bad_models:inputs"], ["tests.bad_models:mlp?"]),
+    case(["estimate", "tests.bad_models.mlp", "--inputs", "tests.bad_models:inputs"], ["tests.bad_models:mlp?"]),
     case(["estimate", "tiny-gpt2", "--loss", "tests.bad_models:nosuch", *TINY], ["no attribute 'nosuch'"]),
     case(["estimate", "tiny-gpt2", "--loss", "tests.bad_models:loss_float", *TINY], ["must return a scalar tensor"]),
     case(["estimate", "tiny-gpt2", "--loss", "nocolon", *TINY], ["not of the form package.module:name"]),

@@ -243,11 +243,34 @@ def resolve_model(
     if is_import_path(name):
         return _custom_spec(name, inputs, loss, task)
     if inputs is not None:
+        meant = _meant_import_path(name)
+        if meant is not None:  # a custom model, misspelt: dropping --inputs would not help
+            raise UsageError(
+                f"{name!r} is not of the form package.module:callable, which names a custom model; did you mean "
+                f"{meant}?"
+            )
         raise UsageError(
             f"--inputs gives a custom model (package.module:callable) its batch; for {name!r} memplan makes "
             "the batch from the model's task: drop --inputs and size it with --batch-size / --seq-len / --image-size"
         )
     return _hf_spec(name, loss, task)
+
+
+def _meant_import_path(name: str) -> str | None:
+    """The import path a misspelt custom model was meant to be (`pkg/models.py:build`, `pkg.models.build`,
+    `pkg.models:`), or None where `name` does not look like one."""
+    module, colon, function = name.partition(":")
+    if colon:
+        module = module.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
+        return f"{module}:{function or 'your_function'}" if module else None
+    parts = name.split(".")
+    if name.endswith(".json") or (Path(name).exists() and not name.endswith(".py")):
+        return None  # a config file or a model's folder: the --inputs message says what to do
+    if name.endswith(".py"):
+        return f"{name.removesuffix('.py').replace('/', '.').strip('.')}:your_function"
+    if len(parts) >= 2 and all(part.isidentifier() for part in parts):
+        return f"{'.'.join(parts[:-1])}:{parts[-1]}"
+    return None
 
 
 def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
