@@ -75,6 +75,11 @@ class Gpu:
         budget = self.total_bytes - outside_allocator_bytes
         if memory_fraction is not None:
             budget = min(budget, int(memory_fraction * self.total_bytes))
+            if int(memory_fraction * self.total_bytes) <= 0:
+                raise SettingsError(
+                    f"per_process_memory_fraction:{memory_fraction:g} leaves torch's allocator nothing of the "
+                    f"{self.name}: give a fraction above 0 in --cuda-alloc-conf (or PYTORCH_CUDA_ALLOC_CONF)"
+                )
         if budget <= 0:
             from memplan.sizes import format_bytes
 

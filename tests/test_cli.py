@@ -371,6 +371,8 @@ def test_the_allocator_configuration_comes_from_the_flag_or_pytorch_cuda_alloc_c
     capped = json.loads(run(*on_t4, "--cuda-alloc-conf", "per_process_memory_fraction:0.3").stdout)
     assert capped["budget_bytes"] == int(0.3 * 15360 * 2**20)
     assert any("judged against it on the T4" in note for note in capped["notes"])
+    nothing = run(*on_t4, "--cuda-alloc-conf", "per_process_memory_fraction:0")  # had blamed the CUDA context
+    assert nothing.exit_code == 2 and "per_process_memory_fraction:0 leaves torch's allocator nothing" in nothing.output
     collected = json.loads(run(*common, "--cuda-alloc-conf", "garbage_collection_threshold:0.8").stdout)
     assert collected["reserved_peak_bytes"] == default["reserved_peak_bytes"]
     assert any("set_per_process_memory_fraction" in note for note in collected["notes"])
