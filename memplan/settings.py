@@ -165,7 +165,11 @@ class TrainingSettings:
             try:
                 parse_alloc_conf(self.cuda_alloc_conf)
             except ValueError as error:
-                raise SettingsError(f"cannot read PYTORCH_CUDA_ALLOC_CONF {self.cuda_alloc_conf!r}: {error}") from None
+                # given as --cuda-alloc-conf, PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF: the command line says
+                # which (from the environment: ...); this names none of them wrongly
+                raise SettingsError(
+                    f"cannot read the allocator configuration {self.cuda_alloc_conf!r} (--cuda-alloc-conf): {error}"
+                ) from None
         config = self.cublas_workspace_config
         if config is not None and config_bytes(config) is None:
             raise SettingsError(
