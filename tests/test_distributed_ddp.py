@@ -189,6 +189,9 @@ def test_compare_counts_the_ranks_in_the_effective_batch():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["rows"]
     assert {row["effective_batch_size"] for row in rows if row["settings"]["grad_accum"] == 1} == {16 * 8}
+    # its float32 batch cannot go into bfloat16 weights, as the real step could not: the row is skipped, said why
+    (skipped,) = json.loads(result.stdout)["skipped"]
+    assert skipped.startswith("pure bf16:") and "needs operands of one dtype" in skipped
     sharding_rows = ("FSDP2", "ZeRO-1", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3")
     assert all(row["settings"]["parallel"] == "ddp" for row in rows if not row["name"].startswith(sharding_rows))
     assert all(row["settings"]["world_size"] == 8 for row in rows)

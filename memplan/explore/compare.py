@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.distributed.modes import DDP_MODES, DEEPSPEED_MODES, FSDP_MODES
-from memplan.errors import SettingsError, UsageError
+from memplan.errors import SettingsError, TraceError, UsageError
 from memplan.estimator.estimate import Progress, run_estimate
 from memplan.estimator.result import EstimateResult
 from memplan.forked import imap_forked, side_by_side_workers
@@ -200,10 +200,11 @@ def _row_estimate(
     try:
         progress = (lambda message: report(f"{label}: {message}")) if report is not None else None
         return run_estimate(spec, settings, progress=progress)
-    except (SettingsError, UsageError) as error:
+    except (SettingsError, UsageError, TraceError) as error:
         if not technique.changes:
             raise  # the configuration as given is the user's to fix
-        # e.g. QLoRA without bitsandbytes, or on a model that is not a transformers model
+        # e.g. QLoRA without bitsandbytes, or on a model that is not a transformers model; bf16 weights where the
+        # user's batch is float32 (the real step would fail too: memplan.estimator.oprules.dtypes)
         return str(error)
 
 
