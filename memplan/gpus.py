@@ -78,7 +78,8 @@ class Gpu:
             if int(memory_fraction * self.total_bytes) <= 0:
                 raise SettingsError(
                     f"per_process_memory_fraction:{memory_fraction:g} leaves torch's allocator nothing of the "
-                    f"{self.name}: give a fraction above 0 in --cuda-alloc-conf (or PYTORCH_CUDA_ALLOC_CONF)"
+                    f"{self.name}: give a fraction above 0 in --cuda-alloc-conf (or PYTORCH_CUDA_ALLOC_CONF, "
+                    "PYTORCH_ALLOC_CONF)"
                 )
         if budget <= 0:
             from memplan.sizes import format_bytes

@@ -118,7 +118,7 @@ CLI_CASES = [
     case(["estimate", "tiny-gpt2", "--task", "seq2seq", *TINY], ["cannot build", "--task"]),
     case(["estimate", "tiny-gpt2", "--inputs", "tests.bad_models:inputs"], ["--inputs", "drop --inputs"]),
     case(["estimate", "gpt2", "--inputs", "tests.zoo_models:features_inputs"], ["--inputs", "drop --inputs"]),
-    # named PYTORCH_CUDA_ALLOC_CONF, whichever of the flag and the two variables gave it
+    # it had been named PYTORCH_CUDA_ALLOC_CONF, whichever of the flag and the two variables gave it
     case(["estimate", "tiny-gpt2", "--cuda-alloc-conf", "bogus"], ["cannot read the allocator configuration 'bogus'"]),
     # a custom model misspelt: "drop --inputs" had been said, which only leads to "unknown model"
     case(["estimate", "tests/bad_models.py:mlp", "--inputs", "tests.bad_models:inputs"], ["tests.bad_models:mlp?"]),

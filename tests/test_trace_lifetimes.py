@@ -103,3 +103,27 @@ def test_a_variable_keeps_its_old_value_alive_until_it_is_assigned_again():
     settings = spec.settings_for(TrainingSettings(batch_size=8, device="cpu", optimizer="sgd"))
     predicted = simulate(trace_step(spec, settings)).peak_bytes
     assert abs(predicted - measure_cpu(spec, settings).peak_bytes) <= 8
+
+
+def test_a_variable_whose_tensor_gets_another_storage_lets_the_old_one_go():
+    """`x.data = ...` keeps the tensor and replaces its storage (DeepSpeed's ZeRO-3 swaps its parameters' so): the
+    variable held the old storage until then, and the new one after (a review of the reading by identity alone)."""
+    import sys
+
+    from memplan.estimator.eager_lifetimes import LocalBindings, storage_key
+
+    bindings, lifetimes = LocalBindings(), []
+    x = torch.zeros(8)
+    first = storage_key(x)
+    bindings.read(sys._getframe(), 3, lifetimes)
+    bindings.read(sys._getframe(), 4, lifetimes)
+    assert lifetimes == []  # nothing changed
+    x.data = torch.ones(8)
+    bindings.read(sys._getframe(), 5, lifetimes)
+    assert lifetimes == [(first, 5)]
+    rows = [x]
+    bindings.read(sys._getframe(), 6, lifetimes)
+    rows.append(torch.ones(16))  # the list grew: read again
+    bindings.read(sys._getframe(), 7, lifetimes)
+    bindings.release(9, lifetimes)
+    assert (storage_key(rows[1]), 9) in lifetimes and (storage_key(x), 9) in lifetimes

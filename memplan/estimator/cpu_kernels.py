@@ -13,6 +13,8 @@ import torch
 # chunk_cat(unsharded_grads, dim=0, num_chunks=world_size, out=reduce_scatter_input)`), which calls
 # `torch._chunk_cat(..., out=)`.
 CHUNK_CAT = "fsdp.chunk_cat.default"
+# The ops whose CPU kernel pads so, by name: FSDP2's, and aten's own that it calls (a script may call either).
+CHUNK_CAT_OPS = frozenset({CHUNK_CAT, "aten._chunk_cat.default", "aten._chunk_cat.out"})
 
 
 def chunk_cat_padding_bytes(tensors: Sequence[torch.Tensor], dim: int, num_chunks: int) -> int:

@@ -95,13 +95,15 @@ class LocalBindings:
     `x = f(x)` keeps the old `x` alive while `f` runs, and anything the frame calls meanwhile: the variable lets go
     only when it is assigned. Reading the variables at every op of the frame (and as it calls others) tells when
     each value was bound last; the storages of one that is gone live through the op before (`release`). A value
-    is known by identity: a weak reference to a tensor (none kept alive by this), the id of a container (its
-    contents are read once, when it is bound)."""
+    is known by identity: a weak reference to a tensor (none kept alive by this) and the storage it has (`.data =`
+    gives it another), the id of a container and its length (its contents are read again when that changes: a
+    list a loop appends to; one whose items are replaced in place is read as it was)."""
 
     __slots__ = ("held",)
 
     def __init__(self) -> None:
-        self.held: dict[str, tuple[object, list[StorageWeakRef]]] = {}  # variable -> (identity, storages)
+        # variable -> (identity, storages, what tells a change: a tensor's storage, a container's length)
+        self.held: dict[str, tuple[object, list[StorageWeakRef], int]] = {}
 
     def read(self, frame: FrameType, now: int, lifetimes: list[tuple[StorageWeakRef, int]]) -> None:
         """The frame's variables at an op: a value bound since the last read replaces one that lived until `now`."""
@@ -112,19 +114,24 @@ class LocalBindings:
         for name, value in current.items():
             entry = held.get(name)
             if entry is not None:
-                identity = entry[0]
-                if identity == id(value) if isinstance(identity, int) else identity() is value:  # type: ignore[operator]
-                    continue
-                lifetimes.extend((key, now) for key in entry[1])
+                identity, keys, mark = entry
+                if isinstance(identity, int):  # a container: the same one, of the same length, holds the same
+                    if identity == id(value) and mark == len(value):  # type: ignore[arg-type]
+                        continue
+                elif identity() is value and mark == local_tensor(value).untyped_storage()._cdata:
+                    continue  # the same tensor on the same storage (`.data =` gives it another)
+                lifetimes.extend((key, now) for key in keys)
                 del held[name]
             if isinstance(value, torch.Tensor):
-                held[name] = (weakref.ref(value), [storage_key(value)])
-            elif isinstance(value, tuple | list | dict):  # kept even without tensors: read once
-                held[name] = (id(value), [storage_key(tensor) for tensor in _tensors_held(value)])
+                held[name] = (weakref.ref(value), [storage_key(value)], local_tensor(value).untyped_storage()._cdata)
+            elif isinstance(
+                value, tuple | list | dict
+            ):  # kept even without tensors: read again when its length changes
+                held[name] = (id(value), [storage_key(tensor) for tensor in _tensors_held(value)], len(value))
 
     def release(self, end: int, lifetimes: list[tuple[StorageWeakRef, int]]) -> None:
         """The frame has returned (or the step ended): what its variables held lived through `end`."""
-        for _, keys in self.held.values():
+        for _, keys, _ in self.held.values():
             lifetimes.extend((key, end) for key in keys)
         self.held.clear()
 
@@ -306,10 +313,18 @@ class EagerLifetimes(TorchDispatchMode):
     def _released(self, key: StorageWeakRef) -> None:
         self.local_lifetimes.append((key, self.node_count() - 1))
 
+    def abandon(self) -> None:
+        """The step failed: let go of its Nodes and frames. The Nodes held here hold this object in their hooks, in
+        C++ where Python's collector cannot see the cycle, and the frames the model's tensors."""
+        self._finished = True
+        self._current = self._formula_node = None
+        self._frames.clear()
+        self._depth.clear()
+        self._bindings.clear()
+
     def finish(self) -> None:
         self._finished = True
-        # The Nodes held here hold this object in their hooks, in C++ where Python's collector cannot see the cycle
-        self._current = self._formula_node = None
+        self._current = self._formula_node = None  # as abandon() says
         end = self.node_count() - 1
         for frame in self._frames:
             self._record_locals(frame, end)
@@ -403,4 +418,8 @@ def lifetimes_tracked(eager_lifetimes: EagerLifetimes) -> Iterator[None]:
         for name in ("apply", "apply_boxed"):
             if hasattr(function_class, name):
                 applies.enter_context(patch.object(function_class, name, returning(getattr(function_class, name))))
-        yield
+        try:
+            yield
+        except BaseException:
+            eager_lifetimes.abandon()  # a failed step never reaches finish()
+            raise

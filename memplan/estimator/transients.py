@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from memplan.estimator.cpu_kernels import CHUNK_CAT, chunk_cat_padding_bytes
+from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS, chunk_cat_padding_bytes
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
 from memplan.estimator.cuda.cublas import cublas_workspace_bytes
@@ -162,7 +162,7 @@ def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scra
     for index, node in enumerate(nodes):
         if node.op != "call_function":
             continue
-        if device == "cpu" and str(node.target) == CHUNK_CAT:
+        if device == "cpu" and str(node.target) in CHUNK_CAT_OPS:
             args, kwargs = fake_args(node)
             named = [*args[1:3], kwargs.get("dim"), kwargs.get("num_chunks")]  # (dim, num_chunks), however given
             dim, num_chunks = [value for value in named if value is not None][:2]

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from memplan.distributed.fsdp import storage_resizes_observed
 from memplan.distributed.modes import FSDP_MODES
 from memplan.distributed.offload import HostCopies, copies_made
+from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS
 from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.loop import (
     TrainingState,
@@ -152,7 +153,7 @@ class LiveStorageCounter(TorchDispatchMode):
 # by op name: `_chunk_cat.out`, which FSDP2's reduce-scatter copy-in (`fsdp.chunk_cat`) calls, pads each tensor
 # its chunks do not divide (memplan.estimator.cpu_kernels). The counter reads those requests from the CPU
 # allocator's own events.
-_ALLOCATING_KERNELS = frozenset({"aten._chunk_cat.out", "fsdp.chunk_cat.default"})
+_ALLOCATING_KERNELS = CHUNK_CAT_OPS
 
 
 def _with_kernel_allocations(func: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:

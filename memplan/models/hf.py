@@ -229,9 +229,10 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
             # transformers' own default: SDPA where the architecture supports it, eager elsewhere.
             return auto_class.from_config(config)
         return auto_class.from_config(config, attn_implementation=attn_impl)
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError) as error:
         # A config's values the architecture does not know ("activation_function": "nope" is a KeyError of its
-        # ACT2FN table; "rope_scaling" of an unknown type) are the config's mistake, not memplan's
+        # ACT2FN table; "rope_scaling" of an unknown type) are the config's mistake. (A TypeError is left to say
+        # itself as an internal error: under fake tensors it may be memplan's.)
         from memplan.errors import UsageError
 
         text = str(error).strip()

@@ -4,8 +4,8 @@ A float32 batch into a model whose weights --precision bf16 stored in bfloat16 r
 with float32 `x` and bfloat16 `w`. torch's CPU and CUDA matmul kernels refuse it ("mat1 and mat2 must have the same
 dtype"; cuBLAS has no mixed-dtype gemm for these ops), but the fake kernels (the meta functions) compute the
 output's shape and take the first operand's dtype: the trace went on and predicted a step that cannot run.
-Checked on torch 2.13's CPU kernels (tests/test_oprules_dtypes.py); convolutions are refused by the fake kernel
-itself, as by the real one.
+Checked on torch 2.13's CPU kernels (tests/test_oprules_dtypes.py); CUDA's (aten/src/ATen/native/cuda/Blas.cpp)
+check the same and are not run here. Convolutions are refused by the fake kernel itself, as by the real one.
 """
 
 from __future__ import annotations
@@ -39,4 +39,5 @@ def refused_mixed_dtypes(func: Any, args: tuple) -> str | None:
     if len(dtypes) < 2:
         return None
     names = " and ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-    return f"{func.name()} needs operands of one dtype, but got {names} (a float32 batch into 16-bit weights?)"
+    hint = " (a float32 batch into 16-bit weights?)" if torch.float32 in dtypes else ""
+    return f"{func.name()} needs operands of one dtype, but got {names}{hint}"
