@@ -89,6 +89,17 @@ def _tensors_held(value: object) -> list[torch.Tensor]:
     return [item for item in items if isinstance(item, torch.Tensor)]
 
 
+def _gained(container: object, known: int) -> list[StorageWeakRef]:
+    """The storages a container held in a variable gained since it held `known` items: a list's new tail (what a
+    loop appends, read once: DeepSpeed's ZeRO-3 appends a view per rank, a thousand on a large job), a dict's
+    values again. What it lost is still counted until the variable lets it go."""
+    if isinstance(container, list) and len(container) > known:
+        return [storage_key(item) for item in container[known:] if isinstance(item, torch.Tensor)]
+    if isinstance(container, dict):
+        return [storage_key(tensor) for tensor in _tensors_held(container)]
+    return []
+
+
 class LocalBindings:
     """What one frame's variables held when last read, until each variable is bound to something else.
 
@@ -96,8 +107,8 @@ class LocalBindings:
     only when it is assigned. Reading the variables at every op of the frame (and as it calls others) tells when
     each value was bound last; the storages of one that is gone live through the op before (`release`). A value
     is known by identity: a weak reference to a tensor (none kept alive by this) and the storage it has (`.data =`
-    gives it another), the id of a container and its length (its contents are read again when that changes: a
-    list a loop appends to; one whose items are replaced in place is read as it was)."""
+    gives it another), the id of a container and its length (what it gains is read as its length changes: a list
+    a loop appends to; one whose items are replaced in place is read as it was)."""
 
     __slots__ = ("held",)
 
@@ -115,8 +126,10 @@ class LocalBindings:
             entry = held.get(name)
             if entry is not None:
                 identity, keys, mark = entry
-                if isinstance(identity, int):  # a container: the same one, of the same length, holds the same
-                    if identity == id(value) and mark == len(value):  # type: ignore[arg-type]
+                if isinstance(identity, int):  # a container: the same one holds what it held, and what it gained
+                    if identity == id(value):
+                        if mark != len(value):  # type: ignore[arg-type]
+                            held[name] = (identity, keys + _gained(value, mark), len(value))  # type: ignore[arg-type]
                         continue
                 elif identity() is value and mark == local_tensor(value).untyped_storage()._cdata:
                     continue  # the same tensor on the same storage (`.data =` gives it another)
