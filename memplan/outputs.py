@@ -28,6 +28,8 @@ def check_output(option: str, path: str | Path, *, inputs: Iterable[str | Path] 
     """`inputs`: the files the command reads, which no output may replace."""
     if not str(path).strip():
         raise UsageError(f"--{option} is empty; give it a file name")
+    if str(path).strip() == "-":  # read as "standard output" by many tools: memplan would have made a file named -
+        raise UsageError(f"--{option} - : memplan writes this to a file, not to standard output; give it a file name")
     target = Path(path)
     folder = target.resolve().parent
     if not folder.is_dir():  # a link's own folder exists; the one it points into is named

@@ -122,6 +122,14 @@ def test_two_outputs_of_one_command_never_name_one_file(tmp_path):
     assert not picture.exists()
 
 
+def test_a_dash_for_standard_output_is_refused_not_made_a_file(tmp_path, monkeypatch):
+    """`-o -` had written a file named '-' in the working directory (a bug hunt)."""
+    monkeypatch.chdir(tmp_path)
+    result = run("plan", "tiny-gpt2", "--seq-len", "32", "--budget", "1GiB", "-o", "-", "-q")
+    assert result.exit_code == 2 and "not to standard output" in result.output
+    assert not (tmp_path / "-").exists()
+
+
 def test_an_empty_output_name_is_one_line():
     result = run("plan", "tiny-gpt2", "--seq-len", "32", "--budget", "1GiB", "-o", "", "-q")
     assert result.exit_code == 2 and "--output is empty" in result.output
