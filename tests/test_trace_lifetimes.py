@@ -5,6 +5,7 @@ id() is soon another wrapper's: a walk that remembered ids alone skipped most of
 checkpointed predictions came out 2-3.5% high. Counted here against the graph built by hand.
 """
 
+import pytest
 import torch
 
 from memplan.estimator.eager_lifetimes import EagerLifetimes
@@ -127,3 +128,63 @@ def test_a_variable_whose_tensor_gets_another_storage_lets_the_old_one_go():
     bindings.read(sys._getframe(), 7, lifetimes)
     bindings.release(9, lifetimes)
     assert (storage_key(rows[1]), 9) in lifetimes and (storage_key(x), 9) in lifetimes
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("this backward fails")
+
+
+class FailsInBackward(torch.nn.Module):
+    """A layer after the failing Function: its Nodes run (and are held) before the backward fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(_FailsInBackward.apply(torch.relu(self.first(x))))
+
+
+def fails_in_backward() -> torch.nn.Module:
+    return FailsInBackward()
+
+
+def test_a_trace_that_fails_in_the_backward_leaves_no_recording_alive():
+    """The tracer's hooks on the graph's Nodes hold it, in C++ where Python's collector cannot see the cycle; the
+    Nodes it held as the step failed (finish() never ran) had kept every failed trace's recording alive."""
+    import gc
+    import weakref
+
+    from memplan.errors import TraceError
+    from memplan.estimator.recorder import GraphRecorder
+    from memplan.estimator.trace import trace_step
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    spec = resolve_model(
+        "tests.test_trace_lifetimes:fails_in_backward",
+        inputs="tests.test_saved_tensors:rows",
+        loss="tests.test_saved_tensors:mean_square",
+    )
+    settings = spec.settings_for(TrainingSettings(batch_size=4, device="cpu", optimizer="sgd"))
+    recorders: list[weakref.ref] = []
+    original_init = GraphRecorder.__init__
+
+    def remembered(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        recorders.append(weakref.ref(self))
+
+    GraphRecorder.__init__ = remembered
+    try:
+        with pytest.raises(TraceError, match="this backward fails"):
+            trace_step(spec, settings)
+    finally:
+        GraphRecorder.__init__ = original_init
+    gc.collect()
+    assert len(recorders) == 1 and recorders[0]() is None

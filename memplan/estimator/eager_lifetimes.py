@@ -191,7 +191,7 @@ class EagerLifetimes(TorchDispatchMode):
         self.node_count = node_count
         self.backward_node_ops: list[list[int]] = []
         # For each of them, what the Node returned (its outputs as validate_outputs left them), where its post-hook
-        # saw them: None where it did not (formula_end_and_blocks)
+        # saw them: None where it did not (liveness.formula_blocks)
         self.formula_results: list[frozenset[StorageWeakRef] | None] = []
         self.formula_casts: list[int] = []  # graph nodes: weights cast into the autocast cache inside a formula
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
@@ -309,15 +309,9 @@ class EagerLifetimes(TorchDispatchMode):
             self._bindings[id(frame)].read(frame, now, self.local_lifetimes)
 
     def _record_locals(self, frame: FrameType, end: int) -> None:
+        """What the frame's variables hold as it returns (bound since its last op too) lived through `end`."""
         for value in frame.f_locals.values():
-            # One level of containers: a model's output dict (ModelOutput is one) held in a local
-            # keeps its logits alive (`out = model(...)`, then `out.loss.backward()`).
-            items = (
-                value if isinstance(value, tuple | list) else value.values() if isinstance(value, dict) else (value,)
-            )
-            for item in items:
-                if isinstance(item, torch.Tensor):
-                    self.local_lifetimes.append((storage_key(item), end))
+            self.local_lifetimes.extend((storage_key(tensor), end) for tensor in _tensors_held(value))
 
     def held_until_released(self, owner: object, tensor: torch.Tensor) -> None:
         """`tensor` lives at least until `owner`, a Python object invisible to the graph, is freed."""

@@ -147,10 +147,10 @@ def _split_resized(
 # What validate_outputs (torch/csrc/autograd/engine.cpp) runs on a Node's outputs after its formula returned: sum_to
 # where an output's shape differs from its input's, a cast where its dtype does, and the views sum_to ends with.
 _VALIDATE_OUTPUT_OPS = frozenset(
-    {torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList, torch.ops.aten._to_copy.default}
-)
-_VIEW_OPS = frozenset(
     {
+        torch.ops.aten.sum.default,
+        torch.ops.aten.sum.dim_IntList,
+        torch.ops.aten._to_copy.default,
         torch.ops.aten.view.default,
         torch.ops.aten.squeeze.dim,
         torch.ops.aten.squeeze.dims,
@@ -173,7 +173,7 @@ class FormulaBlocks:
     ends: tuple[int, ...]
     # what validate_outputs cast or summed into a returned output: the engine replaces the output with the new
     # tensor as it goes (`grad = grad.to(...)`), which frees the old one after that op
-    validated_from: frozenset[Any] = frozenset()
+    validated_from: frozenset[Any]
 
     def end_after(self, index: int) -> int:
         """The end of the block a temporary last read at `index` belongs to."""
@@ -200,7 +200,7 @@ def formula_blocks(
     while own_end > 1:
         node = nodes[formula[own_end - 1]]
         made = {key for key, _ in storages[formula[own_end - 1]]}
-        if not made or not made <= results or node.target not in _VALIDATE_OUTPUT_OPS | _VIEW_OPS:
+        if not made or not made <= results or node.target not in _VALIDATE_OUTPUT_OPS:
             break
         for source in node.all_input_nodes:
             sources = {key for key, _ in storages[index_of[source]]}

@@ -163,10 +163,8 @@ def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scra
         if node.op != "call_function":
             continue
         if device == "cpu" and str(node.target) in CHUNK_CAT_OPS:
-            args, kwargs = fake_args(node)
-            named = [*args[1:3], kwargs.get("dim"), kwargs.get("num_chunks")]  # (dim, num_chunks), however given
-            dim, num_chunks = [value for value in named if value is not None][:2]
-            padding = chunk_cat_padding_bytes(args[0], dim, num_chunks)
+            args, _ = fake_args(node)  # (tensors, dim, num_chunks), positional as the schema has them; out= a kwarg
+            padding = chunk_cat_padding_bytes(*args[:3])
             scratch = [("chunk_cat's padded copies", padding)] if padding else []
         elif is_gemm_4bit(node.target):
             args, kwargs = fake_args(node)

@@ -115,12 +115,13 @@ class CachingAllocator(ExpandableSegments):
         if pool is None:
             pool = self._pools[key] = FreePool()
         free = pool.free
-        index = bisect.bisect_left(free, (size, -1))
         block = None
         if config.expandable_segments:
             block = pool.best_fit(size, expandable=True)
-        elif index < len(free):
-            block = pool.by_key[free[index]]
+        else:
+            index = bisect.bisect_left(free, (size, -1))
+            if index < len(free):
+                block = pool.by_key[free[index]]
         max_split = config.max_split_size_bytes
         if block is not None and max_split is not None and block.size >= max_split:
             # get_free_block: no oversize block for a request below the limit, nor one more than
