@@ -76,3 +76,22 @@ def _collector_spares_earlier_tests():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+@pytest.fixture
+def recordings(monkeypatch):
+    """Weak references to every trace's recorder made while the test runs: a recording some cycle keeps alive
+    after the trace outlives gc.collect() (tests/test_custom_step.py, tests/test_trace_lifetimes.py)."""
+    import weakref
+
+    from memplan.estimator.recorder import GraphRecorder
+
+    made: list[weakref.ref] = []
+    original_init = GraphRecorder.__init__
+
+    def remembered(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(GraphRecorder, "__init__", remembered)
+    return made

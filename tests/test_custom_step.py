@@ -164,36 +164,22 @@ def test_compare_skips_the_techniques_a_custom_step_cannot_take_and_says_why():
     assert result.rows[0].estimate.peak_bytes == _measured_peak("two_views")
 
 
-def test_a_step_that_keeps_its_gradients_leaves_no_recording_alive():
+def test_a_step_that_keeps_its_gradients_leaves_no_recording_alive(recordings):
     """Finalizers on the gradients a step starts with must not keep each trace's recorder alive when
     the step never frees them (zero_grad(set_to_none=False) keeps them for ever)."""
     import gc
-    import weakref
 
-    from memplan.estimator.recorder import GraphRecorder
+    from memplan.estimator.trace import build_fake_setup
 
     spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
     settings = spec.settings_for(
         TrainingSettings(batch_size=BATCH, device="cpu", step="tests.custom_steps:keep_gradients")
     )
-    recorders: list[weakref.ref] = []
-    original_init = GraphRecorder.__init__
-
-    def remembered(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        recorders.append(weakref.ref(self))
-
-    GraphRecorder.__init__ = remembered
-    try:
-        from memplan.estimator.trace import build_fake_setup
-
-        setup = build_fake_setup(spec, settings)
-        for _ in range(3):
-            trace_step(spec, settings, setup)
-    finally:
-        GraphRecorder.__init__ = original_init
+    setup = build_fake_setup(spec, settings)
+    for _ in range(3):
+        trace_step(spec, settings, setup)
     gc.collect()
-    assert len(recorders) == 3 and all(recorder() is None for recorder in recorders)
+    assert len(recordings) == 3 and all(recorder() is None for recorder in recordings)
 
 
 @pytest.mark.parametrize("name", ["own_adam", "by_hand"])

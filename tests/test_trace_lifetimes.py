@@ -155,14 +155,12 @@ def fails_in_backward() -> torch.nn.Module:
     return FailsInBackward()
 
 
-def test_a_trace_that_fails_in_the_backward_leaves_no_recording_alive():
+def test_a_trace_that_fails_in_the_backward_leaves_no_recording_alive(recordings):
     """The tracer's hooks on the graph's Nodes hold it, in C++ where Python's collector cannot see the cycle; the
     Nodes it held as the step failed (finish() never ran) had kept every failed trace's recording alive."""
     import gc
-    import weakref
 
     from memplan.errors import TraceError
-    from memplan.estimator.recorder import GraphRecorder
     from memplan.estimator.trace import trace_step
     from memplan.models.source import resolve_model
     from memplan.settings import TrainingSettings
@@ -173,18 +171,7 @@ def test_a_trace_that_fails_in_the_backward_leaves_no_recording_alive():
         loss="tests.test_saved_tensors:mean_square",
     )
     settings = spec.settings_for(TrainingSettings(batch_size=4, device="cpu", optimizer="sgd"))
-    recorders: list[weakref.ref] = []
-    original_init = GraphRecorder.__init__
-
-    def remembered(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        recorders.append(weakref.ref(self))
-
-    GraphRecorder.__init__ = remembered
-    try:
-        with pytest.raises(TraceError, match="this backward fails"):
-            trace_step(spec, settings)
-    finally:
-        GraphRecorder.__init__ = original_init
+    with pytest.raises(TraceError, match="this backward fails"):
+        trace_step(spec, settings)
     gc.collect()
-    assert len(recorders) == 1 and recorders[0]() is None
+    assert len(recordings) == 1 and recordings[0]() is None
