@@ -26,6 +26,7 @@ from memplan.estimator.held_tensors import (
 from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.recorder import fake_device_query
 from memplan.estimator.regenerated_views import RegeneratedViews
+from memplan.estimator.rnn_layers import CompositeOp, rnn_projections_tracked
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
@@ -209,6 +210,8 @@ class EagerLifetimes(TorchDispatchMode):
         # Leaves of the graph being run that are no parameters, weakly: a reference would keep them alive.
         self._graph_leaves: list[weakref.ref[torch.Tensor]] = []
         self._regenerated_views = RegeneratedViews(node_count, self.local_lifetimes)
+        # The ops of the C++ composite running now, where one is watched (memplan.estimator.rnn_layers).
+        self.composite_ops: list[CompositeOp] | None = None
 
     def _formula_called(self, grad_outputs: object) -> None:
         self._formula_starting = True
@@ -350,6 +353,10 @@ class EagerLifetimes(TorchDispatchMode):
         autograd_node = torch._C._current_autograd_node()
         out = func(*args, **(kwargs or {}))
         end = self.node_count() - 1
+        if self.composite_ops is not None:
+            first = storage_key(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+            outputs = frozenset(storage_key(tensor) for tensor in tensors_in(out))
+            self.composite_ops.append(CompositeOp(func, first, outputs, end))
         if func is _TO_COPY and _autocast_caches(args[0], out):
             self.held_until_released(out, out)
             if autograd_node is not None and not recomputing():
@@ -418,6 +425,7 @@ def lifetimes_tracked(eager_lifetimes: EagerLifetimes) -> Iterator[None]:
     with (
         eager_lifetimes,
         python_holders_tracked(eager_lifetimes),
+        rnn_projections_tracked(eager_lifetimes),
         patch.object(torch.autograd, "backward", hooked_backward),
         contextlib.ExitStack() as applies,
     ):

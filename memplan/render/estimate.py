@@ -207,7 +207,8 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
         if result.max_seq_len is not None:
             console.print(_longest_sequence(result))
     if result.unsupported_ops:
-        console.print(f"[yellow]unsupported ops (not counted):[/yellow] {', '.join(result.unsupported_ops)}")
+        listed = ", ".join(result.unsupported_ops)
+        console.print(f"[yellow]unsupported ops (not counted unless said):[/yellow] {listed}")
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
     lines = (
