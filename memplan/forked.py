@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from memplan.errors import SettingsError
+
 _job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
 _log = logging.getLogger(__name__)
 _fork_breaks_autograd = False
@@ -38,7 +40,14 @@ def available_cores() -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     limit = os.environ.get("MEMPLAN_JOBS", "").strip()
-    return max(1, min(cores, int(limit))) if limit.isdigit() else cores
+    if not limit:
+        return cores
+    if not limit.isdigit() or int(limit) < 1:
+        raise SettingsError(
+            f"MEMPLAN_JOBS={limit!r}: give the most processes memplan may trace in at once, a whole number of at "
+            "least 1, or unset it to use every core"
+        )
+    return min(cores, int(limit))
 
 
 def can_fork() -> bool:

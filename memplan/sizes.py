@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from fractions import Fraction
 
-from memplan.errors import SizeParseError
+from memplan.errors import SizeParseError, UsageError, a_type
 
 # The largest size memplan takes: an int64's, as torch.cuda counts bytes (8 EiB, more than any device).
 MAX_SIZE_BYTES = 2**63 - 1
@@ -58,6 +59,8 @@ def _at_most_max(num_bytes: int, text: str | int) -> int:
 
 def format_bytes(num_bytes: float) -> str:
     """Binary units, as torch.cuda and memory_viz print them."""
+    if isinstance(num_bytes, bool) or not isinstance(num_bytes, numbers.Real):
+        raise UsageError(f"format_bytes takes a number of bytes (an int or a float); got {a_type(num_bytes)}")
     sign = "-" if num_bytes < 0 else ""
     value = abs(float(num_bytes))
     for unit in ("B", "KiB", "MiB", "GiB"):

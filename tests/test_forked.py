@@ -332,3 +332,18 @@ def test_a_forked_child_ends_with_the_process_that_forked_it(tmp_path):
         time.sleep(0.1)
     os.kill(child, 9)
     raise AssertionError("the forked child outlived its parent")
+
+
+@pytest.mark.parametrize("limit", ["abc", "0", "-1", "1.5"])
+def test_a_jobs_limit_that_is_no_count_of_processes_is_a_one_line_usage_error(monkeypatch, limit):
+    """MEMPLAN_JOBS=abc was ignored without a word (every core used), 0 read as 1 (a CLI bug hunt, M5)."""
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    monkeypatch.setenv("MEMPLAN_JOBS", limit)
+    result = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "-b", "2", "--seq-len", "8", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"memplan: error: MEMPLAN_JOBS='{limit}': ") and result.stderr.count("\n") == 1
+    monkeypatch.setenv("MEMPLAN_JOBS", " 1 ")
+    assert forked.available_cores() == 1

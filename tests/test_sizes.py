@@ -2,7 +2,7 @@
 
 import pytest
 
-from memplan.errors import SizeParseError
+from memplan.errors import SizeParseError, UsageError
 from memplan.sizes import format_bytes, parse_size
 
 
@@ -98,3 +98,16 @@ def test_a_refused_size_says_why(text, allow_zero, message):
 )
 def test_format_bytes_across_units_and_signs(num_bytes, printed):
     assert format_bytes(num_bytes) == printed
+
+
+@pytest.mark.parametrize(("value", "named"), [("a", "a str"), (None, "a NoneType"), (True, "a bool"), ([1], "a list")])
+def test_format_bytes_refuses_what_is_no_number_in_one_line(value, named):
+    """format_bytes('a') raised Python's own TypeError from a comparison (a CLI bug hunt, M6)."""
+    with pytest.raises(UsageError) as refused:
+        format_bytes(value)
+    assert str(refused.value) == f"format_bytes takes a number of bytes (an int or a float); got {named}"
+
+
+def test_format_bytes_takes_numpy_numbers_as_the_numbers_they_hold():
+    numpy = pytest.importorskip("numpy")
+    assert format_bytes(numpy.int64(3 * 2**29)) == format_bytes(numpy.float32(3 * 2**29)) == "1.50 GiB"
