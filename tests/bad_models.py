@@ -1,5 +1,7 @@
 """Tiny custom models, inputs and losses that get something wrong, for tests/test_bad_inputs.py."""
 
+import sys
+
 import torch
 from torch import nn
 
@@ -111,6 +113,19 @@ def factory_needs_argument(width: int) -> nn.Module:
 
 def factory_raises() -> nn.Module:
     raise ValueError("the factory is broken")
+
+
+def factory_exits() -> nn.Module:
+    sys.exit(3)
+
+
+class ExitsInForward(Mlp):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sys.exit()
+
+
+def exits_in_forward() -> nn.Module:
+    return ExitsInForward()
 
 
 def inputs(batch_size: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_s
 from memplan.estimator.trace_errors import step_failure, trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
 from memplan.interrupts import deferred
-from memplan.models.source import ModelSpec
+from memplan.models.source import ModelSpec, exit_in_user_code
 from memplan.settings import TrainingSettings
 
 __all__ = ["FakeSetup", "build_fake_setup", "trace_step"]
@@ -272,6 +272,8 @@ def trace_step(
                 recording = None
     except MemplanError:
         raise
+    except SystemExit as exit_request:
+        raise exit_in_user_code(f"the training step of {spec.name}", exit_request) from exit_request
     except Exception as error:  # any failure inside the user's model becomes one clear message
         raise trace_failure(error, tracker.current(), spec, state.batch) from error
     step_end = recorder.node_count() - 1

@@ -116,12 +116,23 @@ def _call_user(function: Callable[..., Any], arguments: tuple, what: str) -> Any
         return function(*arguments)
     except MemplanError:
         raise
+    except SystemExit as exit_request:
+        raise exit_in_user_code(what, exit_request) from exit_request
     except Exception as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UserCodeError(
             f"{what} raised {type(error).__name__}{': ' + detail if detail else ''} (memplan calls it under fake "
             "tensors: no real data, no GPU); fix it, or rerun with --debug for the traceback"
         ) from error
+
+
+def exit_in_user_code(what: str, exit_request: SystemExit) -> UserCodeError:
+    """The user's code called sys.exit() (or exit()) while memplan ran it: a failure said in one line, where
+    the process would otherwise end with the code it gave, 0 for none, and no answer."""
+    return UserCodeError(
+        f"{what} called sys.exit({exit_request.code!r}) while memplan ran it (under fake tensors: no real data, "
+        "no GPU), so there is no answer; keep exits out of what memplan calls, or rerun with --debug"
+    )
 
 
 def _checked_loss(loss: str, value: Any) -> torch.Tensor:
