@@ -198,15 +198,21 @@ def test_ctrl_c_in_a_sweep_or_compare_keeps_what_finished(tiny_model_dirs):
         run_sweep(spec, settings, batch_sizes=(1,), progress=_interrupt_at("[1/1]"))
 
 
-def test_ctrl_c_in_the_cli_sweep_shows_the_finished_table_and_exits_130(tiny_model_dirs, monkeypatch):
+def test_ctrl_c_in_the_cli_sweep_shows_the_finished_table_and_exits_130(tiny_model_dirs, monkeypatch, tmp_path):
     import memplan.cli.running
+    import memplan.render.plot
 
     monkeypatch.setattr(memplan.cli.running, "_progress", lambda as_json: _interrupt_at("[2/2]"))
+    plotted = {}
+    monkeypatch.setattr(memplan.render.plot, "plot_sweep", lambda series, path, **drawn: plotted.update(drawn))
     args = [tiny_model_dirs["gpt2"], "--seq-len", "32", "--device", "cpu", "--batch-sizes", "1,2"]
-    result = CliRunner().invoke(main, ["sweep", *args, "--precisions", "fp32,amp-bf16"])
+    plot = ["--plot", str(tmp_path / "sweep.png")]
+    result = CliRunner().invoke(main, ["sweep", *args, "--precisions", "fp32,amp-bf16", *plot])
     assert result.exit_code == 130, result.output
     assert "fp32" in result.output and "amp-bf16" not in result.output.split("predicted peak")[1]
     assert result.output.strip().endswith("memplan: interrupted; shown: what finished before it")
+    # the plot of what finished says so: it had looked like a sweep of one precision (CLI bug hunt, M8)
+    assert plotted["title"].endswith("(interrupted: the settings that finished before Ctrl-C)")
 
 
 def test_which_gpu_fits_each_cards_usable_memory_and_names_the_cheapest_listed_card_that_fits():

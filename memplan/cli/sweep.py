@@ -96,7 +96,9 @@ def sweep(
             plot_sweep(
                 series,
                 plot,
-                title=f"{result.model}: {sweep_settings(result)}",  # the precision only where one is swept
+                # the precision only where one is swept; a sweep Ctrl-C stopped says that its lines are not all
+                title=f"{result.model}: {sweep_settings(result)}"
+                + (" (interrupted: the settings that finished before Ctrl-C)" if result.interrupted else ""),
                 budget_bytes=result.budget_bytes,
                 max_batch_sizes={s.label: s.max_batch_size for s in result.series},
                 measure="predicted memory the step completes in" if device else "predicted peak",
