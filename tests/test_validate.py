@@ -91,6 +91,11 @@ def test_smoke_suite_writes_as_it_goes_and_resumes(tmp_path, monkeypatch, measur
     forced = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(results), "--force", "--json")
     assert forced.exit_code == 0, forced.output
     assert [entry["id"] for entry in json.loads(results.read_text())["configs"]] == [suite[0].id]
+    # both: they contradict, and --force had been dropped without a word (CLI bug hunt, M2); the file is untouched
+    kept = results.read_text()
+    both = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(results), "--resume", "--force")
+    assert both.exit_code == 2 and "--resume and --force contradict" in both.stderr
+    assert results.read_text() == kept
 
 
 _RESULT_FIELDS = [item.name for item in dataclasses.fields(ValidationResult)]

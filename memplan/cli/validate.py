@@ -112,7 +112,12 @@ def _validate_suite(
     path = Path(results or f"validation-{suite}.json")
     if not path.resolve().parent.is_dir():  # before the first measurement, not after it
         raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")
-    replace = bool(click.get_current_context().find_root().meta.get("memplan.force")) and not resume
+    force = bool(click.get_current_context().find_root().meta.get("memplan.force"))
+    if force and resume:  # one keeps the file's configurations, the other would start it anew
+        raise UsageError(
+            f"--resume and --force contradict: --resume adds to {path}, --force would replace it; give one of them"
+        )
+    replace = force
     if replace:
         check_output_paths(results=str(path))  # --force replaces outputs, never the command's inputs
     interrupted = False
