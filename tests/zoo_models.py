@@ -271,6 +271,22 @@ def squared_linear() -> nn.Module:
     return SquaredLinear()
 
 
+class SquaredLinears(nn.Module):
+    """Three bias-free 256×256 Linear layers whose output's mean square is the loss: for-loop Adam(W)'s step is
+    the peak at batch 4, with the previous parameter's `denom` (256 KiB) still held in a local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(3)))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.layers(x).square().mean()}
+
+
+def squared_linears() -> nn.Module:
+    return SquaredLinears()
+
+
 def named_features(batch_size: int) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(batch_size, 256)}
 

@@ -16,6 +16,7 @@ from memplan.errors import MemplanError
 from memplan.estimator.cuda.target import target_kernels
 from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
 from memplan.estimator.fake_mode import constant_item
+from memplan.estimator.held_tensors import OptimizerLocals
 from memplan.estimator.hf_patches import real_run_paths
 from memplan.estimator.leaves import local_tensor
 from memplan.estimator.loop import TrainingState, current_grads, custom_step
@@ -79,9 +80,14 @@ def trace_custom_step(
         on_target = target_kernels(settings)
         resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
         with fake_mode, tracker, real_run_paths(), on_target as unknown_ops, recorder, resizes_recorded as resizes:
-            with lifetimes_tracked(eager_lifetimes), constant_item(), graphs:
+            # How long the step's optimizers keep their temporaries in locals, as in memplan's own step (trace.py).
+            optimizer_locals = OptimizerLocals(recorder.node_count)
+            with lifetimes_tracked(eager_lifetimes), constant_item(), graphs, optimizer_locals.watch_steps():
                 custom_step(state, marker, on_step)
             eager_lifetimes.finish()
+            held_in_locals = optimizer_locals.lifetimes
+            eager_lifetimes.local_lifetimes += [(storage_key(tensor), end) for tensor, end in held_in_locals]
+            held_in_locals.clear()
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
             step_end = recorder.node_count() - 1
             eager_lifetimes.local_lifetimes += [

@@ -36,7 +36,10 @@ def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
 # memplan's own frames on the stack while a step is traced, whose locals are not the model's.
-_TRACER_FILES = (__file__, os.path.join(os.path.dirname(__file__), "trace.py"))
+_TRACER_FILES = tuple(
+    os.path.join(os.path.dirname(__file__), name)
+    for name in ("eager_lifetimes.py", "trace.py", "held_tensors.py")  # held_tensors: OptimizerLocals, a mode above
+)
 
 
 def _holds_python_locals(filename: str) -> bool:

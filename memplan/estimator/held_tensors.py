@@ -16,6 +16,7 @@ from unittest.mock import patch
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.leaves import tensors_in, wraps_local_tensors
@@ -158,12 +159,38 @@ class OptimizerLocals(TorchDispatchMode):
         # are read once, not at every op of the step (_tensor_locals).
         self._sequences: dict[int, SequenceTensors] = {}
         self.lifetimes: list[tuple[torch.Tensor, int]] = []  # (tensor, the last node it lives through)
+        # Watching: a user's own step (--step) runs its optimizers' steps among its other ops, so the mode stays
+        # on through the whole step and watches only between each optimizer step's hooks (watch_steps).
+        self.active = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if wraps_local_tensors(types):
             return NotImplemented  # observed as the ops on its local tensors
-        self._observe(self._node_count() - 1)
+        if self.active:
+            self._observe(self._node_count() - 1)
         return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def watch_steps(self) -> Iterator[None]:
+        """Watch every optimizer's step (torch.optim's global step hooks) and nothing between them: what a step's
+        frames held as it returned lived until then (finish)."""
+        self.active = False
+
+        def started(optimizer: object, args: object, kwargs: object) -> None:
+            self.active = True
+
+        def returned(optimizer: object, args: object, kwargs: object) -> None:
+            self.finish()
+            self.active = False
+
+        before = register_optimizer_step_pre_hook(started)
+        after = register_optimizer_step_post_hook(returned)
+        try:
+            with self:
+                yield
+        finally:
+            before.remove()
+            after.remove()
 
     def _observe(self, before: int) -> None:
         frames: dict[int, FrameType] = {}
