@@ -49,3 +49,94 @@ def test_a_bf16_model_s_norms_on_a_cuda_target_save_float32_statistics():
         if allocation.op == "aten.native_layer_norm.default" and allocation.size_bytes < 4 * 64 * 2 * 8
     ]
     assert norms and {allocation.requested_bytes or allocation.size_bytes for allocation in norms} == {4 * 64 * 4}
+
+
+GROUP_NORM, GROUP_NORM_BACKWARD = (
+    torch.ops.aten.native_group_norm.default,
+    torch.ops.aten.native_group_norm_backward.default,
+)
+BATCH_NORM = torch.ops.aten.native_batch_norm.default
+
+
+@pytest.mark.parametrize(
+    ("input_dtype", "weight_dtype"), [(F32, F32), (BF16, BF16), (BF16, F32), (F16, F32), (BF16, None)]
+)
+def test_group_norm_s_statistics_and_input_gradient_have_the_cpu_kernel_s_dtypes(input_dtype, weight_dtype):
+    from memplan.estimator.oprules import OUTPUT_DTYPE_RULES
+
+    x, grad = torch.randn(2, 8, 3, 3).to(input_dtype), torch.randn(2, 8, 3, 3).to(input_dtype)
+    weight = torch.ones(8, dtype=weight_dtype) if weight_dtype is not None else None
+    forward = GROUP_NORM(x, weight, weight, 2, 8, 9, 4, 1e-5)
+    ruled = OUTPUT_DTYPE_RULES[GROUP_NORM]((x, weight, weight, 2, 8, 9, 4, 1e-5), {}, "cpu")
+    assert [dtype or tensor.dtype for dtype, tensor in zip(ruled, forward, strict=True)] == [t.dtype for t in forward]
+    arguments = (grad, x, forward[1], forward[2], weight, 2, 8, 9, 4, [True, weight is not None, weight is not None])
+    backward = GROUP_NORM_BACKWARD(*arguments)
+    ruled = OUTPUT_DTYPE_RULES[GROUP_NORM_BACKWARD](arguments, {}, "cpu")
+    assert ruled[0] == backward[0].dtype
+
+
+@pytest.mark.parametrize(("input_dtype", "weight_dtype"), [(F32, F32), (BF16, BF16), (BF16, F32), (F16, F32)])
+def test_batch_norm_s_saved_statistics_have_the_cpu_kernel_s_dtype(input_dtype, weight_dtype):
+    from memplan.estimator.oprules import OUTPUT_DTYPE_RULES
+
+    x = torch.randn(2, 8, 3, 3).to(input_dtype)
+    weight, running = torch.ones(8, dtype=weight_dtype), torch.zeros(8, dtype=weight_dtype)
+    arguments = (x, weight, weight, running, running.clone().fill_(1), True, 0.1, 1e-5)
+    real = BATCH_NORM(*arguments)
+    ruled = OUTPUT_DTYPE_RULES[BATCH_NORM](arguments, {}, "cpu")
+    assert [dtype or tensor.dtype for dtype, tensor in zip(ruled, real, strict=True)] == [t.dtype for t in real]
+
+
+NORMS = {
+    "group": lambda: torch.nn.GroupNorm(8, 64),
+    "batch": lambda: torch.nn.BatchNorm2d(64),
+    "instance": lambda: torch.nn.InstanceNorm2d(64, affine=True),
+}
+
+
+def normed_conv(norm: str) -> torch.nn.Module:
+    """Conv → norm → ReLU → 1×1 conv: under CPU autocast the norm gets a bfloat16 input and keeps float32 weights,
+    the mixed-type kernels whose dtypes torch's fake kernels get wrong."""
+    conv = torch.nn.Conv2d(3, 64, 3, padding=1)
+    return torch.nn.Sequential(conv, NORMS[norm](), torch.nn.ReLU(), torch.nn.Conv2d(64, 5, 1))
+
+
+def group_normed() -> torch.nn.Module:
+    return normed_conv("group")
+
+
+def batch_normed() -> torch.nn.Module:
+    return normed_conv("batch")
+
+
+def instance_normed() -> torch.nn.Module:
+    return normed_conv("instance")
+
+
+def images(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 3, 8, 8)
+
+
+def mean_square(output: torch.Tensor, _batch: object) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+@pytest.mark.parametrize("model", ["group_normed", "batch_normed", "instance_normed"])
+def test_a_normed_step_under_cpu_autocast_is_its_real_run(model):
+    """Without the rules: the group norm's float32 input gradient and the cast autograd made of it back to bfloat16
+    (the real kernel makes neither) put the first step 33,148 B (22%) high; half-sized batch- and instance-norm
+    statistics put the others 260 B and 1,028 B low. Truth: the step run for real on the CPU."""
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from memplan.measure.cpu import measure_cpu
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    spec = resolve_model(
+        f"tests.test_oprules_norms:{model}",
+        inputs="tests.test_oprules_norms:images",
+        loss="tests.test_oprules_norms:mean_square",
+    )
+    settings = spec.settings_for(TrainingSettings(batch_size=4, device="cpu", optimizer="sgd", precision="amp-bf16"))
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    assert abs(predicted - measure_cpu(spec, settings).peak_bytes) <= 8

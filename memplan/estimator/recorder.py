@@ -32,6 +32,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from memplan import interrupts
 from memplan.estimator.leaves import local_tensor, map_leaves, tensors_in, wraps_local_tensors
 from memplan.estimator.opgraph import OpGraph, OpNode
+from memplan.estimator.oprules import retyped_outputs
 from memplan.estimator.oprules.dtypes import refused_mixed_dtypes
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
@@ -66,6 +67,7 @@ class GraphRecorder(TorchDispatchMode):
         self._node_of = WeakTensorKeyDictionary()  # tensor -> the node whose output it is now
         self._constants = 0
         self.recording: OptimizerRecording | None = None  # when set, every op is appended to it
+        self.target = "cpu"  # the device the step is traced for (settings.device): what the output dtype rules read
         # Set where a library swaps tensors' storages outside dispatch (`tensor.data = other`, as
         # DeepSpeed does): a tensor is then read from the op that made its storage now, not the op
         # that made it first. None: not checked (it costs a lookup per input).
@@ -128,7 +130,7 @@ class GraphRecorder(TorchDispatchMode):
             raise RuntimeError(refused)
         inputs: list[OpNode] = []
         node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
-        out = func(*args, **kwargs)
+        out = retyped_outputs(func, args, kwargs, func(*args, **kwargs), self.target)  # as the real kernel types them
         val = self._add_node(func, node_args, node_kwargs, inputs, out)
         if self.recording is not None:
             self.recording.ops.append(RecordedOp(func, args, kwargs, out, val))

@@ -206,6 +206,7 @@ def trace_step(
     inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
     recorder = GraphRecorder(inputs)
+    recorder.target = settings.device
     if getattr(state.data_parallel, "swaps_storages", False):
         recorder.producers = {}
     if hasattr(state.data_parallel, "before_traced_iteration"):

@@ -26,6 +26,39 @@ def output_bytes_rule(*ops: Any) -> Callable[[OutputBytesRule], OutputBytesRule]
     return register
 
 
+# The dtype of each output where the real kernel's differs from the fake kernel's (None: the fake kernel's is right):
+# the recorder gives the op's outputs those dtypes (retyped_outputs), so that autograd and later ops see what the real
+# run sees (a gradient of the input's dtype needs no cast back to it).
+OutputDtypesRule = Callable[[tuple[Any, ...], dict[str, Any], str], tuple[Any, ...]]
+
+OUTPUT_DTYPE_RULES: dict[Any, OutputDtypesRule] = {}
+
+
+def output_dtypes_rule(*ops: Any) -> Callable[[OutputDtypesRule], OutputDtypesRule]:
+    def register(rule: OutputDtypesRule) -> OutputDtypesRule:
+        for op in ops:
+            OUTPUT_DTYPE_RULES[op] = rule
+        return rule
+
+    return register
+
+
+def retyped_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, device: str) -> Any:
+    """`out` with each output a rule gives another dtype replaced by an empty tensor of that dtype, shape and strides
+    (made by the modes below the caller's: a fake tensor, recorded by no one)."""
+    rule = OUTPUT_DTYPE_RULES.get(func)
+    if rule is None:
+        return out
+    import torch
+
+    outputs = list(out) if isinstance(out, tuple) else [out]
+    for index, dtype in enumerate(rule(args, kwargs, device)):
+        tensor = outputs[index]
+        if dtype is not None and isinstance(tensor, torch.Tensor) and tensor.dtype != dtype:
+            outputs[index] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=tensor.device)
+    return tuple(outputs) if isinstance(out, tuple) else outputs[0]
+
+
 def _load_families() -> None:
     from memplan.estimator.oprules import col2im, losses, norms, rnn  # noqa: F401  (registers their rules)
 

@@ -1,4 +1,5 @@
-"""Layer norm's saved statistics: the dtype its kernels give them, which torch's fake kernel gets wrong.
+"""Norms' saved statistics (and group norm's input gradient): the dtypes their kernels give them, which torch's
+fake kernels get wrong.
 
 `native_layer_norm` returns the output, and the mean and reciprocal standard deviation of each row,
 which autograd saves for the backward. Their dtype:
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memplan.estimator.oprules import output_bytes_rule
+from memplan.estimator.oprules import output_bytes_rule, output_dtypes_rule
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -40,3 +41,42 @@ def native_layer_norm(args: tuple[Any, ...], kwargs: dict[str, Any], device: str
     rows = math.prod(input.shape[: input.ndim - len(normalized_shape)])
     statistics = rows * statistics_dtype(input.dtype, weight.dtype if weight is not None else None, device).itemsize
     return [input.numel() * input.dtype.itemsize, statistics, statistics]
+
+
+def _mixed(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """ATen's `is_mixed_type` (aten/src/ATen/native/mixed_dtypes.h): a 16-bit input with float32 parameters."""
+    return input.dtype in _SIXTEEN_BIT and any(param is not None and param.dtype == torch.float32 for param in params)
+
+
+@output_dtypes_rule(torch.ops.aten.native_group_norm.default)
+def native_group_norm(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[Any, ...]:
+    """Mean and rstd in `param_scalar_type(X, mixed_type)`: float32 for a 16-bit input with float32 weights, the
+    input's dtype otherwise, on every device (aten/src/ATen/native/group_norm.cpp, native_group_norm, before it
+    dispatches to the device's kernel). torch's fake kernel gives them the input's dtype: a bfloat16 input under CPU
+    autocast, whose GroupNorm keeps float32 weights, had statistics half their size."""
+    input, weight, bias = args[0], args[1], args[2]
+    statistics = torch.float32 if _mixed(input, weight, bias) else input.dtype
+    return (None, statistics, statistics)
+
+
+@output_dtypes_rule(torch.ops.aten.native_group_norm_backward.default)
+def native_group_norm_backward(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[Any, ...]:
+    """The input's gradient in the input's dtype (group_norm.cpp, native_group_norm_backward: `dX =
+    at::native::empty_like(X)`). torch's fake kernel computes it in the promoted dtype, float32 for a bfloat16
+    input with float32 statistics, and autograd then cast it back: a copy the real run does not make, and an input
+    gradient twice its size (a GroupNorm step under CPU autocast predicted 22% high)."""
+    return (args[1].dtype, None, None)
+
+
+@output_dtypes_rule(torch.ops.aten.native_batch_norm.default)
+def native_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[Any, ...]:
+    """save_mean and save_invstd: on CUDA in the input's accumulate type, float32 for a 16-bit input
+    (aten/src/ATen/native/cuda/Normalization.cu, batch_norm_cuda; cuDNN's batch norm, which a GPU runs for
+    it, keeps them in float32 too); on the CPU in `param_scalar_type(self, mixed_type)` (Normalization.cpp,
+    batch_norm_cpu). torch's fake kernel gives them the input's dtype. InstanceNorm runs this op on a (1, N·C, ...)
+    view, so its statistics grow with the batch."""
+    input, weight, bias = args[0], args[1], args[2]
+    if input.dtype not in _SIXTEEN_BIT:
+        return (None, None, None)
+    statistics = torch.float32 if device == "cuda" or _mixed(input, weight, bias, args[3], args[4]) else input.dtype
+    return (None, statistics, statistics)
