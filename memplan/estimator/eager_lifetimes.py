@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.checkpointing import recomputing
+from memplan.estimator.composites import CompositeOp, composites_tracked
 from memplan.estimator.held_tensors import (
     LIBRARIES_HOLDING_TENSORS,
     called_from_holding_library,
@@ -26,7 +27,6 @@ from memplan.estimator.held_tensors import (
 from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.recorder import fake_device_query
 from memplan.estimator.regenerated_views import RegeneratedViews
-from memplan.estimator.rnn_layers import CompositeOp, rnn_projections_tracked
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
@@ -213,7 +213,7 @@ class EagerLifetimes(TorchDispatchMode):
         # Leaves of the graph being run that are no parameters, weakly: a reference would keep them alive.
         self._graph_leaves: list[weakref.ref[torch.Tensor]] = []
         self._regenerated_views = RegeneratedViews(node_count, self.local_lifetimes)
-        # The ops of the C++ composite running now, where one is watched (memplan.estimator.rnn_layers).
+        # The ops of the C++ composite running now, where one is watched (memplan.estimator.composites).
         self.composite_ops: list[CompositeOp] | None = None
 
     def _formula_called(self, grad_outputs: object) -> None:
@@ -428,7 +428,7 @@ def lifetimes_tracked(eager_lifetimes: EagerLifetimes) -> Iterator[None]:
     with (
         eager_lifetimes,
         python_holders_tracked(eager_lifetimes),
-        rnn_projections_tracked(eager_lifetimes),
+        composites_tracked(eager_lifetimes),
         patch.object(torch.autograd, "backward", hooked_backward),
         contextlib.ExitStack() as applies,
     ):

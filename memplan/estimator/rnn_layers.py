@@ -19,32 +19,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 from unittest.mock import patch
 
 import torch
+
+from memplan.estimator.composites import CompositeOp, CompositeWatcher, watched
 
 _UNBIND = torch.ops.aten.unbind.int
 _STACK = torch.ops.aten.stack.default
 _CAT = torch.ops.aten.cat.default
 _LAYERS = ("gru", "rnn_tanh", "rnn_relu", "lstm")  # the torch._VF functions nn.GRU, nn.RNN and nn.LSTM call
-
-
-@dataclass(frozen=True)
-class CompositeOp:
-    """One op a C++ composite ran: the storage of its first argument (None where it is no tensor), those of
-    its outputs, and the last graph node it made (or the one before it, where it made none)."""
-
-    func: Any
-    argument_storage: object
-    output_storages: frozenset[object]
-    end: int
-
-
-class CompositeWatcher(Protocol):
-    composite_ops: list[CompositeOp] | None
-    local_lifetimes: list[tuple[Any, int]]
 
 
 def held_projections(ops: list[CompositeOp], bidirectional: bool) -> list[tuple[object, int]]:
@@ -84,27 +69,16 @@ def _is_packed(args: tuple[Any, ...]) -> bool:
 
 @contextlib.contextmanager
 def rnn_projections_tracked(watcher: CompositeWatcher) -> Iterator[None]:
-    """While a step is traced, each call of a recurrent composite records its ops (`watcher.composite_ops`) and
-    adds what its C++ variables held past their last use to `watcher.local_lifetimes`."""
+    """While a step is traced, what each call of a recurrent composite held past its last use (module docstring)."""
 
-    def watched(layer: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if _is_packed(args) or watcher.composite_ops is not None:
-                return layer(*args, **kwargs)
-            bidirectional = bool(args[7] if len(args) > 7 else kwargs.get("bidirectional", False))
-            watcher.composite_ops = ops = []
-            try:
-                result = layer(*args, **kwargs)
-            finally:
-                watcher.composite_ops = None
-            watcher.local_lifetimes.extend(held_projections(ops, bidirectional))
-            return result
-
-        return run
+    def held(ops: list[CompositeOp], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[object, int]]:
+        if _is_packed(args):
+            return []
+        return held_projections(ops, bool(args[7] if len(args) > 7 else kwargs.get("bidirectional", False)))
 
     with contextlib.ExitStack() as patches:
         for name in _LAYERS:
-            patches.enter_context(patch.object(torch._VF, name, watched(getattr(torch._VF, name))))
+            patches.enter_context(patch.object(torch._VF, name, watched(watcher, getattr(torch._VF, name), held)))
         yield
 
 
