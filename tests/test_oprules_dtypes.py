@@ -70,3 +70,25 @@ def test_a_float32_batch_into_bfloat16_weights_is_refused_as_the_real_step_is():
         main, [*args, "--precision", "amp-bf16", "--loss", "tests.zoo_models:mean_square_loss"]
     )
     assert autocast.exit_code == 0, autocast.output  # autocast casts before the kernel: nothing mixed
+
+
+_INDEXING = {
+    "index_add": lambda s, i, v: torch.index_add(s, 0, i, v),
+    "index_copy": lambda s, i, v: torch.index_copy(s, 0, i, v),
+    "index_put": lambda s, i, v: s.index_put((i,), v),
+    "index_put_": lambda s, i, v: s.clone().index_put_((i,), v),
+}
+
+
+@pytest.mark.parametrize("name", _INDEXING)
+def test_indexing_ops_the_real_cpu_kernel_refuses_with_mixed_dtypes_are_refused(name):
+    """index_add under CPU autocast (a float32 buffer, bfloat16 values) ran in the trace, the fake kernel taking
+    the destination's dtype, where the real step raises (a helper's bug hunt)."""
+    destination, index = torch.zeros(4, 3), torch.tensor([0, 2])
+    values = torch.ones(2, 3, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        _INDEXING[name](destination, index, values)
+    with pytest.raises(RuntimeError, match="dtype|scalar type"):
+        call_through_rule(name, lambda x, w: _INDEXING[name](x, index, w), destination, values)
+    _INDEXING[name](destination, index, values.float())  # one dtype: runs
+    call_through_rule(name, lambda x, w: _INDEXING[name](x, index, w), destination, values.float())

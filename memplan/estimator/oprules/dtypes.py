@@ -31,8 +31,50 @@ MATMUL_OPS = frozenset(
 )
 
 
+# Ops whose destination and source must share a dtype, checked in ATen's device-independent code
+# (aten/src/ATen/native/TensorAdvancedIndexing.cpp: index_add's and index_copy's meta functions, `_index_put_impl_`)
+# and not by torch's fake kernels: the argument positions of the two, and what the real kernel says.
+SAME_DTYPE_OPS: dict[Any, tuple[int, int, str]] = {
+    torch.ops.aten.index_add.default: (0, 3, "index_add_(): self ({}) and source ({}) must have the same scalar type"),
+    torch.ops.aten.index_add_.default: (0, 3, "index_add_(): self ({}) and source ({}) must have the same scalar type"),
+    torch.ops.aten.index_copy.default: (
+        0,
+        3,
+        "index_copy_(): self ({}) and source ({}) expected to have the same dtype",
+    ),
+    torch.ops.aten.index_copy_.default: (
+        0,
+        3,
+        "index_copy_(): self ({}) and source ({}) expected to have the same dtype",
+    ),
+    torch.ops.aten.index_put.default: (
+        0,
+        2,
+        "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source",
+    ),
+    torch.ops.aten.index_put_.default: (
+        0,
+        2,
+        "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source",
+    ),
+    torch.ops.aten._index_put_impl_.default: (
+        0,
+        2,
+        "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source",
+    ),
+}
+
+
 def refused_mixed_dtypes(func: Any, args: tuple) -> str | None:
-    """torch's own words for the mixed floating dtypes a real matmul kernel refuses, or None."""
+    """torch's own words for the mixed floating dtypes a real matmul or indexing kernel refuses, or None."""
+    if func in SAME_DTYPE_OPS:
+        destination, source, message = SAME_DTYPE_OPS[func]
+        if len(args) <= source or not all(isinstance(args[i], torch.Tensor) for i in (destination, source)):
+            return None
+        if args[destination].dtype == args[source].dtype:
+            return None
+        hint = " (a 16-bit value into a float32 tensor under autocast?)"
+        return message.format(*(str(args[i].dtype).removeprefix("torch.") for i in (destination, source))) + hint
     if func not in MATMUL_OPS:
         return None
     dtypes = list(dict.fromkeys(tensor.dtype for tensor in tensors_in(args) if tensor.is_floating_point()))
