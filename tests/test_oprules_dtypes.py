@@ -92,3 +92,12 @@ def test_indexing_ops_the_real_cpu_kernel_refuses_with_mixed_dtypes_are_refused(
         call_through_rule(name, lambda x, w: _INDEXING[name](x, index, w), destination, values)
     _INDEXING[name](destination, index, values.float())  # one dtype: runs
     call_through_rule(name, lambda x, w: _INDEXING[name](x, index, w), destination, values.float())
+
+
+def test_one_value_put_through_a_mask_is_cast_as_the_real_kernel_casts_it():
+    """`x[mask] = value` with a one-element value of another dtype runs (index_put_ takes masked_fill_'s path,
+    canDispatchToMaskedFill): not refused."""
+    destination, mask = torch.zeros(4, 3), torch.ones(4, 3, dtype=torch.bool)
+    value = torch.tensor(1.0, dtype=torch.bfloat16)
+    destination.clone().index_put_((mask,), value)  # the real kernel runs
+    call_through_rule("index_put_", lambda x, w: x.clone().index_put_((mask,), w), destination, value)

@@ -73,6 +73,8 @@ def refused_mixed_dtypes(func: Any, args: tuple) -> str | None:
             return None
         if args[destination].dtype == args[source].dtype:
             return None
+        if "put" in func.name() and args[source].numel() == 1:
+            return None  # `x[mask] = value` with one value: index_put_ fills it as masked_fill_ does, casting it
         hint = " (a 16-bit value into a float32 tensor under autocast?)"
         return message.format(*(str(args[i].dtype).removeprefix("torch.") for i in (destination, source))) + hint
     if func not in MATMUL_OPS:
