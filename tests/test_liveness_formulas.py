@@ -87,3 +87,41 @@ def test_an_output_validate_outputs_casts_is_freed_as_its_cast_is_made():
     (0.03%) low now, from something else."""
     predicted, measured = _predicted_and_measured("recurrent", "sequences", batch_size=4, precision="bf16")
     assert abs(predicted - measured) <= 0.001 * measured
+
+
+class _TanhGelu(torch.autograd.Function):
+    """BLOOM's GeLU (transformers' modeling_bloom GeLUFunction): a Python backward whose one expression makes a chain
+    of input-sized temporaries, each freed by Python as the next is made."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
+        return ff * grad
+
+
+class PythonGeluMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(_TanhGelu.apply(self.up(x)))
+
+
+def python_gelu_mlp() -> nn.Module:
+    return PythonGeluMlp()
+
+
+def test_a_python_backward_s_temporaries_die_at_their_last_use():
+    """A Python autograd Function's backward is Python: its temporaries go as soon as nothing refers to them, not at
+    a C++ expression's end. Held to the formula's end (BLOOM's MLP, a helper's bug hunt: 23% high), this step came
+    out 2,555,900 B high, 2.6 times its real peak of 1,623,560 B."""
+    predicted, measured = _predicted_and_measured("python_gelu_mlp", "sequences", batch_size=8, optimizer="sgd")
+    assert abs(predicted - measured) <= 8

@@ -198,6 +198,7 @@ class EagerLifetimes(TorchDispatchMode):
         # saw them: None where it did not (liveness.formula_blocks)
         self.formula_results: list[frozenset[StorageWeakRef] | None] = []
         self.formula_casts: list[int] = []  # graph nodes: weights cast into the autocast cache inside a formula
+        self.python_formulas: list[bool] = []  # for each of backward_node_ops: a Python autograd Function's backward
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
         self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
         self._bindings: dict[int, LocalBindings] = {}  # id of each of them -> what its variables held when read
@@ -385,6 +386,7 @@ class EagerLifetimes(TorchDispatchMode):
         if autograd_node is not self._current:
             self.backward_node_ops.append([])
             self.formula_results.append(None)
+            self.python_formulas.append(isinstance(autograd_node, torch.autograd.function.BackwardCFunction))
             self._formula_node = autograd_node
             self._current = autograd_node
             self._formula_done = False

@@ -240,7 +240,8 @@ def liveness(traced: TracedStep) -> Liveness:
         if key in last_use:
             last_use[key] = max(last_use[key], end)
     results = traced.formula_results or (None,) * len(traced.backward_node_ops)
-    for formula, returned in zip(traced.backward_node_ops, results, strict=True):
+    python_formulas = traced.python_formulas or (False,) * len(traced.backward_node_ops)
+    for formula, returned, in_python in zip(traced.backward_node_ops, results, python_formulas, strict=True):
         if not formula:
             continue
         last = formula[-1]
@@ -253,6 +254,10 @@ def liveness(traced: TracedStep) -> Liveness:
                     continue
                 for key, _ in storages[index_of[source]]:
                     end = last  # the incoming gradients, saved tensors and what the Node returns
+                    if in_python and born[key] >= formula[0]:
+                        # A Python Function's backward (PyNode::apply): Python frees its temporaries at their last
+                        # use, and its frames' variables are observed as the model's are (EagerLifetimes).
+                        continue
                     if block_ends is not None and born[key] >= formula[0]:  # the formula's own temporaries
                         if key in block_ends.validated_from:
                             end = last_use[key]

@@ -58,6 +58,9 @@ class TracedStep:
     formula_casts: frozenset[int] = frozenset()
     # For each of backward_node_ops, the storages its Node returned (None: not seen); liveness.formula_blocks
     formula_results: tuple[frozenset[StorageWeakRef] | None, ...] = ()
+    # For each of backward_node_ops, whether its Node is a Python autograd Function's (its formula is Python code,
+    # whose temporaries go at their last use: no C++ expression holds them)
+    python_formulas: tuple[bool, ...] = ()
 
 
 @dataclass
@@ -102,6 +105,7 @@ def traced_step_from(
         backward_node_ops=observed.eager_lifetimes.backward_node_ops,
         formula_casts=frozenset(observed.eager_lifetimes.formula_casts),
         formula_results=tuple(observed.eager_lifetimes.formula_results),
+        python_formulas=tuple(observed.eager_lifetimes.python_formulas),
         seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
