@@ -43,18 +43,28 @@ def output_dtypes_rule(*ops: Any) -> Callable[[OutputDtypesRule], OutputDtypesRu
     return register
 
 
+# The outputs (by position) the real kernel makes contiguous where the fake kernel copies another tensor's layout:
+# filled in by the families' modules, each with its source.
+CONTIGUOUS_OUTPUTS: dict[Any, frozenset[int]] = {}
+
+
 def retyped_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, device: str) -> Any:
-    """`out` with each output a rule gives another dtype replaced by an empty tensor of that dtype, shape and strides
-    (made by the modes below the caller's: a fake tensor, recorded by no one)."""
-    rule = OUTPUT_DTYPE_RULES.get(func)
-    if rule is None:
+    """`out` with each output a rule gives another dtype, or that the real kernel makes contiguous, replaced by an
+    empty tensor of that dtype and layout (made by the modes below the caller's: a fake tensor, recorded by no
+    one)."""
+    rule, contiguous = OUTPUT_DTYPE_RULES.get(func), CONTIGUOUS_OUTPUTS.get(func, frozenset())
+    if rule is None and not contiguous:
         return out
     import torch
 
     outputs = list(out) if isinstance(out, tuple) else [out]
-    for index, dtype in enumerate(rule(args, kwargs, device)):
-        tensor = outputs[index]
-        if dtype is not None and isinstance(tensor, torch.Tensor) and tensor.dtype != dtype:
+    dtypes = rule(args, kwargs, device) if rule is not None else (None,) * len(outputs)
+    for index, (tensor, dtype) in enumerate(zip(outputs, dtypes, strict=False)):
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if index in contiguous and not tensor.is_contiguous():
+            outputs[index] = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device)
+        elif dtype is not None and tensor.dtype != dtype:
             outputs[index] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=tensor.device)
     return tuple(outputs) if isinstance(out, tuple) else outputs[0]
 
