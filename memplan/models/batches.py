@@ -39,8 +39,20 @@ def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> Train
             )
         target_len = settings.target_len or (seq_len if task == "seq2seq" else None)
         return settings.replace(seq_len=seq_len, target_len=target_len)
-    image_size = settings.image_size or getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE
+    image_size = settings.image_size or _configured_image_size(config) or DEFAULT_IMAGE_SIZE
     return settings.replace(image_size=int(image_size))
+
+
+def _configured_image_size(config: Any) -> int | None:
+    """The image size the config names: its own, or its vision tower's (CLIP, SigLIP and other two-tower
+    configs keep it in `vision_config`, where the position embeddings are sized by it)."""
+    for source in (config, getattr(config, "vision_config", None)):
+        size = getattr(source, "image_size", None)
+        if isinstance(size, list | tuple) and size:  # (height, width): the batch is square
+            size = size[0]
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+    return None
 
 
 def _refuse_other_shapes(task: str, settings: TrainingSettings) -> None:
