@@ -134,7 +134,9 @@ def _check_fields(data: dict[str, Any], config_class: type, where: str) -> None:
     renames: dict[str, str] = dict(getattr(config_class, "attribute_map", {}) or {})
     known = set(defaults) | set(renames) | set(inspect.signature(config_class.__init__).parameters)
     given = {renames.get(key, key) for key in data}
-    unknown = [key for key in data if key not in known and not key.startswith("_")]
+    # Properties of the class are fields too: `num_labels` is PretrainedConfig's, setting id2label (a false refusal
+    # of a Swin config with num_labels, close to its num_layers, in a helper's bug hunt).
+    unknown = [key for key in data if key not in known and not hasattr(config_class, key) and not key.startswith("_")]
     if isinstance(data.get("config"), dict) and "config" in unknown:
         raise UsageError(
             f'{where} is a memplan preset file (its fields under "config"): give the preset\'s name, or write '
