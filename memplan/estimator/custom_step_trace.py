@@ -79,7 +79,14 @@ def trace_custom_step(
     try:
         on_target = target_kernels(settings)
         resizes_recorded = storage_resizes_recorded(recorder.node_count, state.data_parallel, recorder.stream_numbers)
-        with fake_mode, tracker, real_run_paths(), on_target as unknown_ops, recorder, resizes_recorded as resizes:
+        with (
+            fake_mode,
+            tracker,
+            real_run_paths(recorder.tensor_nodes),
+            on_target as unknown_ops,
+            recorder,
+            resizes_recorded as resizes,
+        ):
             # How long the step's optimizers keep their temporaries in locals, as in memplan's own step (trace.py).
             optimizer_locals = OptimizerLocals(recorder.node_count)
             with lifetimes_tracked(eager_lifetimes), constant_item(), graphs, optimizer_locals.watch_steps():

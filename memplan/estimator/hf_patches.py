@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,14 +22,67 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 
 @contextlib.contextmanager
-def real_run_paths() -> Iterator[None]:
+def real_run_paths(producers: Mapping[torch.Tensor, Any] | None = None) -> Iterator[None]:
+    """`producers` (the recorder's tensor -> the graph node that made it): where given, a padding mask the model made
+    of ones is known to be one (_causal_mask_skipped_for_ones)."""
     with _rope_without_frequency_updates():
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
             yield
             return
-        with _unpacked_sequences(masking):
+        with _unpacked_sequences(masking), _causal_mask_skipped_for_ones(masking, producers):
             yield
+
+
+_ONES = frozenset({torch.ops.aten.ones.default, torch.ops.aten.ones_like.default, torch.ops.aten.new_ones.default})
+# Ops that keep every value of their input (a cast to bool of ones is all True; a view or a slice of them too).
+_SAME_VALUES = frozenset(
+    {
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten.view.default,
+        torch.ops.aten.expand.default,
+        torch.ops.aten.slice.Tensor,
+        torch.ops.aten.unsqueeze.default,
+        torch.ops.aten.clone.default,
+    }
+)
+
+
+def made_of_ones(tensor: torch.Tensor, producers: Mapping[torch.Tensor, Any]) -> bool:
+    """Whether the graph made `tensor` from ones through ops that keep values: all ones (all True)."""
+    node = producers.get(tensor)
+    while node is not None and getattr(node, "target", None) in _SAME_VALUES:
+        source = node.args[0] if node.args else None
+        node = source if hasattr(source, "target") else None
+    if node is None:
+        return False
+    target = getattr(node, "target", None)
+    return target in _ONES or (target is torch.ops.aten.full.default and len(node.args) > 1 and node.args[1] == 1)
+
+
+@contextlib.contextmanager
+def _causal_mask_skipped_for_ones(masking: Any, producers: Mapping[torch.Tensor, Any] | None) -> Iterator[None]:
+    """transformers skips the causal mask for SDPA's `is_causal` where the padding mask has no padding
+    (masking_utils._ignore_causal_mask_sdpa), but takes any fake tensor for a traced graph (`is_tracing`) and
+    builds the mask. BART's decoder (and mBART's, Pegasus', Marian's) makes its padding mask itself, `torch.ones`,
+    where none is given: a real run skips the mask, the trace built a float [batch, 1, target, target] one per layer
+    and kept it (+0.5-0.8% on a tiny BART against its real CPU run, a helper's bug hunt). A padding mask the graph
+    made of ones is read as none."""
+    original = getattr(masking, "_ignore_causal_mask_sdpa", None)
+    if original is None or producers is None:
+        yield
+        return
+
+    def ignore_causal_mask(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(padding_mask, FakeTensor) and made_of_ones(padding_mask, producers):
+            padding_mask = None
+        return original(padding_mask, *args, **kwargs)
+
+    masking._ignore_causal_mask_sdpa = ignore_causal_mask
+    try:
+        yield
+    finally:
+        masking._ignore_causal_mask_sdpa = original
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ reference would add a gradient-sized copy per parameter that the real run does n
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -76,6 +76,11 @@ class GraphRecorder(TorchDispatchMode):
             node = self.graph.add(OpNode("placeholder", f"input_{index}"))
             node.meta["val"] = alias(tensor)
             self._node_of[tensor] = node
+
+    @property
+    def tensor_nodes(self) -> Mapping[torch.Tensor, OpNode]:
+        """Each tensor's node: the op whose output it is now (weakly keyed; reading it records nothing)."""
+        return self._node_of
 
     def node_count(self) -> int:
         return len(self.graph.nodes)

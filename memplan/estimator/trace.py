@@ -230,7 +230,7 @@ def trace_step(
         with (
             fake_mode,
             tracker,
-            real_run_paths(),
+            real_run_paths(recorder.tensor_nodes),
             on_target as unknown_ops,
             recorder,
             resizes_recorded as resizes,
