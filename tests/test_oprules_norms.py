@@ -145,7 +145,7 @@ def test_a_normed_step_under_cpu_autocast_is_its_real_run(model):
 def test_the_norms_input_gradients_are_contiguous_as_the_kernels_make_them():
     """Fed a transposed incoming gradient, the CPU kernels still make the input's gradient contiguous, like the input:
     the rule says so where torch's fake kernels copy the gradient's strides."""
-    from memplan.estimator.oprules import retyped_outputs
+    from memplan.estimator.oprules import real_kernel_outputs
 
     x, weight = torch.randn(4, 64, 32), torch.ones(32)
     _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [32], weight, weight, 1e-5)
@@ -154,5 +154,5 @@ def test_the_norms_input_gradients_are_contiguous_as_the_kernels_make_them():
     real = torch.ops.aten.native_layer_norm_backward.default(*arguments)
     assert real[0].is_contiguous()
     faked = (torch.empty_strided(x.shape, grad.stride()), real[1], real[2])  # the layout the fake kernel gives
-    ruled = retyped_outputs(torch.ops.aten.native_layer_norm_backward.default, arguments, {}, faked, "cpu")
+    ruled = real_kernel_outputs(torch.ops.aten.native_layer_norm_backward.default, arguments, {}, faked, "cpu")
     assert ruled[0].is_contiguous() and ruled[0].shape == x.shape and ruled[1] is real[1]

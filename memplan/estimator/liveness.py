@@ -246,7 +246,9 @@ def liveness(traced: TracedStep) -> Liveness:
             continue
         last = formula[-1]
         block_ends = (
-            formula_blocks(formula, returned, nodes, storages, born, index_of) if returned is not None else None
+            formula_blocks(formula, returned, nodes, storages, born, index_of)
+            if returned is not None and not in_python
+            else None
         )
         for index in formula:
             for source in nodes[index].all_input_nodes:

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from memplan import interrupts
 from memplan.estimator.leaves import local_tensor, map_leaves, tensors_in, wraps_local_tensors
 from memplan.estimator.opgraph import OpGraph, OpNode
-from memplan.estimator.oprules import retyped_outputs
+from memplan.estimator.oprules import real_kernel_outputs
 from memplan.estimator.oprules.dtypes import refused_mixed_dtypes
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
@@ -60,14 +60,14 @@ class GraphRecorder(TorchDispatchMode):
         # the wrapper cost microseconds on each of a step's tens of thousands of dispatches.
         return False
 
-    def __init__(self, inputs: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, inputs: Sequence[torch.Tensor] = (), target: str = "cpu") -> None:
         super().__init__()
         self.graph = OpGraph()
         self.stream_numbers: dict[object, int] = {}  # side streams, numbered from 1 as first seen
         self._node_of = WeakTensorKeyDictionary()  # tensor -> the node whose output it is now
         self._constants = 0
         self.recording: OptimizerRecording | None = None  # when set, every op is appended to it
-        self.target = "cpu"  # the device the step is traced for (settings.device): what the output dtype rules read
+        self.target = target  # the device the step is traced for (settings.device): what the output rules read
         # Set where a library swaps tensors' storages outside dispatch (`tensor.data = other`, as
         # DeepSpeed does): a tensor is then read from the op that made its storage now, not the op
         # that made it first. None: not checked (it costs a lookup per input).
@@ -135,7 +135,9 @@ class GraphRecorder(TorchDispatchMode):
             raise RuntimeError(refused)
         inputs: list[OpNode] = []
         node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
-        out = retyped_outputs(func, args, kwargs, func(*args, **kwargs), self.target)  # as the real kernel types them
+        out = real_kernel_outputs(
+            func, args, kwargs, func(*args, **kwargs), self.target
+        )  # as the real kernel types them
         val = self._add_node(func, node_args, node_kwargs, inputs, out)
         if self.recording is not None:
             self.recording.ops.append(RecordedOp(func, args, kwargs, out, val))

@@ -205,8 +205,7 @@ def trace_step(
     ]
     inputs = tensors_in(state.batch)
     boundaries: dict[str, int] = {}
-    recorder = GraphRecorder(inputs)
-    recorder.target = settings.device
+    recorder = GraphRecorder(inputs, settings.device)
     if getattr(state.data_parallel, "swaps_storages", False):
         recorder.producers = {}
     if hasattr(state.data_parallel, "before_traced_iteration"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 OutputBytesRule = Callable[[tuple[Any, ...], dict[str, Any], str], list[int]]
 
 OUTPUT_BYTES_RULES: dict[Any, OutputBytesRule] = {}
@@ -27,8 +29,8 @@ def output_bytes_rule(*ops: Any) -> Callable[[OutputBytesRule], OutputBytesRule]
 
 
 # The dtype of each output where the real kernel's differs from the fake kernel's (None: the fake kernel's is right):
-# the recorder gives the op's outputs those dtypes (retyped_outputs), so that autograd and later ops see what the real
-# run sees (a gradient of the input's dtype needs no cast back to it).
+# the recorder gives the op's outputs those dtypes (real_kernel_outputs), so that autograd and later ops see what the
+# real run sees (a gradient of the input's dtype needs no cast back to it).
 OutputDtypesRule = Callable[[tuple[Any, ...], dict[str, Any], str], tuple[Any, ...]]
 
 OUTPUT_DTYPE_RULES: dict[Any, OutputDtypesRule] = {}
@@ -48,15 +50,13 @@ def output_dtypes_rule(*ops: Any) -> Callable[[OutputDtypesRule], OutputDtypesRu
 CONTIGUOUS_OUTPUTS: dict[Any, frozenset[int]] = {}
 
 
-def retyped_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, device: str) -> Any:
+def real_kernel_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, device: str) -> Any:
     """`out` with each output a rule gives another dtype, or that the real kernel makes contiguous, replaced by an
     empty tensor of that dtype and layout (made by the modes below the caller's: a fake tensor, recorded by no
     one)."""
     rule, contiguous = OUTPUT_DTYPE_RULES.get(func), CONTIGUOUS_OUTPUTS.get(func, frozenset())
     if rule is None and not contiguous:
         return out
-    import torch
-
     outputs = list(out) if isinstance(out, tuple) else [out]
     dtypes = rule(args, kwargs, device) if rule is not None else (None,) * len(outputs)
     for index, (tensor, dtype) in enumerate(zip(outputs, dtypes, strict=False)):

@@ -34,34 +34,19 @@ MATMUL_OPS = frozenset(
 # Ops whose destination and source must share a dtype, checked in ATen's device-independent code
 # (aten/src/ATen/native/TensorAdvancedIndexing.cpp: index_add's and index_copy's meta functions, `_index_put_impl_`)
 # and not by torch's fake kernels: the argument positions of the two, and what the real kernel says.
+_INDEX_ADD = "index_add_(): self ({}) and source ({}) must have the same scalar type"
+_INDEX_COPY = "index_copy_(): self ({}) and source ({}) expected to have the same dtype"
+_INDEX_PUT = (
+    "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source"
+)
 SAME_DTYPE_OPS: dict[Any, tuple[int, int, str]] = {
-    torch.ops.aten.index_add.default: (0, 3, "index_add_(): self ({}) and source ({}) must have the same scalar type"),
-    torch.ops.aten.index_add_.default: (0, 3, "index_add_(): self ({}) and source ({}) must have the same scalar type"),
-    torch.ops.aten.index_copy.default: (
-        0,
-        3,
-        "index_copy_(): self ({}) and source ({}) expected to have the same dtype",
-    ),
-    torch.ops.aten.index_copy_.default: (
-        0,
-        3,
-        "index_copy_(): self ({}) and source ({}) expected to have the same dtype",
-    ),
-    torch.ops.aten.index_put.default: (
-        0,
-        2,
-        "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source",
-    ),
-    torch.ops.aten.index_put_.default: (
-        0,
-        2,
-        "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source",
-    ),
-    torch.ops.aten._index_put_impl_.default: (
-        0,
-        2,
-        "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source",
-    ),
+    torch.ops.aten.index_add.default: (0, 3, _INDEX_ADD),
+    torch.ops.aten.index_add_.default: (0, 3, _INDEX_ADD),
+    torch.ops.aten.index_copy.default: (0, 3, _INDEX_COPY),
+    torch.ops.aten.index_copy_.default: (0, 3, _INDEX_COPY),
+    torch.ops.aten.index_put.default: (0, 2, _INDEX_PUT),
+    torch.ops.aten.index_put_.default: (0, 2, _INDEX_PUT),
+    torch.ops.aten._index_put_impl_.default: (0, 2, _INDEX_PUT),
 }
 
 
@@ -73,7 +58,7 @@ def refused_mixed_dtypes(func: Any, args: tuple) -> str | None:
             return None
         if args[destination].dtype == args[source].dtype:
             return None
-        if "put" in func.name() and args[source].numel() == 1:
+        if message is _INDEX_PUT and args[source].numel() == 1:
             return None  # `x[mask] = value` with one value: index_put_ fills it as masked_fill_ does, casting it
         hint = " (a 16-bit value into a float32 tensor under autocast?)"
         return message.format(*(str(args[i].dtype).removeprefix("torch.") for i in (destination, source))) + hint
