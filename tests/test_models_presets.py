@@ -24,6 +24,9 @@ PUBLISHED_PARAMETERS = {
     "mistral-nemo-12b": 12_247_782_400,
     "smollm2-1.7b": 1_711_376_384,
     "vit-large-patch16-224": 304_326_632,
+    # The hub page says 46.7B; by hand: 32 layers × (attention 41,943,040 + 8 experts × 3 × 4096 × 14336 + router
+    # 32,768 + norms 8,192) + embeddings and LM head 2 × 131,072,000 + final norm 4,096.
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 

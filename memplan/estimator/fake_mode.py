@@ -7,16 +7,21 @@ returns its bias gradient twice, in its meta kernel and in aten/src/ATen/native/
 alike) comes back from the cache as two tensors with two storages, and from a miss as one. The
 same step then traced twice in one process gave two different peaks (1,536 B apart on the zoo's
 lstm-accum). Such ops bypass the cache here, so every call returns what the kernel returns.
+
+And an op whose fake kernel refuses arguments the real kernel runs, or lays its output out otherwise
+(memplan.estimator.oprules FAKE_KERNEL_RULES: `torch._grouped_mm` in float32), gets the output its rule gives.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+
+from memplan.estimator.oprules import FAKE_KERNEL_RULES
 
 
 def _shares_storage(outputs: tuple) -> bool:
@@ -25,7 +30,17 @@ def _shares_storage(outputs: tuple) -> bool:
 
 
 class TracingFakeMode(FakeTensorMode):
-    """FakeTensorMode that does not cache ops whose outputs share storage (module docstring)."""
+    """FakeTensorMode that does not cache ops whose outputs share storage, and runs memplan's rule in place of the
+    fake kernel where it has one (module docstring)."""
+
+    def dispatch(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
+        rule = FAKE_KERNEL_RULES.get(func)
+        if rule is None:
+            return super().dispatch(func, types, args, kwargs)
+        sizes, strides, dtype = rule(tuple(args), dict(kwargs or {}))
+        device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
+        factory = {"dtype": dtype, "device": device}
+        return super().dispatch(torch.ops.aten.empty_strided.default, types, (sizes, strides), factory)
 
     def _make_cache_entry(self, state: Any, key: Any, func: Any, args: Any, kwargs: Any, output: Any) -> Any:
         if isinstance(output, tuple) and _shares_storage(output):

@@ -10,22 +10,33 @@ unsupported, never counted as zero.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+Rule = TypeVar("Rule", bound=Callable[..., Any])
+
+
+def _registrar(table: dict[Any, Rule]) -> Callable[..., Callable[[Rule], Rule]]:
+    """A decorator factory filling `table`: `@registrar(op, ...)` keys the rule by each op."""
+
+    def rule_for(*ops: Any) -> Callable[[Rule], Rule]:
+        def register(rule: Rule) -> Rule:
+            for op in ops:
+                table[op] = rule
+            return rule
+
+        return register
+
+    return rule_for
+
 
 OutputBytesRule = Callable[[tuple[Any, ...], dict[str, Any], str], list[int]]
 
 OUTPUT_BYTES_RULES: dict[Any, OutputBytesRule] = {}
 
 
-def output_bytes_rule(*ops: Any) -> Callable[[OutputBytesRule], OutputBytesRule]:
-    def register(rule: OutputBytesRule) -> OutputBytesRule:
-        for op in ops:
-            OUTPUT_BYTES_RULES[op] = rule
-        return rule
-
-    return register
+output_bytes_rule = _registrar(OUTPUT_BYTES_RULES)
 
 
 # The dtype of each output where the real kernel's differs from the fake kernel's (None: the fake kernel's is right):
@@ -36,13 +47,7 @@ OutputDtypesRule = Callable[[tuple[Any, ...], dict[str, Any], str], tuple[Any, .
 OUTPUT_DTYPE_RULES: dict[Any, OutputDtypesRule] = {}
 
 
-def output_dtypes_rule(*ops: Any) -> Callable[[OutputDtypesRule], OutputDtypesRule]:
-    def register(rule: OutputDtypesRule) -> OutputDtypesRule:
-        for op in ops:
-            OUTPUT_DTYPE_RULES[op] = rule
-        return rule
-
-    return register
+output_dtypes_rule = _registrar(OUTPUT_DTYPE_RULES)
 
 
 # The outputs (by position) the real kernel makes contiguous where the fake kernel copies another tensor's layout:
@@ -69,8 +74,20 @@ def real_kernel_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return tuple(outputs) if isinstance(out, tuple) else outputs[0]
 
 
+# The output of each op whose fake kernel refuses arguments the real kernel runs, or lays its output out otherwise:
+# (sizes, strides, dtype) as a pure function of the op's arguments. The fake mode makes an empty tensor so and skips
+# the fake kernel (memplan.estimator.fake_mode); each rule checks what the real kernel checks.
+OutputLayout = tuple[list[int], list[int], torch.dtype]
+FakeKernelRule = Callable[[tuple[Any, ...], dict[str, Any]], OutputLayout]
+
+FAKE_KERNEL_RULES: dict[Any, FakeKernelRule] = {}
+
+
+fake_kernel_rule = _registrar(FAKE_KERNEL_RULES)
+
+
 def _load_families() -> None:
-    from memplan.estimator.oprules import col2im, losses, norms, rnn  # noqa: F401  (registers their rules)
+    from memplan.estimator.oprules import col2im, grouped_mm, losses, norms, rnn  # noqa: F401  (registers their rules)
 
 
 _load_families()
