@@ -44,9 +44,17 @@ def profiled_third_iteration_peak(build: Callable[[], Callable[[], None]]) -> in
 
 
 def profiled_third_iteration(build: Callable[[], Callable[[], None]]) -> profile:
-    """The profiler of profiled_third_iteration_peak's run, the third iteration in record_function("measured")."""
+    """The profiler of profiled_third_iteration_peak's run, the third iteration in record_function("measured").
+
+    Run with oneDNN off: on CPUs with AVX512-FP16 or AMX (some of this project's machines), oneDNN's 16-bit
+    matmuls take scratch from the CPU allocator inside the kernel (a 64×64×256 float16 product: 67,328 B beside
+    its 32,768 B output), which memplan's cpu target does not model (docs/concepts.md); the reference BLAS path
+    that runs them with oneDNN off takes none, on any CPU, so the measurement is of the tensors alone."""
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with (
+        torch.backends.mkldnn.flags(enabled=False),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
+    ):
         iteration = build()
         iteration()
         iteration()

@@ -226,7 +226,7 @@ def test_a_step_that_empties_its_batch_and_prints_is_measured_and_its_json_is_wh
     assert abs(answer["peak_bytes"] / measured - 1) <= 0.005
 
 
-@pytest.mark.parametrize("name", ["canonical", "fresh_optimizer_state"])
+@pytest.mark.parametrize("name", ["canonical", "fresh_optimizer_state", "zero_grad_first_and_log", "with_a_closure"])
 def test_the_validator_counts_what_a_step_frees_of_what_it_began_with_until_it_frees_it(name):
     """Against torch's CPU allocator's own events (the profiler's), which know nothing of memplan."""
     from memplan.measure.cpu import measure_cpu

@@ -15,7 +15,7 @@ Each strategy's peak is the largest of a few moments of the step, each a sum of 
   parameter it updates, the larger one's at the peak; each parameter's state is two moments and a
   float32 `step` scalar.
 memplan's loop drops the loss at the end of the micro-batch (memplan.estimator.loop.micro_batch),
-so the loss scalar counts in the backward, not in the step.
+so the loss scalar counts in the backward, not in the step; so does the loss's gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ W2 = OUT * HIDDEN * F32  # the second's, [30, 256]
 PARAMETERS = W1 + W2
 ADAMW_STEP = F32  # state["step"]: a float32 scalar per parameter (capturable=False)
 LOSS = F32
+# torch.autograd.backward's root gradient, ones_like(loss), which its local `grad_tensors_` holds until the engine
+# returns (torch/autograd/__init__.py): it counts through the whole backward.
+ROOT_GRADIENT = F32
 SOURCE = {"inputs": "tests.two_layer_mlp:rows", "loss": "tests.two_layer_mlp:mean_square"}
 
 
@@ -84,7 +87,7 @@ def _gathered(world_size: int) -> int:
 
 def test_one_process_sgd_peaks_at_relus_backward():
     batch = 512
-    backward = PARAMETERS + _input(batch) + LOSS + W2 + 3 * _activation(batch)
+    backward = PARAMETERS + _input(batch) + LOSS + ROOT_GRADIENT + W2 + 3 * _activation(batch)
     forward = PARAMETERS + _input(batch) + 2 * _activation(batch)
     assert _predicted("none", 1, "sgd", batch) == max(backward, forward) == backward
 
@@ -95,7 +98,7 @@ def test_a_ddp_rank_adds_one_bucket_of_gradient_copies():
     with gradient_as_bucket_view=False (the default) it is a copy of every gradient."""
     batch = 512
     buckets = PARAMETERS
-    backward = PARAMETERS + buckets + _input(batch) + LOSS + W2 + 3 * _activation(batch)
+    backward = PARAMETERS + buckets + _input(batch) + LOSS + ROOT_GRADIENT + W2 + 3 * _activation(batch)
     assert _predicted("ddp", 4, "sgd", batch) == backward
 
 
@@ -108,7 +111,9 @@ def test_an_fsdp2_rank_of_sgd_holds_the_shards_and_the_gathered_root(parallel, w
     at the root's post-forward; the reduce-scatter comes after the whole backward. The weight
     gradient is autograd's, unpadded."""
     batch = 512
-    backward = _shard(world_size) + _gathered(world_size) + _input(batch) + LOSS + W2 + 3 * _activation(batch)
+    backward = (
+        _shard(world_size) + _gathered(world_size) + _input(batch) + LOSS + ROOT_GRADIENT + W2 + 3 * _activation(batch)
+    )
     assert _predicted(parallel, world_size, "sgd", batch) == backward
 
 
@@ -156,7 +161,7 @@ def test_an_fsdp2_rank_of_adamw_peaks_in_the_forward_or_at_the_reduce_scatter(pa
     # post_backward: the unpadded unsharded gradients, then the reduce-scatter's input (padded), and while it is
     # made, the padded copies
     padded_w2 = world_size * _rows_per_rank(OUT, world_size) * HIDDEN * F32 if OUT % world_size else 0
-    reduce_scatter = shard + state + PARAMETERS + gathered + _input(batch) + LOSS + padded_w2
+    reduce_scatter = shard + state + PARAMETERS + gathered + _input(batch) + LOSS + ROOT_GRADIENT + padded_w2
     # The step's gradients are the reduce-scatter's output, one padded shard.
     step = _input(batch) + _adamw_step(shard, shard, [shard_w1, shard - shard_w1])
     expected = forward if world_size == 2 else reduce_scatter  # 30 rows: 2 divides them, 4 and 8 do not

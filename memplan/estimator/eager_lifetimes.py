@@ -35,6 +35,10 @@ def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
+# torch.autograd.backward and torch.autograd.grad (torch/autograd/__init__.py, torch 2.11-2.14) make the root
+# gradients (`_make_grads`: `ones_like` of a scalar loss) into the local `grad_tensors_`/`grad_outputs_`, which
+# holds them until the engine returns: through the whole backward, not only to the first formula that reads them.
+_TORCH_AUTOGRAD_API = os.path.join(_TORCH_DIR, "autograd", "__init__.py")
 # memplan's own frames on the stack while a step is traced, whose locals are not the model's.
 _TRACER_FILES = tuple(
     os.path.join(os.path.dirname(__file__), name)
@@ -46,7 +50,7 @@ def _holds_python_locals(filename: str) -> bool:
     """Frames whose local variables can keep a model's tensors alive: model code, not torch's machinery."""
     if filename in _TRACER_FILES:
         return False
-    return not filename.startswith(_TORCH_DIR) or filename.startswith(_TORCH_NN_DIR)
+    return not filename.startswith(_TORCH_DIR) or filename.startswith(_TORCH_NN_DIR) or filename == _TORCH_AUTOGRAD_API
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
