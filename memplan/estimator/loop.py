@@ -17,7 +17,9 @@ The variants people write (settings.LOOPS), each differing only where noted:
   HF Trainer before it, many scripts): gradients are zeroed in place and never freed.
 - hf-trainer: transformers' Trainer (5.x, `_inner_training_loop`): the gradients clipped to norm 1.0
   (`max_grad_norm`'s default) with torch.nn.utils.clip_grad_norm_ before the step, then
-  `model.zero_grad()` (set_to_none=True).
+  `model.zero_grad()` (set_to_none=True). It fetches a step's `grad_accum` micro-batches before the
+  first forward (`get_batch_samples`), each moved to the device as accelerate hands it out, and its
+  list holds them all until the step is over: `grad_accum - 1` batches more than the other loops hold.
 - keep-output: `out = model(...)`, `loss_of(out).backward()`: the model output (logits) stays
   alive through the backward.
 
@@ -37,7 +39,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +50,7 @@ from memplan.distributed.modes import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MOD
 from memplan.errors import SettingsError, UsageError
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
+from memplan.estimator.leaves import tensors_in
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import adapter_parameters, with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
@@ -95,6 +98,8 @@ class TrainingState:
     # The trainable parameters a micro-batch's backward reaches (ids), where a warm-up found them out: a loop
     # that keeps gradients across micro-batches holds gradients for these only (memplan.estimator.trace).
     reached: frozenset[int] | None = None
+    # The step's other micro-batches, where the loop fetches them all before the first (hf-trainer): held to its end.
+    fetched_batches: list[Batch] = field(default_factory=list)
 
     @property
     def built_model(self) -> nn.Module:
@@ -198,12 +203,27 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
         trainable=trainable,
         checkpointed_blocks=checkpointed,
         data_parallel=data_parallel,
+        fetched_batches=fetched_ahead(spec, settings),
     )
     if settings.precision == "amp-fp16" and settings.deepspeed_stage is None:  # DeepSpeed scales its own
         # GradScaler keeps its scale and found-inf flag as one-element float32 tensors.
         state.loss_scale = torch.full((1,), INITIAL_LOSS_SCALE, dtype=torch.float32)
         state.found_inf = torch.zeros((1,), dtype=torch.float32)
     return state
+
+
+def fetched_ahead(spec: ModelSpec, settings: TrainingSettings) -> list[Batch]:
+    """The micro-batches of a step the loop holds beside the one it runs: with the hf-trainer loop, the step's
+    other `grad_accum - 1` (transformers' Trainer, `get_batch_samples`: module docstring); none otherwise."""
+    if settings.loop != "hf-trainer" or settings.step is not None:
+        return []
+    dtype = STORAGE_DTYPES[settings.precision]
+    return [spec.make_batch(settings, dtype) for _ in range(settings.grad_accum - 1)]
+
+
+def input_tensors(state: TrainingState) -> list[torch.Tensor]:
+    """The tensors of the micro-batch the iteration runs and of those it holds beside it."""
+    return [tensor for batch in (state.batch, *state.fetched_batches) for tensor in tensors_in(batch)]
 
 
 def autocast_context(settings: TrainingSettings, device_type: str = "cpu"):

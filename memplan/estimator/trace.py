@@ -34,6 +34,7 @@ from memplan.estimator.loop import (
     TrainingState,
     current_grads,
     drop_grads,
+    fetched_ahead,
     gradients_outlive_the_step,
     iteration,
     micro_batch,
@@ -190,6 +191,7 @@ def trace_step(
     state.settings = settings
     with fake_mode:
         state.batch = spec.make_batch(settings, STORAGE_DTYPES[settings.precision])
+        state.fetched_batches = fetched_ahead(spec, settings)
         state.micro_batches_done = settings.grad_accum - 1  # the step's last micro-batch is traced
         if gradients_outlive_the_step(settings) and state.data_parallel is None:
             # Later micro-batches find every gradient allocated (they dominate the first one), and

@@ -14,8 +14,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memplan.distributed.fsdp import StorageResize, sharding_categories
 from memplan.distributed.offload import HostMemory
 from memplan.estimator.eager_lifetimes import EagerLifetimes, storage_key
-from memplan.estimator.leaves import local_tensor, tensors_in
-from memplan.estimator.loop import TrainingState, communication_tensors, model_tensors, optimizer_tensors
+from memplan.estimator.leaves import local_tensor
+from memplan.estimator.loop import (
+    TrainingState,
+    communication_tensors,
+    input_tensors,
+    model_tensors,
+    optimizer_tensors,
+)
 from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.opgraph import OpGraph
 from memplan.estimator.replay import OptimizerRecording
@@ -130,7 +136,7 @@ def categorize_storages(
     sizes: dict[StorageWeakRef, int] = {}
     groups = {
         "communication": communication_tensors(state),
-        "inputs": tensors_in(state.batch),
+        "inputs": input_tensors(state),
         "optimizer_state": optimizer_tensors(state),
         "gradients": grads,
         "parameters": model_tensors(state),

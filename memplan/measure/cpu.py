@@ -25,10 +25,11 @@ from memplan.distributed.fsdp import storage_resizes_observed
 from memplan.distributed.modes import FSDP_MODES
 from memplan.distributed.offload import HostCopies, copies_made
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS
-from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
+from memplan.estimator.leaves import local_tensor, wraps_local_tensors
 from memplan.estimator.loop import (
     TrainingState,
     current_grads,
+    input_tensors,
     iteration,
     micro_batch,
     model_tensors,
@@ -188,7 +189,7 @@ def _python_kernel(func: object) -> Callable[..., Any] | None:
 
 
 def _static_tensors(state: TrainingState) -> list[torch.Tensor]:
-    return model_tensors(state) + optimizer_tensors(state) + tensors_in(state.batch)
+    return model_tensors(state) + optimizer_tensors(state) + input_tensors(state)
 
 
 def _real(tensor: torch.Tensor) -> bool:
@@ -261,7 +262,7 @@ def _measure_offloaded(state: TrainingState, warmup_iterations: int) -> CpuMeasu
         counter = LiveStorageCounter(host=host)
         for tensor in state.data_parallel.shards() + optimizer_tensors(state) + current_grads(state):
             counter.leave_out(tensor)
-        for tensor in model_tensors(state) + tensors_in(state.batch):
+        for tensor in model_tensors(state) + input_tensors(state):
             counter.add_static(tensor)
         with collector_held(), counter, storage_resizes_observed(counter.resized):
             for _ in range(state.settings.grad_accum):
