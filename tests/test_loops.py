@@ -121,7 +121,8 @@ def _real_trainer_peak(model_dir, batch_size: int, seq_len: int, bf16: bool, gra
 
     arguments = TrainingArguments(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, max_steps=3, bf16=bf16,
-        gradient_accumulation_steps=grad_accum, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        gradient_accumulation_steps=grad_accum, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0,
     )  # fmt: skip
     torch.manual_seed(0)
     gc.collect()

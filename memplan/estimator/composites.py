@@ -1,10 +1,11 @@
 """C++ composites whose variables hold tensors past their last use by an op, watched while a step is traced.
 
 Some of torch's functions run as one C++ function that calls many ops (a CompositeImplicitAutograd kernel:
-ATen's recurrent layers, the math path of scaled_dot_product_attention). memplan sees the ops, not the C++
-variables: one that holds a tensor after the last op that reads it keeps it alive until the variable is
-assigned again or the function returns. For each such function a rule (memplan.estimator.rnn_layers,
-memplan.estimator.math_attention) reads the ops one call ran and says until which op each such tensor lives.
+ATen's recurrent layers, the math path of scaled_dot_product_attention, several losses). memplan sees the ops,
+not the C++ variables: one that holds a tensor after the last op that reads it keeps it alive until the variable
+is assigned again or the function returns. For each such function a rule (memplan.estimator.rnn_layers,
+memplan.estimator.math_attention, memplan.estimator.composite_losses) reads the ops one call ran and says until
+which op each such tensor lives.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def watched(watcher: CompositeWatcher, function: Callable[..., Any], held: HeldR
 
 @contextlib.contextmanager
 def composites_tracked(watcher: CompositeWatcher) -> Iterator[None]:
+    from memplan.estimator.composite_losses import composite_losses_tracked
     from memplan.estimator.math_attention import math_attention_tracked
     from memplan.estimator.rnn_layers import rnn_projections_tracked
 
-    with rnn_projections_tracked(watcher), math_attention_tracked(watcher):
+    with rnn_projections_tracked(watcher), math_attention_tracked(watcher), composite_losses_tracked(watcher):
         yield
