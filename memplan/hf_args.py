@@ -9,7 +9,8 @@ trainer.py `get_optimizer_cls_and_kwargs` and training_args.py):
   which checkpoints every decoder/encoder layer, as memplan's "all" does, non-reentrant by default in
   transformers 5: modeling_utils `_activation_checkpointing_enable`); gradient_checkpointing_kwargs'
   use_reentrant: true is noted, not modelled
-- bf16 / fp16: true -> amp-bf16 / amp-fp16 (Trainer autocasts through accelerate; the weights stay fp32)
+- bf16 / fp16: true -> amp-bf16 / amp-fp16 (Trainer autocasts through accelerate; the weights stay fp32); fp16 on
+  the cpu target -> fp32 (accelerate runs no fp16 autocast on the CPU)
 - optim -> OPTIMS below; the default is adamw_torch_fused, as TrainingArguments' on torch >= 2.8
 - full_determinism: true -> deterministic algorithms, cudnn.benchmark off and CUBLAS_WORKSPACE_CONFIG
   ":16:8" (trainer_utils.enable_full_determinism sets exactly these)
@@ -194,7 +195,12 @@ def _with_deepspeed(
 
 @speaks_api_terms
 def read_training_args(
-    path: str | Path, *, read_optim: bool = True, world_size_given: bool = False, deepspeed_given: bool = False
+    path: str | Path,
+    *,
+    read_optim: bool = True,
+    world_size_given: bool = False,
+    deepspeed_given: bool = False,
+    device: str = "cuda",
 ) -> HfTrainingArgs:
     """Settings from a TrainingArguments JSON/YAML file (as saved by `TrainingArguments.to_json_string`).
 
@@ -202,7 +208,8 @@ def read_training_args(
     cannot model is no error then. `world_size_given`: the caller gives the job's ranks itself, so a
     DeepSpeed file's note does not ask for them. `deepspeed_given`: the caller gives the DeepSpeed configuration
     itself (--deepspeed), which replaces the file's deepspeed entry: the file's stage and its note are left out,
-    and the run is still DeepSpeed's (its loop, its bf16).
+    and the run is still DeepSpeed's (its loop, its bf16). `device`: the target the settings are for ("cpu": fp16
+    is no mixed precision there).
     """
     if not isinstance(path, str | os.PathLike):
         raise HfArgsError(f"a TrainingArguments file is a path (str or pathlib.Path); got {a_type(path)}")
@@ -245,6 +252,10 @@ def read_training_args(
     # alone it runs them as autocast.
     if _flag(data, "bf16"):
         settings["precision"] = "bf16" if runs_deepspeed else "amp-bf16"
+    elif _flag(data, "fp16") and device == "cpu" and not runs_deepspeed:
+        # accelerate turns fp16 off on the CPU without a word (accelerator.py: GradScaler and native amp only where
+        # `self.device.type != "cpu"`): the Trainer's CPU step runs in float32.
+        notes.append("fp16 on the cpu target: accelerate runs the Trainer's CPU step in float32, so memplan does too")
     elif _flag(data, "fp16"):
         settings["precision"] = "fp16" if runs_deepspeed else "amp-fp16"
     if deepspeed is not None:

@@ -19,3 +19,22 @@ def test_a_near_miss_of_a_field_left_at_its_default_is_still_refused():
 
     with pytest.raises(UsageError, match="'n_layers' is not a field of transformers' GPT2Config"):
         _check_fields({"model_type": "gpt2", "n_layers": 2}, GPT2Config, "config.json")
+
+
+def test_a_config_without_architectures_builds_where_the_task_has_several_classes(tmp_path):
+    """transformers maps DeiT's image classification to two classes (with and without a teacher) and iterates the
+    config's `architectures` to choose, which a config.json written without it leaves None: memplan said "internal
+    error: TypeError" (a helper's bug hunt). Built, it is the first class, as a real run builds it."""
+    import json
+
+    import torch
+
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    config = {"model_type": "deit", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 64, "image_size": 32}))
+    spec = resolve_model(str(tmp_path))
+    with torch.device("meta"):
+        model = spec.build(spec.settings_for(TrainingSettings(device="cpu")))
+    assert type(model).__name__ == "DeiTForImageClassification"

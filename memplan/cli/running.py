@@ -176,6 +176,7 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> tuple[dict[str, An
         read_optim=not typed("optimizer"),
         world_size_given=typed("world_size"),
         deepspeed_given=typed("deepspeed_config"),
+        device=settings.get("device") or "cuda",
     )
     context_name = context.info_name
     if context_name == "plan":

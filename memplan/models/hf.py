@@ -226,6 +226,11 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
     config = source.config
     if hasattr(config, "use_cache"):
         config.use_cache = False
+    if getattr(config, "architectures", []) is None:
+        # transformers' auto classes iterate it where the task maps to several classes (DeiT's image
+        # classification: with and without a teacher) and fail on a config.json written without it
+        # ("'NoneType' object is not iterable", auto_factory.py `_get_model_class`); none named picks the first.
+        config.architectures = []
     try:
         if attn_impl == "sdpa":
             # transformers' own default: SDPA where the architecture supports it, eager elsewhere.
