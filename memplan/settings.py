@@ -191,8 +191,9 @@ class TrainingSettings:
             )
         if self.is_amp:
             raise SettingsError(
-                f"--precision {self.precision} with --step: memplan does not emulate an autocast your function "
-                "opens; use fp32, bf16 or fp16 storage with --step, or the canonical loop for autocast"
+                f"--precision {self.precision} with --step: your function runs the whole iteration, so open "
+                "torch.autocast in it (memplan traces the one it opens) and give --precision fp32, bf16 or fp16 "
+                "for the weights' storage"
             )
 
     def _check_lora(self) -> None:

@@ -155,3 +155,23 @@ def with_a_closure(model: torch.nn.Module, batch: dict, optimizer: torch.optim.O
 
     optimizer.step(closure)
     optimizer.zero_grad(set_to_none=True)
+
+
+def canonical_under_cuda_autocast(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The canonical loop's iteration, its forward under the CUDA autocast a script opens itself."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**batch)["loss"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def canonical_under_default_cuda_autocast(
+    model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer
+) -> None:
+    """The same with `torch.cuda.amp.autocast()`'s defaults: float16 on CUDA."""
+    with torch.autocast("cuda"):
+        loss = model(**batch)["loss"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

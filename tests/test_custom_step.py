@@ -96,7 +96,7 @@ def test_the_phases_are_where_the_function_calls_backward_and_step(name):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"precision": "amp-bf16"}, "does not emulate an autocast"),
+        ({"precision": "amp-bf16"}, "open torch.autocast in it"),
         ({"grad_accum": 2}, "accumulate inside your function"),
         ({"loop": "hf-trainer"}, "leave out --loop"),
         ({"step": "not a path"}, "package.module:function"),
@@ -255,3 +255,22 @@ def test_a_factory_that_builds_on_the_meta_device_is_estimated_and_run_as_the_mo
     measured = measure_cpu(spec, spec.settings_for(TrainingSettings(batch_size=BATCH, device="cpu"))).peak_bytes
     assert abs(predicted / measured - 1) <= 0.005, (predicted, measured)  # validate's real run, tied weights tied
     assert predicted == memplan.estimate("tests.zoo_models:tied_lm", **common).peak_bytes
+
+
+def test_an_autocast_the_step_opens_for_cuda_is_traced_as_cuda_s_on_the_cuda_target():
+    """Without a GPU torch's autocast("cuda") disables itself, and a step that opened one was traced in float32 on
+    the cuda target, byte for byte the float32 step's peak (a helper's bug hunt). Now it is CUDA's autocast: the
+    iteration of the canonical loop under it is the canonical loop's amp-bf16 step, which opens the same; without a
+    dtype, CUDA's float16."""
+    import memplan
+
+    common = {"inputs": "tests.zoo_models:token_inputs", "batch_size": BATCH, "device": "cuda", "gpu": "A100-80GB"}
+    model = "tests.zoo_models:tied_lm"
+
+    def peak(**settings: object) -> int:
+        return memplan.estimate(model, **common, **settings).peak_bytes
+
+    under_autocast = peak(step="tests.custom_steps:canonical_under_cuda_autocast")
+    assert under_autocast == peak(precision="amp-bf16") != peak(step="tests.custom_steps:canonical")
+    default = peak(step="tests.custom_steps:canonical_under_default_cuda_autocast")
+    assert default != peak(step="tests.custom_steps:canonical")

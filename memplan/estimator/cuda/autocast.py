@@ -25,6 +25,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
+from unittest.mock import patch
 
 import torch
 from torch.utils._pytree import tree_map
@@ -244,7 +245,12 @@ def _cuda_state_reads_cpu() -> Iterator[None]:
     peft's 4-bit LoRA layer casts its input to the adapter's dtype only where it reads False,
     peft/tuners/lora/bnb.py) gets the stand-in's state, and `torch.autocast("cuda", enabled=False)`
     (ESMFold, OneFormer) turns the stand-in off inside it and back after, as it does CUDA's. The
-    real CUDA flags are never touched, so nothing outlives the trace."""
+    real CUDA flags are never touched, so nothing outlives the trace.
+
+    `torch.autocast("cuda", ...)` with autocast enabled (a `--step` of the user's own, `torch.cuda.amp.autocast()`)
+    turns the stand-in on, in CUDA's default float16 where no dtype is given: without a GPU torch's autocast
+    disables itself ("CUDA is not available ... Disabling autocast", amp/autocast_mode.py) and the step was
+    traced in float32."""
     enabled, dtype, gpu_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype
     set_enabled, set_dtype = torch.set_autocast_enabled, torch.set_autocast_dtype
 
@@ -256,8 +262,26 @@ def _cuda_state_reads_cpu() -> Iterator[None]:
     torch.get_autocast_gpu_dtype = lambda: dtype("cpu")  # type: ignore[assignment]
     torch.set_autocast_enabled = lambda device_type, value: set_enabled(stand_in(device_type), value)  # type: ignore[assignment]
     torch.set_autocast_dtype = lambda device_type, value: set_dtype(stand_in(device_type), value)  # type: ignore[assignment]
+    autocast_class = torch.amp.autocast_mode.autocast
+    autocast_init = autocast_class.__init__
+
+    def init(
+        self: Any, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True, cache_enabled: Any = None
+    ) -> None:
+        if device_type != "cuda":
+            autocast_init(self, device_type, dtype, enabled, cache_enabled)
+            return
+        with (
+            patch.object(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False),
+            patch.object(torch.cuda, "is_bf16_supported", lambda *_, **__: True),
+        ):
+            # CUDA autocast's default dtype is float16 (the CPU's, which stands in for it, bfloat16).
+            autocast_init(self, device_type, dtype or torch.float16, enabled, cache_enabled)
+
+    autocast_class.__init__ = init  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype = enabled, dtype, gpu_dtype
         torch.set_autocast_enabled, torch.set_autocast_dtype = set_enabled, set_dtype
+        autocast_class.__init__ = autocast_init  # type: ignore[method-assign]
