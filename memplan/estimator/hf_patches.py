@@ -20,12 +20,15 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memplan.estimator.input_checks import input_checks_passing
+
 
 @contextlib.contextmanager
 def real_run_paths(producers: Mapping[torch.Tensor, Any] | None = None) -> Iterator[None]:
     """`producers` (the recorder's tensor -> the graph node that made it): where given, a padding mask the model made
-    of ones is known to be one (_causal_mask_skipped_for_ones)."""
-    with _rope_without_frequency_updates():
+    of ones is known to be one (_causal_mask_skipped_for_ones). Input checks that read values pass
+    (memplan.estimator.input_checks)."""
+    with _rope_without_frequency_updates(), input_checks_passing():
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
             yield
