@@ -156,3 +156,15 @@ def test_torch_is_imported_with_the_collector_off_and_the_command_runs_with_it_o
         assert seen["command"] is False
     finally:
         gc.enable()
+
+
+def test_a_batch_the_model_cannot_take_is_one_line_with_no_log_of_torch_s() -> None:
+    """torch logs a failing fake kernel with its traceback before raising (fake_tensor.py `log.exception`): 19 lines
+    of it came before memplan's one-line error (CLI bug hunt)."""
+    done = _memplan(
+        ["estimate", "tests.bad_models:mlp", "--inputs", "tests.bad_models:wrong_shape_inputs", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("memplan: error: cannot trace"), done.stderr

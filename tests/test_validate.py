@@ -339,3 +339,32 @@ def test_a_results_file_is_continued_only_on_the_device_and_torch_it_was_begun_w
         list(run_suite("smoke", SMOKE[:1], results, measured_on("cpu"), device="cpu", resume=True))
     same = list(run_suite("smoke", SMOKE[:2], tmp_path / "new.json", measured_on("H100"), device="cuda", resume=True))
     assert len(same) == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"replace": "no"}, "replace must be True or False"),  # a truthy string had started the file over
+        ({"resume": 1}, "resume must be True or False"),
+        ({"resume": True, "replace": True}, "give one of them"),
+    ],
+)
+def test_the_api_keeps_a_results_file_it_is_not_clearly_told_to_replace(tmp_path, options, message) -> None:
+    """The CLI refuses --resume with --force; the API read any truthy `replace` as True and cut a results file of
+    three entries to one (API bug hunt). Refused before anything is measured, the file untouched."""
+    from memplan.api import validate_suite
+    from memplan.errors import UsageError
+
+    results = tmp_path / "smoke.json"
+    results.write_text(json.dumps({"suite": "smoke", "configs": [{"id": "a"}, {"id": "b"}, {"id": "c"}]}))
+    kept = results.read_text()
+    with pytest.raises(UsageError, match=message):
+        next(validate_suite("smoke", results, device="cpu", **options))
+    assert results.read_text() == kept
+
+
+def test_a_results_file_that_is_not_text_is_a_usage_error(tmp_path) -> None:
+    results = tmp_path / "smoke.json"
+    results.write_bytes(b"\xff\xfe\x00binary")
+    done = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(results), "--resume")
+    assert done.exit_code == 2 and "not UTF-8 text" in done.output and "Traceback" not in done.output

@@ -15,6 +15,7 @@ And an op whose fake kernel refuses arguments the real kernel runs, or lays its 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,9 +30,29 @@ def _shares_storage(outputs: tuple) -> bool:
     return len(set(storages)) < len(storages)
 
 
+# torch logs every fake kernel's failure with its traceback (fake_tensor.py, `log.exception("failed while attempting
+# to run meta for %s")`) before raising it; memplan turns the failure into one line (trace_errors), and --debug
+# shows the traceback.
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
 class TracingFakeMode(FakeTensorMode):
-    """FakeTensorMode that does not cache ops whose outputs share storage, and runs memplan's rule in place of the
-    fake kernel where it has one (module docstring)."""
+    """FakeTensorMode that does not cache ops whose outputs share storage, runs memplan's rule in place of the
+    fake kernel where it has one (module docstring), and keeps torch's log of a failing fake kernel quiet while
+    it is entered."""
+
+    _quiet_levels: list[int]
+
+    def __enter__(self) -> Any:
+        self._quiet_levels = [*getattr(self, "_quiet_levels", []), _FAKE_TENSOR_LOG.level]
+        _FAKE_TENSOR_LOG.setLevel(logging.CRITICAL + 1)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            _FAKE_TENSOR_LOG.setLevel(self._quiet_levels.pop())
 
     def dispatch(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
         rule = FAKE_KERNEL_RULES.get(func)

@@ -252,9 +252,10 @@ def suite_named(name: str) -> tuple[SuiteConfig, ...]:
 def load_results(path: Path) -> dict[str, Any]:
     try:
         document = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else str(error)
         raise UsageError(
-            f"cannot read results file {path} ({error}); pass another --results or drop --resume"
+            f"cannot read results file {path} ({reason}); pass another --results or drop --resume"
         ) from error
     if not isinstance(document, dict) or not isinstance(document.get("configs"), list):
         raise UsageError(f"{path} is not a memplan validation results file")
@@ -315,6 +316,11 @@ def run_suite(
     the reason, and the suite goes on (measurement failures, OOM and time-outs already come back
     as results; this covers what raises).
     """
+    for flag, value in (("resume", resume), ("replace", replace)):
+        if not isinstance(value, bool):  # "no" is truthy: read as True it started a results file over
+            raise UsageError(f"{flag} must be True or False, got {value!r} ({type(value).__name__})")
+    if resume and replace:
+        raise UsageError("resume continues the results file and replace starts it over: give one of them")
     if results_path.exists() and not resume and not replace:
         raise UsageError(
             f"{results_path} exists: pass --resume to continue it, --force to start it over, or another --results file"
