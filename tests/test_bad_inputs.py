@@ -517,3 +517,23 @@ def test_a_name_like_no_model_gets_no_suggestion():
     result = CliRunner().invoke(main, ["estimate", "nosuchmodel"])
     assert result.exit_code == 2 and "did you mean" not in result.output
     assert "did you mean llama-2-7b" in CliRunner().invoke(main, ["estimate", "llama2-7b"]).output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # Path("") is ".", a folder: "cannot read plan : Is a directory" had said nothing of the empty value
+        (["estimate", "tiny-gpt2", "--device", "cpu", "--checkpoint", ""], "--checkpoint is empty: give one of none"),
+        # it fell back to validation-smoke.json where every other output option refuses an empty name
+        (["validate", "--suite", "smoke", "--device", "cpu", "--results", ""], "--results is empty; give it a file"),
+        # the suggestion had been the very string it refused
+        (
+            ["estimate", "tests.bad_models:mlp:x", "--device", "cpu", "--inputs", "tests.bad_models:inputs"],
+            "did you mean tests.bad_models.mlp:x?",
+        ),
+    ],
+)
+def test_empty_values_and_a_path_with_two_colons_are_told_how_to_fix_them(args, message):
+    """CLI bug hunt: each message says what is wrong and how to fix it, in one line, status 2."""
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 2 and message in done.output and done.output.count("\n") == 1, done.output

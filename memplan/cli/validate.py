@@ -109,6 +109,8 @@ def _validate_suite(
     from memplan.render.validate import render_suite, suite_row
     from memplan.validate.suite import load_results, result_rows, summary
 
+    if results is not None and not results.strip():  # as every other output option: an empty name is a mistake
+        raise UsageError("--results is empty; give it a file name, or leave it out for validation-SUITE.json")
     path = Path(results or f"validation-{suite}.json")
     if not path.resolve().parent.is_dir():  # before the first measurement, not after it
         raise UsageError(f"--results {path}: the folder {path.parent} does not exist; create it first")

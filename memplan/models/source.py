@@ -273,7 +273,10 @@ def _meant_import_path(name: str) -> str | None:
     module, colon, function = name.partition(":")
     if colon:
         module = module.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
-        return f"{module}:{function or 'your_function'}" if module else None
+        meant = f"{module}:{function or 'your_function'}"
+        if ":" in function:  # two colons: the path was meant with a dot where one of them stands
+            meant = f"{module}.{function.replace(':', '.', function.count(':') - 1)}"
+        return meant if module and meant != name else None
     parts = name.split(".")
     if name.endswith(".json") or (Path(name).exists() and not name.endswith(".py")):
         return None  # a config file or a model's folder: the --inputs message says what to do

@@ -83,6 +83,10 @@ def load_plan(source: str | Path | Plan | PlanResult) -> Plan:
             "a plan is a file from `memplan plan --output` (its path), a loaded Plan or what memplan.plan returned; "
             f"got {a_type(source)}"
         )
+    if not str(source).strip():  # Path("") is ".", a folder: "cannot read plan : Is a directory" said nothing
+        raise PlanFileError(
+            f"--checkpoint is empty: give one of {', '.join(CHECKPOINT_MODES)}, or a file from `memplan plan --output`"
+        )
     try:
         document = json.loads(Path(source).read_text())
     except OSError as error:
