@@ -51,6 +51,12 @@ def trace_failure(
             "grad): its forward runs under torch.no_grad() or detaches, or, with --lora, the adapters are on layers "
             "the forward never calls (adapt layers it calls, with --lora-targets)"
         )
+    if module is None and _raised_in_loss(error, spec.ref.loss):
+        said = str(error).splitlines()[0] if str(error) else ""
+        return TraceError(
+            f"the loss function --loss {spec.ref.loss} raised {type(error).__name__}: {said} (memplan calls it under "
+            "fake tensors, with the model's output and the batch); fix it, or rerun with --debug for the traceback"
+        )
     hint = ""
     if module and spec.ref.inputs is not None:  # the user's own batch may not be what the model takes
         hint = f"; check that the batch from --inputs {spec.ref.inputs} ({_describe_batch(batch)}) is what it takes"
@@ -58,6 +64,24 @@ def trace_failure(
         f"cannot trace {spec.name} {where}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         f"{hint}; rerun with --debug for the traceback"
     )
+
+
+def _raised_in_loss(error: Exception, loss: str | None) -> bool:
+    """Whether the user's --loss function is among the frames `error` was raised through."""
+    if loss is None:
+        return False
+    try:
+        from memplan.models.imports import import_object
+
+        code = getattr(import_object(loss, "loss"), "__code__", None)
+    except Exception:  # noqa: BLE001  (it was imported once already; whatever fails now, the generic message stands)
+        return False
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code is code:
+            return True
+        frame = frame.tb_next
+    return False
 
 
 def _describe_batch(batch: object) -> str:
