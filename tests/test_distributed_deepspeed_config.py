@@ -52,3 +52,32 @@ def test_the_engines_configuration_is_the_users_with_memplans_settings():
     assert autocast["bf16"] == autocast["fp16"] == {"enabled": False}
     assert deepspeed_config(2, 8, "amp-bf16", user, 768)["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
     assert "optimizer" not in config and "train_batch_size" not in config
+
+
+def test_deprecated_offload_switches_are_the_sections_deepspeed_makes_of_them():
+    """`cpu_offload` and `cpu_offload_param` still offload in DeepSpeed 0.19 (DeepSpeedZeroConfig's new_param_fn):
+    memplan's validator had counted such a rank's host memory as the device's (2× the prediction) and, without
+    `zero_force_ds_cpu_optimizer: false`, handed DeepSpeed an optimizer it refused ("internal error"). Truth:
+    DeepSpeed's own reading of the same section."""
+    import pytest
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from memplan.distributed.deepspeed_file import with_zero_section_read
+    from memplan.errors import SettingsError
+
+    for zero in (
+        {"stage": 3, "cpu_offload": True, "cpu_offload_param": True},
+        {"stage": 2, "cpu_offload": True},
+        {"stage": 2, "cpu_offload": False},
+    ):
+        ours = with_zero_section_read({"zero_optimization": zero})["zero_optimization"]
+        theirs = DeepSpeedZeroConfig(**zero)
+        for section in ("offload_optimizer", "offload_param"):
+            device = getattr(theirs, section).device if getattr(theirs, section) is not None else None
+            assert (ours.get(section) or {}).get("device") == device, (zero, section)
+        assert not {"cpu_offload", "cpu_offload_param"} & set(ours)
+    both = {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}
+    with pytest.raises(AssertionError):
+        DeepSpeedZeroConfig(**both)
+    with pytest.raises(SettingsError, match="together, which DeepSpeed refuses"):
+        with_zero_section_read({"zero_optimization": both})

@@ -184,6 +184,34 @@ def parse_deepspeed_config(text: str) -> dict[str, Any]:
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
+# DeepSpeed's deprecated offload switches and the sections they stand for (runtime/zero/config.py, DeepSpeedZeroConfig:
+# `cpu_offload` and `cpu_offload_param`, each with a `new_param_fn` making a {"device": "cpu"} section of True and
+# none of False; runtime/config_utils.py `_process_deprecated_field` asserts that no file gives both forms).
+_DEPRECATED_OFFLOAD_KEYS = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _deprecated_offload_keys_replaced(zero: dict[str, Any]) -> None:
+    """`zero` with each deprecated offload switch replaced by the section DeepSpeed makes of it, as DeepSpeed reads it:
+    a file that still says `"cpu_offload": true` offloads, and is traced and measured as offloading (the validator
+    had counted its host memory as the device's, 2× the prediction; a helper's bug hunt)."""
+    for old, new in _DEPRECATED_OFFLOAD_KEYS.items():
+        if old not in zero:
+            continue
+        value = zero.pop(old)
+        if new in zero:
+            raise SettingsError(
+                f"the DeepSpeed configuration's zero_optimization gives {old} (deprecated) and {new} together, which "
+                f"DeepSpeed refuses: keep {new}"
+            )
+        if not isinstance(value, bool):
+            raise SettingsError(
+                f"the DeepSpeed configuration's zero_optimization.{old} is {json.dumps(value)}, where DeepSpeed takes "
+                f'true or false: give one, or its replacement {new}: {{"device": "cpu"}}'
+            )
+        if value:
+            zero[new] = {"device": "cpu"}
+
+
 def with_zero_section_read(config: dict[str, Any]) -> dict[str, Any]:
     """`config` with its zero_optimization section checked as DeepSpeed's pydantic models read it
     (runtime/zero/config.py, DeepSpeedZeroConfig; offload_config.py): a section where DeepSpeed takes one, its
@@ -201,6 +229,7 @@ def with_zero_section_read(config: dict[str, Any]) -> dict[str, Any]:
     zero = dict(zero)
     if "stage" in zero:
         zero["stage"] = _stage(zero["stage"])
+    _deprecated_offload_keys_replaced(zero)
     for name in ("offload_optimizer", "offload_param"):
         section = zero.get(name)
         if section is None:
