@@ -691,3 +691,22 @@ def test_compare_offers_deepspeed_s_offload_on_a_deepspeed_rank_and_keeps_each_r
     both = "DeepSpeed offload_param + offload_optimizer (parameters and optimizer in host memory)"
     assert from_the_file[both] == {"offload": "params"}
     assert both not in {t.name for t in techniques(TrainingSettings(parallel="zero3", world_size=4, offload="params"))}
+
+
+def test_the_validator_counts_no_tensor_of_peft_s_import_as_a_lora_rank_s(tmp_path):
+    """A DeepSpeed rank's count takes every tensor Python holds at the iteration's start that it did not hold as the
+    measurement began; peft's import, and bitsandbytes' through it, made module-level tensors after that point (its
+    4-bit tables, default arguments): a LoRA rank measured 144 B over its prediction in every stage (a helper's bug
+    hunt). Run by `validate`, whose measurement is a fresh process."""
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": SMALL_BUCKET}))
+    args = ["validate", "tests.two_layer_mlp:two_layer", "--inputs", "tests.two_layer_mlp:rows"]
+    args += ["--loss", "tests.two_layer_mlp:mean_square", "-b", "4", "--device", "cpu", "--parallel", "zero2"]
+    args += ["--world-size", "2", "--lora", "2", "--lora-targets", "up", "--deepspeed", str(tmp_path / "ds.json")]
+    done = CliRunner().invoke(main, [*args, "--json"])
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.stdout)
+    assert abs(result["predicted_peak_bytes"] - result["measured_peak_bytes"]) <= 32, result

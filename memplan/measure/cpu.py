@@ -202,6 +202,10 @@ def measure_cpu(
 ) -> CpuMeasurement:
     """Run `warmup_iterations` real iterations, then measure one steady-state iteration."""
     torch.manual_seed(seed)
+    if settings.deepspeed_stage is not None and settings.lora_rank is not None:
+        # peft's import, and bitsandbytes' through it, make module-level tensors (4-bit quantization tables, default
+        # arguments: 144 B) that the count below would take for the run's own; imported first, they are the process's.
+        import peft  # noqa: F401
     # The process's own tensors before the run (kept referenced, so that no id is another's later).
     before = tensors_python_holds() if settings.deepspeed_stage is not None else []
     state = prepare(spec, settings)
