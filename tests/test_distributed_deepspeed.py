@@ -652,7 +652,18 @@ def test_a_forward_that_branches_on_a_value_is_refused_not_guessed():
         )
 
 
-@pytest.mark.parametrize(("content", "message"), [("{not json", "is not JSON"), ("[1, 2]", "holds a JSON list")])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "is not JSON"),
+        ("[1, 2]", "holds a JSON list"),
+        # DeepSpeed's own assert, as it builds the engine: it had been "internal error: AssertionError"
+        (
+            '{"zero_optimization": {"stage": 2}, "prescale_gradients": true}',
+            "DeepSpeed refuses it: pre-scale gradients is not yet supported with ZeRO-2",
+        ),
+    ],
+)
 def test_a_deepspeed_file_that_is_not_a_configuration_is_a_usage_error(tmp_path, content, message):
     config = tmp_path / "ds_config.json"
     config.write_text(content)

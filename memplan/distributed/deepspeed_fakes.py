@@ -41,6 +41,17 @@ def config_errors_in_one_line() -> Iterator[None]:
             f"the DeepSpeed configuration: DeepSpeed's {error.title} refuses {where or 'a value'}: {first['msg']} "
             f"(given {first.get('input')!r}){more}"
         ) from error
+    except AssertionError as error:
+        # DeepSpeed checks combinations of settings with asserts as it builds the engine ("pre-scale gradients is
+        # not yet supported with ZeRO-2 with reduce scatter enabled", stage_1_and_2.py): said by DeepSpeed's own
+        # code and with a reason, the configuration's mistake; any other assert stays an internal error.
+        frame = error.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        said = str(error).strip()
+        if frame is None or not said or f"{os.sep}deepspeed{os.sep}" not in frame.tb_frame.f_code.co_filename:
+            raise
+        raise SettingsError(f"the DeepSpeed configuration: DeepSpeed refuses it: {said.splitlines()[0]}") from error
     except ValueError as error:
         # torch_autocast's lower_precision_safe_modules: class paths DeepSpeed imports (torch_autocast.py,
         # init_autocast_params: "Failed to import lower precision safe module ...").
