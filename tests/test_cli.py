@@ -478,3 +478,12 @@ def test_help_version_and_a_bare_command_pass_through_the_one_line_errors(args, 
     no_args = getattr(click.exceptions, "NoArgsIsHelpError", None)
     expected = code if code is not None else (no_args.exit_code if no_args else 0)
     assert result.exit_code == expected and "memplan: error" not in result.output
+
+
+def test_sweep_s_help_lists_no_batch_size_which_it_refuses():
+    """--batch-sizes replaces the training options' --batch-size in sweep, which refuses it: its help (and so
+    docs/cli.md) had listed `-b, --batch-size [default: 1]` (CLI bug hunt)."""
+    shown = run("sweep", "--help")
+    assert shown.exit_code == 0 and "--batch-sizes" in shown.output and "-b, --batch-size" not in shown.output
+    refused = run("sweep", "tiny-gpt2", "-b", "3", "--device", "cpu")
+    assert refused.exit_code == 2 and "sweep traces --batch-sizes" in refused.output

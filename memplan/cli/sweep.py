@@ -109,3 +109,10 @@ def sweep(
         _emit(result, as_json, render_sweep)
 
     _run_cached("sweep", debug, action)
+
+
+# The shared training options' --batch-size means nothing here (--batch-sizes replaces it; the action refuses it):
+# not shown in sweep's help, where it had been listed with a default (CLI bug hunt).
+for _parameter in sweep.params:
+    if _parameter.name == "batch_size":
+        _parameter.hidden = True  # type: ignore[attr-defined]
