@@ -114,6 +114,8 @@ CLI_CASES = [
     case(["estimate", "someorg/gpt2-mediun"], ["did you mean gpt2-medium"]),
     case(["estimate", "tiny-gpt2", "--task", "translation", *TINY], ["--task must be one of", "'translation'"]),
     case(["estimate", "tiny-vit.json", "--image-size", "48", "--device", "cpu"], ["takes 32×32", "--image-size 32"]),
+    # images smaller than the patch: ATen's convolution refuses them; it had been "cannot trace", status 1
+    case(["estimate", "tiny-vit.json", "--image-size", "4", "--device", "cpu"], ["--image-size", "8 x 8 kernel"]),
     case(["estimate", "tiny-gpt2", "--task", "image-classification", "--device", "cpu"], ["cannot build", "--task"]),
     case(["estimate", "tiny-gpt2", "--task", "seq2seq", *TINY], ["cannot build", "--task"]),
     case(["estimate", "tiny-gpt2", "--inputs", "tests.bad_models:inputs"], ["--inputs", "drop --inputs"]),

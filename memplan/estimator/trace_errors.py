@@ -17,6 +17,8 @@ from memplan.settings import TrainingSettings
 
 # transformers' ViT-family embeddings refuse an image of another size than the config's unless asked to
 # interpolate their position embeddings (modeling_vit.py, ViTEmbeddings / ViTPatchEmbeddings)
+# ATen's convolution shape check (aten/src/ATen/native/Convolution.cpp, check_shape_forward).
+_KERNEL_LARGER = re.compile(r"Calculated padded input size per channel: \(([\d x]+)\)\. Kernel size: \(([\d x]+)\)")
 _IMAGE_SIZE_REFUSED = re.compile(r"Input image size \((\d+)\*(\d+)\) doesn't match model \((\d+)\*(\d+)\)")
 
 
@@ -30,6 +32,14 @@ def trace_failure(
         return SettingsError(
             f"--image-size {size}: {spec.name} takes {height}×{width} images (its position embeddings are sized "
             f"for them){square}"
+        )
+    too_small = _KERNEL_LARGER.search(str(error))
+    if too_small is not None and spec.ref.inputs is None:
+        # memplan made the batch, images of --image-size: smaller than a convolution's kernel (a ViT's patch)
+        return SettingsError(
+            f"--image-size: {spec.name}'s convolution in {module or 'the model'} has a {too_small.group(2)} kernel, "
+            f"larger than the {too_small.group(1)} input it gets; give a larger --image-size, or leave it out for "
+            "the model's own"
         )
     where = f"in module {module}" if module else "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)
