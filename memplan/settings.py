@@ -100,6 +100,16 @@ class TrainingSettings:
     nccl_max_ctas: int | None = None
     nccl_nvls: bool = True
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingSettings:
+        # A misspelt keyword is a settings mistake, said as memplan says it (the dataclass's __init__ would raise
+        # a bare TypeError: "got an unexpected keyword argument").
+        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise SettingsError(
+                f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(cls.__dataclass_fields__)}"
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         check_positive("batch size", self.batch_size)
         check_positive("gradient accumulation steps", self.grad_accum)

@@ -72,3 +72,14 @@ def test_a_deepspeed_file_offloading_parameters_alone_is_still_refused():
     assert settings.offload == "none"
     with pytest.raises(SettingsError, match="offload_param without offload_optimizer"):
         deepspeed_config(3, 1, "fp32", settings.deepspeed_settings, 64, 1, settings.offload)
+
+
+def test_a_misspelt_setting_is_a_settings_error_naming_the_known_ones():
+    """memplan.TrainingSettings(bogus=1) had raised the dataclass's bare TypeError (API bug hunt)."""
+    import pytest
+
+    from memplan.errors import SettingsError
+    from memplan.settings import TrainingSettings
+
+    with pytest.raises(SettingsError, match="unknown setting\\(s\\) batchsize; known: batch_size"):
+        TrainingSettings(batchsize=4)
