@@ -368,3 +368,27 @@ def test_a_results_file_that_is_not_text_is_a_usage_error(tmp_path) -> None:
     results.write_bytes(b"\xff\xfe\x00binary")
     done = run("validate", "--suite", "smoke", "--device", "cpu", "--results", str(results), "--resume")
     assert done.exit_code == 2 and "not UTF-8 text" in done.output and "Traceback" not in done.output
+
+
+def test_ctrl_c_in_a_forced_suite_before_a_result_leaves_the_old_file_and_says_so(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """--force replaces the file at the first result; stopped before one, the file is the old run's: its table had
+    been shown as this run's, with a hint to --resume it (CLI bug hunt)."""
+    import memplan.api
+    from memplan.validate.suite import SuiteConfig, run_suite
+
+    def interrupted_suite(name, results, **options):  # type: ignore[no-untyped-def]
+        def measure(config: SuiteConfig):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt  # Ctrl-C while the first configuration runs
+
+        configs = (SuiteConfig("first", "a"),)
+        return run_suite(name, configs, Path(results), measure, device="cpu", replace=options["replace"])
+
+    monkeypatch.setattr(memplan.api, "validate_suite", interrupted_suite)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"suite": "smoke", "configs": [{"id": "old"}]}))
+    kept = path.read_text()
+    args = ["validate", "--suite", "smoke", "--device", "cpu", "--results", str(path)]
+    result = CliRunner().invoke(main, [*args, "--force"])
+    assert result.exit_code == 130 and "old" not in result.stdout and "--resume" not in result.stderr
+    assert "left as it was: no configuration finished" in " ".join(result.stderr.split())
+    assert path.read_text() == kept

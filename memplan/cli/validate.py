@@ -122,16 +122,20 @@ def _validate_suite(
     replace = force
     if replace:
         check_output_paths(results=str(path))  # --force replaces outputs, never the command's inputs
-    interrupted = False
+    interrupted = measured = False
     try:
         for config, result in validate_suite(
             suite, path, device=device, resume=resume, warmup=warmup, timeout_s=timeout, replace=replace
         ):
+            measured = measured or result is not None
             if result is not None and not as_json:
                 _stderr_console().print(" · ".join(suite_row(config.id, result)[:4]))
     except KeyboardInterrupt:
         if not path.exists():
             raise  # nothing finished: nothing to show
+        if replace and not measured:  # the file is the old run's, kept until a first result replaces it
+            _stderr_console().print(f"[dim]{path} left as it was: no configuration finished[/dim]")
+            raise
         interrupted = True  # the file holds every finished configuration: show them, then stop as interrupted
     document = load_results(path)
     rows = result_rows(document)
