@@ -183,6 +183,8 @@ CLI_CASES = [
     case(["estimate", *VECTOR, "--loss", "tests.bad_models:loss_float"], ["must return a scalar tensor, got float"]),
     case(["estimate", *VECTOR, "--loss", "tests.bad_models:loss_one_argument"], ["must take two arguments"]),
     case(["estimate", *VECTOR, "--loss", "tests.bad_models:loss_raises"], ["the loss function --loss", "KeyError"], 1),
+    # raised in torch under the loss, by a fake tensor's limit: not the loss's own mistake
+    case(["estimate", *VECTOR, "--loss", "tests.bad_models:loss_reading_values"], ["cannot trace", "in the loss"], 1),
     case(
         [
             "estimate",

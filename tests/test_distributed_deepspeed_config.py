@@ -69,6 +69,9 @@ def test_deprecated_offload_switches_are_the_sections_deepspeed_makes_of_them():
         {"stage": 3, "cpu_offload": True, "cpu_offload_param": True},
         {"stage": 2, "cpu_offload": True},
         {"stage": 2, "cpu_offload": False},
+        {"stage": 2, "cpu_offload": None},  # values DeepSpeed's Optional[bool] field reads too
+        {"stage": 2, "cpu_offload": 1},
+        {"stage": 3, "cpu_offload_param": "true"},
     ):
         ours = with_zero_section_read({"zero_optimization": zero})["zero_optimization"]
         theirs = DeepSpeedZeroConfig(**zero)

@@ -49,7 +49,10 @@ def config_errors_in_one_line() -> Iterator[None]:
         while frame is not None and frame.tb_next is not None:
             frame = frame.tb_next
         said = str(error).strip()
-        if frame is None or not said or f"{os.sep}deepspeed{os.sep}" not in frame.tb_frame.f_code.co_filename:
+        package = (
+            os.path.dirname(sys.modules["deepspeed"].__file__ or "") + os.sep if "deepspeed" in sys.modules else None
+        )
+        if frame is None or not said or package is None or not frame.tb_frame.f_code.co_filename.startswith(package):
             raise
         raise SettingsError(f"the DeepSpeed configuration: DeepSpeed refuses it: {said.splitlines()[0]}") from error
     except ValueError as error:

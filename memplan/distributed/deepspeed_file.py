@@ -190,6 +190,20 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _DEPRECATED_OFFLOAD_KEYS = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 
 
+def _as_deepspeed_reads_a_switch(value: object, old: str, new: str) -> bool:
+    """A deprecated switch's value as DeepSpeed's pydantic field (`Optional[bool]`) reads it: null, false, 0, "false"
+    are off, true, 1, "true" on; what pydantic refuses is one line."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return bool(TypeAdapter(bool | None).validate_python(value))
+    except ValidationError:
+        raise SettingsError(
+            f"the DeepSpeed configuration's zero_optimization.{old} is {json.dumps(value)}, where DeepSpeed takes "
+            f'true or false: give one, or its replacement {new}: {{"device": "cpu"}}'
+        ) from None
+
+
 def _deprecated_offload_keys_replaced(zero: dict[str, Any]) -> None:
     """`zero` with each deprecated offload switch replaced by the section DeepSpeed makes of it, as DeepSpeed reads it:
     a file that still says `"cpu_offload": true` offloads, and is traced and measured as offloading (the validator
@@ -203,12 +217,7 @@ def _deprecated_offload_keys_replaced(zero: dict[str, Any]) -> None:
                 f"the DeepSpeed configuration's zero_optimization gives {old} (deprecated) and {new} together, which "
                 f"DeepSpeed refuses: keep {new}"
             )
-        if not isinstance(value, bool):
-            raise SettingsError(
-                f"the DeepSpeed configuration's zero_optimization.{old} is {json.dumps(value)}, where DeepSpeed takes "
-                f'true or false: give one, or its replacement {new}: {{"device": "cpu"}}'
-            )
-        if value:
+        if _as_deepspeed_reads_a_switch(value, old, new):
             zero[new] = {"device": "cpu"}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,29 +31,37 @@ def _shares_storage(outputs: tuple) -> bool:
     return len(set(storages)) < len(storages)
 
 
-# torch logs every fake kernel's failure with its traceback (fake_tensor.py, `log.exception("failed while attempting
-# to run meta for %s")`) before raising it; memplan turns the failure into one line (trace_errors), and --debug
-# shows the traceback.
-_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+class _QuietWhileTracing(logging.Filter):
+    """torch logs every fake kernel's failure with its traceback (fake_tensor.py, `log.exception("failed while
+    attempting to run meta for %s")`) before raising it; memplan turns the failure into one line (trace_errors), and
+    --debug shows the traceback. Drops the log's records while the thread that logs them is inside a TracingFakeMode
+    (per thread, so that overlapping modes never leave the log silenced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(self.depth, "value", 0) == 0
+
+
+_QUIET = _QuietWhileTracing()
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QUIET)
 
 
 class TracingFakeMode(FakeTensorMode):
     """FakeTensorMode that does not cache ops whose outputs share storage, runs memplan's rule in place of the
     fake kernel where it has one (module docstring), and keeps torch's log of a failing fake kernel quiet while
-    it is entered."""
-
-    _quiet_levels: list[int]
+    it is entered (_QuietWhileTracing)."""
 
     def __enter__(self) -> Any:
-        self._quiet_levels = [*getattr(self, "_quiet_levels", []), _FAKE_TENSOR_LOG.level]
-        _FAKE_TENSOR_LOG.setLevel(logging.CRITICAL + 1)
-        return super().__enter__()
+        entered = super().__enter__()
+        _QUIET.depth.value = getattr(_QUIET.depth, "value", 0) + 1
+        return entered
 
     def __exit__(self, *exc_info: Any) -> Any:
-        try:
-            return super().__exit__(*exc_info)
-        finally:
-            _FAKE_TENSOR_LOG.setLevel(self._quiet_levels.pop())
+        _QUIET.depth.value = getattr(_QUIET.depth, "value", 1) - 1
+        return super().__exit__(*exc_info)
 
     def dispatch(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
         rule = FAKE_KERNEL_RULES.get(func)

@@ -34,7 +34,7 @@ def trace_failure(
             f"for them){square}"
         )
     too_small = _KERNEL_LARGER.search(str(error))
-    if too_small is not None and spec.ref.inputs is None:
+    if too_small is not None and spec.ref.inputs is None and _holds_images(batch):
         # memplan made the batch, images of --image-size: smaller than a convolution's kernel (a ViT's patch)
         return SettingsError(
             f"--image-size: {spec.name}'s convolution in {module or 'the model'} has a {too_small.group(2)} kernel, "
@@ -63,6 +63,11 @@ def trace_failure(
         )
     if module is None and _raised_in_loss(error, spec.ref.loss):
         said = str(error).splitlines()[0] if str(error) else ""
+        if isinstance(error, RuntimeError):  # torch's, from a call in the loss: a fake tensor's limit, maybe
+            return TraceError(
+                f"cannot trace {spec.name} in the loss function --loss {spec.ref.loss}: {type(error).__name__}: "
+                f"{said}; rerun with --debug for the traceback"
+            )
         return TraceError(
             f"the loss function --loss {spec.ref.loss} raised {type(error).__name__}: {said} (memplan calls it under "
             "fake tensors, with the model's output and the batch); fix it, or rerun with --debug for the traceback"
@@ -76,8 +81,13 @@ def trace_failure(
     )
 
 
+def _holds_images(batch: object) -> bool:
+    """Whether memplan's batch is images (transformers' vision models take `pixel_values`)."""
+    return isinstance(batch, dict) and "pixel_values" in batch
+
+
 def _raised_in_loss(error: Exception, loss: str | None) -> bool:
-    """Whether the user's --loss function is among the frames `error` was raised through."""
+    """Whether the user's --loss function's own code raised `error`."""
     if loss is None:
         return False
     try:
@@ -87,11 +97,10 @@ def _raised_in_loss(error: Exception, loss: str | None) -> bool:
     except Exception:  # noqa: BLE001  (it was imported once already; whatever fails now, the generic message stands)
         return False
     frame = error.__traceback__
-    while frame is not None:
-        if frame.tb_frame.f_code is code:
-            return True
+    while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
-    return False
+    # raised by the loss function's own code: not by torch below it, where a fake tensor's limits would be memplan's
+    return frame is not None and frame.tb_frame.f_code is code
 
 
 def _describe_batch(batch: object) -> str:

@@ -10,6 +10,7 @@ tensor Python holds as the iteration starts is counted until it is freed.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -205,7 +206,8 @@ def measure_cpu(
     if settings.deepspeed_stage is not None and settings.lora_rank is not None:
         # peft's import, and bitsandbytes' through it, make module-level tensors (4-bit quantization tables, default
         # arguments: 144 B) that the count below would take for the run's own; imported first, they are the process's.
-        import peft  # noqa: F401
+        with contextlib.suppress(ImportError):  # without peft, prepare() says how to install it
+            import peft  # noqa: F401
     # The process's own tensors before the run (kept referenced, so that no id is another's later).
     before = tensors_python_holds() if settings.deepspeed_stage is not None else []
     state = prepare(spec, settings)
