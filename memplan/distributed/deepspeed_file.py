@@ -193,9 +193,15 @@ _DEPRECATED_OFFLOAD_KEYS = {"cpu_offload": "offload_optimizer", "cpu_offload_par
 def _as_deepspeed_reads_a_switch(value: object, old: str, new: str) -> bool:
     """A deprecated switch's value as DeepSpeed's pydantic field (`Optional[bool]`) reads it: null, false, 0, "false"
     are off, true, 1, "true" on; what pydantic refuses is one line."""
-    from pydantic import TypeAdapter, ValidationError
-
     try:
+        from pydantic import TypeAdapter, ValidationError
+    except ImportError:  # DeepSpeed's own dependency: without it (no DeepSpeed here either), true, false and null
+        TypeAdapter, ValidationError = None, ValueError
+    try:
+        if TypeAdapter is None:
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(value)
+            return bool(value)
         return bool(TypeAdapter(bool | None).validate_python(value))
     except ValidationError:
         raise SettingsError(
