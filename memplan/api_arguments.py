@@ -114,12 +114,7 @@ def settings_from(
     if settings is not None and not isinstance(settings, TrainingSettings):
         hint = " (pass a dict as keyword arguments: **settings)" if isinstance(settings, dict) else ""
         raise SettingsError(f"settings must be a memplan.TrainingSettings or None, got {a_type(settings)}{hint}")
-    unknown = set(overrides) - set(TrainingSettings.__dataclass_fields__)
-    if unknown:
-        raise SettingsError(
-            f"unknown setting(s) {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(TrainingSettings.__dataclass_fields__)}"
-        )
+    TrainingSettings.refuse_unknown(overrides)  # before any file the others name is read
     if callable(overrides.get("step")):
         overrides = {**overrides, "step": _step_path(overrides["step"])}
     targets = overrides.get("lora_targets")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,12 +104,17 @@ class TrainingSettings:
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainingSettings:
         # A misspelt keyword is a settings mistake, said as memplan says it (the dataclass's __init__ would raise
         # a bare TypeError: "got an unexpected keyword argument").
-        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        cls.refuse_unknown(kwargs)
+        return super().__new__(cls)
+
+    @classmethod
+    def refuse_unknown(cls, names: Iterable[str]) -> None:
+        """A SettingsError naming the known settings where `names` holds others."""
+        unknown = set(names) - set(cls.__dataclass_fields__)
         if unknown:
             raise SettingsError(
                 f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(cls.__dataclass_fields__)}"
             )
-        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         check_positive("batch size", self.batch_size)
@@ -322,9 +328,7 @@ class TrainingSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainingSettings:
         """The inverse of to_dict; unknown keys are an error, missing ones take their defaults."""
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise SettingsError(f"unknown setting(s) {', '.join(sorted(unknown))}")
+        cls.refuse_unknown(data)
         checkpoint = data.get("checkpoint", "none")
         if isinstance(checkpoint, dict):
             data = {**data, "checkpoint": CheckpointLayout.from_dict(checkpoint)}

@@ -116,7 +116,9 @@ def _record(probe: Callable[[], torch.Tensor]) -> list[tuple[str, tuple[torch.dt
 
 
 def _cuda_autocast_reference() -> dict[str, list]:
-    """CUDA autocast itself, run on fake CUDA tensors (a CPU-only torch runs forward ops there)."""
+    """CUDA autocast itself, run on fake CUDA tensors (a CPU-only torch runs forward ops there); CUDA's autocast
+    state left as it was found."""
+    before = torch.get_autocast_dtype("cuda")
     with FakeTensorMode():
         torch.set_autocast_enabled("cuda", True)
         torch.set_autocast_dtype("cuda", BF16)
@@ -124,6 +126,7 @@ def _cuda_autocast_reference() -> dict[str, list]:
             return {name: _record(probe) for name, probe in _probes("cuda").items()}
         finally:
             torch.set_autocast_enabled("cuda", False)
+            torch.set_autocast_dtype("cuda", before)
             torch.clear_autocast_cache()
 
 
@@ -146,6 +149,19 @@ def test_emulated_policy_runs_the_same_ops_in_the_same_dtypes_as_cuda_autocast()
     assert {"softmax", "layer_norm", "cross_entropy", "exp"} <= set(differing)
     # And leaving the context gives CPU autocast back.
     assert _cpu_autocast(emulate=False) == plain
+
+
+def test_an_autocast_a_script_opens_for_cuda_is_cuda_s_under_the_emulation() -> None:
+    """`torch.autocast("cuda", ...)` (a --step's own, torch.cuda.amp.autocast()) disables itself without a GPU: a step
+    that opened one was traced in float32. Under the emulation it runs CUDA's policy, in CUDA's default dtype where
+    none is given; truth: CUDA autocast itself on fake CUDA tensors, and CUDA's own default dtype."""
+    cuda_default = torch.get_autocast_dtype("cuda")  # read outside the emulation, which answers for CUDA inside it
+    reference = _cuda_autocast_reference()
+    with FakeTensorMode(), cuda_autocast_policy(), torch.autocast("cuda", dtype=BF16):
+        emulated = {name: _record(probe) for name, probe in _probes("cpu").items()}
+    assert {name: (emulated[name], reference[name]) for name in reference if emulated[name] != reference[name]} == {}
+    with FakeTensorMode(), cuda_autocast_policy(), torch.autocast("cuda"):
+        assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == cuda_default
 
 
 def test_binary_cross_entropy_is_refused_as_cuda_autocast_refuses_it() -> None:
