@@ -25,6 +25,7 @@ from memplan.estimator.held_tensors import (
     python_holders_tracked,
 )
 from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
+from memplan.estimator.plain_formulas import PlainFormulaPaths
 from memplan.estimator.recorder import fake_device_query
 from memplan.estimator.regenerated_views import RegeneratedViews
 
@@ -220,6 +221,7 @@ class EagerLifetimes(TorchDispatchMode):
         self._regenerated_views = RegeneratedViews(node_count, self.local_lifetimes)
         # The ops of the C++ composite running now, where one is watched (memplan.estimator.composites).
         self.composite_ops: list[CompositeOp] | None = None
+        self._plain_paths = PlainFormulaPaths()
 
     def _formula_called(self, grad_outputs: object) -> None:
         self._formula_starting = True
@@ -359,7 +361,9 @@ class EagerLifetimes(TorchDispatchMode):
         self._observe_frames(start - 1)
         self._regenerated_views.before(func, args)
         autograd_node = torch._C._current_autograd_node()
+        func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         out = func(*args, **(kwargs or {}))
+        self._plain_paths.made(out)
         end = self.node_count() - 1
         if self.composite_ops is not None:
             first = storage_key(args[0]) if args and isinstance(args[0], torch.Tensor) else None

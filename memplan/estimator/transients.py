@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS, chunk_cat_padding_bytes
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
@@ -156,7 +157,8 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
 def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scratch, ...]]:
     """What library kernels allocate inside one op: bitsandbytes' 4-bit matmul dequantizes its
     weight there on every target; its 8-bit ops, run on the cuda target only (MatMul8bitLt), keep
-    their int32 products and outlier masks there (memplan.finetune.bnb_kernels); on the cpu target,
+    their int32 products and outlier masks there (memplan.finetune.bnb_kernels); composite kernels hold their
+    own ops' temporaries (memplan.estimator.composite_kernels); on the cpu target,
     FSDP2's reduce-scatter copy-in pads the gradients N does not divide (memplan.estimator.cpu_kernels)."""
     transients = {}
     for index, node in enumerate(nodes):
@@ -166,6 +168,10 @@ def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scra
             args, _ = fake_args(node)  # (tensors, dim, num_chunks), positional as the schema has them; out= a kwarg
             padding = chunk_cat_padding_bytes(*args[:3])
             scratch = [("chunk_cat's padded copies", padding)] if padding else []
+        elif node.target in COMPOSITE_KERNEL_SCRATCH:
+            args, kwargs = fake_args(node)
+            held = COMPOSITE_KERNEL_SCRATCH[node.target](args, kwargs, device)
+            scratch = [(f"{op_name(node)}'s own temporaries", held)] if held else []
         elif is_gemm_4bit(node.target):
             args, kwargs = fake_args(node)
             scratch = gemm_4bit_scratch(args, kwargs, device)

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from memplan.distributed.fsdp import storage_resizes_observed
 from memplan.distributed.modes import FSDP_MODES
 from memplan.distributed.offload import HostCopies, copies_made
+from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS
 from memplan.estimator.leaves import local_tensor, wraps_local_tensors
 from memplan.estimator.loop import (
@@ -38,6 +39,7 @@ from memplan.estimator.loop import (
     optimizer_tensors,
     prepare,
 )
+from memplan.estimator.plain_formulas import PlainFormulaPaths
 from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
@@ -70,6 +72,7 @@ class LiveStorageCounter(TorchDispatchMode):
         self.dynamic_bytes = 0
         self.dynamic_peak_bytes = 0
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
+        self._plain_paths = PlainFormulaPaths()
 
     def leave_out(self, tensor: torch.Tensor) -> None:
         """Host memory under offload: never counted."""
@@ -131,6 +134,7 @@ class LiveStorageCounter(TorchDispatchMode):
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
                 self.add_static(leaf)  # existed before the iteration, so live throughout it (host memory: never)
+        func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         kernel = _python_kernel(func)
         if str(func) in _ALLOCATING_KERNELS:
             out, inside = _with_kernel_allocations(func, args, kwargs or {})
@@ -140,6 +144,7 @@ class LiveStorageCounter(TorchDispatchMode):
         else:
             with self:  # the kernel's own ops, and the tensors they make, pass through the counter
                 out = kernel(*args, **(kwargs or {}))
+        self._plain_paths.made(out)
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self._add_dynamic(leaf)
@@ -153,9 +158,9 @@ class LiveStorageCounter(TorchDispatchMode):
 
 # CPU kernels that allocate inside themselves, below the dispatcher's Python layer, where no dispatch mode sees,
 # by op name: `_chunk_cat.out`, which FSDP2's reduce-scatter copy-in (`fsdp.chunk_cat`) calls, pads each tensor
-# its chunks do not divide (memplan.estimator.cpu_kernels). The counter reads those requests from the CPU
-# allocator's own events.
-_ALLOCATING_KERNELS = CHUNK_CAT_OPS
+# its chunks do not divide (memplan.estimator.cpu_kernels); composite kernels hold their own ops' temporaries
+# (memplan.estimator.composite_kernels). The counter reads those requests from the CPU allocator's own events.
+_ALLOCATING_KERNELS = CHUNK_CAT_OPS | {str(op) for op in COMPOSITE_KERNEL_SCRATCH}
 
 
 def _with_kernel_allocations(func: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:

@@ -1,0 +1,76 @@
+"""What an op's C++ kernel allocates inside itself through the other ops it calls (a composite kernel, or a kernel
+calling a helper op): a dispatch mode sees the op alone (the Python key is excluded while the op it intercepted
+runs), so neither the trace's graph nor memplan's CPU counter has the temporaries those ops make. Each rule is a
+pure function of the op's arguments and the target device, returning the bytes held at once beside the op's
+output, with its source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memplan.estimator.oprules import _registrar
+
+# op -> rule(args, kwargs, device) -> bytes the kernel holds at its fullest, beside its output
+KernelScratchRule = Callable[[tuple[Any, ...], dict[str, Any], str], int]
+COMPOSITE_KERNEL_SCRATCH: dict[Any, KernelScratchRule] = {}
+composite_kernel_scratch = _registrar(COMPOSITE_KERNEL_SCRATCH)
+
+_REDUCTION_NONE = 0  # at::Reduction::None (aten/src/ATen/core/Reduction.h)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@composite_kernel_scratch(torch.ops.aten.binary_cross_entropy_with_logits.default)
+def bce_with_logits_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """`binary_cross_entropy_with_logits` (aten/src/ATen/native/Loss.cpp, CompositeExplicitAutograd, torch
+    2.11-2.14):
+
+        auto log_sigmoid_input = at::log_sigmoid(input);
+        if (pos_weight) { auto log_weight = (*pos_weight - 1).mul(target).add_(1); log_sigmoid_input.mul_(log_weight); }
+        Tensor loss = (1 - target).mul_(input).sub_(log_sigmoid_input);
+        if (weight) { loss.mul_(*weight); }
+        return apply_loss_reduction(loss, reduction);
+
+    In turn it holds: log_sigmoid_forward's output and its `buffer` (input-sized on the CPU,
+    `at::empty({0})` on CUDA: activation.cpp's log_sigmoid_forward_cpu, cuda/ActivationLogSigmoidKernel.cu's
+    log_sigmoid_forward_cuda; the buffer is freed as at::log_sigmoid returns); with pos_weight, that output,
+    `pos_weight - 1` and `log_weight`; then that output and `loss`, beside the reduced output (unreduced, `loss`
+    is the output)."""
+    input, target = args[0], args[1]
+    weight_and_pos = [*args[2:4], None, None][:2]
+    pos_weight = kwargs.get("pos_weight", weight_and_pos[1])
+    reduction = kwargs.get("reduction", args[4] if len(args) > 4 else 1)
+    log_sigmoid = _nbytes(input)
+    buffer = log_sigmoid if device == "cpu" else 0
+    loss = target.numel() * target.element_size()
+    output = loss if reduction == _REDUCTION_NONE else target.element_size()
+    held = [log_sigmoid + buffer]  # before the output exists
+    if isinstance(pos_weight, torch.Tensor):
+        log_weight = torch.broadcast_shapes(pos_weight.shape, target.shape).numel() * target.element_size()
+        held.append(log_sigmoid + _nbytes(pos_weight) + log_weight)
+    # `loss` and, reduced, the output made from it: the output is the op's, counted beside this
+    held.append(log_sigmoid + loss + (0 if reduction == _REDUCTION_NONE else output))
+    return max(0, max(held) - output)
+
+
+@composite_kernel_scratch(torch.ops.aten.sort.default, torch.ops.aten.sort.stable)
+def sort_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """The CPU sort kernel (aten/src/ATen/native/cpu/SortingKernel.cpp, sort_kernel, torch 2.11-2.14) first calls
+    `_fill_indices(indices, dim)` (aten/src/ATen/native/Sorting.cpp): `at::arange(0, dim_size, kLong)`, copied into
+    the indices output and freed as it returns. CUDA's sort (segmented sorts with their own temporary storage) is
+    not modelled: 0 there."""
+    if device != "cpu":
+        return 0
+    self = args[0]
+    if self.dim() == 0:
+        return 0
+    # sort(self, dim=-1, descending=False); sort.stable(self, *, stable, dim=-1, descending=False)
+    positional_dim = args[1] if len(args) > 1 and not isinstance(args[1], bool) else -1
+    dim = kwargs.get("dim", positional_dim)
+    return self.shape[dim] * torch.empty((), dtype=torch.long).element_size()
