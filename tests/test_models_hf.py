@@ -38,3 +38,50 @@ def test_a_config_without_architectures_builds_where_the_task_has_several_classe
     with torch.device("meta"):
         model = spec.build(spec.settings_for(TrainingSettings(device="cpu")))
     assert type(model).__name__ == "DeiTForImageClassification"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [("bart", "BartForConditionalGeneration"), ("t5", "T5ForConditionalGeneration"), ("gpt2", "GPT2LMHeadModel")],
+)
+def test_a_config_without_architectures_builds_the_head_its_kind_trains(tmp_path, model_type, expected):
+    """BART, mBART, Pegasus, Marian and Whisper are in transformers' causal-LM mapping too, for their decoder alone
+    (BartForCausalLM): a BART config.json without `architectures` had been built as that, with no encoder, and
+    `--target-len` refused (a helper's bug hunt). An encoder-decoder config trains both halves."""
+    import json
+
+    import torch
+
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    spec = resolve_model(str(tmp_path))
+    with torch.device("meta"):
+        model = spec.build(spec.settings_for(TrainingSettings(device="cpu")))
+    assert type(model).__name__ == expected
+
+
+def test_an_encoder_decoder_config_with_no_head_of_memplan_s_asks_for_one(tmp_path):
+    """Whisper's speech-to-text head is none of memplan's tasks: refused with the way out, not built as its decoder."""
+    import json
+
+    from memplan.models.source import resolve_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "whisper"}))
+    with pytest.raises(UsageError, match="cannot tell which head.*your own module:function"):
+        resolve_model(str(tmp_path))
+
+
+def test_a_config_value_a_module_asserts_against_is_the_config_s_mistake(tmp_path):
+    """A pad_token_id past vocab_size fails nn.Embedding's assert: it had said "internal error: AssertionError"."""
+    import json
+
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    config = {"model_type": "llama", "vocab_size": 128, "pad_token_id": 500, "hidden_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    spec = resolve_model(str(tmp_path))
+    with pytest.raises(UsageError, match="Padding_idx must be within num_embeddings.*fix the config"):
+        spec.build(spec.settings_for(TrainingSettings(device="cpu")))

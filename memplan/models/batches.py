@@ -15,22 +15,44 @@ DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
 
 
-def max_positions(config: Any) -> int | None:
-    """The longest sequence the model's absolute position embeddings allow (None: no limit known)."""
+# Where configs keep the longest sequence their absolute position embeddings allow, per side, most specific first:
+# LED's split fields; Whisper's and Speech2Text's source (encoder) and target (decoder) fields; one limit for both
+# sides (BART, GPT-2's n_positions, MPT's max_seq_len).
+_POSITION_FIELDS = {
+    "encoder": ("max_encoder_position_embeddings", "max_source_positions"),
+    "decoder": ("max_decoder_position_embeddings", "max_target_positions"),
+}
+_SHARED_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len")
+
+
+def max_positions(config: Any, side: str = "encoder") -> int | None:
+    """The longest sequence the model's absolute position embeddings allow on `side` ("encoder": the input a
+    seq2seq model encodes, or an encoder-only model's; "decoder": a causal LM's, or a seq2seq model's target);
+    None: no limit known."""
     if getattr(config, "model_type", None) == "t5":
         return None  # relative position buckets: any length
-    for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
+    for attr in (*_POSITION_FIELDS[side], *_SHARED_POSITION_FIELDS):
         value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def sequence_limit(config: Any, task: str) -> int | None:
+    """The longest --seq-len the task's model takes (seq2seq: its target, as long as the input unless given, too)."""
+    if task == "causal-lm":
+        return max_positions(config, "decoder")
+    if task == "seq2seq":
+        limits = [limit for limit in (max_positions(config), max_positions(config, "decoder")) if limit is not None]
+        return min(limits) if limits else None
+    return max_positions(config)
 
 
 def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> TrainingSettings:
     """Fill in the sequence length / image size the batch will have and check it against the model."""
     _refuse_other_shapes(task, settings)
     if task in TEXT_TASKS:
-        limit = max_positions(config)
+        limit = max_positions(config, "decoder" if task == "causal-lm" else "encoder")
         seq_len = settings.seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)
         if limit is not None and seq_len > limit:
             raise SettingsError(
@@ -38,6 +60,14 @@ def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> Train
                 f"use --seq-len {limit} or less"
             )
         target_len = settings.target_len or (seq_len if task == "seq2seq" else None)
+        target_limit = max_positions(config, "decoder") if task == "seq2seq" else None
+        if target_len is not None and target_limit is not None and target_len > target_limit:
+            # Fake tensors index without values: a target past the decoder's positions traces, and the real run dies.
+            given = "--target-len" if settings.target_len else "the target (as long as --seq-len)"
+            raise SettingsError(
+                f"{given} {target_len} is longer than the model's decoder maximum of {target_limit} positions; "
+                f"use --target-len {target_limit} or less"
+            )
         return settings.replace(seq_len=seq_len, target_len=target_len)
     image_size = settings.image_size or _configured_image_size(config) or DEFAULT_IMAGE_SIZE
     return settings.replace(image_size=int(image_size))

@@ -56,10 +56,15 @@ def _guess_task(config: Any) -> str | None:
                 return task
     from transformers.models.auto import modeling_auto
 
-    for task, mapping in _MAPPING_BY_TASK.items():
-        if config.model_type in getattr(modeling_auto, mapping):
-            return task
-    return None
+    mapped = [
+        task for task, mapping in _MAPPING_BY_TASK.items() if config.model_type in getattr(modeling_auto, mapping)
+    ]
+    if getattr(config, "is_encoder_decoder", False):
+        # BART, mBART, Pegasus, Marian, Whisper are in the causal-LM mapping too, for their decoder alone
+        # (BartForCausalLM): an encoder-decoder config trains both halves, or cannot be told (Whisper's
+        # speech-to-text head is no task of memplan's).
+        return "seq2seq" if "seq2seq" in mapped else None
+    return mapped[0] if mapped else None
 
 
 def _load_config(name: str) -> Any | None:
@@ -164,7 +169,8 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
 
         raise UsageError(
             f"cannot tell which head to train for {name!r} (model type {config.model_type}); "
-            f"pass --task, one of {', '.join(TASKS)}"
+            f"pass --task, one of {', '.join(TASKS)}, or give the model as your own module:function "
+            "(docs/usage.md, custom models)"
         )
     if chosen in ("sequence-classification", "image-classification") and not getattr(config, "num_labels", None):
         config.num_labels = 2
@@ -236,10 +242,12 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
             # transformers' own default: SDPA where the architecture supports it, eager elsewhere.
             return auto_class.from_config(config)
         return auto_class.from_config(config, attn_implementation=attn_impl)
-    except (ValueError, KeyError) as error:
+    except (ValueError, KeyError, AssertionError) as error:
         # A config's values the architecture does not know ("activation_function": "nope" is a KeyError of its
-        # ACT2FN table; "rope_scaling" of an unknown type) are the config's mistake. (A TypeError is left to say
-        # itself as an internal error: under fake tensors it may be memplan's.)
+        # ACT2FN table; "rope_scaling" of an unknown type) or its modules' constructors assert against (a
+        # pad_token_id past vocab_size: nn.Embedding's "Padding_idx must be within num_embeddings") are the
+        # config's mistake. (A TypeError is left to say itself as an internal error: under fake tensors it may be
+        # memplan's.)
         from memplan.errors import UsageError
 
         text = str(error).strip()
