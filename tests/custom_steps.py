@@ -175,3 +175,19 @@ def canonical_under_default_cuda_autocast(
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def with_a_grad_scaler(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The usual mixed-precision recipe with an enabled GradScaler (CPU's): scale, backward, unscale, clip, step
+    through the scaler, update. The scaler lives on the model, made at the first call."""
+    if not hasattr(model, "grad_scaler"):
+        model.grad_scaler = torch.amp.GradScaler("cpu")
+    scaler = model.grad_scaler
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch)["loss"]
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)

@@ -27,6 +27,9 @@ STEPS = (
     "forward_only",
     "gradients_by_autograd_grad",
     "with_a_closure",
+    # An enabled GradScaler reads its found-inf flags with `.item()`: under fake tensors the constant had set them,
+    # and the step (and the optimizer's state) never ran: 60% low (a helper's bug hunt).
+    "with_a_grad_scaler",
 )
 
 

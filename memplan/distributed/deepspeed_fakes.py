@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from unittest.mock import patch
 import torch
 
 from memplan.errors import SettingsError
+from memplan.estimator.fake_mode import steps_finding_no_inf
 
 
 @contextlib.contextmanager
@@ -235,12 +237,7 @@ def answer_no_overflow(zero: Any) -> None:
     if scaler is not None:
         # torch_autocast in float16: the ZeRO optimizer steps through torch's GradScaler, which reads its
         # found-inf flags with `.item()` and skips the step where one is set (grad_scaler.py, _maybe_opt_step).
-        def maybe_opt_step(optimizer: Any, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
-            for found_inf in optimizer_state["found_inf_per_device"].values():
-                found_inf.item()
-            return optimizer.step(*args, **kwargs)
-
-        scaler._maybe_opt_step = maybe_opt_step
+        scaler._maybe_opt_step = types.MethodType(steps_finding_no_inf, scaler)
 
 
 def as_deepspeed_cpu_adam(optimizer: torch.optim.Optimizer) -> None:
