@@ -29,3 +29,17 @@ def peft_llama() -> nn.Module:
 def tokens(batch_size: int) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(0, TINY_HF_CONFIGS["gpt2"]["vocab_size"], (batch_size, SEQ_LEN))
     return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+def peft_bert_classifier() -> nn.Module:
+    """peft's recipe for a classifier: task_type="SEQ_CLS" trains the new head (modules_to_save) beside the adapters."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = AutoConfig.for_model(**{**TINY_HF_CONFIGS["bert"], "architectures": None}, num_labels=2)
+    model = AutoModelForSequenceClassification.from_config(config)
+    return get_peft_model(model, LoraConfig(r=4, task_type="SEQ_CLS"))
+
+
+def classified_tokens(batch_size: int) -> dict[str, torch.Tensor]:
+    input_ids = torch.randint(0, TINY_HF_CONFIGS["bert"]["vocab_size"], (batch_size, SEQ_LEN))
+    return {"input_ids": input_ids, "labels": torch.randint(0, 2, (batch_size,))}

@@ -190,3 +190,22 @@ class _WithUnusedLayer(torch.nn.Module):
 def test_adapters_only_on_a_layer_the_forward_never_calls_are_refused_saying_so():
     with pytest.raises(SettingsError, match="does not depend on any parameter that trains .* never calls"):
         memplan.estimate(_WithUnusedLayer(), inputs=torch.zeros(4, 16), device="cpu", lora_rank=4, lora_targets="spare")
+
+
+def test_lora_on_a_classifier_trains_its_new_head_as_peft_s_seq_cls_recipe_does(tiny_model_dirs):
+    """peft's classifier recipe (task_type="SEQ_CLS") trains the new, randomly initialised head too, as a copy beside
+    the frozen original; memplan's --lora had left it frozen (a helper's bug hunt). Truth: the count from peft's layout
+    (BERT's query and value, 64 -> 64 in each of 2 layers, rank 4) plus the classifier (64 -> 2 and its bias), and a
+    user's own SEQ_CLS peft model measured for real on the CPU."""
+    ours = memplan.estimate(
+        tiny_model_dirs["bert"],
+        batch_size=2,
+        seq_len=SEQ_LEN,
+        device="cpu",
+        lora_rank=4,
+        task="sequence-classification",
+    )
+    assert ours.trainable_parameter_count == 2 * 2 * 4 * (64 + 64) + (64 * 2 + 2)
+    spec = resolve_model("tests.lora_models:peft_bert_classifier", inputs="tests.lora_models:classified_tokens")
+    settings = spec.settings_for(TrainingSettings(batch_size=2, device="cpu"))
+    assert ours.peak_bytes == measure_cpu(spec, settings).peak_bytes

@@ -64,6 +64,11 @@ def with_lora(model: nn.Module, settings: TrainingSettings) -> nn.Module:
     options: dict[str, object] = {"r": settings.lora_rank, "lora_dropout": settings.lora_dropout}
     if settings.lora_alpha is not None:
         options["lora_alpha"] = settings.lora_alpha
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        # peft's recipe for a classifier (task_type="SEQ_CLS"): its new head ("classifier", "score") is trained too,
+        # as a copy peft keeps beside the frozen original (ModulesToSaveWrapper); without it the head stayed frozen
+        # and its gradient and optimizer state were missing (a helper's bug hunt).
+        options["task_type"] = "SEQ_CLS"
     if settings.lora_targets is not None:
         names = [name.strip() for name in settings.lora_targets.split(",")]  # none empty (settings)
         # peft's shorthand for every linear layer but the output head is a string, not a module's name
