@@ -55,7 +55,7 @@ def test_a_config_without_architectures_builds_the_head_its_kind_trains(tmp_path
     from memplan.models.source import resolve_model
     from memplan.settings import TrainingSettings
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "decoder_start_token_id": 0}))
     spec = resolve_model(str(tmp_path))
     with torch.device("meta"):
         model = spec.build(spec.settings_for(TrainingSettings(device="cpu")))
@@ -85,3 +85,17 @@ def test_a_config_value_a_module_asserts_against_is_the_config_s_mistake(tmp_pat
     spec = resolve_model(str(tmp_path))
     with pytest.raises(UsageError, match="Padding_idx must be within num_embeddings.*fix the config"):
         spec.build(spec.settings_for(TrainingSettings(device="cpu")))
+
+
+def test_a_seq2seq_config_without_a_decoder_start_id_is_refused_saying_which(tmp_path):
+    """transformers 5's T5Config() has no decoder_start_token_id, which T5's training forward needs to shift the labels
+    right: `memplan estimate t5` said "cannot trace ... AttributeError" (a helper's bug hunt), as the real run fails."""
+    import json
+
+    from memplan.models.source import resolve_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 32, "num_layers": 1}))
+    with pytest.raises(UsageError, match='no decoder_start_token_id.*"decoder_start_token_id": 0'):
+        resolve_model(str(tmp_path))
+    with pytest.raises(UsageError, match="no decoder_start_token_id"):
+        resolve_model("t5")

@@ -172,6 +172,17 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
             f"pass --task, one of {', '.join(TASKS)}, or give the model as your own module:function "
             "(docs/usage.md, custom models)"
         )
+    if chosen == "seq2seq" and getattr(config, "decoder_start_token_id", None) is None:
+        # The training forward shifts the labels right to make the decoder's input, starting from this id
+        # (T5's _shift_right, BART's shift_tokens_right): without it the run fails, as transformers 5's T5Config()
+        # leaves it (the t5 model type's defaults; the hub's T5 configs set 0, the pad id).
+        from memplan.errors import UsageError
+
+        raise UsageError(
+            f"{name!r} has no decoder_start_token_id, which a seq2seq model's training forward starts the decoder "
+            'from: add it to the config (T5\'s checkpoints use "decoder_start_token_id": 0, the pad id), or use a '
+            "preset (memplan presets)"
+        )
     if chosen in ("sequence-classification", "image-classification") and not getattr(config, "num_labels", None):
         config.num_labels = 2
     _check_sizes(config, name)
