@@ -47,6 +47,9 @@ def parse_size(text: str | int, *, allow_zero: bool = False) -> int:
     value = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
     if value < 1 and not (allow_zero and value == 0):
         raise SizeParseError(f"size must be {'0 or ' if allow_zero else ''}at least one byte, got {text!r}")
+    if match.group(2).lower() in ("", "b") and value.denominator != 1:
+        # `--budget 1.5` had been read as 1 byte: a fraction of a byte is a unit left out (1.5GiB), not a size
+        raise SizeParseError(f"{text!r} is not a whole number of bytes; add the unit it means, e.g. {text}GiB")
     return _at_most_max(int(value), text)
 
 

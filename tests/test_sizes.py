@@ -111,3 +111,15 @@ def test_format_bytes_refuses_what_is_no_number_in_one_line(value, named):
 def test_format_bytes_takes_numpy_numbers_as_the_numbers_they_hold():
     numpy = pytest.importorskip("numpy")
     assert format_bytes(numpy.int64(3 * 2**29)) == format_bytes(numpy.float32(3 * 2**29)) == "1.50 GiB"
+
+
+@pytest.mark.parametrize("text", ["1.5", "5193288.5", "24.0001B"])
+def test_a_fraction_of_a_byte_is_a_unit_left_out_not_a_size(text):
+    """`--budget 1.5` had been read as 1 byte ("nothing fits"): most likely 1.5 GiB meant (a helper's bug hunt)."""
+    with pytest.raises(SizeParseError, match="not a whole number of bytes; add the unit"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1048576.0", 2**20), ("7.0B", 7)])
+def test_a_whole_number_of_bytes_written_with_a_point_is_taken(text, expected):
+    assert parse_size(text) == expected

@@ -157,6 +157,12 @@ def _check_fields(data: dict[str, Any], config_class: type, where: str) -> None:
             )
 
 
+def _builds_as_seq2seq(config: Any) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    return config.model_type in getattr(modeling_auto, _MAPPING_BY_TASK["seq2seq"])
+
+
 def resolve_hf(name: str, task: str | None) -> HFSource | None:
     """None when `name` names no Hugging Face model memplan can find offline."""
     config = _load_config(name)
@@ -172,7 +178,7 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
             f"pass --task, one of {', '.join(TASKS)}, or give the model as your own module:function "
             "(docs/usage.md, custom models)"
         )
-    if chosen == "seq2seq" and getattr(config, "decoder_start_token_id", None) is None:
+    if chosen == "seq2seq" and _builds_as_seq2seq(config) and getattr(config, "decoder_start_token_id", None) is None:
         # The training forward shifts the labels right to make the decoder's input, starting from this id
         # (T5's _shift_right, BART's shift_tokens_right): without it the run fails, as transformers 5's T5Config()
         # leaves it (the t5 model type's defaults; the hub's T5 configs set 0, the pad id).
