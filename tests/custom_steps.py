@@ -191,3 +191,26 @@ def with_a_grad_scaler(model: torch.nn.Module, batch: dict, optimizer: torch.opt
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+
+
+def two_optimizers_of_its_own(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Optimizers the step makes at its first call and keeps on the model (memplan's is not used): their state lives
+    from one call to the next."""
+    if not hasattr(model, "own_optimizers"):
+        params = list(model.parameters())
+        model.own_optimizers = (torch.optim.AdamW(params[:1]), torch.optim.SGD(params[1:], lr=0.1, momentum=0.9))
+    loss = model(**batch)["loss"]
+    loss.backward()
+    for own in model.own_optimizers:
+        own.step()
+        own.zero_grad(set_to_none=True)
+
+
+def keeps_its_output_graph(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The step's output kept on the model for the next call (for a metric), its graph with it: the previous call's
+    graph lives until the step replaces it, at its end."""
+    output = model(**batch)
+    output["loss"].backward(retain_graph=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.last_output = output["logits"]

@@ -214,7 +214,9 @@ def measure_cpu(
         with contextlib.suppress(ImportError):  # without peft, prepare() says how to install it
             import peft  # noqa: F401
     # The process's own tensors before the run (kept referenced, so that no id is another's later).
-    before = tensors_python_holds() if settings.deepspeed_stage is not None else []
+    # Under a step of the user's own, also: what the step itself keeps from one call to the next (optimizers it made,
+    # tensors it leaves in globals or on the model) lives as the measured call starts.
+    before = tensors_python_holds() if settings.deepspeed_stage is not None or settings.step is not None else []
     state = prepare(spec, settings)
     if settings.offload != "none" and settings.deepspeed_stage is None:
         return _measure_offloaded(state, warmup_iterations)
@@ -240,7 +242,7 @@ def measure_cpu(
         # Under a wrapper that swaps storages, every real tensor the run made that Python holds as the
         # iteration starts (DeepSpeed's partitions, buckets and gathered parameters, beside the model's and
         # the optimizer's tensors).
-        _count_the_start(counter, state, {id(tensor) for tensor in before} if swaps else None)
+        _count_the_start(counter, state, {id(tensor) for tensor in before} if swaps or own_step else None)
         resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
         with collector_held(), counter, resizes:
             iteration(state)
