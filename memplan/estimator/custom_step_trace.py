@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -19,12 +19,20 @@ from memplan.estimator.fake_mode import constant_item
 from memplan.estimator.held_tensors import OptimizerLocals
 from memplan.estimator.hf_patches import real_run_paths
 from memplan.estimator.leaves import local_tensor
-from memplan.estimator.loop import TrainingState, current_grads, custom_step
+from memplan.estimator.loop import (
+    TrainingState,
+    current_grads,
+    custom_step,
+    input_tensors,
+    model_tensors,
+    optimizer_tensors,
+)
 from memplan.estimator.module_attributes import attribute_tensors
 from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.saved_tensors import SavedTensors
+from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.estimator.trace_errors import trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
 from memplan.models.source import ModelSpec
@@ -48,6 +56,9 @@ def trace_custom_step(
     boundaries: dict[str, int] = {}
     freed_at: dict[StorageWeakRef, int] = {}
     finalizers = _note_when_freed(current_grads(state), freed_at, recorder.node_count)  # holding none of them
+    # What the step kept from its last call (an output with its graph on the model, a list in a global): alive as
+    # the call starts, until the step lets it go.
+    kept, kept_freed_at = _kept_from_the_last_call(state, fake_mode, recorder.node_count, finalizers)
     seen: list[tuple[StorageWeakRef, int]] = []
 
     def marker(phase: str) -> None:
@@ -129,8 +140,64 @@ def trace_custom_step(
         if key in freed_at:
             categories[key] = "gradients"
             released_early.append((key, nbytes, max(freed_at[key] - 1, 0)))
+    last_node = len(graph.nodes) - 1
+    for key, nbytes in kept:
+        end = max(kept_freed_at[key] - 1, 0) if key in kept_freed_at else last_node
+        released_early.append((key, nbytes, end))
     observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes)
     return traced_step_from(graph, state, boundaries, (categories, sizes), observed, None, released_early)
+
+
+def _kept_by_storage(state: TrainingState, fake_mode: FakeTensorMode) -> dict[StorageWeakRef, list[torch.Tensor]]:
+    """The tensors of this trace's fake mode that Python holds, by storage, besides the model's, the optimizer's, the
+    batch's and the gradients: what the step's last call kept (its own optimizers' state too)."""
+    known = {
+        storage_key(tensor)
+        for tensor in (*model_tensors(state), *optimizer_tensors(state), *input_tensors(state), *current_grads(state))
+    }
+    by_storage: dict[StorageWeakRef, list[torch.Tensor]] = {}
+    for tensor in tensors_python_holds(FakeTensor):
+        if tensor.fake_mode is fake_mode and (key := storage_key(tensor)) not in known:
+            by_storage.setdefault(key, []).append(tensor)
+    return by_storage
+
+
+def keeps_tensors_across_calls(state: TrainingState, fake_mode: FakeTensorMode) -> bool:
+    """Whether the step's last call left tensors of its own alive (memplan.estimator.trace then calls it once more,
+    untraced, with the batch about to be traced: what it keeps is of that batch's size, as in a real loop)."""
+    return bool(_kept_by_storage(state, fake_mode))
+
+
+def _kept_from_the_last_call(
+    state: TrainingState,
+    fake_mode: FakeTensorMode,
+    node_count: Callable[[], int],
+    finalizers: list[weakref.finalize],
+) -> tuple[list[tuple[StorageWeakRef, int]], dict[StorageWeakRef, int]]:
+    """The storages the step's last call kept (_kept_by_storage), alive as the traced call starts, each with its
+    bytes; and, filled in as the call runs, the node count at which the last tensor of each was freed (finalizers
+    added to `finalizers`). Holds none of them."""
+    by_storage = _kept_by_storage(state, fake_mode)
+    freed_at: dict[StorageWeakRef, int] = {}
+    kept = []
+    for key, tensors in by_storage.items():
+        kept.append((key, local_tensor(tensors[0]).untyped_storage().nbytes()))
+        finalizers.extend(_note_when_all_freed(key, tensors, freed_at, node_count))
+    return kept, freed_at
+
+
+def _note_when_all_freed(
+    key: StorageWeakRef, tensors: list[torch.Tensor], freed_at: dict[StorageWeakRef, int], node_count: Callable[[], int]
+) -> list[weakref.finalize]:
+    """Record in `freed_at[key]` the node count at which the last of `tensors` (views of one storage) is freed."""
+    alive = [len(tensors)]
+
+    def one_freed() -> None:
+        alive[0] -= 1
+        if alive[0] == 0:
+            freed_at.setdefault(key, node_count())
+
+    return [weakref.finalize(tensor, one_freed) for tensor in tensors]
 
 
 def _note_when_freed(

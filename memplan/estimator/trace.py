@@ -22,7 +22,7 @@ from memplan.distributed.fsdp import storage_resizes_recorded
 from memplan.distributed.offload import copies_made
 from memplan.errors import MemplanError
 from memplan.estimator.cuda.target import target_kernels
-from memplan.estimator.custom_step_trace import trace_custom_step
+from memplan.estimator.custom_step_trace import keeps_tensors_across_calls, trace_custom_step
 from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
 from memplan.estimator.fake_conversions import fake_friendly_conversions
 from memplan.estimator.fake_mode import TracingFakeMode, constant_item
@@ -202,6 +202,12 @@ def trace_step(
     if gradients_outlive_the_step(settings) and state.data_parallel is not None:
         with _untraced(state, spec, settings):  # (the slope's fallback to a larger batch relies on its errors)
             _gradients_as_ddp_makes_them(state, settings, fake_mode)
+    if settings.step is not None and keeps_tensors_across_calls(state, fake_mode):
+        # What the step keeps from one call to the next was made by the setup's call, at its batch size (another
+        # trace's: the slope's, a search's): one more call with this batch leaves what a steady state at it finds.
+        with _untraced(state, spec, settings):
+            with fake_mode, real_run_paths(), target_kernels(settings), constant_item():
+                iteration(state)
     previous_grads = [
         (storage_key(grad), local_tensor(grad).untyped_storage().nbytes()) for grad in current_grads(state)
     ]
