@@ -7,6 +7,7 @@ output, with its source.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,4 +74,52 @@ def sort_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> 
     # sort(self, dim=-1, descending=False); sort.stable(self, *, stable, dim=-1, descending=False)
     positional_dim = args[1] if len(args) > 1 and not isinstance(args[1], bool) else -1
     dim = kwargs.get("dim", positional_dim)
-    return self.shape[dim] * torch.empty((), dtype=torch.long).element_size()
+    return self.shape[dim] * torch.int64.itemsize
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _reduction_dtypes(self: torch.Tensor, dtype: torch.dtype | None, device: str) -> tuple[torch.dtype, torch.dtype]:
+    """(out_dtype, in_dtype) of a sum's TensorIterator: `make_reduction_from_out_ty` (aten/src/ATen/native/
+    ReduceOpsUtils.h, torch 2.11-2.14) reduces in the output's dtype (an integral or bool input's sum is int64), but a
+    CUDA float16/bfloat16 input summed into float32 is read as it is."""
+    out_dtype = dtype or (torch.int64 if not self.dtype.is_floating_point and not self.is_complex() else self.dtype)
+    cuda_low_to_float = device == "cuda" and self.dtype in _LOW_PRECISION and out_dtype == torch.float32
+    return out_dtype, (self.dtype if cuda_low_to_float else out_dtype)
+
+
+def _numel_out(self: torch.Tensor, dims: Any) -> int:
+    """Elements of a reduction's output over `dims` (all where none are given)."""
+    if not dims:
+        return 1
+    reduced = {d % max(self.dim(), 1) for d in dims}
+    return math.prod(size for d, size in enumerate(self.shape) if d not in reduced)
+
+
+@composite_kernel_scratch(torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList)
+def sum_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """`make_reduction` (ReduceOpsUtils.h) reduces `self.to(in_dtype)` where the dtypes differ: a whole copy of the
+    input, on either device, while the sum runs (a bool mask's sum copies it to int64, 8 B an element; measured with
+    torch.profiler on the CPU)."""
+    self, dtype = args[0], kwargs.get("dtype")  # keyword-only in both overloads
+    _, in_dtype = _reduction_dtypes(self, dtype, device)
+    return 0 if in_dtype == self.dtype else self.numel() * in_dtype.itemsize
+
+
+@composite_kernel_scratch(torch.ops.aten.mean.default, torch.ops.aten.mean.dim)
+def mean_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """CPU `mean_out` (aten/src/ATen/native/ReduceOps.cpp, torch 2.11-2.14) is `at::sum_out(result, self, ...,
+    sum_dtype).div_(dim_prod)`: a float16/bfloat16 mean sums in float32, into `result.to(float)`, reading
+    `self.to(float)` (make_reduction); then the divisor, a wrapped scalar, is cast to the sum's dtype. CUDA's mean
+    reduces in one kernel (its input cast as sum's, above)."""
+    self = args[0]
+    dims, dtype = args[1] if len(args) > 1 else kwargs.get("dim"), kwargs.get("dtype")  # dtype: keyword-only
+    out_dtype, in_dtype = _reduction_dtypes(self, dtype, device)
+    if device != "cpu":
+        return 0 if in_dtype == self.dtype else self.numel() * in_dtype.itemsize
+    sum_dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+    item = sum_dtype.itemsize
+    result_copy = _numel_out(self, dims) * item if sum_dtype != out_dtype else 0
+    input_cast = self.numel() * item if self.dtype != sum_dtype else 0
+    return result_copy + max(input_cast, item)

@@ -136,7 +136,7 @@ class LiveStorageCounter(TorchDispatchMode):
                 self.add_static(leaf)  # existed before the iteration, so live throughout it (host memory: never)
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         kernel = _python_kernel(func)
-        if str(func) in _ALLOCATING_KERNELS:
+        if str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {}):
             out, inside = _with_kernel_allocations(func, args, kwargs or {})
             self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes + inside)
         elif kernel is None:
@@ -158,9 +158,17 @@ class LiveStorageCounter(TorchDispatchMode):
 
 # CPU kernels that allocate inside themselves, below the dispatcher's Python layer, where no dispatch mode sees,
 # by op name: `_chunk_cat.out`, which FSDP2's reduce-scatter copy-in (`fsdp.chunk_cat`) calls, pads each tensor
-# its chunks do not divide (memplan.estimator.cpu_kernels); composite kernels hold their own ops' temporaries
-# (memplan.estimator.composite_kernels). The counter reads those requests from the CPU allocator's own events.
-_ALLOCATING_KERNELS = CHUNK_CAT_OPS | {str(op) for op in COMPOSITE_KERNEL_SCRATCH}
+# its chunks do not divide (memplan.estimator.cpu_kernels); and (_allocates_inside) kernels that hold their own
+# ops' temporaries (memplan.estimator.composite_kernels). The counter reads those requests from the CPU
+# allocator's own events.
+_ALLOCATING_KERNELS = CHUNK_CAT_OPS
+
+
+def _allocates_inside(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the op's kernel holds temporaries of other ops (memplan.estimator.composite_kernels) in this call:
+    only such calls are profiled (a profiler started per op is slow, and most sums cast nothing)."""
+    rule = COMPOSITE_KERNEL_SCRATCH.get(func)
+    return rule is not None and rule(tuple(args), kwargs, "cpu") > 0
 
 
 def _with_kernel_allocations(func: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:

@@ -1,0 +1,81 @@
+"""memplan.estimator.composite_kernels: what a kernel holds of the ops it calls inside itself, which no dispatch mode
+sees (neither memplan's trace nor its CPU counter): a reduction's cast of its input, a CPU mean's float32 sum of a
+16-bit input.
+
+Truth: the same step run for real on the CPU with no dispatch mode active, measured by the CPU allocator's own events
+(tests/hand_measure.py, torch.profiler), and memplan's own counter (which profiles such calls) beside it. Before the
+rules, each case here was low by the cast (a bool mask's sum copies it whole to int64)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.measure.cpu import measure_cpu
+from memplan.settings import TrainingSettings
+from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+from tests.module_specs import loss_returning_spec
+
+BATCH, POSITIONS, FEATURES, WIDTH = 4, 8, 16, 512
+
+
+def _reduce(name: str, y: torch.Tensor) -> torch.Tensor:
+    """y's mean square, plus nothing times a reduction of a tensor 16 times y's size (so the step's peak is there)."""
+    wide = y.detach().unsqueeze(-1).expand(*y.shape, 16)
+    if name == "mask-count":  # counting positions, as a masked loss normalizes by them
+        reduced = (wide > 0).sum()
+    elif name == "int32-sum-dim":
+        reduced = (wide > 0).int().sum(-1).sum()
+    elif name == "mean":  # a 16-bit mean sums a float32 copy on the CPU
+        reduced = (wide * 1).mean()
+    elif name == "mean-dim":
+        reduced = (wide * 1).mean(-1).sum()
+    else:
+        raise ValueError(name)
+    return y.pow(2).mean() + 0 * reduced
+
+
+class _Reducing(torch.nn.Module):
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.linear, self.loss = torch.nn.Linear(FEATURES, WIDTH), loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _reduce(self.loss, self.linear(x))
+
+
+def _plain_run_peak(loss: str, dtype: torch.dtype) -> int:
+    def build():
+        torch.manual_seed(0)
+        model = _Reducing(loss).to(dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(BATCH, POSITIONS, FEATURES, dtype=dtype)
+        return training_iteration(model, batch, lambda out, _: out, optimizer)
+
+    return profiled_third_iteration_peak(build)
+
+
+# The CPU's reductions split over threads keep each thread's partial result (8 B here, on two threads), which no
+# rule models.
+THREAD_PARTIALS = 16
+
+
+@pytest.mark.parametrize(
+    ("loss", "precision"),
+    [("mask-count", "fp32"), ("int32-sum-dim", "fp32"), ("mean", "bf16"), ("mean-dim", "bf16")],
+)
+def test_a_reduction_holds_its_input_s_cast_while_it_runs(loss, precision):
+    spec = loss_returning_spec(f"{loss}-loss", lambda: _Reducing(loss), (POSITIONS, FEATURES))
+    # the batch in the weights' dtype, as a bf16 run's loop casts it
+    spec = dataclasses.replace(
+        spec, make_batch=lambda settings, dtype: torch.randn(settings.batch_size, POSITIONS, FEATURES, dtype=dtype)
+    )
+    settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd", precision=precision)
+    measured = _plain_run_peak(loss, torch.bfloat16 if precision == "bf16" else torch.float32)
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    assert measured - THREAD_PARTIALS <= predicted <= measured
+    assert measured - THREAD_PARTIALS <= measure_cpu(spec, settings).peak_bytes <= measured
