@@ -214,3 +214,26 @@ def keeps_its_output_graph(model: torch.nn.Module, batch: dict, optimizer: torch
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model.last_output = output["logits"]
+
+
+def logs_with_float(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The canonical step, its loss logged with float() and a count with int(), as many scripts log."""
+    loss = model(**batch)["loss"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _logged = (float(loss), int(batch["ids"].shape[0] + loss.detach().round().long()))
+
+
+def with_lbfgs(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """torch's LBFGS, made at the first call: it tests its gradient against a tolerance (`if opt_cond:`)."""
+    if not hasattr(model, "lbfgs"):
+        model.lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=2)
+
+    def closure() -> torch.Tensor:
+        model.lbfgs.zero_grad()
+        loss = model(**batch)["loss"]
+        loss.backward()
+        return loss
+
+    model.lbfgs.step(closure)

@@ -30,6 +30,8 @@ STEPS = (
     # An enabled GradScaler reads its found-inf flags with `.item()`: under fake tensors the constant had set them,
     # and the step (and the optimizer's state) never ran: 60% low (a helper's bug hunt).
     "with_a_grad_scaler",
+    # float() and int() of a tensor read a value as .item() does: logging so had been refused as data-dependent.
+    "logs_with_float",
 )
 
 
@@ -316,3 +318,14 @@ def test_what_a_step_keeps_from_its_last_call_lives_until_it_lets_it_go(batch_si
     setup = build_fake_setup(spec, settings_at(BATCH))  # as the slope's trace reuses the first one's setup
     predicted = simulate(trace_step(spec, settings_at(batch_size), setup=setup)).peak_bytes
     assert predicted == profiled_third_iteration_peak(build)
+
+
+def test_a_step_through_library_code_that_reads_a_value_is_refused_naming_that_code():
+    """LBFGS branches on its gradient's size itself: the message had told the user to remove data-dependent control
+    flow from a step that has none (a helper's bug hunt); it names torch's line instead."""
+    from memplan.errors import TraceError
+
+    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    settings = spec.settings_for(TrainingSettings(batch_size=2, device="cpu", step="tests.custom_steps:with_lbfgs"))
+    with pytest.raises(TraceError, match=r"torch/optim/lbfgs\.py:\d+ \(`.+`\) reads a tensor's value"):
+        trace_step(spec, settings)

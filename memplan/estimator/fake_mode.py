@@ -98,19 +98,28 @@ def constant_item() -> Iterator[None]:
     The value only steers arithmetic, never which tensors are allocated, so a constant is safe; where a value
     decides whether the optimizer steps (GradScaler's found-inf flags), the step a healthy run takes is traced.
     """
-    previous = FakeTensor.__dict__.get("item")
 
     def item(self: FakeTensor) -> float | int | bool:
         if self.dtype == torch.bool:
             return False
         return 2.0 if self.dtype.is_floating_point else 2
 
-    FakeTensor.item = item  # type: ignore[method-assign]
+    # `float(loss)` and `int(count)` read a value as `.item()` does (logging: `running += float(loss)` had been
+    # refused as data-dependent); `bool()` stays refused: it decides a branch, which a constant would take blindly.
+    readers = {
+        "item": item,
+        "__float__": lambda self: float(item(self)),
+        "__int__": lambda self: int(item(self)),
+    }
+    previous = {name: FakeTensor.__dict__.get(name) for name in readers}
+    for name, reader in readers.items():
+        setattr(FakeTensor, name, reader)
     try:
         with patch.object(torch.amp.GradScaler, "_maybe_opt_step", steps_finding_no_inf):
             yield
     finally:
-        if previous is None:
-            del FakeTensor.item
-        else:
-            FakeTensor.item = previous  # type: ignore[method-assign]
+        for name, before in previous.items():
+            if before is None:
+                delattr(FakeTensor, name)
+            else:
+                setattr(FakeTensor, name, before)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import traceback
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -119,8 +121,39 @@ def _describe_batch(batch: object) -> str:
 
 
 def step_failure(error: Exception, settings: TrainingSettings) -> TraceError:
+    reader = _library_line_reading_a_value(error)
+    if reader is not None:
+        # torch.optim.LBFGS tests its gradient's size against a tolerance (`if opt_cond:`): the step is the user's,
+        # the branch is the library's, which the user cannot make shape-only
+        return TraceError(
+            f"--step {settings.step} failed under fake tensors: {reader} reads a tensor's value to decide what to do "
+            "next, which tensors without values do not have; a step through that library code cannot be traced "
+            f"({type(error).__name__}; use --debug for the traceback)"
+        )
     return TraceError(
         f"--step {settings.step} failed under fake tensors ({type(error).__name__}: {error}); it is called as "
         "fn(model, batch, optimizer) and must run on tensors without values (no data-dependent Python control "
         "flow); use --debug for the traceback"
     )
+
+
+# Where torch's own tensor machinery runs (fake tensors, dispatch, tracing helpers): never the code that asked.
+_TENSOR_MACHINERY = (f"{os.sep}torch{os.sep}_", f"{os.sep}torch{os.sep}utils{os.sep}_", f"{os.sep}memplan{os.sep}")
+
+
+def _library_line_reading_a_value(error: Exception) -> str | None:
+    """Where a value-dependent error was raised from an installed library's code (torch.optim, peft, ...), as
+    "path:line (`code`)" relative to the package; None where it came from the user's own code or is of another kind."""
+    if not isinstance(error, DataDependentOutputException):
+        return None
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.endswith(".pyc")]
+    caller = next((f for f in reversed(frames) if not any(part in f.filename for part in _TENSOR_MACHINERY)), None)
+    if caller is None or not _is_installed(caller.filename):
+        return None
+    parts = caller.filename.split(os.sep)
+    root = max(i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")) + 1
+    return f"{'/'.join(parts[root:])}:{caller.lineno} (`{(caller.line or '').strip()}`)"
+
+
+def _is_installed(filename: str) -> bool:
+    return any(part in ("site-packages", "dist-packages") for part in filename.split(os.sep))
