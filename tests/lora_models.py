@@ -43,3 +43,11 @@ def peft_bert_classifier() -> nn.Module:
 def classified_tokens(batch_size: int) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(0, TINY_HF_CONFIGS["bert"]["vocab_size"], (batch_size, SEQ_LEN))
     return {"input_ids": input_ids, "labels": torch.randint(0, 2, (batch_size,))}
+
+
+def peft_loha_llama() -> nn.Module:
+    """peft's LoHa adapters: their forward draws `torch.rand(1) > module_dropout` to decide whether to run."""
+    from peft import LoHaConfig
+
+    config = AutoConfig.for_model(**TINY_HF_CONFIGS["llama"], use_cache=False)
+    return get_peft_model(AutoModelForCausalLM.from_config(config), LoHaConfig(r=4, target_modules=["q_proj"]))

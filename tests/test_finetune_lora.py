@@ -209,3 +209,13 @@ def test_lora_on_a_classifier_trains_its_new_head_as_peft_s_seq_cls_recipe_does(
     spec = resolve_model("tests.lora_models:peft_bert_classifier", inputs="tests.lora_models:classified_tokens")
     settings = spec.settings_for(TrainingSettings(batch_size=2, device="cpu"))
     assert ours.peak_bytes == measure_cpu(spec, settings).peak_bytes
+
+
+def test_a_library_s_own_value_check_is_named_as_the_library_s():
+    """LoHa's forward branches on `torch.rand(1) > module_dropout` (peft/tuners/loha/layer.py): the message had told
+    the user to make their code shape-only, code that is peft's (a helper's bug hunt)."""
+    from memplan.errors import TraceError
+
+    spec = resolve_model("tests.lora_models:peft_loha_llama", inputs="tests.lora_models:tokens")
+    with pytest.raises(TraceError, match=r"read at peft/tuners/loha/layer\.py:\d+ .*in the library's code"):
+        trace_step(spec, spec.settings_for(TrainingSettings(batch_size=2, device="cpu")))

@@ -46,6 +46,12 @@ def trace_failure(
     where = f"in module {module}" if module else "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)
     if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
+        reader = _library_line_reading_a_value(error)
+        if reader is not None:  # transformers' or peft's own check (a label range, LyCORIS' module dropout)
+            return TraceError(
+                f"cannot trace {spec.name}: op {op} {where} depends on tensor values, read at {reader}, in the "
+                "library's code rather than yours; that model cannot be traced as the library runs it"
+            )
         return TraceError(
             f"cannot trace {spec.name}: op {op} {where} depends on tensor values "
             "(data-dependent control flow, .item() or a data-dependent shape); "
@@ -144,7 +150,7 @@ _TENSOR_MACHINERY = (f"{os.sep}torch{os.sep}_", f"{os.sep}torch{os.sep}utils{os.
 def _library_line_reading_a_value(error: Exception) -> str | None:
     """Where a value-dependent error was raised from an installed library's code (torch.optim, peft, ...), as
     "path:line (`code`)" relative to the package; None where it came from the user's own code or is of another kind."""
-    if not isinstance(error, DataDependentOutputException):
+    if not isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
         return None
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.endswith(".pyc")]
     caller = next((f for f in reversed(frames) if not any(part in f.filename for part in _TENSOR_MACHINERY)), None)
