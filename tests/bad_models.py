@@ -69,6 +69,24 @@ class NoGrad(nn.Module):
             return self.linear(x).mean()
 
 
+class MaskFilledWithAParameter(Mlp):
+    """Rows picked by a boolean mask set to a parameter: the parameter's gradient indexes by the mask in the backward
+    (nonzero, a shape that depends on values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fill = nn.Parameter(torch.zeros(FEATURES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        x[torch.ones(x.shape[0], dtype=torch.bool)] = self.fill
+        return super().forward(x)
+
+
+def mask_filled_with_a_parameter() -> nn.Module:
+    return MaskFilledWithAParameter()
+
+
 def mlp() -> nn.Module:
     return Mlp()
 

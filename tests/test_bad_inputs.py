@@ -174,6 +174,8 @@ CLI_CASES = [
     case(["estimate", *_factory("returns_none")], ["no scalar `loss`", "--loss"]),
     case(["estimate", *_factory("returns_vector")], ["not a scalar loss", "--loss"]),
     case(["estimate", *_factory("raises_in_forward")], ["cannot trace", "the user's forward is broken"], code=1),
+    # it had said "outside any module (loss or optimizer)" (a helper's bug hunt)
+    case(["estimate", *_factory("mask_filled_with_a_parameter")], ["aten.nonzero", "in the backward pass"], code=1),
     case(["estimate", *_factory("no_grad")], ["does not depend on any parameter that trains", "no_grad"]),
     # autograd's "element 0 of tensors does not require grad", exit 1, before
     case(["estimate", *_factory("all_frozen")], ["all_frozen has no trainable parameter", "unfreeze"]),

@@ -43,7 +43,12 @@ def trace_failure(
             f"larger than the {too_small.group(1)} input it gets; give a larger --image-size, or leave it out for "
             "the model's own"
         )
-    where = f"in module {module}" if module else "outside any module (loss or optimizer)"
+    if module:
+        where = f"in module {module}"
+    elif _raised_in_backward(error):  # the backward of an op that has no module's name (a boolean mask's index)
+        where = "in the backward pass"
+    else:
+        where = "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)
     if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
         reader = _library_line_reading_a_value(error)
@@ -144,7 +149,12 @@ def step_failure(error: Exception, settings: TrainingSettings) -> TraceError:
 
 
 # Where torch's own tensor machinery runs (fake tensors, dispatch, tracing helpers): never the code that asked.
-_TENSOR_MACHINERY = (f"{os.sep}torch{os.sep}_", f"{os.sep}torch{os.sep}utils{os.sep}_", f"{os.sep}memplan{os.sep}")
+_TENSOR_MACHINERY = (
+    f"{os.sep}torch{os.sep}_",
+    f"{os.sep}torch{os.sep}utils{os.sep}_",
+    f"{os.sep}torch{os.sep}autograd{os.sep}",  # the engine runs C++ formulas: the op is the formula's
+    f"{os.sep}memplan{os.sep}",
+)
 
 
 def _library_line_reading_a_value(error: Exception) -> str | None:
@@ -159,6 +169,11 @@ def _library_line_reading_a_value(error: Exception) -> str | None:
     parts = caller.filename.split(os.sep)
     root = max(i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")) + 1
     return f"{'/'.join(parts[root:])}:{caller.lineno} (`{(caller.line or '').strip()}`)"
+
+
+def _raised_in_backward(error: Exception) -> bool:
+    """Whether the error came out of the autograd engine (torch/autograd/graph.py `_engine_run_backward`)."""
+    return any(frame.name == "_engine_run_backward" for frame in traceback.extract_tb(error.__traceback__))
 
 
 def _is_installed(filename: str) -> bool:
