@@ -202,6 +202,10 @@ class EagerLifetimes(TorchDispatchMode):
         # For each of them, what the Node returned (its outputs as validate_outputs left them), where its post-hook
         # saw them: None where it did not (liveness.formula_blocks)
         self.formula_results: list[frozenset[StorageWeakRef] | None] = []
+        # For each of them, the last graph node the engine ran for its Node (evaluate_function): the formula, then
+        # the additions that accumulate what it returned into the next Nodes' input buffers. What the Node
+        # returned is held until then (liveness.formula_blocks's caller).
+        self.evaluation_ends: list[int] = []
         self.formula_casts: list[int] = []  # graph nodes: weights cast into the autocast cache inside a formula
         self.python_formulas: list[bool] = []  # for each of backward_node_ops: a Python autograd Function's backward
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
@@ -394,6 +398,7 @@ class EagerLifetimes(TorchDispatchMode):
         if autograd_node is not self._current:
             self.backward_node_ops.append([])
             self.formula_results.append(None)
+            self.evaluation_ends.append(end)
             self.python_formulas.append(isinstance(autograd_node, torch.autograd.function.BackwardCFunction))
             self._formula_node = autograd_node
             self._current = autograd_node
@@ -406,6 +411,7 @@ class EagerLifetimes(TorchDispatchMode):
         # before its pre-hook and are no part of the formula.
         if self._in_formula and not self._formula_done:
             self.backward_node_ops[-1].extend(range(start, end + 1))
+        self.evaluation_ends[-1] = end
         return out
 
 

@@ -266,6 +266,19 @@ def liveness(traced: TracedStep) -> Liveness:
                         elif key not in block_ends.results:
                             end = block_ends.end_after(last_use[key])
                     last_use[key] = max(last_use[key], end)
+    # What a Node returned is held by the engine's `outputs` (evaluate_function, torch/csrc/autograd/engine.cpp)
+    # until its evaluation returns, past the additions that accumulate each into the next Node's input buffer:
+    # InputBuffer::add moves a gradient into an empty slot, but accumulates one into a filled slot by reference
+    # (`old_var.add_(var)` or `old_var + var`, torch/csrc/autograd/input_buffer.cpp, accumulate), which leaves it
+    # in `outputs`. A gradient added out of place in the trace (fake tensors always are) was freed at that
+    # addition, before the Node's later outputs were accumulated.
+    ends = traced.evaluation_ends or (None,) * len(traced.backward_node_ops)
+    for returned, evaluation_end in zip(results, ends, strict=True):
+        if returned is None or evaluation_end is None:
+            continue
+        for key in returned:
+            if key in last_use:
+                last_use[key] = max(last_use[key], evaluation_end)
     for key, nbytes, end in traced.released_early:
         requested[key] = nbytes
         born[key], last_use[key] = 0, end

@@ -67,6 +67,9 @@ class TracedStep:
     # For each of backward_node_ops, whether its Node is a Python autograd Function's (its formula is Python code,
     # whose temporaries go at their last use: no C++ expression holds them)
     python_formulas: tuple[bool, ...] = ()
+    # For each of backward_node_ops, the last graph node its Node's evaluation ran (the formula, then the additions
+    # into the next Nodes' input buffers); () where not observed
+    evaluation_ends: tuple[int, ...] = ()
 
 
 @dataclass
@@ -112,6 +115,7 @@ def traced_step_from(
         formula_casts=frozenset(observed.eager_lifetimes.formula_casts),
         formula_results=tuple(observed.eager_lifetimes.formula_results),
         python_formulas=tuple(observed.eager_lifetimes.python_formulas),
+        evaluation_ends=tuple(observed.eager_lifetimes.evaluation_ends),
         seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
