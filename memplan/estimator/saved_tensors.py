@@ -34,13 +34,19 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     still alive as the step ends (a graph the step keeps) lives to its end. Inside a non-reentrant
     checkpoint the checkpoint's own hooks pack instead (the innermost hooks do)."""
 
-    def __init__(self, node_count: Callable[[], int]) -> None:
+    def __init__(self, node_count: Callable[[], int], module: Callable[[], str | None] | None = None) -> None:
         self._node_count = node_count
+        self._module = module
+        # (node count, running module) at every pack, parameters included, in order: a non-reentrant
+        # checkpoint's recomputation stops at the pack that matches the forward's last one
+        # (memplan.planner.costs, early stop).
+        self.packs: list[tuple[int, str | None]] = []
         self._released: dict[StorageWeakRef, int] = {}
         self._finalizers: list[tuple[StorageWeakRef, weakref.finalize]] = []
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> _Saved | torch.Tensor:
+        self.packs.append((self._node_count(), self._module() if self._module is not None else None))
         if isinstance(tensor, nn.Parameter):
             # autograd keeps the parameter itself, not the storage it has now, and a parameter lives through the
             # step anyway: DeepSpeed's ZeRO-3 swaps a layer's gathered weights out of the parameter after its

@@ -226,7 +226,7 @@ def trace_step(
 
     eager_lifetimes = EagerLifetimes(recorder.node_count)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
-    graphs = SavedTensors(recorder.node_count)
+    graphs = SavedTensors(recorder.node_count, tracker.current)
     try:
         # Autocast's weight-cast cache stays on, as in the real run: EagerLifetimes records how
         # long it holds each copy (make_fx, which memplan traced with before, turned it off).
@@ -309,4 +309,6 @@ def trace_step(
         optimizer_state = [local_tensor(tensor) for tensor in optimizer_tensors(state)]
         gradients = [local_tensor(grad) for grad in grads]
         observed.host = rank.host_memory(gradients, optimizer_state, host_copies)
-    return traced_step_from(graph, state, boundaries, (categories, sizes), observed, recording, released_early)
+    traced = traced_step_from(graph, state, boundaries, (categories, sizes), observed, recording, released_early)
+    traced.saved_packs = tuple(graphs.packs)
+    return traced

@@ -70,6 +70,9 @@ class TracedStep:
     # For each of backward_node_ops, the last graph node its Node's evaluation ran (the formula, then the additions
     # into the next Nodes' input buffers); () where not observed
     evaluation_ends: tuple[int, ...] = ()
+    # (node count, running module) at each tensor autograd saved outside a checkpoint, in order
+    # (memplan.estimator.saved_tensors): where a checkpoint's recomputation would stop (memplan.planner.costs)
+    saved_packs: tuple[tuple[int, str | None], ...] = ()
 
 
 @dataclass

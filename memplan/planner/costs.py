@@ -8,7 +8,9 @@ their saved tensors. Level k covers block k's forward and block k's backward (pl
 level n). Checkpointing a segment a..b removes `freed_bytes(a, b)` — the storages born in it,
 saved for the backward, and read by no forward op after it (storage-exact, from the trace's
 liveness) — from every level above b, and from levels inside the segment's forward as it goes;
-its backward first recomputes the segment's forward on top of what is live then.
+its backward first recomputes the segment's forward on top of what is live then — up to torch's early
+stop (`_early_stops`): what it recomputes, and how far that raises live bytes, stop at the pack of the
+segment's last saved tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ class ChainCosts:
     freed: tuple[tuple[int, ...], ...]  # freed[a][b - a]: bytes a checkpoint over a..b frees
     forward_growth: tuple[tuple[int, ...], ...]  # growth[a][b - a]: how far live bytes rise in a..b's forward
     step_flops: int  # the whole traced step without checkpointing
+    # recomputed[a][b - a]: FLOPs a checkpoint over a..b recomputes, which stops early (see _early_stops);
+    # growth_recomputed[a][b - a]: how far live bytes rise in that recomputation. Empty where the trace
+    # recorded no saved tensors (a --step of the user's own): then every block's whole forward.
+    recomputed: tuple[tuple[int, ...], ...] = ()
+    growth_recomputed: tuple[tuple[int, ...], ...] = ()
+    # per candidate: live bytes just before the first backward op that reads one of its saved tensors, where
+    # a checkpoint ending with it recomputes (empty: backward_start_bytes, which also holds that op's outputs)
+    recompute_start_bytes: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.names)
@@ -43,13 +53,25 @@ class ChainCosts:
         return self.freed[first][last - first]
 
     def growth_bytes(self, first: int, last: int) -> int:
-        return self.forward_growth[first][last - first]
+        """How far live bytes rise while a checkpoint over first..last recomputes (its forward, to the early stop)."""
+        table = self.growth_recomputed or self.forward_growth
+        return table[first][last - first]
+
+    def recompute_base_bytes(self, last: int) -> int:
+        """Live bytes, without checkpointing, where a checkpoint ending with candidate `last` would recompute."""
+        return (self.recompute_start_bytes or self.backward_start_bytes)[last]
 
     def can_join(self, first: int, last: int) -> bool:
         return all(self.chainable[first:last])
 
+    def segment_flops(self, first: int, last: int) -> int:
+        """What one checkpoint over first..last recomputes."""
+        if self.recomputed:
+            return self.recomputed[first][last - first]
+        return sum(self.forward_flops[first : last + 1])
+
     def recompute_flops(self, segments: list[tuple[int, int]]) -> int:
-        return sum(sum(self.forward_flops[a : b + 1]) for a, b in segments)
+        return sum(self.segment_flops(a, b) for a, b in segments)
 
 
 def _in_module(module: str | None, name: str) -> bool:
@@ -133,6 +155,13 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
     # contributions[x][y]: bytes born in block x, saved for the backward, last read in forward by block y.
     contributions = [[0] * count for _ in range(count)]
     backward_start = [len(nodes)] * count
+    # First backward op reading each storage: a checkpoint recomputes when its backward first unpacks.
+    first_backward_read: dict[object, int] = {}
+    for i in range(forward_end, len(nodes)):
+        for source in nodes[i].all_input_nodes:
+            for key, _ in lifetimes.storages[index_of[source]]:
+                first_backward_read.setdefault(key, i)
+    recompute_at = [len(nodes)] * count
     for key, born in lifetimes.born.items():
         if lifetimes.last_use[key] < forward_end or lifetimes.last_use[key] >= len(nodes):
             continue  # not saved for the backward, or live to the end (outputs, state)
@@ -146,10 +175,24 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
         contributions[born_block][read_block] += lifetimes.size[key]
         if read_block == born_block:
             backward_start[born_block] = min(backward_start[born_block], lifetimes.last_use[key])
+            recompute_at[born_block] = min(recompute_at[born_block], first_backward_read.get(key, len(nodes)))
     for j in range(count - 2, -1, -1):  # blocks with nothing saved start their backward with their successor
         if backward_start[j] == len(nodes):
             backward_start[j] = backward_start[j + 1]
 
+    born_at = [0] * len(nodes)
+    for key, index in lifetimes.born.items():
+        if 0 <= index < len(nodes):
+            born_at[index] += lifetimes.size[key]
+    recompute_start = []
+    for j in range(count):
+        at = min(recompute_at[j], backward_start[j])
+        if at >= len(timeline):
+            at = backward_start[j]
+        at = min(at, len(timeline) - 1)
+        # Before node `at` runs: neither its outputs (born there) nor what only the previous node held.
+        before = timeline[at] - born_at[at]
+        recompute_start.append(min(before, timeline[at - 1]) if at > 0 else before)
     freed = [[0] * (count - a) for a in range(count)]
     for a in range(count - 1, -1, -1):
         row_total = 0
@@ -175,6 +218,11 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
         else:
             backward_peak[level] = max(backward_peak[level], live)
     flops = [sum(node_flops(nodes[i]) for i in range(starts[j], ends[j] + 1)) for j in range(count)]
+    # Live bytes just before each block's first op: neither that op's outputs nor what died after the op before it.
+    entry_bytes = [
+        min(timeline[s] - born_at[s], timeline[s - 1]) if s > 0 else timeline[s] - born_at[s] for s in starts
+    ]
+    recomputed, growth_recomputed = _early_stops(traced, nodes, order, starts, ends, timeline, entry_bytes)
     return ChainCosts(
         names=tuple(order),
         forward_flops=tuple(flops),
@@ -188,7 +236,69 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
         freed=tuple(tuple(row) for row in freed),
         forward_growth=tuple(growth),
         step_flops=sum(node_flops(node) for node in nodes),
+        recomputed=recomputed,
+        growth_recomputed=growth_recomputed,
+        recompute_start_bytes=tuple(recompute_start),
     )
+
+
+def _early_stops(
+    traced: TracedStep,
+    nodes: list,
+    order: list[str],
+    starts: list[int],
+    ends: list[int],
+    timeline: list[int],
+    entry_bytes: list[int],
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """What a checkpoint over a..b recomputes, and how far live bytes rise meanwhile.
+
+    A non-reentrant checkpoint (torch.utils.checkpoint, use_reentrant=False, which memplan traces and
+    apply_plan uses) counts the tensors its forward saved; its recomputation's pack hook
+    (`_recomputation_hook`) raises `_StopRecomputationError` once the count is reached, so the
+    recomputation stops at the pack that matches the forward's last one. Autograd packs an op's saved
+    inputs before its kernel runs and its saved outputs after: ops after the last pack, and the last
+    op itself when only its inputs are saved, are not recomputed. An MLP block `x + fc2(gelu(fc1(ln(x))))`
+    recomputes fc1 but not fc2 (fc2 saves only its input): half its matmul FLOPs. A segment's inner
+    blocks are recomputed whole. The trace without checkpointing records the node count and the
+    running module at every pack (memplan.estimator.saved_tensors); the recomputation of a..b runs the
+    segment's nodes before its last pack.
+    """
+    packs = getattr(traced, "saved_packs", ())
+    if not packs:
+        return (), ()
+    count = len(order)
+    forward_end = traced.forward_end
+    block_of: dict[str | None, int | None] = {}
+    last_pack: list[int | None] = [None] * count
+    for node_count, module in packs:
+        if node_count > forward_end:
+            continue
+        if module not in block_of:
+            block_of[module] = next((j for j in range(count) if _in_module(module, order[j])), None)
+        j = block_of[module]
+        if j is not None:
+            last_pack[j] = node_count if last_pack[j] is None else max(last_pack[j], node_count)
+    cumulative = [0]
+    for node in nodes[: max(ends) + 1]:
+        cumulative.append(cumulative[-1] + node_flops(node))
+    recomputed, growth = [], []
+    for a in range(count):
+        base = entry_bytes[a]
+        stop = starts[a]  # the recomputation runs nodes starts[a] .. stop - 1
+        flops_row, growth_row, highest = [], [], None
+        for b in range(a, count):
+            if last_pack[b] is not None and last_pack[b] > stop:
+                run_to = min(last_pack[b], ends[b] + 1)
+                span = timeline[stop:run_to]
+                if span:
+                    highest = max(span) if highest is None else max(highest, max(span))
+                stop = max(stop, run_to)
+            flops_row.append(cumulative[stop] - cumulative[starts[a]])
+            growth_row.append(0 if highest is None else max(0, highest - base))
+        recomputed.append(tuple(flops_row))
+        growth.append(tuple(growth_row))
+    return tuple(recomputed), tuple(growth)
 
 
 def model_peak_bytes(costs: ChainCosts, segments: list[tuple[int, int]]) -> int:
@@ -207,6 +317,6 @@ def model_peak_bytes(costs: ChainCosts, segments: list[tuple[int, int]]) -> int:
         peak = max(peak, costs.forward_level_peak[level] - before - within, costs.backward_level_peak[level] - before)
     for a, b in segments:
         before = sum(costs.freed_bytes(x, y) for x, y in segments if y < a)
-        recompute = costs.backward_start_bytes[b] - before - costs.freed_bytes(a, b) + costs.growth_bytes(a, b)
+        recompute = costs.recompute_base_bytes(b) - before - costs.freed_bytes(a, b) + costs.growth_bytes(a, b)
         peak = max(peak, recompute)
     return peak

@@ -115,10 +115,9 @@ class LayoutTracer:
 
     def recompute_flops(self, layout: CheckpointLayout) -> int:
         """What the layout's step recomputes, read off the traces: its FLOPs beyond the step without checkpointing.
-        The cost model's figure (ChainCosts.recompute_flops, every block's whole forward) ranks layouts for the
-        solver; this one is what `estimate --checkpoint` of the plan shows. They differ where a non-reentrant
-        checkpoint stops recomputing once it has what the backward needs (torch.utils.checkpoint's early stop:
-        a Llama block's last projection, whose output nothing saves, is not run again)."""
+        The cost model's figure (ChainCosts.recompute_flops) ranks layouts for the solver; it charges what a
+        non-reentrant checkpoint recomputes up to its early stop (memplan.planner.costs._early_stops), and this one
+        is what `estimate --checkpoint` of the plan shows."""
         self.simulation(layout)
         return self.step_flops[layout] - self.step_flops[CheckpointLayout()]
 

@@ -59,13 +59,12 @@ def solve(costs: ChainCosts, budget_bytes: int) -> Solution | None:
             if not level_fits(a, point.freed):
                 continue
             fronts[a + 1].append(_Point(point.flops, point.freed, point, None))  # block a not checkpointed
-            flops = point.flops
             for b in range(a, count):
                 if b > a and not (costs.can_join(b - 1, b) and level_fits(b, point.freed, costs.freed_bytes(a, b - 1))):
                     break  # a longer segment re-checks the same inner levels: it cannot fit either
-                flops += costs.forward_flops[b]
+                flops = point.flops + costs.segment_flops(a, b)
                 recompute_peak = (
-                    costs.backward_start_bytes[b] - point.freed - costs.freed_bytes(a, b) + costs.growth_bytes(a, b)
+                    costs.recompute_base_bytes(b) - point.freed - costs.freed_bytes(a, b) + costs.growth_bytes(a, b)
                 )
                 if recompute_peak <= budget_bytes:
                     fronts[b + 1].append(_Point(flops, point.freed + costs.freed_bytes(a, b), point, (a, b)))

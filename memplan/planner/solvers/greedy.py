@@ -30,7 +30,7 @@ def solve(costs: ChainCosts, budget_bytes: int) -> Solution | None:
                 continue
             trial = sorted([*segments, (j, j)])
             trial_peak = model_peak_bytes(costs, trial)
-            gain = (peak - trial_peak) / max(costs.forward_flops[j], 1)
+            gain = (peak - trial_peak) / max(costs.segment_flops(j, j), 1)
             if trial_peak <= peak and (best is None or gain > best[0]):
                 best = (gain, trial, trial_peak)
         if best is None:
