@@ -170,7 +170,9 @@ def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scra
             scratch = [("chunk_cat's padded copies", padding)] if padding else []
         elif node.target in COMPOSITE_KERNEL_SCRATCH:
             args, kwargs = fake_args(node)
-            held = COMPOSITE_KERNEL_SCRATCH[node.target](args, kwargs, device)
+            # a node with no fake value for its input (a sparse tensor's, an op's the trace could not run) is left out
+            known = bool(args) and isinstance(args[0], torch.Tensor) and args[0].layout == torch.strided
+            held = COMPOSITE_KERNEL_SCRATCH[node.target](args, kwargs, device) if known else 0
             scratch = [(f"{op_name(node)}'s own temporaries", held)] if held else []
         elif is_gemm_4bit(node.target):
             args, kwargs = fake_args(node)

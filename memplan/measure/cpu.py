@@ -168,7 +168,9 @@ def _allocates_inside(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the op's kernel holds temporaries of other ops (memplan.estimator.composite_kernels) in this call:
     only such calls are profiled (a profiler started per op is slow, and most sums cast nothing)."""
     rule = COMPOSITE_KERNEL_SCRATCH.get(func)
-    return rule is not None and rule(tuple(args), kwargs, "cpu") > 0
+    if rule is None or not args or not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
+        return False
+    return rule(tuple(args), kwargs, "cpu") > 0
 
 
 def _with_kernel_allocations(func: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:
