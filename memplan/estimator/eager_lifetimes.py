@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.checkpointing import recomputing
 from memplan.estimator.composites import CompositeOp, composites_tracked
+from memplan.estimator.engine_accumulation import EngineAccumulation, roots_hooked
 from memplan.estimator.held_tensors import (
     LIBRARIES_HOLDING_TENSORS,
     called_from_holding_library,
@@ -195,7 +196,11 @@ class EagerLifetimes(TorchDispatchMode):
         # the wrapper cost microseconds on each of a step's tens of thousands of dispatches.
         return False
 
-    def __init__(self, node_count: Callable[[], int]) -> None:
+    def __init__(
+        self, node_count: Callable[[], int], storage_holders: Callable[[torch.Tensor], int] | None = None
+    ) -> None:
+        """`storage_holders(tensor)`: references to the tensor's storage that the trace keeps and a plain run has not
+        (GraphRecorder.aliases_of)."""
         super().__init__()
         self.node_count = node_count
         self.backward_node_ops: list[list[int]] = []
@@ -226,6 +231,9 @@ class EagerLifetimes(TorchDispatchMode):
         # The ops of the C++ composite running now, where one is watched (memplan.estimator.composites).
         self.composite_ops: list[CompositeOp] | None = None
         self._plain_paths = PlainFormulaPaths()
+        # The engine's sums of a tensor's gradients, in place where a plain run's are; the recorder's aliases are
+        # references to a storage that a plain run has not (memplan.estimator.engine_accumulation).
+        self.accumulation = EngineAccumulation(storage_holders)
 
     def _formula_called(self, grad_outputs: object) -> None:
         self._formula_starting = True
@@ -365,6 +373,7 @@ class EagerLifetimes(TorchDispatchMode):
         self._observe_frames(start - 1)
         self._regenerated_views.before(func, args)
         autograd_node = torch._C._current_autograd_node()
+        func = self.accumulation.op_for(func, args, kwargs)  # the engine's sum, in place as a plain run's
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         out = func(*args, **(kwargs or {}))
         self._plain_paths.made(out)
@@ -446,6 +455,7 @@ def lifetimes_tracked(eager_lifetimes: EagerLifetimes) -> Iterator[None]:
         python_holders_tracked(eager_lifetimes),
         composites_tracked(eager_lifetimes),
         patch.object(torch.autograd, "backward", hooked_backward),
+        roots_hooked(eager_lifetimes.accumulation),
         contextlib.ExitStack() as applies,
     ):
         # `apply_boxed` (grads in a list the backward may empty) is torch 2.13's; torch 2.11 has `apply` alone.

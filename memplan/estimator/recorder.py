@@ -72,10 +72,24 @@ class GraphRecorder(TorchDispatchMode):
         # DeepSpeed does): a tensor is then read from the op that made its storage now, not the op
         # that made it first. None: not checked (it costs a lookup per input).
         self.producers: dict[int, OpNode] | None = None  # storage's C++ address -> the op that made it
+        # storage's C++ address -> the aliases of it the nodes keep (each a reference to the storage that a plain
+        # run has not: memplan.estimator.engine_accumulation reads the storage's reference count). The aliases
+        # keep each storage alive as long as the graph, so no address is another storage's meanwhile.
+        self._aliases: dict[int, int] = {}
         for index, tensor in enumerate(inputs):
             node = self.graph.add(OpNode("placeholder", f"input_{index}"))
-            node.meta["val"] = alias(tensor)
+            node.meta["val"] = self._kept(alias(tensor))
             self._node_of[tensor] = node
+
+    def _kept(self, value: Any) -> Any:
+        for tensor in (value,) if isinstance(value, torch.Tensor) else tensors_in(value):
+            key = tensor.untyped_storage()._cdata
+            self._aliases[key] = self._aliases.get(key, 0) + 1
+        return value
+
+    def aliases_of(self, tensor: torch.Tensor) -> int:
+        """References to `tensor`'s storage that the graph's nodes hold (their aliases of op outputs)."""
+        return self._aliases.get(tensor.untyped_storage()._cdata, 0)
 
     @property
     def tensor_nodes(self) -> Mapping[torch.Tensor, OpNode]:
@@ -96,7 +110,7 @@ class GraphRecorder(TorchDispatchMode):
         if node is None:
             node = self.graph.add(OpNode("get_attr", f"_constant_{self._constants}"))
             self._constants += 1
-            node.meta["val"] = alias(tensor)
+            node.meta["val"] = self._kept(alias(tensor))
             self._node_of[tensor] = node
         return node
 
@@ -109,7 +123,7 @@ class GraphRecorder(TorchDispatchMode):
         if isinstance(made, torch.Tensor) and (made.shape, made.stride()) == (tensor.shape, tensor.stride()):
             return producer
         node = self.graph.add(OpNode("call_function", _ALIAS, (producer,), None, [producer]))
-        node.meta["val"] = alias(tensor)
+        node.meta["val"] = self._kept(alias(tensor))
         self._node_of[tensor] = node
         return node
 
@@ -151,12 +165,12 @@ class GraphRecorder(TorchDispatchMode):
         if (stream := current_side_stream(self.stream_numbers)) is not None:
             node.meta["stream"] = stream
         if isinstance(out, torch.Tensor):
-            node.meta["val"] = alias(out) if val is None else val
+            node.meta["val"] = self._kept(alias(out)) if val is None else val
             self._node_of[out] = node  # in-place ops: later readers read the mutated value here
             if self.producers is not None:
                 self.producers[out.untyped_storage()._cdata] = node
         elif isinstance(out, tuple | list):
-            node.meta["val"] = _snapshot(out) if val is None else val
+            node.meta["val"] = self._kept(_snapshot(out)) if val is None else val
             for index, item in enumerate(out):
                 if isinstance(item, torch.Tensor):
                     element = self.graph.add(OpNode("call_function", operator.getitem, (node, index), None, [node]))

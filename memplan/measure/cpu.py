@@ -27,6 +27,7 @@ from memplan.distributed.modes import FSDP_MODES
 from memplan.distributed.offload import HostCopies, copies_made
 from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS
+from memplan.estimator.engine_accumulation import EngineAccumulation, roots_hooked
 from memplan.estimator.leaves import local_tensor, wraps_local_tensors
 from memplan.estimator.loop import (
     TrainingState,
@@ -73,6 +74,26 @@ class LiveStorageCounter(TorchDispatchMode):
         self.dynamic_peak_bytes = 0
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
         self._plain_paths = PlainFormulaPaths()
+        # The engine's sums of a tensor's gradients, in place where a plain run's are
+        # (memplan.estimator.engine_accumulation): each backward's Nodes are hooked from its roots as it starts.
+        self._accumulation = EngineAccumulation()
+        self._roots_hooked: contextlib.ExitStack | None = None
+        self._entered = 0
+
+    def __enter__(self) -> LiveStorageCounter:
+        if self._entered == 0:
+            self._roots_hooked = contextlib.ExitStack()
+            self._roots_hooked.enter_context(roots_hooked(self._accumulation))
+        self._entered += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            self._entered -= 1
+            if self._entered == 0 and self._roots_hooked is not None:
+                self._roots_hooked.close()
 
     def leave_out(self, tensor: torch.Tensor) -> None:
         """Host memory under offload: never counted."""
@@ -134,6 +155,7 @@ class LiveStorageCounter(TorchDispatchMode):
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
                 self.add_static(leaf)  # existed before the iteration, so live throughout it (host memory: never)
+        func = self._accumulation.op_for(func, args, kwargs)  # the engine's sum, in place as a plain run's
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         kernel = _python_kernel(func)
         if str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {}):
