@@ -217,12 +217,12 @@ def keeps_its_output_graph(model: torch.nn.Module, batch: dict, optimizer: torch
 
 
 def logs_with_float(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
-    """The canonical step, its loss logged with float() and a count with int(), as many scripts log."""
+    """The canonical step, its loss logged with float(), as many scripts log."""
     loss = model(**batch)["loss"]
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    _logged = (float(loss), int(batch["ids"].shape[0] + loss.detach().round().long()))
+    _logged = float(loss)
 
 
 def with_lbfgs(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
@@ -237,3 +237,12 @@ def with_lbfgs(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optim
         return loss
 
     model.lbfgs.step(closure)
+
+
+def trims_padding(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The batch cut to its longest row, a length read with int(): a size only values give."""
+    longest = int(batch["ids"].ne(0).sum(-1).max())
+    loss = model(ids=batch["ids"][:, :longest])["loss"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ STEPS = (
     # An enabled GradScaler reads its found-inf flags with `.item()`: under fake tensors the constant had set them,
     # and the step (and the optimizer's state) never ran: 60% low (a helper's bug hunt).
     "with_a_grad_scaler",
-    # float() and int() of a tensor read a value as .item() does: logging so had been refused as data-dependent.
+    # float() of a tensor reads a value as .item() does: logging so had been refused as data-dependent.
     "logs_with_float",
 )
 
@@ -328,4 +328,14 @@ def test_a_step_through_library_code_that_reads_a_value_is_refused_naming_that_c
     spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
     settings = spec.settings_for(TrainingSettings(batch_size=2, device="cpu", step="tests.custom_steps:with_lbfgs"))
     with pytest.raises(TraceError, match=r"torch/optim/lbfgs\.py:\d+ \(`.+`\) reads a tensor's value"):
+        trace_step(spec, settings)
+
+
+def test_a_size_read_with_int_is_refused_not_traced_as_a_constant():
+    """int() sizes tensors: a constant would trace a far smaller step (a reviewer's repro: -21% to -39%)."""
+    from memplan.errors import TraceError
+
+    spec = resolve_model("tests.zoo_models:tied_lm", inputs="tests.zoo_models:token_inputs")
+    settings = spec.settings_for(TrainingSettings(batch_size=2, device="cpu", step="tests.custom_steps:trims_padding"))
+    with pytest.raises(TraceError, match="DataDependentOutputException"):
         trace_step(spec, settings)

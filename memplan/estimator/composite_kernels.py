@@ -20,7 +20,7 @@ KernelScratchRule = Callable[[tuple[Any, ...], dict[str, Any], str], int]
 COMPOSITE_KERNEL_SCRATCH: dict[Any, KernelScratchRule] = {}
 composite_kernel_scratch = _registrar(COMPOSITE_KERNEL_SCRATCH)
 
-_REDUCTION_NONE = 0  # at::Reduction::None (aten/src/ATen/core/Reduction.h)
+_REDUCTION_NONE, _REDUCTION_MEAN = 0, 1  # at::Reduction::None and Mean (aten/src/ATen/core/Reduction.h)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -55,8 +55,10 @@ def bce_with_logits_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], devic
     if isinstance(pos_weight, torch.Tensor):
         log_weight = torch.broadcast_shapes(pos_weight.shape, target.shape).numel() * target.element_size()
         held.append(log_sigmoid + _nbytes(pos_weight) + log_weight)
-    # `loss` and, reduced, the output made from it: the output is the op's, counted beside this
-    held.append(log_sigmoid + loss + (0 if reduction == _REDUCTION_NONE else output))
+    # `loss` and, reduced, the output made from it: the output is the op's, counted beside this; a mean holds what a
+    # mean of `loss` holds inside itself (a float16/bfloat16 one sums a float32 copy on the CPU: mean_input_cast)
+    inner_mean = mean_input_cast((target,), {}, device) if reduction == _REDUCTION_MEAN else 0
+    held.append(log_sigmoid + loss + (0 if reduction == _REDUCTION_NONE else output) + inner_mean)
     return max(0, max(held) - output)
 
 

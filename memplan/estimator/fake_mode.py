@@ -104,13 +104,10 @@ def constant_item() -> Iterator[None]:
             return False
         return 2.0 if self.dtype.is_floating_point else 2
 
-    # `float(loss)` and `int(count)` read a value as `.item()` does (logging: `running += float(loss)` had been
-    # refused as data-dependent); `bool()` stays refused: it decides a branch, which a constant would take blindly.
-    readers = {
-        "item": item,
-        "__float__": lambda self: float(item(self)),
-        "__int__": lambda self: int(item(self)),
-    }
+    # `float(loss)` reads a value as `.item()` does (logging: `running += float(loss)` had been refused as
+    # data-dependent). `int()` and `bool()` stay refused: an int sizes tensors (`ids[:, :int(lengths.max())]`: a
+    # constant 2 had traced a far smaller step), a bool decides a branch, which a constant would take blindly.
+    readers = {"item": item, "__float__": lambda self: float(item(self))}
     previous = {name: FakeTensor.__dict__.get(name) for name in readers}
     for name, reader in readers.items():
         setattr(FakeTensor, name, reader)

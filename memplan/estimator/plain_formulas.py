@@ -39,8 +39,7 @@ from memplan.estimator.leaves import tensors_in
 aten = torch.ops.aten
 
 # The formula's one out-of-place op, on a buffer it has just made (new_zeros / zeros / zeros_like), and the
-# in-place op the plain path calls instead. The buffer is made only to be filled, so the rule needs no check of
-# what the op's first argument is.
+# in-place op the plain path calls instead (only on a buffer the formula made).
 _ON_FRESH_BUFFER: dict[str, dict[Any, Any]] = {
     # gather_backward: `result.scatter_add_(dim, index, grad)` on `grad.new_zeros_symint(self.sym_sizes())`
     # (take_along_dim runs gather).
@@ -115,7 +114,11 @@ PlainPathRule = Callable[[Any, tuple[Any, ...], Any, set[int]], Any]
 
 def _fresh_buffer_rule(ops: dict[Any, Any]) -> PlainPathRule:
     def rule(func: Any, args: tuple[Any, ...], node: Any, made: set[int]) -> Any:
-        return ops.get(func, func)
+        in_place = ops.get(func)
+        # on the buffer the formula made, not a tensor a hook on the Node passes it (which stays the user's)
+        if in_place is None or not args or not isinstance(args[0], torch.Tensor) or _storage_id(args[0]) not in made:
+            return func
+        return in_place
 
     return rule
 

@@ -148,13 +148,17 @@ def step_failure(error: Exception, settings: TrainingSettings) -> TraceError:
     )
 
 
-# Where torch's own tensor machinery runs (fake tensors, dispatch, tracing helpers): never the code that asked.
-_TENSOR_MACHINERY = (
-    f"{os.sep}torch{os.sep}_",
-    f"{os.sep}torch{os.sep}utils{os.sep}_",
-    f"{os.sep}torch{os.sep}autograd{os.sep}",  # the engine runs C++ formulas: the op is the formula's
-    f"{os.sep}memplan{os.sep}",
-)
+# Where torch's own tensor machinery runs (fake tensors, dispatch, the engine, the Python wrappers of public ops such
+# as torch/functional.py's unique): never the code that asked. torch.optim's optimizers are library code of their own.
+_TORCH = f"{os.sep}torch{os.sep}"
+_TORCH_LIBRARIES = (f"{os.sep}torch{os.sep}optim{os.sep}",)
+_MEMPLAN = f"{os.sep}memplan{os.sep}"
+
+
+def _machinery(filename: str) -> bool:
+    if _MEMPLAN in filename:
+        return True
+    return _TORCH in filename and not any(library in filename for library in _TORCH_LIBRARIES)
 
 
 def _library_line_reading_a_value(error: Exception) -> str | None:
@@ -163,7 +167,7 @@ def _library_line_reading_a_value(error: Exception) -> str | None:
     if not isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
         return None
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.endswith(".pyc")]
-    caller = next((f for f in reversed(frames) if not any(part in f.filename for part in _TENSOR_MACHINERY)), None)
+    caller = next((f for f in reversed(frames) if not _machinery(f.filename)), None)
     if caller is None or not _is_installed(caller.filename):
         return None
     parts = caller.filename.split(os.sep)

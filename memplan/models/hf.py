@@ -157,6 +157,18 @@ def _check_fields(data: dict[str, Any], config_class: type, where: str) -> None:
             )
 
 
+def _asserted_by_a_module(error: AssertionError) -> bool:
+    """Whether the assertion is a module constructor's check of its arguments (torch.nn's modules, transformers')."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    innermost = frames[-1].filename if frames else ""
+    return any(
+        part in innermost
+        for part in (f"{os.sep}torch{os.sep}nn{os.sep}modules{os.sep}", f"{os.sep}transformers{os.sep}")
+    )
+
+
 def _builds_as_seq2seq(config: Any) -> bool:
     from transformers.models.auto import modeling_auto
 
@@ -260,6 +272,8 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
             return auto_class.from_config(config)
         return auto_class.from_config(config, attn_implementation=attn_impl)
     except (ValueError, KeyError, AssertionError) as error:
+        if isinstance(error, AssertionError) and not _asserted_by_a_module(error):
+            raise  # an assertion of torch's fake tensors or memplan's own: not the config's
         # A config's values the architecture does not know ("activation_function": "nope" is a KeyError of its
         # ACT2FN table; "rope_scaling" of an unknown type) or its modules' constructors assert against (a
         # pad_token_id past vocab_size: nn.Embedding's "Padding_idx must be within num_embeddings") are the
