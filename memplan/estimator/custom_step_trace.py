@@ -47,8 +47,10 @@ def trace_custom_step(
     recorder: GraphRecorder,
     previous_grads: list[tuple[StorageWeakRef, int]],
     started: float,
+    keeps_tensors: bool = True,
 ) -> TracedStep:
-    """trace_step for `--step`: the user's whole iteration, recorded as it runs.
+    """trace_step for `--step`: the user's whole iteration, recorded as it runs. `keeps_tensors`: whether the step's
+    last call left tensors of its own alive (keeps_tensors_across_calls; where not, none is looked for again).
 
     Gradients the iteration starts with (what the step left last time) that it frees count until
     the op where they went; the gradients its optimizer step finds are gradients; those it leaves
@@ -58,7 +60,9 @@ def trace_custom_step(
     finalizers = _note_when_freed(current_grads(state), freed_at, recorder.node_count)  # holding none of them
     # What the step kept from its last call (an output with its graph on the model, a list in a global): alive as
     # the call starts, until the step lets it go.
-    kept, kept_freed_at = _kept_from_the_last_call(state, fake_mode, recorder.node_count, finalizers)
+    kept, kept_freed_at = (
+        _kept_from_the_last_call(state, fake_mode, recorder.node_count, finalizers) if keeps_tensors else ([], {})
+    )
     seen: list[tuple[StorageWeakRef, int]] = []
 
     def marker(phase: str) -> None:

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.checkpointing import recomputing
 from memplan.estimator.composites import CompositeOp, composites_tracked
-from memplan.estimator.engine_accumulation import EngineAccumulation, roots_hooked
+from memplan.estimator.engine_accumulation import EngineAccumulation, graph_nodes, roots_hooked
 from memplan.estimator.held_tensors import (
     LIBRARIES_HOLDING_TENSORS,
     called_from_holding_library,
@@ -279,23 +279,12 @@ class EagerLifetimes(TorchDispatchMode):
 
     def _hook_graph(self, roots: list[Any], running: Any) -> None:
         """Hooks on every Node reachable from `roots` but `running`, whose formula runs already."""
-        # Keyed by id(), so every visited Node's Python wrapper is kept alive in `seen` until the
-        # walk ends: a C++ Node's wrapper is made anew for each `next_functions` read and freed with
-        # it, and on torch 2.10-2.12 a freed wrapper's id was soon another Node's, whose hook was
-        # then skipped (checkpointed predictions 2-3.5% high).
-        seen: dict[int, Any] = {}
-        stack = list(roots)
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen[id(node)] = node
+        for node, _ in graph_nodes(roots):
             if node is not running:
                 node.register_prehook(self._formula_called)
                 node.register_hook(self._formula_returned)
             if type(node).__name__ == "AccumulateGrad" and not isinstance(node.variable, torch.nn.Parameter):
                 self._graph_leaves.append(weakref.ref(node.variable))
-            stack.extend(next_node for next_node, _ in node.next_functions)
 
     def _observe_frames(self, now: int) -> None:
         # Walk down only to the first model frame already known: what lies below it cannot have

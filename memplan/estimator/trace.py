@@ -202,7 +202,8 @@ def trace_step(
     if gradients_outlive_the_step(settings) and state.data_parallel is not None:
         with _untraced(state, spec, settings):  # (the slope's fallback to a larger batch relies on its errors)
             _gradients_as_ddp_makes_them(state, settings, fake_mode)
-    if settings.step is not None and keeps_tensors_across_calls(state, fake_mode):
+    keeps_tensors = settings.step is not None and keeps_tensors_across_calls(state, fake_mode)
+    if keeps_tensors:
         # What the step keeps from one call to the next was made by the setup's call, at its batch size (another
         # trace's: the slope's, a search's): one more call with this batch leaves what a steady state at it finds.
         with _untraced(state, spec, settings):
@@ -219,7 +220,7 @@ def trace_step(
     if hasattr(state.data_parallel, "before_traced_iteration"):
         state.data_parallel.before_traced_iteration(recorder.node_count)
     if settings.step is not None:
-        return trace_custom_step(spec, settings, state, fake_mode, recorder, previous_grads, started)
+        return trace_custom_step(spec, settings, state, fake_mode, recorder, previous_grads, started, keeps_tensors)
 
     def marker(phase: str) -> None:
         boundaries[phase] = recorder.node_count()
