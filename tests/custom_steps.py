@@ -244,5 +244,14 @@ def trims_padding(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Op
     longest = int(batch["ids"].ne(0).sum(-1).max())
     loss = model(ids=batch["ids"][:, :longest])["loss"]
     loss.backward()
+
+
+def gradient_penalty(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """A gradient penalty (WGAN-GP, R1): the gradient of the output with respect to the input, made with
+    create_graph=True, enters the loss, so the backward also runs the backward of the first backward."""
+    x = batch["x"].clone().requires_grad_(True)
+    out = model(x=x)
+    (grad_x,) = torch.autograd.grad(out["score"].sum(), x, create_graph=True)
+    (out["loss"] + grad_x.pow(2).sum(1).mean()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

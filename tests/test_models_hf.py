@@ -99,3 +99,45 @@ def test_a_seq2seq_config_without_a_decoder_start_id_is_refused_saying_which(tmp
         resolve_model(str(tmp_path))
     with pytest.raises(UsageError, match="no decoder_start_token_id"):
         resolve_model("t5")
+
+
+def test_a_deberta_classifier_is_predicted_as_its_plain_run_measures(tmp_path):
+    """DeBERTa(-v2)'s classifiers, with a config leaving `problem_type` unset, pick their labels with
+    `(labels >= 0).nonzero()` (modeling_deberta_v2.py), a data-dependent shape: memplan refused every DeBERTa
+    classifier (a helper's bug hunt). memplan's labels are class indices, which the other heads read as single-label
+    classification; with all of them >= 0 DeBERTa's path runs the same loss. Truth: the library's own model, config
+    as written (problem_type unset, its nonzero path), trained plainly and measured by the CPU allocator's events."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+    from tests.hand_measure import profiled_third_iteration_peak
+
+    config = {"model_type": "deberta-v2", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 64, "vocab_size": 64}))
+    batch, seq_len = 2, 8
+
+    def build():
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tmp_path))
+        optimizer = torch.optim.AdamW(model.parameters())
+        inputs = {"input_ids": torch.randint(0, 64, (batch, seq_len)), "labels": torch.randint(0, 2, (batch,))}
+
+        def iteration():
+            model(**inputs).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return iteration
+
+    measured = profiled_third_iteration_peak(build)
+    spec = resolve_model(str(tmp_path), task="sequence-classification")
+    settings = spec.settings_for(TrainingSettings(batch_size=batch, seq_len=seq_len, device="cpu"))
+    predicted = simulate(trace_step(spec, settings)).peak_bytes
+    # DeBERTa's masked-LM is 8 B high too, with no classifier: a bias of the encoder's, not of this head.
+    assert abs(predicted - measured) <= 16

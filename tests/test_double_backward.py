@@ -1,0 +1,99 @@
+"""`--step` with a double backward (a gradient penalty: torch.autograd.grad(..., create_graph=True), then a
+backward through it), predicted against the same function run for real on the CPU and measured by torch's CPU
+allocator events (the profiler's; memplan's code on neither side)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tests.custom_steps as custom_steps
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
+from tests.hand_measure import profiled_third_iteration_peak
+
+BATCH = 128
+ACTIVATIONS = {
+    "silu": nn.SiLU,
+    "elu": nn.ELU,
+    "tanh": nn.Tanh,
+    "gelu": nn.GELU,
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "layer_norm": lambda: nn.Sequential(nn.LayerNorm(256), nn.Tanh()),
+}
+
+
+class Critic(nn.Module):
+    """A critic whose score's gradient in its input is penalized (custom_steps.gradient_penalty)."""
+
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(256, 256), ACTIVATIONS[activation](), nn.Linear(256, 1))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        score = self.body(x)
+        return {"loss": score.mean(), "score": score}
+
+
+def silu() -> nn.Module:
+    return Critic("silu")
+
+
+def elu() -> nn.Module:
+    return Critic("elu")
+
+
+def tanh() -> nn.Module:
+    return Critic("tanh")
+
+
+def gelu() -> nn.Module:
+    return Critic("gelu")
+
+
+def gelu_tanh() -> nn.Module:
+    return Critic("gelu_tanh")
+
+
+def layer_norm() -> nn.Module:
+    return Critic("layer_norm")
+
+
+def features(batch_size: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(batch_size, 256)}
+
+
+def _predicted(model: str) -> int:
+    spec = resolve_model(f"tests.test_double_backward:{model}", inputs="tests.test_double_backward:features")
+    settings = TrainingSettings(batch_size=BATCH, device="cpu", step="tests.custom_steps:gradient_penalty")
+    return simulate(trace_step(spec, spec.settings_for(settings))).peak_bytes
+
+
+def _measured(model: str) -> int:
+    def build():
+        torch.manual_seed(0)
+        built, batch = globals()[model](), features(BATCH)
+        optimizer = torch.optim.AdamW(built.parameters())
+        return lambda: custom_steps.gradient_penalty(built, dict(batch), optimizer)
+
+    return profiled_third_iteration_peak(build)
+
+
+@pytest.mark.parametrize("model", ["silu", "elu", "tanh"])
+def test_a_gradient_penalty_is_predicted_as_measured(model):
+    assert abs(_predicted(model) - _measured(model)) <= 16
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="gelu_double_backward and layer_norm_double_backward (torch/csrc/autograd/FunctionsManual.cpp) are "
+    "functions of several statements whose temporaries die at each statement's end; liveness.formula_blocks "
+    "holds every temporary of the block to the block's result, as for one C++ expression (over by 4 to 16 "
+    "activation-sized tensors)",
+)
+@pytest.mark.parametrize("model", ["gelu", "gelu_tanh", "layer_norm"])
+def test_a_gradient_penalty_through_a_manual_double_backward_is_predicted_as_measured(model):
+    assert abs(_predicted(model) - _measured(model)) <= 16
