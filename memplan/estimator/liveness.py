@@ -250,17 +250,22 @@ def liveness(traced: TracedStep) -> Liveness:
             if returned is not None and not in_python
             else None
         )
+        # The formula's own temporaries are what its own ops made. Not every storage born after its first op: a
+        # checkpointed forward recomputed while the formula unpacks a saved tensor runs between its ops (the
+        # checkpoint's inputs unpacked first, a formula op), and the saved tensors it recomputed are held by the
+        # formula (unpacked into its locals) until it returns, as any saved tensor is.
+        own = frozenset(formula)
         for index in formula:
             for source in nodes[index].all_input_nodes:
                 if index_of[source] in traced.formula_casts:
                     continue
                 for key, _ in storages[index_of[source]]:
                     end = last  # the incoming gradients, saved tensors and what the Node returns
-                    if in_python and born[key] >= formula[0]:
+                    if in_python and born[key] in own:
                         # A Python Function's backward (PyNode::apply): Python frees its temporaries at their last
                         # use, and its frames' variables are observed as the model's are (EagerLifetimes).
                         continue
-                    if block_ends is not None and born[key] >= formula[0]:  # the formula's own temporaries
+                    if block_ends is not None and born[key] in own:  # the formula's own temporaries
                         if key in block_ends.validated_from:
                             end = last_use[key]
                         elif key not in block_ends.results:
