@@ -103,11 +103,11 @@ def training_iteration(
 
 
 def checkpoint_each(blocks: torch.nn.ModuleList) -> None:
-    """Non-reentrant checkpoints around each block's forward, without the CPU RNG snapshot (5,056 B
-    per call, host memory on a GPU run), which memplan's CPU measurements leave out
-    (memplan/measure/allocator_events.py)."""
+    """Non-reentrant checkpoints around each block's forward, as memplan's --checkpoint all runs them: the RNG
+    state preserved (torch's default), whose copy of the CPU generator's state (5,056 B a checkpoint) memplan
+    counts on the cpu target (memplan/estimator/rng_snapshots.py)."""
     from torch.utils.checkpoint import checkpoint
 
     for block in blocks:
         forward = block.forward
-        block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False, preserve_rng_state=False)
+        block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)

@@ -435,7 +435,7 @@ def test_a_checkpointed_qlora_step_holds_the_recomputed_gated_product_factors_as
         for layer in model.base_model.model.model.layers:
             forward = layer.forward
             layer.forward = lambda *args, forward=forward, **kwargs: checkpoint(
-                forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs
+                forward, *args, use_reentrant=False, **kwargs
             )
         optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad])
         batch = qlora_models.tokens(2)

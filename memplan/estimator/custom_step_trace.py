@@ -31,6 +31,7 @@ from memplan.estimator.module_attributes import attribute_tensors
 from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.optimizers import optimizer_state_tensors
 from memplan.estimator.recorder import GraphRecorder
+from memplan.estimator.rng_snapshots import rng_snapshots_recorded
 from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.estimator.trace_errors import trace_failure
@@ -101,6 +102,7 @@ def trace_custom_step(
             on_target as unknown_ops,
             recorder,
             resizes_recorded as resizes,
+            rng_snapshots_recorded(recorder.node_count, settings.device) as rng_snapshots,
         ):
             # How long the step's optimizers keep their temporaries in locals, as in memplan's own step (trace.py).
             optimizer_locals = OptimizerLocals(recorder.node_count)
@@ -148,7 +150,7 @@ def trace_custom_step(
     for key, nbytes in kept:
         end = max(kept_freed_at[key] - 1, 0) if key in kept_freed_at else last_node
         released_early.append((key, nbytes, end))
-    observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes)
+    observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes, rng_snapshots=rng_snapshots)
     return traced_step_from(graph, state, boundaries, (categories, sizes), observed, None, released_early)
 
 

@@ -48,6 +48,7 @@ from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.optimizers import local_optimizer
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
+from memplan.estimator.rng_snapshots import rng_snapshots_recorded
 from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
 from memplan.estimator.trace_errors import step_failure, trace_failure
@@ -242,6 +243,7 @@ def trace_step(
             on_target as unknown_ops,
             recorder,
             resizes_recorded as resizes,
+            rng_snapshots_recorded(recorder.node_count, settings.device) as rng_snapshots,
             swaps as swaps_seen,
             copies_made(state.data_parallel) as host_copies,
         ):
@@ -304,7 +306,7 @@ def trace_step(
     for key in swaps_seen.entered.values() if swaps_seen is not None else ():
         if categories.get(key, "parameters") == "parameters":  # ZeRO-3's gathered parameters, whole
             categories[key] = "unsharded_parameters"
-    observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes, swapped)
+    observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes, swapped, rng_snapshots=rng_snapshots)
     if getattr(state.data_parallel, "offload", False):
         rank = state.data_parallel
         optimizer_state = [local_tensor(tensor) for tensor in optimizer_tensors(state)]

@@ -6,7 +6,7 @@ memplan.estimator.trace records it; memplan.estimator.custom_step_trace records 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -86,6 +86,8 @@ class Observed:
     resizes: list[StorageResize]  # FSDP2's
     swapped: SwappedStorages | None = None  # where a library swaps storages under parameters
     host: HostMemory | None = None  # --offload: the rank's host memory
+    # the CPU generator's state copied by checkpoints on the cpu target (memplan.estimator.rng_snapshots)
+    rng_snapshots: list[StorageResize] = field(default_factory=list)
 
 
 def traced_step_from(
@@ -123,7 +125,7 @@ def traced_step_from(
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
         released_early=tuple(released_early),
-        storage_resizes=tuple(observed.resizes),
+        storage_resizes=(*observed.resizes, *observed.rng_snapshots),
         swapped_storages=observed.swapped,
         host_memory=observed.host,
     )

@@ -41,6 +41,7 @@ from memplan.estimator.loop import (
     prepare,
 )
 from memplan.estimator.plain_formulas import PlainFormulaPaths
+from memplan.estimator.rng_snapshots import rng_snapshots_counted
 from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
@@ -276,7 +277,7 @@ def measure_cpu(
         # the optimizer's tensors).
         _count_the_start(counter, state, {id(tensor) for tensor in before} if swaps or own_step else None)
         resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
-        with collector_held(), counter, resizes:
+        with collector_held(), counter, resizes, rng_snapshots_counted(counter.add_live):
             iteration(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)
 
@@ -309,7 +310,12 @@ def _measure_offloaded(state: TrainingState, warmup_iterations: int) -> CpuMeasu
             counter.leave_out(tensor)
         for tensor in model_tensors(state) + input_tensors(state):
             counter.add_static(tensor)
-        with collector_held(), counter, storage_resizes_observed(counter.resized):
+        with (
+            collector_held(),
+            counter,
+            storage_resizes_observed(counter.resized),
+            rng_snapshots_counted(counter.add_live),
+        ):
             for _ in range(state.settings.grad_accum):
                 micro_batch(state)
                 state.micro_batches_done += 1
