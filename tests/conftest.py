@@ -14,8 +14,17 @@ os.environ["MEMPLAN_PROGRESS_AFTER_SECONDS"] = "600"
 # Under pytest -n each worker already has a core: a second trace forked beside each estimate's first
 # (memplan.forked) only oversubscribes them (the suite took 4 min 38 s with it, 3 min 56 s without, on the
 # 2-core CI machine). tests/test_forked.py gives memplan its cores back where it checks the forked paths.
+# For the same reason each worker runs torch's CPU kernels on one thread (and so do the processes it starts: the
+# validator's workers, `python -m memplan`): with two workers on two cores, each worker's second OpenMP thread
+# spin-waits on a core the other worker needs. Measured on this 2-core machine, tests/test_distributed_ddp.py and
+# tests/test_accuracy_zoo.py under `pytest -n 2`: 149 and 172 s of wall time with torch's default two threads per
+# worker, 88 and 108 s with one (2026-12-06, with other jobs beside them).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["MEMPLAN_JOBS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 # Collecting imports torch, transformers, DeepSpeed and the tests' modules: about a million objects and
 # hardly any garbage, which each full collection would walk again (memplan.cli.collector says the same of
