@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import operator
+import types
 
 import pytest
 import torch
@@ -32,6 +33,10 @@ from memplan.planner.costs import chain_costs, model_peak_bytes
 from memplan.planner.plan import layout_of
 from memplan.settings import TrainingSettings
 from tests.zoo import TINY_HF_CONFIGS
+
+# The hand-worked chains' traces are of a cuda step: no checkpoint holds a copy of the CPU generator's state there
+# (ChainCosts.checkpoint_state_bytes), so every byte below is a tensor's.
+ON_CUDA = types.SimpleNamespace(device="cuda")
 
 PEAK_TOLERANCE = 0.025
 SAVING_TOLERANCE = 0.05
@@ -213,7 +218,7 @@ def _hand_worked_chain():
         requested=sizes,
     )
     modules = [None, "b.0", "b.0", "b.1", "b.1", "b.2", "b.2", "head"] + [None] * 6
-    traced = SimpleNamespace(node_modules=modules, forward_end=8)
+    traced = SimpleNamespace(settings=ON_CUDA, node_modules=modules, forward_end=8)
     timeline = (1, 11, 31, 131, 331, 1331, 3331, 3336, 3336, 1331, 331, 131, 31, 11)
     return chain_costs(traced, lifetimes, SimpleNamespace(timeline_bytes=timeline), ["b.0", "b.1", "b.2"])
 
@@ -298,7 +303,7 @@ def _chain_with_unsaved_block():
         requested=sizes,
     )
     modules = [None, "b.0", "b.0", "b.1", "b.1", "b.2", "b.2", "b.2", "head"] + [None] * 6
-    traced = SimpleNamespace(node_modules=modules, forward_end=9)
+    traced = SimpleNamespace(settings=ON_CUDA, node_modules=modules, forward_end=9)
     timeline = (1, 8, 28, 4128, 4328, 5228, 5528, 7328, 7333, 7333, 5028, 4028, 4028, 4028, 4008)
     return traced, lifetimes, SimpleNamespace(timeline_bytes=timeline)
 
@@ -390,7 +395,9 @@ def test_a_last_block_that_saves_nothing_keeps_its_backward_at_the_end():
         unsupported_ops=(),
         requested=sizes,
     )
-    traced = SimpleNamespace(node_modules=[None, "b.0", "b.0", "b.1", "head", None, None, None], forward_end=5)
+    traced = SimpleNamespace(
+        settings=ON_CUDA, node_modules=[None, "b.0", "b.0", "b.1", "head", None, None, None], forward_end=5
+    )
     timeline = SimpleNamespace(timeline_bytes=(1, 11, 31, 231, 216, 216, 11, 11))
     costs = chain_costs(traced, lifetimes, timeline, ["b.0", "b.1"])
     assert costs.freed == ((10, 10), (0,))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from memplan.errors import SettingsError
 from memplan.estimator.flops import node_flops
 from memplan.estimator.liveness import Liveness
+from memplan.estimator.rng_snapshots import checkpoint_state_bytes
 from memplan.estimator.simulate import Simulation
 from memplan.estimator.traced_step import TracedStep
 
@@ -45,17 +46,25 @@ class ChainCosts:
     # per candidate: live bytes just before the first backward op that reads one of its saved tensors, where
     # a checkpoint ending with it recomputes (empty: backward_start_bytes, which also holds that op's outputs)
     recompute_start_bytes: tuple[int, ...] = ()
+    # What each checkpoint holds besides its saved tensors from its forward's start until its backward ends, and
+    # takes once more while it recomputes: on the cpu target, torch.utils.checkpoint's copy of the CPU generator's
+    # state (preserve_rng_state, torch's default) and torch.random.fork_rng's (memplan.estimator.rng_snapshots);
+    # 0 on cuda, where that copy is host memory.
+    checkpoint_state_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self.names)
 
     def freed_bytes(self, first: int, last: int) -> int:
-        return self.freed[first][last - first]
+        """What a closed checkpoint over first..last takes off every later level: its saved tensors, less the
+        state it holds."""
+        return self.freed[first][last - first] - self.checkpoint_state_bytes
 
     def growth_bytes(self, first: int, last: int) -> int:
-        """How far live bytes rise while a checkpoint over first..last recomputes (its forward, to the early stop)."""
+        """How far live bytes rise while a checkpoint over first..last recomputes (its forward, to the early stop;
+        fork_rng's copy of the state with it)."""
         table = self.growth_recomputed or self.forward_growth
-        return table[first][last - first]
+        return table[first][last - first] + self.checkpoint_state_bytes
 
     def recompute_base_bytes(self, last: int) -> int:
         """Live bytes, without checkpointing, where a checkpoint ending with candidate `last` would recompute."""
@@ -239,6 +248,7 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
         recomputed=recomputed,
         growth_recomputed=growth_recomputed,
         recompute_start_bytes=tuple(recompute_start),
+        checkpoint_state_bytes=checkpoint_state_bytes(traced.settings.device),
     )
 
 
@@ -311,10 +321,17 @@ def model_peak_bytes(costs: ChainCosts, segments: list[tuple[int, int]]) -> int:
     peak = 0
     for level in range(count + 1):
         before = sum(costs.freed_bytes(a, b) for a, b in segments if b < level)
-        within = 0
-        if level < count and level in segment_of and segment_of[level][0] < level:
-            within = costs.freed_bytes(segment_of[level][0], level - 1)
-        peak = max(peak, costs.forward_level_peak[level] - before - within, costs.backward_level_peak[level] - before)
+        within = holding = 0
+        if level < count and level in segment_of:
+            first = segment_of[level][0]
+            # inside a checkpoint's forward: what its earlier blocks freed, less its state, taken as it starts
+            within = costs.freed_bytes(first, level - 1) if first < level else -costs.checkpoint_state_bytes
+            holding = costs.checkpoint_state_bytes  # and held through its blocks' backward
+        peak = max(
+            peak,
+            costs.forward_level_peak[level] - before - within,
+            costs.backward_level_peak[level] - before + holding,
+        )
     for a, b in segments:
         before = sum(costs.freed_bytes(x, y) for x, y in segments if y < a)
         recompute = costs.recompute_base_bytes(b) - before - costs.freed_bytes(a, b) + costs.growth_bytes(a, b)

@@ -45,10 +45,12 @@ def _segments(point: _Point) -> list[tuple[int, int]]:
 def solve(costs: ChainCosts, budget_bytes: int) -> Solution | None:
     count = len(costs)
 
-    def level_fits(level: int, freed: int, within: int = 0) -> bool:
+    state = costs.checkpoint_state_bytes  # what a checkpoint holds from its forward's start to its backward's end
+
+    def level_fits(level: int, freed: int, within: int = 0, holding: int = 0) -> bool:
         return (
             costs.forward_level_peak[level] - freed - within <= budget_bytes
-            and costs.backward_level_peak[level] - freed <= budget_bytes
+            and costs.backward_level_peak[level] - freed + holding <= budget_bytes
         )
 
     fronts: list[list[_Point]] = [[] for _ in range(count + 1)]
@@ -59,8 +61,11 @@ def solve(costs: ChainCosts, budget_bytes: int) -> Solution | None:
             if not level_fits(a, point.freed):
                 continue
             fronts[a + 1].append(_Point(point.flops, point.freed, point, None))  # block a not checkpointed
+            if state and not level_fits(a, point.freed, -state, state):
+                continue  # a checkpoint starting at a: its state beside level a
             for b in range(a, count):
-                if b > a and not (costs.can_join(b - 1, b) and level_fits(b, point.freed, costs.freed_bytes(a, b - 1))):
+                inner_fits = b > a and level_fits(b, point.freed, costs.freed_bytes(a, b - 1), state)
+                if b > a and not (costs.can_join(b - 1, b) and inner_fits):
                     break  # a longer segment re-checks the same inner levels: it cannot fit either
                 flops = point.flops + costs.segment_flops(a, b)
                 recompute_peak = (
