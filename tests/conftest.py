@@ -18,7 +18,9 @@ os.environ["MEMPLAN_PROGRESS_AFTER_SECONDS"] = "600"
 # validator's workers, `python -m memplan`): with two workers on two cores, each worker's second OpenMP thread
 # spin-waits on a core the other worker needs. Measured on this 2-core machine, tests/test_distributed_ddp.py and
 # tests/test_accuracy_zoo.py under `pytest -n 2`: 149 and 172 s of wall time with torch's default two threads per
-# worker, 88 and 108 s with one (2026-12-06, with other jobs beside them).
+# worker, 88 and 108 s with one (2026-12-06, with other jobs beside them). The paths CPU kernels take on several
+# threads (reductions' per-thread partials) still run where the tests run in one process: `pytest` alone, and CI's
+# torch 2.11 leg.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["MEMPLAN_JOBS"] = "1"
     os.environ["OMP_NUM_THREADS"] = "1"

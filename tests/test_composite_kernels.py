@@ -61,7 +61,8 @@ def _plain_run_peak(loss: str, dtype: torch.dtype) -> int:
     return profiled_third_iteration_peak(build)
 
 
-# The CPU's reductions split over threads keep each thread's partial result (8 B here, on two threads), which no
+# The CPU's reductions split over threads keep each thread's partial result (8 B here on two threads: `pytest`
+# alone and CI's torch 2.11 leg; none under `pytest -n`, whose workers run one thread, tests/conftest.py), which no
 # rule models.
 THREAD_PARTIALS = 16
 

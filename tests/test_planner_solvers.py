@@ -10,7 +10,8 @@ from memplan.planner.solvers import dp, greedy
 from memplan.planner.solvers.baselines import all_blocks, every_kth_block, sqrt_n_segments
 
 
-def _random_chain(count: int, seed: int) -> ChainCosts:
+def _random_chain(count: int, seed: int, state: int = 0) -> ChainCosts:
+    """`state`: what each checkpoint holds besides its saved tensors (the cpu target's copy of the RNG state)."""
     rng = random.Random(seed)
     saved = [rng.randint(50, 200) for _ in range(count)]  # bytes each block saves for the backward
     boundary = [rng.randint(5, 30) for _ in range(count)]  # its output, which the next block reads
@@ -30,6 +31,7 @@ def _random_chain(count: int, seed: int) -> ChainCosts:
         freed=freed,
         forward_growth=growth,
         step_flops=1000,
+        checkpoint_state_bytes=state,
     )
 
 
@@ -52,9 +54,10 @@ def _all_layouts(costs: ChainCosts):
     yield from from_position(0)
 
 
+@pytest.mark.parametrize("state", [0, 40, 150])
 @pytest.mark.parametrize("seed", range(12))
-def test_dp_finds_the_least_recompute_layout_a_brute_force_finds(seed):
-    costs = _random_chain(count=6, seed=seed)
+def test_dp_finds_the_least_recompute_layout_a_brute_force_finds(seed, state):
+    costs = _random_chain(count=6, seed=seed, state=state)
     layouts = list(_all_layouts(costs))
     peaks = sorted(model_peak_bytes(costs, layout) for layout in layouts)
     for budget in sorted(set(peaks)):  # every budget at which the answer can change
@@ -238,3 +241,26 @@ def test_greedy_steps_through_checkpoints_that_free_nothing_to_the_join_that_doe
     assert dp.solve(costs, 950).segments == ((0, 1),)
     assert greedy.solve(costs, 950).segments == ((0, 1),)
     assert greedy.solve(costs, 949) is None
+
+
+def test_a_checkpoint_s_state_beside_its_first_block_can_be_what_does_not_fit():
+    """Worked by hand: block 0's checkpoint frees 300 B of saved tensors but holds a 50 B state (the cpu target's copy
+    of the generator's state) from its forward's start, beside block 0's own forward peak (980 + 50 > 1,000). Level 1's
+    backward needs what it frees (1,200 - 250 <= 1,000), so no layout fits; a solver that checked the state only
+    inside the segment and in its recomputation took the checkpoint as fitting."""
+    costs = ChainCosts(
+        names=("blocks.0", "blocks.1"),
+        forward_flops=(10, 10),
+        chainable=(False,),
+        forward_level_peak=(980, 500, 500),
+        backward_level_peak=(900, 1200, 500),
+        backward_start_bytes=(800, 800),
+        freed=((300, 320), (10,)),
+        forward_growth=((310, 330), (20,)),
+        step_flops=100,
+        checkpoint_state_bytes=50,
+    )
+    assert model_peak_bytes(costs, [(0, 0)]) == 980 + 50
+    assert model_peak_bytes(costs, []) == 1200
+    assert dp.solve(costs, 1000) is None
+    assert dp.solve(costs, 1030).segments == ((0, 0),)

@@ -196,7 +196,8 @@ def _fsdp_params(model: nn.Module) -> Iterator[Any]:
 
 @dataclass(frozen=True)
 class StorageResize:
-    """FSDP2 resized a storage between two ops: `at` is the index of the next op to run."""
+    """FSDP2 resized a storage between two ops: `at` is the index of the next op to run. The same record carries a
+    copy of the CPU generator's state made or freed (memplan.estimator.rng_snapshots, keyed by an RngSnapshot)."""
 
     storage: StorageWeakRef
     at: int

@@ -251,9 +251,9 @@ def liveness(traced: TracedStep) -> Liveness:
             else None
         )
         # The formula's own temporaries are what its own ops made. Not every storage born after its first op: a
-        # checkpointed forward recomputed while the formula unpacks a saved tensor runs between its ops (the
-        # checkpoint's inputs unpacked first, a formula op), and the saved tensors it recomputed are held by the
-        # formula (unpacked into its locals) until it returns, as any saved tensor is.
+        # checkpointed forward recomputed while the formula unpacks a saved tensor runs between its ops (the detach
+        # that unpacks the checkpoint's inputs is the formula's first op), and the saved tensors it recomputed are
+        # held by the formula (unpacked into its locals) until it returns, as any saved tensor is.
         own = frozenset(formula)
         for index in formula:
             for source in nodes[index].all_input_nodes:

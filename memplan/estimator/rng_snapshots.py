@@ -14,6 +14,7 @@ memory and not counted.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from unittest.mock import patch
@@ -27,7 +28,7 @@ class RngSnapshot:
     """The key of one copy of the generator's state (not its storage's address, which a later fake storage may
     reuse once the copy is freed)."""
 
-    __slots__ = ("__weakref__", "number")
+    __slots__ = ("number",)
 
     def __init__(self, number: int) -> None:
         self.number = number
@@ -38,38 +39,50 @@ class RngSnapshot:
 
 @contextlib.contextmanager
 def rng_snapshots_recorded(node_count: Callable[[], int], device: str) -> Iterator[list[StorageResize]]:
-    """Each torch.get_rng_state() copy taken while active, as a resize to its bytes at the op count `node_count`
-    gives and one back to 0 when it is freed (whenever that is); none unless `device` is the CPU."""
+    """Each torch.get_rng_state() copy the tracing thread takes while active, as a resize to its bytes at the op
+    count `node_count` gives and one back to 0 when it is freed; none unless `device` is the CPU. A copy still alive
+    as the trace ends (a step that keeps one) has no free: it reads as live to the step's end, and its callback is
+    detached, so neither the recorder nor this list outlives the trace through it."""
     resizes: list[StorageResize] = []
     if device != "cpu":
         yield resizes
         return
     real = torch.get_rng_state
+    tracing_thread = threading.get_ident()
+    finalizers: list[weakref.finalize] = []
 
     def get_rng_state() -> torch.Tensor:
         state = real()
-        key, nbytes = RngSnapshot(len(resizes)), state.untyped_storage().nbytes()
+        if threading.get_ident() != tracing_thread:  # another thread of the user's program, not the traced step
+            return state
+        key, nbytes = RngSnapshot(len(finalizers)), state.untyped_storage().nbytes()
         resizes.append(StorageResize(key, node_count(), 0, nbytes))  # type: ignore[arg-type]
 
         def freed() -> None:  # holding neither the tensor nor anything that holds it
             resizes.append(StorageResize(key, node_count(), nbytes, 0))  # type: ignore[arg-type]
 
-        weakref.finalize(state, freed)
+        finalizers.append(weakref.finalize(state, freed))
         return state
 
-    with patch.object(torch, "get_rng_state", get_rng_state):
-        yield resizes
+    try:
+        with patch.object(torch, "get_rng_state", get_rng_state):
+            yield resizes
+    finally:
+        for finalizer in finalizers:
+            finalizer.detach()
 
 
 @contextlib.contextmanager
 def rng_snapshots_counted(count: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """`count` given each torch.get_rng_state() copy taken while active: validate's CPU counter, a dispatch mode,
-    sees no such copy either (LiveStorageCounter.add_live counts it until it is freed)."""
+    """`count` given each torch.get_rng_state() copy the measuring thread takes while active: validate's CPU
+    counter, a dispatch mode, sees no such copy either (LiveStorageCounter.add_live counts it until it is freed)."""
     real = torch.get_rng_state
+    measuring_thread = threading.get_ident()
 
     def get_rng_state() -> torch.Tensor:
         state = real()
-        count(state)
+        if threading.get_ident() == measuring_thread:
+            count(state)
         return state
 
     with patch.object(torch, "get_rng_state", get_rng_state):

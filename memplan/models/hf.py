@@ -261,14 +261,15 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
     config = source.config
     if hasattr(config, "use_cache"):
         config.use_cache = False
-    unset_problem = getattr(config, "problem_type", 0) is None
+    unset_problem = hasattr(config, "problem_type") and config.problem_type is None
     if source.task == "sequence-classification" and unset_problem and config.num_labels > 1:
         # The batch's labels are class indices (batches.synthesize_batch), which a head's first forward reads
         # as "single_label_classification" (BERT's, Llama's: `labels.dtype == torch.long`). DeBERTa and
         # DeBERTa-v2 read a config without it otherwise: `label_index = (labels >= 0).nonzero()`
         # (modeling_deberta.py), a data-dependent shape fake tensors cannot trace (a false refusal of every
         # DeBERTa classifier). With every label >= 0, as here, that path gathers all rows and runs the same
-        # cross entropy; its identity gathers are the only difference, a few B * num_labels bytes.
+        # cross entropy; its identity gathers are the only difference, a few B * num_labels bytes, which the
+        # prediction leaves out (low by that much where the loss is the peak, as it was in no case measured).
         config.problem_type = "single_label_classification"
     if getattr(config, "architectures", []) is None:
         # transformers' auto classes iterate it where the task maps to several classes (DeiT's image
