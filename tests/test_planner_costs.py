@@ -34,9 +34,18 @@ from memplan.planner.plan import layout_of
 from memplan.settings import TrainingSettings
 from tests.zoo import TINY_HF_CONFIGS
 
-# The hand-worked chains' traces are of a cuda step: no checkpoint holds a copy of the CPU generator's state there
-# (ChainCosts.checkpoint_state_bytes), so every byte below is a tensor's.
-ON_CUDA = types.SimpleNamespace(device="cuda")
+
+def _hand_worked_trace(node_modules: list[str | None], forward_end: int) -> types.SimpleNamespace:
+    """What chain_costs reads of a trace, written by hand: a cuda step's (no checkpoint holds a copy of the CPU
+    generator's state there, ChainCosts.checkpoint_state_bytes, so every byte below is a tensor's), no saved
+    tensor's pack recorded (each checkpoint recomputes its blocks whole)."""
+    return types.SimpleNamespace(
+        settings=types.SimpleNamespace(device="cuda"),
+        saved_packs=(),
+        node_modules=node_modules,
+        forward_end=forward_end,
+    )
+
 
 PEAK_TOLERANCE = 0.025
 SAVING_TOLERANCE = 0.05
@@ -218,7 +227,7 @@ def _hand_worked_chain():
         requested=sizes,
     )
     modules = [None, "b.0", "b.0", "b.1", "b.1", "b.2", "b.2", "head"] + [None] * 6
-    traced = SimpleNamespace(settings=ON_CUDA, node_modules=modules, forward_end=8)
+    traced = _hand_worked_trace(modules, 8)
     timeline = (1, 11, 31, 131, 331, 1331, 3331, 3336, 3336, 1331, 331, 131, 31, 11)
     return chain_costs(traced, lifetimes, SimpleNamespace(timeline_bytes=timeline), ["b.0", "b.1", "b.2"])
 
@@ -303,7 +312,7 @@ def _chain_with_unsaved_block():
         requested=sizes,
     )
     modules = [None, "b.0", "b.0", "b.1", "b.1", "b.2", "b.2", "b.2", "head"] + [None] * 6
-    traced = SimpleNamespace(settings=ON_CUDA, node_modules=modules, forward_end=9)
+    traced = _hand_worked_trace(modules, 9)
     timeline = (1, 8, 28, 4128, 4328, 5228, 5528, 7328, 7333, 7333, 5028, 4028, 4028, 4028, 4008)
     return traced, lifetimes, SimpleNamespace(timeline_bytes=timeline)
 
@@ -395,9 +404,7 @@ def test_a_last_block_that_saves_nothing_keeps_its_backward_at_the_end():
         unsupported_ops=(),
         requested=sizes,
     )
-    traced = SimpleNamespace(
-        settings=ON_CUDA, node_modules=[None, "b.0", "b.0", "b.1", "head", None, None, None], forward_end=5
-    )
+    traced = _hand_worked_trace([None, "b.0", "b.0", "b.1", "head", None, None, None], 5)
     timeline = SimpleNamespace(timeline_bytes=(1, 11, 31, 231, 216, 216, 11, 11))
     costs = chain_costs(traced, lifetimes, timeline, ["b.0", "b.1"])
     assert costs.freed == ((10, 10), (0,))

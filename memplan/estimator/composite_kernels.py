@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from memplan.estimator.memory_formats import contiguous_in_a_format, suggested_memory_format
 from memplan.estimator.oprules import _registrar
 
 # op -> rule(args, kwargs, device) -> bytes the kernel holds at its fullest, beside its output
@@ -21,6 +22,15 @@ COMPOSITE_KERNEL_SCRATCH: dict[Any, KernelScratchRule] = {}
 composite_kernel_scratch = _registrar(COMPOSITE_KERNEL_SCRATCH)
 
 _REDUCTION_NONE, _REDUCTION_MEAN = 0, 1  # at::Reduction::None and Mean (aten/src/ATen/core/Reduction.h)
+
+
+def kernel_scratch_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """What `func`'s kernel holds beside its output in this call, by its rule; 0 for an op with none, and for a call
+    whose input is no strided tensor (a sparse one's, or a node the trace could not run, which has no fake value)."""
+    rule = COMPOSITE_KERNEL_SCRATCH.get(func)
+    if rule is None or not args or not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
+        return 0
+    return rule(tuple(args), kwargs, device)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -127,25 +137,6 @@ def mean_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) 
     return result_copy + max(input_cast, item)
 
 
-def _suggested_format(tensor: torch.Tensor) -> torch.memory_format:
-    """`suggest_memory_format` for the dense layouts batch norm tells apart: channels-last where the strides are
-    channels-last's and not also the default's (a 4-D or 5-D tensor), the default otherwise."""
-    if tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if tensor.dim() == 5 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
-def _batch_norm_contiguous(tensor: torch.Tensor) -> bool:
-    """`is_contiguous` of aten/src/ATen/native/batch_norm.h: contiguous in the default or a channels-last format."""
-    return (
-        tensor.is_contiguous()
-        or (tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last))
-        or (tensor.dim() == 5 and tensor.is_contiguous(memory_format=torch.channels_last_3d))
-    )
-
-
 @composite_kernel_scratch(torch.ops.aten.native_batch_norm_backward.default)
 def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """The CPU batch norm backward (aten/src/ATen/native/Normalization.cpp, batch_norm_backward_cpu_template, torch
@@ -165,10 +156,11 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     grad_out, input = bound["grad_out"], bound["input"]
     if not isinstance(grad_out, torch.Tensor) or input.numel() == 0:
         return 0
+    # `is_contiguous` of aten/src/ATen/native/batch_norm.h: contiguous in the default or a channels-last format
     all_contiguous = (
-        _batch_norm_contiguous(input)
-        and _batch_norm_contiguous(grad_out)
-        and _suggested_format(input) == _suggested_format(grad_out)
+        contiguous_in_a_format(input)
+        and contiguous_in_a_format(grad_out)
+        and suggested_memory_format(input) == suggested_memory_format(grad_out)
     )
     if all_contiguous:
         return _nbytes(input) if output_mask[0] else 0

@@ -306,12 +306,19 @@ def trace_step(
     for key in swaps_seen.entered.values() if swaps_seen is not None else ():
         if categories.get(key, "parameters") == "parameters":  # ZeRO-3's gathered parameters, whole
             categories[key] = "unsharded_parameters"
-    observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes, swapped, rng_snapshots=rng_snapshots)
+    observed = Observed(
+        tracker,
+        eager_lifetimes,
+        started,
+        unknown_ops,
+        resizes,
+        swapped,
+        rng_snapshots=rng_snapshots,
+        saved_packs=graphs.packs,
+    )
     if getattr(state.data_parallel, "offload", False):
         rank = state.data_parallel
         optimizer_state = [local_tensor(tensor) for tensor in optimizer_tensors(state)]
         gradients = [local_tensor(grad) for grad in grads]
         observed.host = rank.host_memory(gradients, optimizer_state, host_copies)
-    traced = traced_step_from(graph, state, boundaries, (categories, sizes), observed, recording, released_early)
-    traced.saved_packs = tuple(graphs.packs)
-    return traced
+    return traced_step_from(graph, state, boundaries, (categories, sizes), observed, recording, released_early)

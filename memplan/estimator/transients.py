@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH
+from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH, kernel_scratch_bytes
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS, chunk_cat_padding_bytes
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
@@ -170,9 +170,7 @@ def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scra
             scratch = [("chunk_cat's padded copies", padding)] if padding else []
         elif node.target in COMPOSITE_KERNEL_SCRATCH:
             args, kwargs = fake_args(node)
-            # a node with no fake value for its input (a sparse tensor's, an op's the trace could not run) is left out
-            known = bool(args) and isinstance(args[0], torch.Tensor) and args[0].layout == torch.strided
-            held = COMPOSITE_KERNEL_SCRATCH[node.target](args, kwargs, device) if known else 0
+            held = kernel_scratch_bytes(node.target, args, kwargs, device)
             scratch = [(f"{op_name(node)}'s own temporaries", held)] if held else []
         elif is_gemm_4bit(node.target):
             args, kwargs = fake_args(node)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from memplan.distributed.fsdp import storage_resizes_observed
 from memplan.distributed.modes import FSDP_MODES
 from memplan.distributed.offload import HostCopies, copies_made
-from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH
+from memplan.estimator.composite_kernels import kernel_scratch_bytes
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS
 from memplan.estimator.engine_accumulation import EngineAccumulation, roots_hooked
 from memplan.estimator.leaves import local_tensor, wraps_local_tensors
@@ -78,13 +78,15 @@ class LiveStorageCounter(TorchDispatchMode):
         # The engine's sums of a tensor's gradients, in place where a plain run's are
         # (memplan.estimator.engine_accumulation): each backward's Nodes are hooked from its roots as it starts.
         self._accumulation = EngineAccumulation()
-        self._roots_hooked: contextlib.ExitStack | None = None
+        self._while_counting: contextlib.ExitStack | None = None
         self._entered = 0
 
     def __enter__(self) -> LiveStorageCounter:
         if self._entered == 0:
-            self._roots_hooked = contextlib.ExitStack()
-            self._roots_hooked.enter_context(roots_hooked(self._accumulation))
+            self._while_counting = contextlib.ExitStack()
+            self._while_counting.enter_context(roots_hooked(self._accumulation))
+            # the copies of the CPU generator's state a checkpoint takes, which no dispatch shows (rng_snapshots)
+            self._while_counting.enter_context(rng_snapshots_counted(self.add_live))
         self._entered += 1
         return super().__enter__()
 
@@ -93,8 +95,8 @@ class LiveStorageCounter(TorchDispatchMode):
             super().__exit__(*exc_info)
         finally:
             self._entered -= 1
-            if self._entered == 0 and self._roots_hooked is not None:
-                self._roots_hooked.close()
+            if self._entered == 0 and self._while_counting is not None:
+                self._while_counting.close()
 
     def leave_out(self, tensor: torch.Tensor) -> None:
         """Host memory under offload: never counted."""
@@ -118,8 +120,9 @@ class LiveStorageCounter(TorchDispatchMode):
             weakref.finalize(storage, self._live.pop, key, None)
 
     def add_live(self, tensor: torch.Tensor) -> None:
-        """A tensor alive when the iteration starts that Python may free during it (the previous
-        step's gradients under loops that zero them late): counted until its storage is freed."""
+        """A tensor no dispatch shows being made that Python may free during the iteration (the previous step's
+        gradients under loops that zero them late, a checkpoint's copy of the CPU generator's state): counted until
+        its storage is freed."""
         self._add_dynamic(tensor)
         self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
 
@@ -190,10 +193,7 @@ _ALLOCATING_KERNELS = CHUNK_CAT_OPS
 def _allocates_inside(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the op's kernel holds temporaries of other ops (memplan.estimator.composite_kernels) in this call:
     only such calls are profiled (a profiler started per op is slow, and most sums cast nothing)."""
-    rule = COMPOSITE_KERNEL_SCRATCH.get(func)
-    if rule is None or not args or not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
-        return False
-    return rule(tuple(args), kwargs, "cpu") > 0
+    return kernel_scratch_bytes(func, tuple(args), kwargs, "cpu") > 0
 
 
 def _with_kernel_allocations(func: Any, args: tuple, kwargs: dict) -> tuple[Any, int]:
@@ -277,7 +277,7 @@ def measure_cpu(
         # the optimizer's tensors).
         _count_the_start(counter, state, {id(tensor) for tensor in before} if swaps or own_step else None)
         resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
-        with collector_held(), counter, resizes, rng_snapshots_counted(counter.add_live):
+        with collector_held(), counter, resizes:
             iteration(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)
 
@@ -310,12 +310,7 @@ def _measure_offloaded(state: TrainingState, warmup_iterations: int) -> CpuMeasu
             counter.leave_out(tensor)
         for tensor in model_tensors(state) + input_tensors(state):
             counter.add_static(tensor)
-        with (
-            collector_held(),
-            counter,
-            storage_resizes_observed(counter.resized),
-            rng_snapshots_counted(counter.add_live),
-        ):
+        with collector_held(), counter, storage_resizes_observed(counter.resized):
             for _ in range(state.settings.grad_accum):
                 micro_batch(state)
                 state.micro_batches_done += 1

@@ -193,15 +193,19 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
     for key, index in lifetimes.born.items():
         if 0 <= index < len(nodes):
             born_at[index] += lifetimes.size[key]
+
+    def bytes_before(at: int) -> int:
+        """Live bytes just before node `at` runs: neither its outputs (born there) nor what only the node before it
+        held."""
+        before = timeline[at] - born_at[at]
+        return min(before, timeline[at - 1]) if at > 0 else before
+
     recompute_start = []
     for j in range(count):
         at = min(recompute_at[j], backward_start[j])
         if at >= len(timeline):
             at = backward_start[j]
-        at = min(at, len(timeline) - 1)
-        # Before node `at` runs: neither its outputs (born there) nor what only the previous node held.
-        before = timeline[at] - born_at[at]
-        recompute_start.append(min(before, timeline[at - 1]) if at > 0 else before)
+        recompute_start.append(bytes_before(min(at, len(timeline) - 1)))
     freed = [[0] * (count - a) for a in range(count)]
     for a in range(count - 1, -1, -1):
         row_total = 0
@@ -227,10 +231,7 @@ def chain_costs(traced: TracedStep, lifetimes: Liveness, simulation: Simulation,
         else:
             backward_peak[level] = max(backward_peak[level], live)
     flops = [sum(node_flops(nodes[i]) for i in range(starts[j], ends[j] + 1)) for j in range(count)]
-    # Live bytes just before each block's first op: neither that op's outputs nor what died after the op before it.
-    entry_bytes = [
-        min(timeline[s] - born_at[s], timeline[s - 1]) if s > 0 else timeline[s] - born_at[s] for s in starts
-    ]
+    entry_bytes = [bytes_before(start) for start in starts]  # live bytes just before each block's first op
     recomputed, growth_recomputed = _early_stops(traced, nodes, order, starts, ends, timeline, entry_bytes)
     return ChainCosts(
         names=tuple(order),
@@ -274,7 +275,7 @@ def _early_stops(
     running module at every pack (memplan.estimator.saved_tensors); the recomputation of a..b runs the
     segment's nodes before its last pack.
     """
-    packs = getattr(traced, "saved_packs", ())
+    packs = traced.saved_packs
     if not packs:
         return (), ()
     count = len(order)

@@ -66,6 +66,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memplan.estimator.memory_formats import suggested_memory_format
+
 aten = torch.ops.aten
 
 CONV_FORWARD_OPS = frozenset({aten.convolution.default})
@@ -190,10 +192,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _channels_last(tensor: torch.Tensor) -> bool:
     """cudnn_conv_suggest_memory_format (ConvUtils.h): channels-last (channels-last-3d for 5-d) when
     input or weight is (a tensor contiguous both ways counts as contiguous)."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    if tensor.dim() not in formats:
-        return False
-    return tensor.is_contiguous(memory_format=formats[tensor.dim()]) and not tensor.is_contiguous()
+    return suggested_memory_format(tensor) != torch.contiguous_format
 
 
 def _runs_natively_depthwise(

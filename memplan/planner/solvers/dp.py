@@ -64,8 +64,9 @@ def solve(costs: ChainCosts, budget_bytes: int) -> Solution | None:
             if state and not level_fits(a, point.freed, -state, state):
                 continue  # a checkpoint starting at a: its state beside level a
             for b in range(a, count):
-                inner_fits = b > a and level_fits(b, point.freed, costs.freed_bytes(a, b - 1), state)
-                if b > a and not (costs.can_join(b - 1, b) and inner_fits):
+                if b > a and not (
+                    costs.can_join(b - 1, b) and level_fits(b, point.freed, costs.freed_bytes(a, b - 1), state)
+                ):
                     break  # a longer segment re-checks the same inner levels: it cannot fit either
                 flops = point.flops + costs.segment_flops(a, b)
                 recompute_peak = (

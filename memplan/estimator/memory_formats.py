@@ -1,0 +1,23 @@
+"""A dense tensor's memory format as ATen reads it from its strides (c10's `suggest_memory_format`), for the rules
+whose kernels choose a path or a buffer's layout by it (CPU batch norm, cuDNN convolutions)."""
+
+from __future__ import annotations
+
+import torch
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}  # by dimension
+
+
+def suggested_memory_format(tensor: torch.Tensor) -> torch.memory_format:
+    """Channels-last (channels-last-3d for 5-D) where the strides are that format's and not also the default's (a
+    tensor contiguous both ways counts as contiguous), the default otherwise."""
+    channels_last = _CHANNELS_LAST.get(tensor.dim())
+    if channels_last is not None and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=channels_last):
+        return channels_last
+    return torch.contiguous_format
+
+
+def contiguous_in_a_format(tensor: torch.Tensor) -> bool:
+    """Contiguous in the default format or in the channels-last one of its dimension."""
+    channels_last = _CHANNELS_LAST.get(tensor.dim())
+    return tensor.is_contiguous() or (channels_last is not None and tensor.is_contiguous(memory_format=channels_last))
