@@ -36,6 +36,12 @@ def _reduce(name: str, y: torch.Tensor) -> torch.Tensor:
         reduced = (wide * 1).mean(-1).sum()
     elif name == "bce":  # its kernel's own mean of the unreduced loss (a reviewer's repro: a bf16 one 32.8% low)
         reduced = torch.nn.functional.binary_cross_entropy_with_logits(wide * 1, torch.ones_like(wide))
+    elif name == "kthvalue":  # selects in a copy of its input and an int64 index per element (a helper's hunt: -44%)
+        reduced = (wide * 1).kthvalue(3, -1).values.sum()
+    elif name in ("median", "nanmedian"):  # a whole tensor's: nth_element in a copy
+        reduced = getattr(wide * 1, name)()
+    elif name == "soft-margin":  # its backward's exp(-target * input) with both factors held (y's own gradient)
+        return torch.nn.functional.soft_margin_loss(y, torch.ones_like(y))
     else:
         raise ValueError(name)
     return y.pow(2).mean() + 0 * reduced
@@ -69,7 +75,17 @@ THREAD_PARTIALS = 16
 
 @pytest.mark.parametrize(
     ("loss", "precision"),
-    [("mask-count", "fp32"), ("int32-sum-dim", "fp32"), ("mean", "bf16"), ("mean-dim", "bf16"), ("bce", "bf16")],
+    [
+        ("mask-count", "fp32"),
+        ("int32-sum-dim", "fp32"),
+        ("mean", "bf16"),
+        ("mean-dim", "bf16"),
+        ("bce", "bf16"),
+        ("kthvalue", "fp32"),
+        ("median", "fp32"),
+        ("nanmedian", "bf16"),
+        ("soft-margin", "fp32"),
+    ],
 )
 def test_a_reduction_holds_its_input_s_cast_while_it_runs(loss, precision):
     spec = loss_returning_spec(f"{loss}-loss", lambda: _Reducing(loss), (POSITIONS, FEATURES))

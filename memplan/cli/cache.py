@@ -42,6 +42,9 @@ _FILE_OPTIONS = ("hf_args", "checkpoint")
 # allocator's configuration and its own settings from them) or how it is shown.
 _ENVIRONMENT_PREFIXES = ("PYTORCH_", "CUBLAS_", "CUDNN_", "TORCH_", "MEMPLAN_", "NCCL_")
 _DISPLAY_VARIABLES = ("COLUMNS", "LINES", "TERM", "NO_COLOR", "FORCE_COLOR", "COLORTERM")
+# The CPU kernels' intra-op threads (torch's default: the machine's cores) size per-thread scratch that the cpu
+# target counts (memplan.estimator.composite_kernels.flash_attention).
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "click", "rich")
 _MEMPLAN_DIR = Path(__file__).resolve().parents[1]
 
@@ -219,7 +222,7 @@ def cached_answer(command: str, params: dict[str, Any], typed: set[str] | None =
     environment = {
         name: value
         for name, value in os.environ.items()
-        if name.startswith(_ENVIRONMENT_PREFIXES) or name in _DISPLAY_VARIABLES
+        if name.startswith(_ENVIRONMENT_PREFIXES) or name in _DISPLAY_VARIABLES + _THREAD_VARIABLES
     }
     environment.pop(NO_CACHE_VARIABLE, None)
     key_parts = {
@@ -232,6 +235,7 @@ def cached_answer(command: str, params: dict[str, Any], typed: set[str] | None =
         "packages": {package: _version(package) for package in _PACKAGES},
         "python": sys.version,
         "environment": environment,
+        "cpus": os.cpu_count(),
         "terminal": _stream_is_terminal(sys.stdout),  # the answer is stdout; stderr is not kept
     }
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()

@@ -88,7 +88,7 @@ def trace_custom_step(
         state_held.update(storage_key(tensor) for tensor in made)
         finalizers.extend(_note_when_freed(made, freed_at, recorder.node_count))
 
-    eager_lifetimes = EagerLifetimes(recorder.node_count, recorder.aliases_of)
+    eager_lifetimes = EagerLifetimes(recorder.node_count, recorder.aliases_of, recorder.target)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
     graphs = SavedTensors(recorder.node_count)
     step_hook = register_optimizer_step_post_hook(after_step)

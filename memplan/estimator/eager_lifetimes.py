@@ -197,10 +197,13 @@ class EagerLifetimes(TorchDispatchMode):
         return False
 
     def __init__(
-        self, node_count: Callable[[], int], storage_holders: Callable[[torch.Tensor], int] | None = None
+        self,
+        node_count: Callable[[], int],
+        storage_holders: Callable[[torch.Tensor], int] | None = None,
+        target: str = "cpu",
     ) -> None:
         """`storage_holders(tensor)`: references to the tensor's storage that the trace keeps and a plain run has not
-        (GraphRecorder.aliases_of)."""
+        (GraphRecorder.aliases_of); `target`: the device the step is traced for (which formulas' plain paths run)."""
         super().__init__()
         self.node_count = node_count
         self.backward_node_ops: list[list[int]] = []
@@ -230,7 +233,7 @@ class EagerLifetimes(TorchDispatchMode):
         self._regenerated_views = RegeneratedViews(node_count, self.local_lifetimes)
         # The ops of the C++ composite running now, where one is watched (memplan.estimator.composites).
         self.composite_ops: list[CompositeOp] | None = None
-        self._plain_paths = PlainFormulaPaths()
+        self._plain_paths = PlainFormulaPaths(target)
         # The engine's sums of a tensor's gradients, in place where a plain run's are; the recorder's aliases are
         # references to a storage that a plain run has not (memplan.estimator.engine_accumulation).
         self.accumulation = EngineAccumulation(storage_holders)

@@ -21,9 +21,18 @@ Sources, torch 2.11-2.14: `gather_backward`, `index_select_backward_symint`, `ma
 `binary_cross_entropy_with_logits_backward` (torch/csrc/autograd/FunctionsManual.cpp), `trace_backward_symint`
 (aten/src/ATen/native/TriangularOps.cpp); Node names from tools/autograd/derivatives.yaml.
 
+`evenly_distribute_backward` (torch/csrc/autograd/FunctionsManual.cpp), the gradient of a full `max()`, `min()`,
+`median()` or `nanmedian()`, is another algorithm on each path. The subclass path (and CUDA's) holds three
+input-sized boolean masks (`input.isnan()`, its `logical_and`, `input == value`) while `mask.sum()` runs, then
+`mask * (grad / mask.sum())`; a plain CPU run makes one mask (`value.isnan().item() ? input.isnan() : input ==
+value`) and its result first, `grad.new_zeros(input.sizes(), input.options()).masked_fill_(mask, grad /
+mask.sum())`. The sum of a boolean mask casts it to int64 inside the kernel (8 B an element: composite_kernels),
+so the plain run peaks there with one mask and the result live, two masks (2 B an element) above the subclass
+path: a step whose peak fell there was predicted 11% low. `_EvenlyDistributed` runs the plain path's ops in the
+subclass path's places, on the cpu target only.
+
 Left as the subclass path runs them (over-predicting, never under): formulas whose plain path is another
-algorithm (`prod_backward` and `cumprod_backward` test for zeros with `.item()`; `evenly_distribute_backward`,
-the gradient of a full `max()`/`min()`/`median()`, runs `masked_fill_` on the CPU), `clamp` with tensor bounds
+algorithm (`prod_backward` and `cumprod_backward` test for zeros with `.item()`), `clamp` with tensor bounds
 (a boolean mask combined in place), and the target's gradient of the binary cross-entropies.
 """
 
@@ -33,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.estimator.leaves import tensors_in
 
@@ -96,7 +106,7 @@ def _keeps_its_shape(args: tuple[Any, ...]) -> bool:
     )
 
 
-def _bce_with_logits(func: Any, args: tuple[Any, ...], node: Any, made: set[int]) -> Any:
+def _bce_with_logits(func: Any, args: tuple[Any, ...], node: Any, made: set[int], kept: dict[str, Any]) -> Any:
     in_place = _BCE_WITH_LOGITS_IN_PLACE.get(func)
     if in_place is None or not args or not isinstance(args[0], torch.Tensor):
         return func
@@ -109,11 +119,12 @@ def _bce_with_logits(func: Any, args: tuple[Any, ...], node: Any, made: set[int]
     return in_place
 
 
-PlainPathRule = Callable[[Any, tuple[Any, ...], Any, set[int]], Any]
+# rule(func, args, node, storages the formula made so far, what the rule keeps for this formula) -> the op to run
+PlainPathRule = Callable[[Any, tuple[Any, ...], Any, set[int], dict[str, Any]], Any]
 
 
 def _fresh_buffer_rule(ops: dict[Any, Any]) -> PlainPathRule:
-    def rule(func: Any, args: tuple[Any, ...], node: Any, made: set[int]) -> Any:
+    def rule(func: Any, args: tuple[Any, ...], node: Any, made: set[int], kept: dict[str, Any]) -> Any:
         in_place = ops.get(func)
         # on the buffer the formula made, not a tensor a hook on the Node passes it (which stays the user's)
         if in_place is None or not args or not isinstance(args[0], torch.Tensor) or _storage_id(args[0]) not in made:
@@ -123,33 +134,91 @@ def _fresh_buffer_rule(ops: dict[Any, Any]) -> PlainPathRule:
     return rule
 
 
-# Node class name -> rule(func, args, node, storages the formula made so far) -> the op the plain path runs.
+def _evenly_distributed(func: Any, args: tuple[Any, ...], node: Any, made: set[int], kept: dict[str, Any]) -> Any:
+    """evenly_distribute_backward's subclass path, op by op (`detach` of the gradient aside):
+
+        input_isnan = input.isnan()                        -> the plain path's result, grad.new_zeros(input.sizes())
+        value_isnan = value.isnan()                        -> nothing made (the plain path's `value.isnan().item()`
+                                                              frees its 1 B at once): an alias of the value
+        and = input_isnan.logical_and(value_isnan)         -> nothing made: an alias of that
+        mask = input == value                              (the plain path's mask; input.isnan() where value is NaN)
+        mask.logical_or_(and)                              -> nothing done
+        count = mask.sum(); share = grad / count           (both paths)
+        mask * share                                       -> result.masked_fill_(mask, share)
+
+    The result is held here from the first op to the last, which lets go of it before returning it (AccumulateGrad
+    adopts a gradient no one else references: a reference kept here would make it copy)."""
+    if func is aten.isnan.default and "result" not in kept:
+
+        def result_buffer(input: torch.Tensor) -> torch.Tensor:
+            kept["result"] = input.new_zeros(input.shape)
+            return kept["result"]
+
+        return result_buffer
+    if kept.get("result") is None:
+        return func
+    if func is aten.isnan.default:  # the plain path's is a temporary, gone once `.item()` has read it
+        return aten.alias.default
+    if func is aten.logical_and.default and _storage_id(args[0]) == _storage_id(kept["result"]):
+        return lambda input_isnan, value_isnan: aten.alias.default(value_isnan)
+    if func is aten.eq.Tensor:
+
+        def mask(input: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            # Which mask the plain path makes follows the value, which a fake tensor does not have (both are
+            # the input's size in booleans); a real run's (the CPU counter's) is the plain run's, value for value.
+            if not isinstance(value, FakeTensor) and bool(value.isnan()):
+                return aten.isnan.default(input)
+            return aten.eq.Tensor(input, value)
+
+        return mask
+    if func is aten.logical_or_.default:
+        return lambda mask, both_nan: mask
+    if func is aten.mul.Tensor:
+
+        def fill(mask: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+            result = kept.pop("result")
+            return aten.masked_fill_.Tensor(result, mask, share)
+
+        return fill
+    return func
+
+
+# evenly_distribute_backward's Nodes (tools/autograd/derivatives.yaml: max(), min(), median(), nanmedian()).
+_EVENLY_DISTRIBUTED = ("MaxBackward1", "MinBackward1", "MedianBackward0", "NanmedianBackward0")
+
+# Node class name -> rule(func, args, node, storages the formula made so far, what the rule keeps) -> the op the
+# plain path runs.
 PLAIN_PATH_RULES: dict[str, PlainPathRule] = {
     **{name: _fresh_buffer_rule(ops) for name, ops in _ON_FRESH_BUFFER.items()},
     "BinaryCrossEntropyWithLogitsBackward0": _bce_with_logits,
 }
+# The plain path on the CPU only: CUDA takes the subclass path (`|| input.is_cuda()`).
+CPU_PLAIN_PATH_RULES: dict[str, PlainPathRule] = {name: _evenly_distributed for name in _EVENLY_DISTRIBUTED}
 
 
 class PlainFormulaPaths:
     """Swaps, inside a backward formula with a subclass branch, the out-of-place op for the plain path's in-place
     one. A dispatch mode calls `op_for` before running an op and `made` with what it returned."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: str = "cpu") -> None:
+        """`target`: the device the step runs on (a cuda target's fake tensors are CPU ones, their formulas CUDA's)."""
+        self._rules = {**PLAIN_PATH_RULES, **(CPU_PLAIN_PATH_RULES if target == "cpu" else {})}
         self._node: Any = None
         self._made: set[int] = set()
+        self._kept: dict[str, Any] = {}
         self._watching = False
 
     def op_for(self, func: Any, args: tuple[Any, ...]) -> Any:
         node = torch._C._current_autograd_node()
-        rule = PLAIN_PATH_RULES.get(type(node).__name__) if node is not None else None
+        rule = self._rules.get(type(node).__name__) if node is not None else None
         # A backward with create_graph=True runs its formulas with grad mode on: BCE's then takes the out-of-place
         # path in a plain run too, and an in-place op on a tensor autograd records would differ from the run.
         self._watching = rule is not None and not torch.is_grad_enabled()
         if not self._watching:
             return func
         if node is not self._node:
-            self._node, self._made = node, set()
-        return rule(func, args, node, self._made)
+            self._node, self._made, self._kept = node, set(), {}
+        return rule(func, args, node, self._made, self._kept)
 
     def made(self, out: Any) -> None:
         if self._watching:

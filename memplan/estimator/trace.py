@@ -226,7 +226,7 @@ def trace_step(
     def marker(phase: str) -> None:
         boundaries[phase] = recorder.node_count()
 
-    eager_lifetimes = EagerLifetimes(recorder.node_count, recorder.aliases_of)
+    eager_lifetimes = EagerLifetimes(recorder.node_count, recorder.aliases_of, recorder.target)
     tracker = ModuleTracker(state.built_model, recorder.node_count)
     graphs = SavedTensors(recorder.node_count, tracker.current)
     try:

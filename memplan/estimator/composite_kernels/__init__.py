@@ -37,6 +37,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def contiguous_copy_bytes(tensor: torch.Tensor, memory_format: torch.memory_format) -> int:
+    """What `tensor.contiguous(memory_format)` allocates: a whole copy unless it is contiguous in that format (then
+    it comes back as itself)."""
+    return 0 if tensor.is_contiguous(memory_format=memory_format) else _nbytes(tensor)
+
+
 @composite_kernel_scratch(torch.ops.aten.binary_cross_entropy_with_logits.default)
 def bce_with_logits_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """`binary_cross_entropy_with_logits` (aten/src/ATen/native/Loss.cpp, CompositeExplicitAutograd, torch
@@ -70,6 +76,48 @@ def bce_with_logits_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], devic
     inner_mean = mean_input_cast((target,), {}, device) if reduction == _REDUCTION_MEAN else 0
     held.append(log_sigmoid + loss + (0 if reduction == _REDUCTION_NONE else output) + inner_mean)
     return max(0, max(held) - output)
+
+
+@composite_kernel_scratch(torch.ops.aten.soft_margin_loss_backward.default)
+def soft_margin_loss_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """`soft_margin_loss_backward` (aten/src/ATen/native/Loss.cpp, CompositeExplicitAutograd, torch 2.11-2.14):
+
+        auto grad_input = at::empty({0}, input.options());
+        // soft_margin_loss_backward_out:
+        auto z = at::exp(-target * input);
+        at::mul_out(grad_input, target, z).mul_(-norm);
+        z.add_(1);
+        grad_input.div_(z).mul_(grad_output);
+
+    `-target` and `-target * input` live to the end of the statement, so `exp` runs with both held and its
+    output `z`, before grad_input (the output) has grown from 0 elements; then `z` beside the output (measured
+    with torch.profiler on the CPU: 3 input-sized buffers at once, the output one of the 3 counted)."""
+    input, target = args[1], args[2]
+    shape = torch.broadcast_shapes(target.shape, input.shape)
+    product = math.prod(shape) * torch.result_type(target, input).itemsize
+    output = _nbytes(input)
+    held = [_nbytes(target) + 2 * product, product + output]  # neg, the product and z; then z and the output
+    return max(0, max(held) - output)
+
+
+@composite_kernel_scratch(torch.ops.aten.kthvalue.default)
+def kthvalue_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """The CPU kthvalue (aten/src/ATen/native/Sorting.cpp, kthvalue_out_impl_cpu, torch 2.11-2.14) selects in copies
+    of the whole input: `self.clone(at::MemoryFormat::Contiguous)` and `at::empty(self.sizes(), kLong)`, both held
+    while it runs (a 0-d input is copied to the output instead). CUDA's selects in place (not modelled: 0)."""
+    self = args[0]
+    if device != "cpu" or self.dim() == 0:
+        return 0
+    return self.numel() * (self.element_size() + torch.int64.itemsize)
+
+
+@composite_kernel_scratch(torch.ops.aten.median.default, torch.ops.aten.nanmedian.default)
+def median_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """The CPU median of a whole tensor (aten/src/ATen/native/Sorting.cpp, median_impl, torch 2.11-2.14) runs
+    `std::nth_element` in `self.clone()`, held while it runs (measured with torch.profiler: one input-sized copy).
+    The median along a dimension copies nothing; CUDA's is not modelled (0)."""
+    self = args[0]
+    return _nbytes(self) if device == "cpu" else 0
 
 
 @composite_kernel_scratch(torch.ops.aten.sort.default, torch.ops.aten.sort.stable)
@@ -165,3 +213,10 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     if all_contiguous:
         return _nbytes(input) if output_mask[0] else 0
     return input.shape[1] * grad_out.element_size()
+
+
+def _load_families() -> None:
+    from memplan.estimator.composite_kernels import convolution, flash_attention, pooling  # noqa: F401
+
+
+_load_families()
