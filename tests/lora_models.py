@@ -51,3 +51,14 @@ def peft_loha_llama() -> nn.Module:
 
     config = AutoConfig.for_model(**TINY_HF_CONFIGS["llama"], use_cache=False)
     return get_peft_model(AutoModelForCausalLM.from_config(config), LoHaConfig(r=4, target_modules=["q_proj"]))
+
+
+def peft_prompt_tuning_llama() -> nn.Module:
+    """peft's prompt tuning: 8 trained virtual tokens before the input, whose ids the PeftModel keeps in a plain
+    attribute, `prompt_tokens = {"default": torch.arange(8)}`, neither a parameter nor a buffer."""
+    from peft import PromptTuningConfig
+
+    config = AutoConfig.for_model(**TINY_HF_CONFIGS["llama"], use_cache=False)
+    return get_peft_model(
+        AutoModelForCausalLM.from_config(config), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=8)
+    )

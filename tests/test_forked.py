@@ -54,9 +54,9 @@ def test_a_workers_error_is_raised_here():
 
 @needs_fork
 def test_plan_in_workers_equals_plan_in_one_process(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**TINY_HF_CONFIGS["gpt2"], "n_layer": 6}))
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_HF_CONFIGS["gpt2"], "n_layer": 4}))
     spec = resolve_model(str(tmp_path))
-    settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
+    settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=32, device="cpu"))
     wide = make_plan(spec, settings, 1 << 40, jobs=1)
     peaks = {option.name: option.predicted_peak_bytes for option in wide.baselines}
     budget = (peaks["all blocks"] + peaks["none"]) // 2

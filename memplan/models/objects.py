@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.errors import InputsError, UsageError, a_type
 from memplan.models.imports import import_object
@@ -44,7 +45,11 @@ def is_model_object(model: Any) -> bool:
 
 def skeleton(model: nn.Module) -> nn.Module:
     """A copy of `model` whose parameters and buffers are new empty CPU tensors (fake ones under a fake mode), each
-    tied weight once: what a model object, or a factory's model built on the meta device, is traced as."""
+    tied weight once: what a model object, or a factory's model built on the meta device, is traced as. Tensors a
+    module keeps in a plain attribute (peft's prompt and prefix tuning keep `prompt_tokens = {"default":
+    torch.arange(num_virtual_tokens)}` on the PeftModel) are new tensors of the same shape and dtype as well, their
+    values copied where both sides are real: copied by deepcopy, a real tensor under the fake mode had failed in torch
+    ("Attempted to set the storage of a tensor on device "meta" to a storage on different device "cpu"")."""
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if id(tensor) not in memo:  # parameters() lists a tied weight once; buffers are never tied
@@ -52,7 +57,34 @@ def skeleton(model: nn.Module) -> nn.Module:
             memo[id(tensor)] = (
                 nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
             )
+    for module in model.modules():
+        for tensor in _attribute_tensors(vars(module)):
+            if id(tensor) not in memo:
+                memo[id(tensor)] = _same_tensor(tensor)
     return copy.deepcopy(model, memo)
+
+
+def _attribute_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in a module's attributes (its `__dict__`), in the dicts, lists and tuples they hold: parameters and
+    buffers among them, which skeleton has already replaced."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _attribute_tensors(item, depth + 1)
+    elif depth < 4 and isinstance(value, list | tuple | set):
+        for item in value:
+            yield from _attribute_tensors(item, depth + 1)
+
+
+def _same_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A new CPU tensor of `tensor`'s shape and dtype in the active tensor mode (fake under one), holding its values
+    where both are real (a traced step reads no values; a real run may index with them)."""
+    made = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    if not isinstance(made, FakeTensor) and not isinstance(tensor, FakeTensor) and not tensor.is_meta:
+        with torch.no_grad():
+            made.copy_(tensor)
+    return made.requires_grad_() if tensor.requires_grad else made
 
 
 def _rows(batch: Batch) -> int:
