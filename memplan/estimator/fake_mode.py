@@ -9,7 +9,8 @@ same step then traced twice in one process gave two different peaks (1,536 B apa
 lstm-accum). Such ops bypass the cache here, so every call returns what the kernel returns.
 
 And an op whose fake kernel refuses arguments the real kernel runs, or lays its output out otherwise
-(memplan.estimator.oprules FAKE_KERNEL_RULES: `torch._grouped_mm` in float32), gets the output its rule gives.
+(memplan.estimator.oprules FAKE_KERNEL_RULES: `torch._grouped_mm` in float32), gets the output its rule gives, or
+the outputs, one layout each, of an op returning several (`_ctc_loss`, which the fake mode refuses as data-dependent).
 """
 
 from __future__ import annotations
@@ -68,10 +69,16 @@ class TracingFakeMode(FakeTensorMode):
         rule = FAKE_KERNEL_RULES.get(func)
         if rule is None:
             return super().dispatch(func, types, args, kwargs)
-        sizes, strides, dtype = rule(tuple(args), dict(kwargs or {}))
+        layouts = rule(tuple(args), dict(kwargs or {}))
+        single = len(func._schema.returns) == 1
         device = next(arg.device for arg in args if isinstance(arg, torch.Tensor))
-        factory = {"dtype": dtype, "device": device}
-        return super().dispatch(torch.ops.aten.empty_strided.default, types, (sizes, strides), factory)
+        outputs = tuple(
+            super(TracingFakeMode, self).dispatch(
+                torch.ops.aten.empty_strided.default, types, (sizes, strides), {"dtype": dtype, "device": device}
+            )
+            for sizes, strides, dtype in ((layouts,) if single else layouts)
+        )
+        return outputs[0] if single else outputs
 
     def _make_cache_entry(self, state: Any, key: Any, func: Any, args: Any, kwargs: Any, output: Any) -> Any:
         if isinstance(output, tuple) and _shares_storage(output):

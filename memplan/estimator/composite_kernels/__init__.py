@@ -216,7 +216,7 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
 
 
 def _load_families() -> None:
-    from memplan.estimator.composite_kernels import convolution, flash_attention, pooling  # noqa: F401
+    from memplan.estimator.composite_kernels import convolution, ctc_loss, embedding_bag, flash_attention, pooling  # noqa: F401
 
 
 _load_families()

@@ -75,10 +75,11 @@ def real_kernel_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 # The output of each op whose fake kernel refuses arguments the real kernel runs, or lays its output out otherwise:
-# (sizes, strides, dtype) as a pure function of the op's arguments. The fake mode makes an empty tensor so and skips
-# the fake kernel (memplan.estimator.fake_mode); each rule checks what the real kernel checks.
+# (sizes, strides, dtype) as a pure function of the op's arguments; for an op whose schema returns several tensors, a
+# tuple of them, one an output in order. The fake mode makes empty tensors so and skips the fake kernel
+# (memplan.estimator.fake_mode); each rule checks what the real kernel checks.
 OutputLayout = tuple[list[int], list[int], torch.dtype]
-FakeKernelRule = Callable[[tuple[Any, ...], dict[str, Any]], OutputLayout]
+FakeKernelRule = Callable[[tuple[Any, ...], dict[str, Any]], OutputLayout | tuple[OutputLayout, ...]]
 
 FAKE_KERNEL_RULES: dict[Any, FakeKernelRule] = {}
 
@@ -87,7 +88,7 @@ fake_kernel_rule = _registrar(FAKE_KERNEL_RULES)
 
 
 def _load_families() -> None:
-    from memplan.estimator.oprules import col2im, grouped_mm, losses, norms, rnn  # noqa: F401  (registers their rules)
+    from memplan.estimator.oprules import col2im, ctc, grouped_mm, losses, norms, rnn  # noqa: F401  (registers their rules)
 
 
 _load_families()
