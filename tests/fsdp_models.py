@@ -83,11 +83,13 @@ def measured_peak(
     grad_accum: int = 1,
     shard_size: int | None = None,
     head_rows: int = 3,
+    param_dtype: torch.dtype | None = None,
 ) -> int:
     """Rank 0's peak bytes in the third iteration of the real step (two warm up). With `shard_size`,
-    HSDP: the mesh is world_size / shard_size replicas by shard_size shards, as torch's docs build it."""
+    HSDP: the mesh is world_size / shard_size replicas by shard_size shards, as torch's docs build it. With
+    `param_dtype`, FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32), torchtitan's."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -102,9 +104,12 @@ def measured_peak(
             model = Stack(head_rows)
             if checkpoint:
                 checkpoint_each(model.blocks)
+            options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+            if param_dtype is not None:
+                options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
             for block in model.blocks:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(block, **options)
+            fully_shard(model, **options)
             if optimizer == "adamw":
                 step = torch.optim.AdamW(model.parameters(), lr=1e-3)
             else:

@@ -59,9 +59,27 @@ def test_lines_refuse_timelines_of_different_shape(tiny_model_dirs):
     assert BatchLines.fit((2, plain), (2, plain), allocator=DEFAULT_CONFIG) is None
 
 
+def test_lines_size_the_embedding_backward_s_partial_sums_anew(tiny_model_dirs):
+    """Past 3,072 indices CUDA's embedding backward sums into N / 10 + min(N, V) rows (memplan.estimator.cuda.
+    embedding_backward): not affine in the batch, so the lines carry the call and size it at each batch size."""
+    spec = resolve_model(tiny_model_dirs["gpt2"])
+    tracer = BatchTracer(spec, spec.settings_for(TrainingSettings(batch_size=25, seq_len=128, gpu="A10G")))
+    lines = BatchLines.fit((25, tracer.simulate(25).timeline), (31, tracer.simulate(31).timeline), DEFAULT_CONFIG)
+    assert lines is not None
+    for batch in (26, 29, 40):  # 3,328 to 5,120 indices: the rows' tenth is no line through 25 and 31's
+        traced = tracer.simulate(batch).timeline
+        partial_sums = [a for a in traced.allocations if a.op == "embedding backward's sort and partial sums"]
+        # the tokens' embedding: sorted and original indices, six index arrays, the rows of partial sums (the
+        # positions' 128 indices take the feature kernel, which requests nothing)
+        assert len(partial_sums) == 9
+        predicted = lines.timeline_at(batch)
+        assert predicted is not None and same_requests(predicted, traced)
+
+
 def test_the_search_answers_from_confirmed_lines_and_its_answer_holds(tiny_model_dirs):
     tracer = _tracer(tiny_model_dirs, "gpt2 cuda", batch_size=8)
-    budget = 4 * tracer.simulate(8).fit_bytes
+    # the search stays under 3,072 tokens, where CUDA's embedding backward takes another path (its lines differ)
+    budget = 2 * tracer.simulate(8).fit_bytes
     found = tracer.max_batch_size(budget)
     assert tracer.lines is not None and tracer.interpolated  # the lines answered part of the search
     assert len(tracer.simulations) == 3  # the estimate's two traces and the one that confirmed the lines

@@ -34,3 +34,25 @@ def chunk_cat_padding_bytes(tensors: Sequence[torch.Tensor], dim: int, num_chunk
             padded = -(-size // num_chunks) * num_chunks
             total += tensor.numel() // max(size, 1) * padded * tensor.element_size()
     return total
+
+
+def chunk_cat_cast_bytes(tensors: Sequence[torch.Tensor], dim: int, num_chunks: int, out: torch.Tensor) -> list[int]:
+    """The temporaries `_chunk_cat_out`'s `cat_out` makes on the CPU, one input at a time, where an input's dtype is
+    not the output's: FSDP2 with a MixedPrecisionPolicy whose reduce_dtype is not its param_dtype (bfloat16
+    gradients reduce-scattered in float32, torchtitan's default).
+
+    aten/src/ATen/native/TensorShape.cpp (torch 2.11-2.14), `cat_out_cpu`: its fast paths need every input of the
+    output's dtype; otherwise each input is copied into its slice of the output through a TensorIterator built with
+    `promote_inputs_to_common_dtype(true)` and `cast_common_dtype_to_outputs(true)`, whose common dtype is that one
+    input's, so the iterator computes into a temporary output of the slice's shape in the input's dtype and casts it
+    into the slice when it is done: a request of the (padded, by chunk_cat_padding_bytes) input's size, freed before
+    the next input's. Returns those sizes in turn; none where every input has the output's dtype (CUDA's kernel
+    casts as it copies: this rule is the CPU's only)."""
+    sizes = []
+    for tensor in tensors:
+        if tensor.dtype == out.dtype or tensor.numel() == 0:
+            continue
+        size = tensor.shape[dim]
+        padded = -(-size // num_chunks) * num_chunks
+        sizes.append(tensor.numel() // max(size, 1) * padded * tensor.element_size())
+    return sizes

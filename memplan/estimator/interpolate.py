@@ -19,7 +19,13 @@ from dataclasses import dataclass, replace
 
 from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
 from memplan.estimator.cuda.reductions import Reduction
-from memplan.estimator.timeline import MemoryTimeline, TimelineAllocation, device_fit_bytes, fits_within
+from memplan.estimator.timeline import (
+    MemoryTimeline,
+    SizedCall,
+    TimelineAllocation,
+    device_fit_bytes,
+    fits_within,
+)
 from memplan.settings import TrainingSettings
 
 
@@ -73,6 +79,10 @@ class BatchLines:
                 # A reduction's staging is not affine in the batch; what it reduces is: size it anew.
                 reduction = self._reduction_at(a.reduction, b.reduction, batch)
                 scaled = None if reduction is None else reduction.bytes()
+            elif a.sized_call is not None and b.sized_call is not None:
+                sized_call = self._sized_call_at(a.sized_call, b.sized_call, batch)
+                a = replace(a, sized_call=sized_call)
+                scaled = None if sized_call is None else sized_call.bytes()
             else:
                 scaled = self._on_line(_requested(a), _requested(b), batch)
             if scaled is None:
@@ -87,6 +97,21 @@ class BatchLines:
         span = self.second_batch - self.first_batch
         value, remainder = divmod(low * span + (high - low) * (batch - self.first_batch), span)
         return None if remainder or value < 0 else value
+
+    def _sized_call_at(self, first: SizedCall, second: SizedCall, batch: int) -> SizedCall | None:
+        """The call at `batch`: its scaled fields on their lines, the rest as traced; None where the rest differs,
+        a scaled field is off its line, or the call makes another number of requests there (another path of the
+        kernel: a timeline of another shape)."""
+        scaled = {name: 0 for name in first.SCALED_FIELDS}
+        if type(first) is not type(second) or replace(first, **scaled) != replace(second, **scaled):  # type: ignore[type-var]
+            return None
+        for name in first.SCALED_FIELDS:
+            value = self._on_line(getattr(first, name), getattr(second, name), batch)
+            if value is None:
+                return None
+            scaled[name] = value
+        call = replace(first, **scaled)  # type: ignore[type-var]
+        return call if len(call.requests()) == len(first.requests()) else None
 
     def _reduction_at(self, first: Reduction, second: Reduction, batch: int) -> Reduction | None:
         """The reduction at `batch`: outputs and inputs per output on their lines, the rest as traced."""

@@ -229,6 +229,7 @@ def memory_timeline(
                     None,
                     request.nbytes,
                     reduction=request.reduction,
+                    sized_call=request.sized_call,
                     sequential=request.sequential,
                 )
             )

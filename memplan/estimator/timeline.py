@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
+from typing import ClassVar, Protocol
 
 from memplan.estimator.cuda.allocator import (
     DEFAULT_CONFIG,
@@ -23,6 +24,20 @@ from memplan.estimator.cuda.allocator import (
 )
 from memplan.estimator.cuda.cudnn import CUDNN_WORKSPACE
 from memplan.estimator.cuda.reductions import Reduction
+
+
+class SizedCall(Protocol):
+    """A kernel call that sizes one of its requests by a rule that is not affine in the batch: a frozen dataclass
+    whose SCALED_FIELDS are what the batch scales (each affine in it) and the rest what stays; `requests()` is every
+    request of the call, `part` which one this is, `bytes()` its bytes (memplan.estimator.interpolate)."""
+
+    SCALED_FIELDS: ClassVar[tuple[str, ...]]
+    part: int
+
+    def requests(self) -> tuple[int, ...]: ...
+
+    def bytes(self) -> int: ...
+
 
 BREAKDOWN_KEYS = (
     "parameters",
@@ -62,6 +77,9 @@ class TimelineAllocation:
     # A CUDA reduction's staging request: how to size it at another batch size (memplan.estimator.
     # interpolate), since Reduce.cuh's plan is not affine in the batch.
     reduction: Reduction | None = None
+    # Another kernel's request whose size is not affine in the batch (CUDA's embedding backward): the call, to
+    # size it at another batch size.
+    sized_call: SizedCall | None = None
     # A library call's transient that is freed as soon as that call ends, before the op's next
     # request (allocated_at == freed_at): a convolution backward's backward-data workspace is gone
     # before its backward-weight workspace is requested.

@@ -1,7 +1,8 @@
 """What CUDA kernels and libraries request and free within one op, beside the op's outputs: cuBLAS's
 per-thread workspaces, cuDNN's convolution workspaces (the band's top), attention backward scratch,
-reductions' staging buffers and bitsandbytes' scratch. Each is a registry rule of its own module
-(memplan.estimator.cuda, memplan.finetune.bnb_kernels); this module finds the nodes that make them.
+reductions' staging buffers, embedding backward's sort and partial sums, and bitsandbytes' scratch.
+Each is a registry rule of its own module (memplan.estimator.cuda, memplan.finetune.bnb_kernels); this
+module finds the nodes that make them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH, kernel_scratch_bytes
-from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS, chunk_cat_padding_bytes
+from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS, chunk_cat_cast_bytes, chunk_cat_padding_bytes
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
 from memplan.estimator.cuda.cublas import cublas_workspace_bytes
@@ -24,10 +25,12 @@ from memplan.estimator.cuda.cudnn import (
     conv_calls,
     workspace_band_bytes,
 )
+from memplan.estimator.cuda.embedding_backward import EMBEDDING_DENSE_BACKWARD, embedding_backward_requests
 from memplan.estimator.cuda.reductions import Reduction, reduction_of
 from memplan.estimator.liveness import fake_args, op_name, round_for_device
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules.dtypes import MATMUL_OPS
+from memplan.estimator.timeline import SizedCall
 from memplan.estimator.traced_step import TracedStep
 from memplan.finetune.bnb_kernels import gemm_4bit_scratch, int8_scratch, is_gemm_4bit, is_int8_op
 from memplan.gpus import DEFAULT_GPU, gpu_named
@@ -82,6 +85,8 @@ class Scratch(NamedTuple):
     name: str  # what it is
     nbytes: int  # bytes requested
     reduction: Reduction | None = None  # a reduction's staging: to be sized anew at other batch sizes
+    # another request whose size is not affine in the batch, to be sized anew likewise (SizedCall)
+    sized_call: SizedCall | None = None
     # Freed before the op's next request: one of several library calls the op makes in turn (a
     # convolution backward's backward-data, then backward-weight workspace). Requests that are not
     # sequential are held together until the op ends (attention backward scratch).
@@ -127,6 +132,14 @@ def _attention_scratch(node: OpNode, args: tuple, settings: TrainingSettings) ->
     return tuple(Scratch(f"{kernel} attention backward scratch", nbytes) for nbytes in requests)
 
 
+def _embedding_backward_scratch(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
+    """What a dense embedding backward node sorts and sums in besides its gradient
+    (memplan.estimator.cuda.embedding_backward)."""
+    gpu = gpu_named(settings.gpu or DEFAULT_GPU)
+    calls = embedding_backward_requests(args, gpu.multiprocessors, settings.deterministic)
+    return tuple(Scratch("embedding backward's sort and partial sums", call.bytes(), sized_call=call) for call in calls)
+
+
 REDUCTION_OPS = {
     torch.ops.aten.sum.dim_IntList,
     torch.ops.aten.sum.default,
@@ -165,9 +178,16 @@ def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scra
         if node.op != "call_function":
             continue
         if device == "cpu" and str(node.target) in CHUNK_CAT_OPS:
-            args, _ = fake_args(node)  # (tensors, dim, num_chunks), positional as the schema has them; out= a kwarg
+            args, kwargs = fake_args(node)  # (tensors, dim, num_chunks) positional; out= a kwarg
             padding = chunk_cat_padding_bytes(*args[:3])
-            scratch = [("chunk_cat's padded copies", padding)] if padding else []
+            requests = [Scratch("chunk_cat's padded copies", padding)] if padding else []
+            out = kwargs.get("out")
+            if isinstance(out, torch.Tensor):  # in turn, after the padded copies: each cast's temporary
+                casts = chunk_cat_cast_bytes(*args[:3], out)
+                requests += [Scratch("chunk_cat's cast temporaries", nbytes, sequential=True) for nbytes in casts]
+            if requests:
+                transients[index] = tuple(requests)
+            continue
         elif node.target in COMPOSITE_KERNEL_SCRATCH:
             args, kwargs = fake_args(node)
             held = kernel_scratch_bytes(node.target, args, kwargs, device)
@@ -201,10 +221,12 @@ def kernel_transients(
     traced: TracedStep, nodes: list[OpNode]
 ) -> tuple[dict[int, tuple[Scratch, ...]], dict[int, tuple[Scratch, ...]]]:
     """Each node's transients by node index: those in both ends of the cuDNN workspace band (attention
-    backward scratch, reductions' staging, library kernels'), and the convolutions' workspaces (the band's top)."""
+    backward scratch, reductions' staging, embedding backward's, library kernels'), and the convolutions'
+    workspaces (the band's top)."""
     exact = {
         **kernel_transients_of(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch),
         **kernel_transients_of(traced, nodes, REDUCTION_OPS, _reduction_staging),
+        **kernel_transients_of(traced, nodes, {EMBEDDING_DENSE_BACKWARD}, _embedding_backward_scratch),
         **library_transients(nodes, traced.settings.device),
     }
     return exact, kernel_transients_of(traced, nodes, CONV_OPS, _conv_workspace)
