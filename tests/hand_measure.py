@@ -111,3 +111,24 @@ def checkpoint_each(blocks: torch.nn.ModuleList) -> None:
     for block in blocks:
         forward = block.forward
         block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+
+
+def profiled_causal_lm_peak(model_of: Callable[[], torch.nn.Module], batch_of: Callable[[], dict]) -> int:
+    """The canonical loop's third iteration of a Hugging Face model that returns its own loss (`model(**batch).loss`),
+    AdamW over its trainable parameters, model and batch made inside the profiled window's build."""
+
+    def build() -> Callable[[], None]:
+        torch.manual_seed(0)
+        model = model_of().train()
+        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad])
+        batch = batch_of()
+        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+
+        def iteration() -> None:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return iteration
+
+    return profiled_third_iteration_peak(build)

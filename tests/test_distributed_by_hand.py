@@ -12,8 +12,10 @@ Each strategy's peak is the largest of a few moments of the step, each a sum of 
   second layer's weight gradient, made just before it;
 - the optimizer step (AdamW on the cpu, torch's single-tensor implementation): `denom =
   (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds two temporaries the size of the
-  parameter it updates, the larger one's at the peak; each parameter's state is two moments and a
-  float32 `step` scalar.
+  parameter it updates, the larger one's at the peak, and, while the quotient is made, the Python float
+  it divides by as torch's argument parser wraps it (a float64 scalar tensor) and the division kernel's
+  float32 copy of it (TensorIterator casts a CPU scalar to the common dtype); each parameter's state is
+  two moments and a float32 `step` scalar.
 memplan's loop drops the loss at the end of the micro-batch (memplan.estimator.loop.micro_batch),
 so the loss scalar counts in the backward, not in the step; so does the loss's gradient.
 """
@@ -30,6 +32,7 @@ W1 = HIDDEN * IN * F32  # the first layer's weight, [256, 64]
 W2 = OUT * HIDDEN * F32  # the second's, [30, 256]
 PARAMETERS = W1 + W2
 ADAMW_STEP = F32  # state["step"]: a float32 scalar per parameter (capturable=False)
+DIVISOR = 8 + F32  # `/ bias_correction2_sqrt`: the wrapped float64 number and the kernel's float32 cast of it
 LOSS = F32
 # torch.autograd.backward's root gradient, ones_like(loss), which its local `grad_tensors_` holds until the engine
 # returns (torch/autograd/__init__.py): it counts through the whole backward.
@@ -60,9 +63,10 @@ def _input(batch_size: int) -> int:
 
 def _adamw_step(parameters: int, gradients: int, owned: list[int]) -> int:
     """The single-tensor step's peak: parameters, gradients, for each parameter the optimizer owns
-    two moments and a step scalar, and the largest one's two temporaries (sqrt, then the quotient)."""
+    two moments and a step scalar, and the largest one's two temporaries (sqrt, then the quotient) beside
+    the divisor's two scalars."""
     state = sum(2 * size + ADAMW_STEP for size in owned)
-    return parameters + gradients + state + 2 * max(owned)
+    return parameters + gradients + state + 2 * max(owned) + DIVISOR
 
 
 def _rows_per_rank(rows: int, world_size: int) -> int:

@@ -227,24 +227,10 @@ def test_a_users_own_prompt_tuning_model_object_is_its_plain_run():
     storage of a tensor on device "meta" to a storage on different device "cpu"", a helper's bug hunt). Truth: the
     same model run plainly, measured by the CPU allocator's events (its 8 virtual tokens lengthen the sequence the
     base model sees from 64 to 72)."""
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import profiled_causal_lm_peak
     from tests.lora_models import peft_prompt_tuning_llama, tokens
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        model = peft_prompt_tuning_llama().train()
-        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad])
-        batch = tokens(2)
-        build.kept = (model, optimizer, batch)
-
-        def iteration() -> None:
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    measured = profiled_third_iteration_peak(build)
+    measured = profiled_causal_lm_peak(peft_prompt_tuning_llama, lambda: tokens(2))
     predicted = memplan.estimate(peft_prompt_tuning_llama(), inputs=tokens, batch_size=2, device="cpu").peak_bytes
     # Llama under prompt tuning multiplies by no Python number that autograd saves (those are 8 B each the trace
     # misses, outside this test): exact here

@@ -36,6 +36,7 @@ from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.estimator.trace_errors import trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
+from memplan.estimator.wrapped_numbers import wrapped_numbers_recorded
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -103,6 +104,7 @@ def trace_custom_step(
             recorder,
             resizes_recorded as resizes,
             rng_snapshots_recorded(recorder.node_count, settings.device) as rng_snapshots,
+            wrapped_numbers_recorded(recorder.node_count, settings.device, recorder) as wrapped_numbers,
         ):
             # How long the step's optimizers keep their temporaries in locals, as in memplan's own step (trace.py).
             optimizer_locals = OptimizerLocals(recorder.node_count)
@@ -150,7 +152,15 @@ def trace_custom_step(
     for key, nbytes in kept:
         end = max(kept_freed_at[key] - 1, 0) if key in kept_freed_at else last_node
         released_early.append((key, nbytes, end))
-    observed = Observed(tracker, eager_lifetimes, started, unknown_ops, resizes, rng_snapshots=rng_snapshots)
+    observed = Observed(
+        tracker,
+        eager_lifetimes,
+        started,
+        unknown_ops,
+        resizes,
+        rng_snapshots=rng_snapshots,
+        wrapped_numbers=wrapped_numbers,
+    )
     return traced_step_from(graph, state, boundaries, (categories, sizes), observed, None, released_early)
 
 

@@ -76,6 +76,9 @@ class GraphRecorder(TorchDispatchMode):
         # run has not: memplan.estimator.engine_accumulation reads the storage's reference count). The aliases
         # keep each storage alive as long as the graph, so no address is another storage's meanwhile.
         self._aliases: dict[int, int] = {}
+        # Set on the cpu target while recording (memplan.estimator.wrapped_numbers.wrapped_numbers_recorded): the
+        # Python numbers ops are given for Tensor arguments, real tensors no dispatch shows.
+        self.wrapped_numbers: Any = None
         for index, tensor in enumerate(inputs):
             node = self.graph.add(OpNode("placeholder", f"input_{index}"))
             node.meta["val"] = self._kept(alias(tensor))
@@ -147,12 +150,18 @@ class GraphRecorder(TorchDispatchMode):
         refused = refused_mixed_dtypes(func, args)
         if refused is not None:  # the real kernel raises; its fake one computes a shape (oprules.dtypes)
             raise RuntimeError(refused)
+        numbers = self.wrapped_numbers
+        if numbers is not None:  # the last op's numbers went as it returned: before this op's arguments' nodes
+            numbers.settle()
         inputs: list[OpNode] = []
         node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
+        made = numbers.before_op(func, args, kwargs) if numbers is not None else None
         out = real_kernel_outputs(
             func, args, kwargs, func(*args, **kwargs), self.target
         )  # as the real kernel types them
         val = self._add_node(func, node_args, node_kwargs, inputs, out)
+        if made is not None:
+            numbers.after_op(made, out)
         if self.recording is not None:
             self.recording.ops.append(RecordedOp(func, args, kwargs, out, val))
         return out
@@ -194,15 +203,20 @@ class GraphRecorder(TorchDispatchMode):
             return substitute.get(id(tensor), tensor)
 
         with _pop_mode_temporarily():  # as inside __torch_dispatch__: what node_of runs is not recorded
+            numbers = self.wrapped_numbers
             for op in recording.ops:
                 inputs: list[OpNode] = []
                 node_args = self._argument(map_leaves(op.args, torch.Tensor, swap), inputs)
                 node_kwargs = self._argument(map_leaves(op.kwargs, torch.Tensor, swap), inputs)
+                made = numbers.before_op(op.func, op.args, op.kwargs) if numbers is not None else None
                 if any(id(tensor) in substitute for tensor in tensors_in(op.out)):
                     # It wrote a gradient in place and returned it: the new gradient, with a new alias.
                     self._add_node(op.func, node_args, node_kwargs, inputs, map_leaves(op.out, torch.Tensor, swap))
                 else:
                     self._add_node(op.func, node_args, node_kwargs, inputs, op.out, op.val)
+                if made is not None:
+                    numbers.after_op(made, None)  # the optimizer's step runs without grad: nothing saves them
+                    numbers.settle()
 
     def finish(self, outputs: object) -> OpGraph:
         """Close the graph with an output node reading the tensors in `outputs` (what outlives the run)."""

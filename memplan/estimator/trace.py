@@ -53,6 +53,7 @@ from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
 from memplan.estimator.trace_errors import step_failure, trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
+from memplan.estimator.wrapped_numbers import wrapped_numbers_recorded
 from memplan.interrupts import deferred
 from memplan.models.source import ModelSpec, exit_in_user_code
 from memplan.settings import TrainingSettings
@@ -244,6 +245,7 @@ def trace_step(
             recorder,
             resizes_recorded as resizes,
             rng_snapshots_recorded(recorder.node_count, settings.device) as rng_snapshots,
+            wrapped_numbers_recorded(recorder.node_count, settings.device, recorder) as wrapped_numbers,
             swaps as swaps_seen,
             copies_made(state.data_parallel) as host_copies,
         ):
@@ -314,6 +316,7 @@ def trace_step(
         resizes,
         swapped,
         rng_snapshots=rng_snapshots,
+        wrapped_numbers=wrapped_numbers,
         saved_packs=graphs.packs,
     )
     if getattr(state.data_parallel, "offload", False):

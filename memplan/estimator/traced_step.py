@@ -88,6 +88,8 @@ class Observed:
     host: HostMemory | None = None  # --offload: the rank's host memory
     # the CPU generator's state copied by checkpoints on the cpu target (memplan.estimator.rng_snapshots)
     rng_snapshots: list[StorageResize] = field(default_factory=list)
+    # Python numbers ops were given for Tensor arguments, on the cpu target (memplan.estimator.wrapped_numbers)
+    wrapped_numbers: list[StorageResize] = field(default_factory=list)
     saved_packs: list[tuple[int, str | None]] = field(default_factory=list)  # SavedTensors.packs
 
 
@@ -126,7 +128,7 @@ def traced_step_from(
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
         released_early=tuple(released_early),
-        storage_resizes=(*observed.resizes, *observed.rng_snapshots),
+        storage_resizes=(*observed.resizes, *observed.rng_snapshots, *observed.wrapped_numbers),
         saved_packs=tuple(observed.saved_packs),
         swapped_storages=observed.swapped,
         host_memory=observed.host,

@@ -43,6 +43,7 @@ from memplan.estimator.loop import (
 from memplan.estimator.plain_formulas import PlainFormulaPaths
 from memplan.estimator.rng_snapshots import rng_snapshots_counted
 from memplan.estimator.swapped_storages import tensors_python_holds
+from memplan.estimator.wrapped_numbers import WrappedNumber, WrappedNumbers
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
@@ -80,6 +81,9 @@ class LiveStorageCounter(TorchDispatchMode):
         self._accumulation = EngineAccumulation()
         self._while_counting: contextlib.ExitStack | None = None
         self._entered = 0
+        # the Python numbers ops are given for Tensor arguments, real tensors no dispatch shows (wrapped_numbers)
+        self._wrapped: dict[WrappedNumber, int] = {}
+        self._wrapped_numbers = WrappedNumbers(self._wrapped_made, self._wrapped_freed)
 
     def __enter__(self) -> LiveStorageCounter:
         if self._entered == 0:
@@ -97,6 +101,15 @@ class LiveStorageCounter(TorchDispatchMode):
             self._entered -= 1
             if self._entered == 0 and self._while_counting is not None:
                 self._while_counting.close()
+                self._wrapped_numbers.close()
+
+    def _wrapped_made(self, key: WrappedNumber, nbytes: int) -> None:
+        self._wrapped[key] = nbytes
+        self.dynamic_bytes += nbytes
+        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
+
+    def _wrapped_freed(self, key: WrappedNumber) -> None:
+        self.dynamic_bytes -= self._wrapped.pop(key, 0)
 
     def leave_out(self, tensor: torch.Tensor) -> None:
         """Host memory under offload: never counted."""
@@ -162,6 +175,7 @@ class LiveStorageCounter(TorchDispatchMode):
         func = self._accumulation.op_for(func, args, kwargs)  # the engine's sum, in place as a plain run's
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         kernel = _python_kernel(func)
+        made = self._wrapped_numbers.before_op(func, args, kwargs or {})
         if str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {}):
             out, inside = _with_kernel_allocations(func, args, kwargs or {})
             self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes + inside)
@@ -175,6 +189,7 @@ class LiveStorageCounter(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self._add_dynamic(leaf)
         self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
+        self._wrapped_numbers.after_op(made, out)
         return out
 
     @property
