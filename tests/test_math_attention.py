@@ -81,3 +81,54 @@ def test_attention_with_dropout_on_the_cpu_is_its_real_run(model, precision, che
     predicted = simulate(trace_step(spec, settings)).peak_bytes
     measured = measure_cpu(spec, settings).peak_bytes
     assert abs(predicted - measured) <= 8, f"predicted {predicted:,} B, measured {measured:,} B"
+
+
+class _MathPathScores(nn.Module):
+    """Attention over its own input through the math path (sdpa_kernel(MATH)), no weights before it: the step's peak
+    is its forward's `_safe_softmax`, beside the scores and their softmax."""
+
+    def __init__(self, masked: bool) -> None:
+        super().__init__()
+        self.head, self.masked = nn.Linear(8, 4), masked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        steps = x.shape[-2]
+        mask = torch.ones(steps, steps, dtype=torch.bool).tril() if self.masked else None
+        with sdpa_kernel(SDPBackend.MATH):
+            attended = nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(attended).square().mean()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "bool-mask"])
+def test_safe_softmax_holds_its_masks_beside_its_output(masked):
+    """`_safe_softmax` (memplan.estimator.composite_kernels.safe_softmax) holds a bool per score, a bool per row and
+    a 0-d zero beside its output: without the rule memplan and its CPU counter were both 24,964 B low here (a
+    [2, 3, 64, 64] float32 score tensor: 24,576 + 384 + 4), against the plain run's allocator events."""
+    from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+    from tests.module_specs import loss_returning_spec
+
+    batch, heads, steps, width = 2, 3, 64, 8
+
+    def build():
+        torch.manual_seed(0)
+        model = _MathPathScores(masked)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return training_iteration(model, torch.randn(batch, heads, steps, width), lambda out, _: out, optimizer)
+
+    measured = profiled_third_iteration_peak(build)
+    spec = loss_returning_spec("math-path-scores", lambda: _MathPathScores(masked), (heads, steps, width))
+    settings = TrainingSettings(batch_size=batch, device="cpu", optimizer="sgd")
+    assert simulate(trace_step(spec, settings)).peak_bytes == measured
+    assert measure_cpu(spec, settings).peak_bytes == measured
+
+
+def test_safe_softmax_s_requests_on_the_cuda_target():
+    """The H100 allocator trace of qwen2.5-0.5b-fp32 (torch 2.11, docs/validation/h100) has, after each [2, 14, 2048,
+    2048] float32 softmax output, requests of 117,440,512 B, 57,344 B and 4 B, freed as the call returns."""
+    from memplan.estimator.composite_kernels import kernel_scratch_requests
+
+    scores = torch.empty(2, 14, 2048, 2048, device="meta")
+    requests = kernel_scratch_requests(torch.ops.aten._safe_softmax.default, (scores, -1), {}, "cuda")
+    assert requests == (2 * 14 * 2048 * 2048, 2 * 14 * 2048, 4)

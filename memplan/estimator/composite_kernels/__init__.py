@@ -16,8 +16,9 @@ import torch
 from memplan.estimator.memory_formats import contiguous_in_a_format, suggested_memory_format
 from memplan.estimator.oprules import _registrar
 
-# op -> rule(args, kwargs, device) -> bytes the kernel holds at its fullest, beside its output
-KernelScratchRule = Callable[[tuple[Any, ...], dict[str, Any], str], int]
+# op -> rule(args, kwargs, device) -> bytes the kernel holds at its fullest, beside its output: one number, or a tuple
+# of the requests it makes and holds together until it returns (the cuda target's allocator sees each of them)
+KernelScratchRule = Callable[[tuple[Any, ...], dict[str, Any], str], int | tuple[int, ...]]
 COMPOSITE_KERNEL_SCRATCH: dict[Any, KernelScratchRule] = {}
 composite_kernel_scratch = _registrar(COMPOSITE_KERNEL_SCRATCH)
 
@@ -27,10 +28,16 @@ _REDUCTION_NONE, _REDUCTION_MEAN = 0, 1  # at::Reduction::None and Mean (aten/sr
 def kernel_scratch_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """What `func`'s kernel holds beside its output in this call, by its rule; 0 for an op with none, and for a call
     whose input is no strided tensor (a sparse one's, or a node the trace could not run, which has no fake value)."""
+    return sum(kernel_scratch_requests(func, args, kwargs, device))
+
+
+def kernel_scratch_requests(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[int, ...]:
+    """kernel_scratch_bytes as the requests that make it up, where the rule names them (else one); () for none."""
     rule = COMPOSITE_KERNEL_SCRATCH.get(func)
     if rule is None or not args or not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
-        return 0
-    return rule(tuple(args), kwargs, device)
+        return ()
+    held = rule(tuple(args), kwargs, device)
+    return tuple(nbytes for nbytes in (held if isinstance(held, tuple) else (held,)) if nbytes)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -216,7 +223,14 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
 
 
 def _load_families() -> None:
-    from memplan.estimator.composite_kernels import convolution, ctc_loss, embedding_bag, flash_attention, pooling  # noqa: F401
+    from memplan.estimator.composite_kernels import (  # noqa: F401
+        convolution,
+        ctc_loss,
+        embedding_bag,
+        flash_attention,
+        pooling,
+        safe_softmax,
+    )
 
 
 _load_families()
