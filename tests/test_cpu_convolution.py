@@ -56,3 +56,44 @@ def test_a_slow_cpu_convolution_holds_its_columns(case):
     with torch.backends.mkldnn.flags(enabled=False):
         assert simulate(trace_step(spec, settings)).peak_bytes == measured
         assert measure_cpu(spec, settings).peak_bytes == measured
+
+
+def _op_scratch_measured(args: tuple) -> tuple[int, set[str]]:
+    """What `aten.convolution` holds beside its output when it runs for real (torch.profiler's memory events), and
+    the ops it ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        out = torch.ops.aten.convolution.default(*args)
+    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
+    held = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak - out.numel() * out.element_size(), {event.name for event in profiler.events()}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built")
+def test_a_small_float32_convolution_runs_slow2d_with_onednn_on():
+    """oneDNN on (torch's default): a batch of 1, one group, a 3x3 kernel and at most 20,480 input elements take
+    THNN's Slow2d (`ConvParams::use_mkldnn`), with its im2col columns; the rule had taken every float32 convolution
+    for oneDNN's and counted 0 (72 KiB low here)."""
+    from memplan.estimator.composite_kernels import kernel_scratch_bytes
+
+    args = (torch.randn(1, 8, 16, 16), torch.randn(8, 8, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    with torch.backends.mkldnn.flags(enabled=True):
+        measured, ran = _op_scratch_measured(args)
+        predicted = kernel_scratch_bytes(torch.ops.aten.convolution.default, args, {}, "cpu")
+    assert "aten::thnn_conv2d" in ran
+    assert predicted == measured == 8 * 9 * 256 * 4
+
+
+def test_one_element_convolution_parameters_stand_for_every_dimension():
+    """`aten.convolution` expands a one-element stride, padding or dilation (expand_param_if_needed): the rule reads
+    them so, where it had raised an IndexError inside the trace."""
+    from memplan.estimator.composite_kernels import kernel_scratch_bytes
+
+    full = (torch.randn(1, 8, 16, 16, dtype=torch.float64), torch.randn(8, 8, 3, 3, dtype=torch.float64), None)
+    short = (*full, [1], [1], [1], False, [0], 1)
+    measured, _ = _op_scratch_measured(short)
+    assert kernel_scratch_bytes(torch.ops.aten.convolution.default, short, {}, "cpu") == measured > 0

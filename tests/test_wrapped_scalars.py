@@ -198,3 +198,43 @@ def test_a_kernel_casts_its_numbers_to_the_common_dtype():
         counted.numbers.close()
         del out
         assert _allocator_events(op)[:-1] == counted.events
+
+
+class _CaughtFailure(nn.Module):
+    """A forward that tries an op given a Python number, which raises, and goes on without it (as code probing a
+    kernel does): the failed call's wrapped number and cast go with it."""
+
+    def __init__(self, tries: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.tries = nn.Linear(16, 16), tries
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tries:
+            try:
+                torch.zeros(3, dtype=torch.int64).add_(2.5)  # a Float result can't be cast to Long
+            except RuntimeError:
+                pass
+        return self.fc(x).square().sum()
+
+
+def test_a_failed_op_s_numbers_do_not_outlive_it():
+    settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
+    peaks = [
+        simulate(trace_step(loss_returning_spec(f"caught-{tries}", lambda t=tries: _CaughtFailure(t), (16,)), settings))
+        for tries in (False, True)
+    ]
+    # the int64 zeros (24 B) live a moment in the forward, far from the peak; the number and cast had stayed to the end
+    assert peaks[1].peak_bytes == peaks[0].peak_bytes
+
+
+def test_functions_run_in_an_op_s_place_are_not_cached():
+    """A dispatch mode's stand-in for an op (plain_formulas' closures, new at each Node) has no Tensor arguments to
+    wrap, and the module's cache of schemas must not keep it (nor what it holds) for the process's life."""
+    from memplan.estimator import wrapped_numbers
+
+    def stand_in(a, b):  # type: ignore[no-untyped-def]
+        return a
+
+    assert wrapped_numbers.wrapped_numbers_of(stand_in, (torch.ones(2), 1.0), {}) == []
+    assert stand_in not in wrapped_numbers._TENSOR_ARGUMENTS

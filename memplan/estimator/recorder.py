@@ -156,9 +156,14 @@ class GraphRecorder(TorchDispatchMode):
         inputs: list[OpNode] = []
         node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
         made = numbers.before_op(func, args, kwargs) if numbers is not None else None
-        out = real_kernel_outputs(
-            func, args, kwargs, func(*args, **kwargs), self.target
-        )  # as the real kernel types them
+        try:
+            out = real_kernel_outputs(
+                func, args, kwargs, func(*args, **kwargs), self.target
+            )  # as the real kernel types them
+        except BaseException:
+            if made is not None:  # the numbers went with the failed call, not at the end of the trace
+                numbers.after_op(made, None)
+            raise
         val = self._add_node(func, node_args, node_kwargs, inputs, out)
         if made is not None:
             numbers.after_op(made, out)

@@ -55,13 +55,17 @@ class WrappedNumber:
 
 
 def _tensor_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """Only an op with a schema is kept: a dispatch mode may run a Python function in an op's place (the plain
+    formula paths' closures, new at each backward Node), which a module-level cache would keep, and what it holds,
+    for the process's life."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
     found = _TENSOR_ARGUMENTS.get(func)
     if found is None:
-        schema = getattr(func, "_schema", None)
-        arguments = schema.arguments if schema is not None else ()
         found = tuple(
             (index, argument.name)
-            for index, argument in enumerate(arguments)
+            for index, argument in enumerate(schema.arguments)
             if not argument.kwarg_only and str(argument.type) == "Tensor"
         )
         _TENSOR_ARGUMENTS[func] = found
@@ -151,7 +155,9 @@ class WrappedNumbers:
         return key
 
     def after_op(self, made: tuple[list, WrappedNumber | None], out: object) -> None:
-        """After the op's outputs were made: its casts freed, its numbers pending until the next op (or close)."""
+        """After the op's outputs were made: its casts freed, its numbers pending until the next op (or close). An
+        op that raised is told with `out` None: nothing keeps its numbers, freed as the next op settles them (a
+        caller that catches the error goes on without them)."""
         numbers, cast = made
         if cast is not None:
             self._freed(cast)

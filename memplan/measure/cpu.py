@@ -176,14 +176,18 @@ class LiveStorageCounter(TorchDispatchMode):
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         kernel = _python_kernel(func)
         made = self._wrapped_numbers.before_op(func, args, kwargs or {})
-        if str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {}):
-            out, inside = _with_kernel_allocations(func, args, kwargs or {})
-            self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes + inside)
-        elif kernel is None:
-            out = func(*args, **(kwargs or {}))
-        else:
-            with self:  # the kernel's own ops, and the tensors they make, pass through the counter
-                out = kernel(*args, **(kwargs or {}))
+        try:
+            if str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {}):
+                out, inside = _with_kernel_allocations(func, args, kwargs or {})
+                self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes + inside)
+            elif kernel is None:
+                out = func(*args, **(kwargs or {}))
+            else:
+                with self:  # the kernel's own ops, and the tensors they make, pass through the counter
+                    out = kernel(*args, **(kwargs or {}))
+        except BaseException:
+            self._wrapped_numbers.after_op(made, None)  # the numbers went with the failed call
+            raise
         self._plain_paths.made(out)
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):

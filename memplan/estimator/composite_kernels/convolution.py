@@ -24,28 +24,66 @@ def _subtensor(tensor: torch.Tensor, dim: int, groups: int, g: int) -> torch.Ten
     return tensor.narrow(dim, n * g, n)
 
 
+def _expanded(param: Any, dims: int) -> list[int]:
+    """Convolution.cpp's `expand_param_if_needed`: a one-element stride, padding or dilation stands for every spatial
+    dimension (`torch.ops.aten.convolution(x, w, None, [1], [1], [1], ...)` runs a 2-D convolution)."""
+    values = [int(value) for value in param]
+    return values * dims if len(values) == 1 else values
+
+
+def _mkldnn_runs(
+    input: torch.Tensor, weight: torch.Tensor, stride: list[int], dilation: list[int], groups: int
+) -> bool:
+    """`ConvParams::use_mkldnn` (aten/src/ATen/native/Convolution.cpp, torch 2.11-2.14; `input`, `weight` 4-D, as
+    `_convolution` views a 1-D convolution before it selects its backend): 16-bit floats where the CPU has oneDNN's
+    kernels for them; float32 unless it is a small one that THNN runs faster: a 1x1, unstrided, undilated kernel on
+    one thread under a batch of 16, or one group, a kernel of 3 or less on a side, a batch of 1 and at most 20,480
+    input elements (measured: a [1, 8, 16, 16] 3x3 convolution runs thnn_conv2d with oneDNN on). A 1-D one's
+    [N, C, L] input and [O, I, k] weight read as their [N, C, 1, L] and [O, I, 1, k] views (a size-1 dimension
+    changes neither the element count nor a kernel side that matters)."""
+    from memplan.estimator.composite_kernels import flash_attention
+
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if input.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if input.dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    if input.dtype != torch.float32:
+        return False
+    batch = input.shape[0]
+    kernel = (weight.shape[-2], weight.shape[-1]) if weight.dim() == 4 else (1, weight.shape[-1])
+    strided_or_dilated = any(s != 1 for s in stride) or any(d != 1 for d in dilation)
+    not_one_by_one = strided_or_dilated or batch >= 16 or kernel != (1, 1) or flash_attention.INTRA_OP_THREADS > 1
+    large = groups > 1 or (kernel[0] > 3 and kernel[1] > 3) or batch > 1 or input.numel() > 20480
+    return not_one_by_one and large
+
+
 def _slow_conv2d_backend(args: tuple[Any, ...], transposed: bool, groups: int) -> bool:
     """Whether ATen's CPU `_select_conv_backend` (aten/src/ATen/native/Convolution.cpp, torch 2.11-2.14) takes
     Slow2d (`thnn_conv2d` / `_slow_conv2d_backward`) for this convolution in this process: a 1-D or 2-D, undilated,
-    untransposed convolution where oneDNN does not run it (oneDNN off, or a float64 one: `use_mkldnn` takes float32
-    and, on CPUs that have their kernels, 16-bit floats only) and NNPACK does not either (`use_nnpack`: float32,
-    kernel under 17, padding under the kernel, a batch of 16 or more; its backward runs the dilated kernel)."""
-    input, weight, dilation = args[0], args[1], args[5]
-    if transposed or input.dim() not in (3, 4) or any(d != 1 for d in dilation) or input.numel() == 0:
+    untransposed convolution that oneDNN does not run (_mkldnn_runs) and NNPACK does not either (`use_nnpack`:
+    float32, kernel under 17, padding under the kernel, a batch of 16 or more; its backward runs the dilated
+    kernel)."""
+    input, weight = args[0], args[1]
+    if transposed or input.dim() not in (3, 4) or input.numel() == 0:
         return False
-    mkldnn_runs = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-    if mkldnn_runs and input.dtype != torch.float64:
+    spatial = input.dim() - 2
+    stride, padding, dilation = (_expanded(args[i], spatial) for i in (3, 4, 5))
+    if any(d != 1 for d in dilation):
         return False
     kernel = weight.shape[2:]
-    padding = [*args[4]] if input.dim() == 4 else [0, *args[4]]
+    padding2d = padding if input.dim() == 4 else [0, *padding]
     kernel2d = [*kernel] if input.dim() == 4 else [1, *kernel]
+    if _mkldnn_runs(input, weight, stride, dilation, groups):
+        return False
     nnpack = (
         torch.backends.nnpack.is_available()
         and torch._C._get_nnpack_enabled()
         and input.dtype == torch.float32
         and input.dim() == 4
         and all(k < 17 for k in kernel2d)
-        and all(p < k for p, k in zip(padding, kernel2d, strict=True))
+        and all(p < k for p, k in zip(padding2d, kernel2d, strict=True))
         and input.shape[0] >= 16
     )
     return not nnpack
@@ -69,8 +107,9 @@ def _as_2d(
     """Convolution.cpp's 1-D to 2-D view (`input.contiguous()`, then view4d: a [N, C, 1, L] input), and the bytes
     of that contiguous copy; 2-D arguments as they are."""
     input, weight = _meta_like(input), _meta_like(weight)
+    stride, padding = _expanded(stride, input.dim() - 2), _expanded(padding, input.dim() - 2)
     if input.dim() == 4:
-        return input, weight, [*stride], [*padding], 0
+        return input, weight, stride, padding, 0
     copy = contiguous_copy_bytes(input, torch.contiguous_format)
     return input.contiguous().unsqueeze(2), weight.unsqueeze(2), [1, *stride], [0, *padding], copy
 
