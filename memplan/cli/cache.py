@@ -235,7 +235,8 @@ def cached_answer(command: str, params: dict[str, Any], typed: set[str] | None =
         "packages": {package: _version(package) for package in _PACKAGES},
         "python": sys.version,
         "environment": environment,
-        "cpus": os.cpu_count(),
+        # the cores this process may run on (taskset, a container's cpuset), which torch's threads follow
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "terminal": _stream_is_terminal(sys.stdout),  # the answer is stdout; stderr is not kept
     }
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()
