@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memplan.estimator.composite_kernels import flash_attention
+from memplan.estimator import composite_kernels
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.settings import TrainingSettings
@@ -63,7 +63,7 @@ def _plain_run_peak(layout: str, batch: int, threads: int) -> int:
     [("heads-first", 1, 1), ("heads-first", 3, 1), ("heads-first", 3, 2), ("transposed", 3, 1)],
 )
 def test_cpu_flash_attention_holds_its_kernel_s_scratch(layout, batch, threads, monkeypatch):
-    monkeypatch.setattr(flash_attention, "INTRA_OP_THREADS", threads)
+    monkeypatch.setattr(composite_kernels, "INTRA_OP_THREADS", threads)
     measured = _plain_run_peak(layout, batch, threads)
     spec = loss_returning_spec(f"attention-{layout}", lambda: _Attention(layout), (SEQ, WIDTH))
     simulation = simulate(trace_step(spec, TrainingSettings(batch_size=batch, device="cpu", optimizer="adamw")))

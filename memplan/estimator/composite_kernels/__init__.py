@@ -22,6 +22,12 @@ KernelScratchRule = Callable[[tuple[Any, ...], dict[str, Any], str], int | tuple
 COMPOSITE_KERNEL_SCRATCH: dict[Any, KernelScratchRule] = {}
 composite_kernel_scratch = _registrar(COMPOSITE_KERNEL_SCRATCH)
 
+# The intra-op threads a plain run in this process would use (`at::get_num_threads()`), read at import: in the
+# process the user started, before a forked worker (memplan.forked) sets its own to 1. Kernels that give each thread
+# a scratch buffer (CPU flash attention) hold this many; oneDNN leaves small 1x1 convolutions on one thread to THNN
+# (convolution). A later torch.set_num_threads in the same process is not seen.
+INTRA_OP_THREADS = torch.get_num_threads()
+
 _REDUCTION_NONE, _REDUCTION_MEAN = 0, 1  # at::Reduction::None and Mean (aten/src/ATen/core/Reduction.h)
 
 

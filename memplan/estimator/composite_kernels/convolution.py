@@ -41,7 +41,7 @@ def _mkldnn_runs(
     input elements (measured: a [1, 8, 16, 16] 3x3 convolution runs thnn_conv2d with oneDNN on). A 1-D one's
     [N, C, L] input and [O, I, k] weight read as their [N, C, 1, L] and [O, I, 1, k] views (a size-1 dimension
     changes neither the element count nor a kernel side that matters)."""
-    from memplan.estimator.composite_kernels import flash_attention
+    from memplan.estimator import composite_kernels
 
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
@@ -54,7 +54,7 @@ def _mkldnn_runs(
     batch = input.shape[0]
     kernel = (weight.shape[-2], weight.shape[-1]) if weight.dim() == 4 else (1, weight.shape[-1])
     strided_or_dilated = any(s != 1 for s in stride) or any(d != 1 for d in dilation)
-    not_one_by_one = strided_or_dilated or batch >= 16 or kernel != (1, 1) or flash_attention.INTRA_OP_THREADS > 1
+    not_one_by_one = strided_or_dilated or batch >= 16 or kernel != (1, 1) or composite_kernels.INTRA_OP_THREADS > 1
     large = groups > 1 or (kernel[0] > 3 and kernel[1] > 3) or batch > 1 or input.numel() > 20480
     return not_one_by_one and large
 

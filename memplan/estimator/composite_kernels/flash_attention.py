@@ -8,12 +8,8 @@ from typing import Any
 
 import torch
 
+from memplan.estimator import composite_kernels
 from memplan.estimator.composite_kernels import _LOW_PRECISION, _nbytes, composite_kernel_scratch
-
-# The intra-op threads a plain run in this process would use (`at::get_num_threads()`), read at import: in the
-# process the user started, before a forked worker (memplan.forked) sets its own to 1. Kernels that give each
-# thread a scratch buffer (CPU flash attention, below) hold this many.
-INTRA_OP_THREADS = torch.get_num_threads()
 
 
 def _flash_cpu_split_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
@@ -44,7 +40,7 @@ def flash_attention_cpu_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     per_thread = (q_split * kv_split + 2 * q_split + q_split * query.shape[3]) * _accumulate_itemsize(query.dtype)
     if query.dtype in _LOW_PRECISION:
         per_thread += q_split * kv_split * query.element_size()
-    return INTRA_OP_THREADS * per_thread
+    return composite_kernels.INTRA_OP_THREADS * per_thread
 
 
 @composite_kernel_scratch(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -70,5 +66,6 @@ def flash_attention_cpu_backward_scratch(args: tuple[Any, ...], kwargs: dict[str
     per_thread = 2 * q_split * kv_split * accumulate
     if query.dtype in _LOW_PRECISION:
         per_thread += 2 * q_split * kv_split * query.element_size()
-    working_threads = max(min(INTRA_OP_THREADS, query.shape[0] * query.shape[1]), 1)
-    return copy + INTRA_OP_THREADS * per_thread + working_threads * q_split * accumulate
+    threads = composite_kernels.INTRA_OP_THREADS
+    working_threads = max(min(threads, query.shape[0] * query.shape[1]), 1)
+    return copy + threads * per_thread + working_threads * q_split * accumulate
