@@ -279,8 +279,11 @@ def test_ctrl_c_stops_a_long_search_promptly_with_exit_130():
     assert stderr.decode().strip().endswith("memplan: interrupted")
     # Promptly: the CPU it spent after the signal, which other processes sharing the cores (pytest -n)
     # do not stretch as they stretch the wall clock; the wall clock only bounds a hang.
+    # What it finishes before it stops, and the exit's teardown: 3.3 s once on the 2-core machine with another
+    # pytest beside it (2026-12-06; under 3 s alone); a search that went on would spend its remaining traces, over
+    # 10 s more.
     cpu_after_signal = cpu_total - cpu_at_signal
-    assert cpu_after_signal < 3, f"spent {cpu_after_signal:.1f} s of CPU after the signal"
+    assert cpu_after_signal < 6, f"spent {cpu_after_signal:.1f} s of CPU after the signal"
     assert stopped_after < 20, f"took {stopped_after:.1f} s to stop"
 
 
