@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from memplan.estimator import composite_kernels
 from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch, contiguous_copy_bytes
 from memplan.estimator.memory_formats import suggested_memory_format
 
@@ -41,8 +42,6 @@ def _mkldnn_runs(
     input elements (measured: a [1, 8, 16, 16] 3x3 convolution runs thnn_conv2d with oneDNN on). A 1-D one's
     [N, C, L] input and [O, I, k] weight read as their [N, C, 1, L] and [O, I, 1, k] views (a size-1 dimension
     changes neither the element count nor a kernel side that matters)."""
-    from memplan.estimator import composite_kernels
-
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     if input.dtype == torch.bfloat16:

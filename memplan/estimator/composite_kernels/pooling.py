@@ -4,12 +4,12 @@ or its gradient (backward) suggests and copies what is not contiguous in it, whi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 
-from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch, contiguous_copy_bytes
+from memplan.estimator.composite_kernels import composite_kernel_scratch, contiguous_copy_bytes
 
 
 def _copied_bytes(tensors: list[torch.Tensor], memory_format: torch.memory_format) -> int:
@@ -20,8 +20,6 @@ def _copied_bytes(tensors: list[torch.Tensor], memory_format: torch.memory_forma
 def _pool_kernel_format(tensor: torch.Tensor) -> torch.memory_format:
     """The path a CPU pooling kernel takes: `switch (tensor.suggest_memory_format())`, channels-last for a 4-D tensor
     whose strides are channels-last's (c10's `is_channels_last_strides_2d`, as torch._prims_common computes it)."""
-    from torch._prims_common import suggest_memory_format
-
     return suggest_memory_format(tensor) if tensor.dim() == 4 else torch.contiguous_format
 
 
@@ -67,17 +65,6 @@ def pool2d_backward_copies(args: tuple[Any, ...], kwargs: dict[str, Any], device
     elif isinstance(kwargs.get("indices"), torch.Tensor):
         tensors.append(kwargs["indices"])
     memory_format = _pool_kernel_format(grad_output)
-    grad_input_strides = _dense_strides(input.shape, _pool_kernel_format(input))
-    grad_input = 0 if _dense_strides(input.shape, memory_format) == grad_input_strides else _nbytes(input)
-    return _copied_bytes(tensors, memory_format) + grad_input
-
-
-def _dense_strides(shape: Sequence[int], memory_format: torch.memory_format) -> tuple[int, ...]:
-    """The strides of a dense tensor of `shape` in `memory_format` (default or 2-D channels-last), those of size-1
-    dimensions left out: two layouts with equal such strides are one (as `is_contiguous` reads them)."""
-    order = [1, 3, 2, 0] if memory_format == torch.channels_last else list(reversed(range(len(shape))))
-    strides, step = [0] * len(shape), 1
-    for dim in order:
-        strides[dim] = step
-        step *= max(shape[dim], 1)
-    return tuple(stride for stride, size in zip(strides, shape, strict=True) if size != 1)
+    grad_input = torch.empty(input.shape, device="meta", memory_format=_pool_kernel_format(input))
+    grad_input_copy = contiguous_copy_bytes(grad_input, memory_format)  # grad_input_.contiguous(format)
+    return _copied_bytes(tensors, memory_format) + grad_input_copy
