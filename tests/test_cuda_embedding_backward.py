@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from memplan.estimator.cuda.embedding_backward import embedding_backward_call
+from memplan.estimator.cuda.embedding_backward import REQUEST_SLOTS, embedding_backward_call
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.settings import TrainingSettings
@@ -105,7 +105,7 @@ def test_the_embedding_backward_node_requests_its_scratch_on_cuda_only() -> None
     spec = loss_returning_spec("token-embedding", _TokenModel, (4096,))
     settings = TrainingSettings(batch_size=2, optimizer="sgd", gpu="H100-80GB")
     simulation = simulate(trace_step(spec, settings))
-    scratch = [a for a in simulation.timeline.allocations if a.op == SCRATCH]
+    scratch = [a for a in simulation.timeline.allocations if a.op == SCRATCH and a.size_bytes]
     tokens = 2 * 4096
     partial = tokens // 10 + 1000  # min(8,192 tokens, 1,000 rows) segments at most
     # sorted, orig, segment_offsets; two 8-byte counters; two [1,000] arrays; partial offsets; float32 partial rows
@@ -120,3 +120,19 @@ def test_the_embedding_backward_node_requests_its_scratch_on_cuda_only() -> None
     assert simulation.timeline_bytes[scratch[0].allocated_at] >= weight + incoming + grad_weight + sum(rounded)
     cpu = simulate(trace_step(spec, settings.replace(device="cpu", gpu=None)))
     assert not [a for a in cpu.timeline.allocations if a.op == SCRATCH]
+    # every call holds the same parts at any size (0 bytes where its path makes no such request): lines through
+    # batch sizes on either side of the 3,072-index switch size them anew (memplan.estimator.interpolate)
+    parts = [a for a in simulation.timeline.allocations if a.op == SCRATCH]
+    assert len(parts) == REQUEST_SLOTS and len(scratch) == len(expected)
+
+
+def test_the_fullest_path_holds_as_many_requests_as_every_call_keeps_parts() -> None:
+    """Both copies, the count (scale_grad_by_freq) and the fused path's two extra arrays for a 16-bit gradient:
+    2 + 2 sorted/original + 1 + 6 index arrays + 2 = 13 requests; every other path holds fewer."""
+    tokens = 8192
+    indices = torch.empty(tokens, 2, dtype=torch.long)[:, 0]  # strided: copied
+    grad = torch.empty(64, tokens, dtype=torch.bfloat16).t()  # strided: copied
+    fullest = embedding_backward_call(grad, indices, 2, True, H100_SMS).requests()  # 2 rows: the fused path
+    assert len(fullest) == REQUEST_SLOTS == 13
+    plain = embedding_backward_call(grad.contiguous(), indices.contiguous(), 50_000, False, H100_SMS).requests()
+    assert 0 < len(plain) < REQUEST_SLOTS

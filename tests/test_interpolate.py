@@ -71,9 +71,25 @@ def test_lines_size_the_embedding_backward_s_partial_sums_anew(tiny_model_dirs):
         partial_sums = [a for a in traced.allocations if a.op == "embedding backward's sort and partial sums"]
         # the tokens' embedding: sorted and original indices, six index arrays, the rows of partial sums (the
         # positions' 128 indices take the feature kernel, which requests nothing)
-        assert len(partial_sums) == 9
+        assert sum(a.size_bytes > 0 for a in partial_sums) == 9
         predicted = lines.timeline_at(batch)
         assert predicted is not None and same_requests(predicted, traced)
+
+
+def test_lines_from_below_the_embedding_backward_s_switch_size_its_requests_past_it(tiny_model_dirs):
+    """Up to 3,072 indices CUDA's embedding backward requests nothing; past them it sorts and sums. Lines through two
+    batch sizes below the switch still give the traced requests above it (a search crossing it once traced every
+    point it probed)."""
+    spec = resolve_model(tiny_model_dirs["gpt2"])
+    tracer = BatchTracer(spec, spec.settings_for(TrainingSettings(batch_size=4, seq_len=128, gpu="A10G")))
+    lines = BatchLines.fit((4, tracer.simulate(4).timeline), (8, tracer.simulate(8).timeline), DEFAULT_CONFIG)
+    assert lines is not None
+    for batch in (24, 25, 40):  # 3,072 indices (the feature kernel), then 3,200 and 5,120 (sort and partial sums)
+        traced = tracer.simulate(batch).timeline
+        predicted = lines.timeline_at(batch)
+        assert predicted is not None and same_requests(predicted, traced)
+    partial_sums = [a for a in tracer.simulate(40).timeline.allocations if a.op.startswith("embedding backward")]
+    assert sum(a.size_bytes > 0 for a in partial_sums) == 9
 
 
 def test_the_search_answers_from_confirmed_lines_and_its_answer_holds(tiny_model_dirs):

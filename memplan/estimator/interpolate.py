@@ -99,9 +99,9 @@ class BatchLines:
         return None if remainder or value < 0 else value
 
     def _sized_call_at(self, first: SizedCall, second: SizedCall, batch: int) -> SizedCall | None:
-        """The call at `batch`: its scaled fields on their lines, the rest as traced; None where the rest differs,
-        a scaled field is off its line, or the call makes another number of requests there (another path of the
-        kernel: a timeline of another shape)."""
+        """The call at `batch`: its scaled fields on their lines, the rest as traced; None where the rest differs
+        or a scaled field is off its line. A call may take another path of its kernel there: its parts are the same
+        at every size, 0 bytes where that path makes no such request (memplan.estimator.cuda.embedding_backward)."""
         scaled = {name: 0 for name in first.SCALED_FIELDS}
         if type(first) is not type(second) or replace(first, **scaled) != replace(second, **scaled):  # type: ignore[type-var]
             return None
@@ -110,8 +110,7 @@ class BatchLines:
             if value is None:
                 return None
             scaled[name] = value
-        call = replace(first, **scaled)  # type: ignore[type-var]
-        return call if len(call.requests()) == len(first.requests()) else None
+        return replace(first, **scaled)  # type: ignore[type-var]
 
     def _reduction_at(self, first: Reduction, second: Reduction, batch: int) -> Reduction | None:
         """The reduction at `batch`: outputs and inputs per output on their lines, the rest as traced."""

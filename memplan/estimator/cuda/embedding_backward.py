@@ -53,6 +53,9 @@ MAX_BLOCK_SIZE = 1024  # SortingCommon.cuh, CUDA builds
 MAX_ATOMIC_ACCUM_BLOCKS_PER_SM = 4  # EmbeddingBackwardKernel.cu
 INT64_BYTES = 8
 _OP_MATH = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+# The most requests one call holds at once: two contiguous copies, sorted and original indices, the count, six
+# index arrays and the fused path's two (EmbeddingBackwardCall.requests).
+REQUEST_SLOTS = 13
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -157,11 +160,12 @@ def embedding_backward_call(
 def embedding_backward_requests(
     args: tuple, multiprocessors: int, deterministic: bool = False
 ) -> tuple[EmbeddingBackwardCall, ...]:
-    """One EmbeddingBackwardCall per request of a traced `embedding_dense_backward(grad_output, indices,
-    num_weights, padding_idx, scale_grad_by_freq)` node's arguments, in order (`part` each)."""
+    """REQUEST_SLOTS EmbeddingBackwardCalls of a traced `embedding_dense_backward(grad_output, indices,
+    num_weights, padding_idx, scale_grad_by_freq)` node's arguments, one per `part`: its requests in order, then
+    parts of 0 bytes (module docstring)."""
     grad, indices, num_weights = args[0], args[1], args[2]
     scale_grad_by_freq = bool(args[4]) if len(args) > 4 else False
     if not isinstance(grad, torch.Tensor) or not isinstance(indices, torch.Tensor):
         return ()
     call = embedding_backward_call(grad, indices, int(num_weights), scale_grad_by_freq, multiprocessors, deterministic)
-    return tuple(replace(call, part=part) for part in range(len(call.requests())))
+    return tuple(replace(call, part=part) for part in range(REQUEST_SLOTS))
