@@ -92,6 +92,28 @@ def test_lines_from_below_the_embedding_backward_s_switch_size_its_requests_past
     assert sum(a.size_bytes > 0 for a in partial_sums) == 9
 
 
+def test_lines_size_a_bias_gradient_s_reduction_staging_anew():
+    """A Linear's bias gradient sums [batch, 64] over the batch: up to about 2,048 rows CUDA's reduction needs no
+    staging, past them a buffer in blocks per output (memplan.estimator.cuda.reductions), no line in the batch.
+    Lines through two batch sizes without staging give the traced requests of those with it."""
+    spec = ModelSpec(
+        ModelRef("one-linear"),
+        lambda settings: torch.nn.Linear(64, 64),
+        lambda settings, dtype: torch.randn(settings.batch_size, 64, dtype=dtype),
+        lambda output, batch: output.sum(),
+        lambda settings: settings,
+    )
+    tracer = BatchTracer(spec, TrainingSettings(batch_size=256, optimizer="sgd", gpu="H100-80GB"))
+    lines = BatchLines.fit((256, tracer.simulate(256).timeline), (512, tracer.simulate(512).timeline), DEFAULT_CONFIG)
+    assert lines is not None
+    for batch in (4096, 20_000):
+        traced = tracer.simulate(batch).timeline
+        staging = [a for a in traced.allocations if a.op.startswith("reduction staging") and a.size_bytes]
+        assert staging  # the bias gradient's, past the switch
+        predicted = lines.timeline_at(batch)
+        assert predicted is not None and same_requests(predicted, traced)
+
+
 def test_the_search_answers_from_confirmed_lines_and_its_answer_holds(tiny_model_dirs):
     tracer = _tracer(tiny_model_dirs, "gpt2 cuda", batch_size=8)
     # the search stays under 3,072 tokens, where CUDA's embedding backward takes another path (its lines differ)

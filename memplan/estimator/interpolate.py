@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from memplan.estimator.cuda.allocator import AllocatorConfig, round_size
-from memplan.estimator.cuda.reductions import Reduction
 from memplan.estimator.timeline import (
     MemoryTimeline,
     SizedCall,
@@ -74,12 +73,9 @@ class BatchLines:
         """None where some request would not be a whole, non-negative number of bytes."""
         allocations = []
         for a, b in zip(self.first.allocations, self.second.allocations, strict=True):
-            reduction = None
-            if a.reduction is not None and b.reduction is not None:
-                # A reduction's staging is not affine in the batch; what it reduces is: size it anew.
-                reduction = self._reduction_at(a.reduction, b.reduction, batch)
-                scaled = None if reduction is None else reduction.bytes()
-            elif a.sized_call is not None and b.sized_call is not None:
+            if a.sized_call is not None and b.sized_call is not None:
+                # A reduction's staging or the embedding backward's is not affine in the batch; what the kernel
+                # works on is: size it anew.
                 sized_call = self._sized_call_at(a.sized_call, b.sized_call, batch)
                 a = replace(a, sized_call=sized_call)
                 scaled = None if sized_call is None else sized_call.bytes()
@@ -88,7 +84,7 @@ class BatchLines:
             if scaled is None:
                 return None
             size = round_size(scaled, self.allocator) if self.allocator is not None and scaled else scaled
-            allocations.append(replace(a, size_bytes=size, requested_bytes=scaled, reduction=reduction))
+            allocations.append(replace(a, size_bytes=size, requested_bytes=scaled))
         return replace(self.first, allocations=tuple(allocations))
 
     def _on_line(self, low: int, high: int, batch: int) -> int | None:
@@ -100,27 +96,18 @@ class BatchLines:
 
     def _sized_call_at(self, first: SizedCall, second: SizedCall, batch: int) -> SizedCall | None:
         """The call at `batch`: its scaled fields on their lines, the rest as traced; None where the rest differs
-        or a scaled field is off its line. A call may take another path of its kernel there: its parts are the same
-        at every size, 0 bytes where that path makes no such request (memplan.estimator.cuda.embedding_backward)."""
+        or a scaled field is off its line or 0 there (nothing to work on: a trace says what the kernel does). A
+        call may take another path of its kernel there: its parts are the same at every size, 0 bytes where that
+        path makes no such request (memplan.estimator.cuda.embedding_backward)."""
         scaled = {name: 0 for name in first.SCALED_FIELDS}
         if type(first) is not type(second) or replace(first, **scaled) != replace(second, **scaled):  # type: ignore[type-var]
             return None
         for name in first.SCALED_FIELDS:
             value = self._on_line(getattr(first, name), getattr(second, name), batch)
-            if value is None:
+            if not value:
                 return None
             scaled[name] = value
         return replace(first, **scaled)  # type: ignore[type-var]
-
-    def _reduction_at(self, first: Reduction, second: Reduction, batch: int) -> Reduction | None:
-        """The reduction at `batch`: outputs and inputs per output on their lines, the rest as traced."""
-        if replace(first, outputs=0, inputs_per_output=0) != replace(second, outputs=0, inputs_per_output=0):
-            return None
-        outputs = self._on_line(first.outputs, second.outputs, batch)
-        inputs = self._on_line(first.inputs_per_output, second.inputs_per_output, batch)
-        if not outputs or not inputs:
-            return None
-        return replace(first, outputs=outputs, inputs_per_output=inputs)
 
 
 def same_requests(first: MemoryTimeline, second: MemoryTimeline) -> bool:

@@ -228,7 +228,6 @@ def memory_timeline(
                     request.name,
                     None,
                     request.nbytes,
-                    reduction=request.reduction,
                     sized_call=request.sized_call,
                     sequential=request.sequential,
                 )

@@ -23,13 +23,14 @@ from memplan.estimator.cuda.allocator import (
     OutOfMemory,
 )
 from memplan.estimator.cuda.cudnn import CUDNN_WORKSPACE
-from memplan.estimator.cuda.reductions import Reduction
 
 
 class SizedCall(Protocol):
-    """A kernel call that sizes one of its requests by a rule that is not affine in the batch: a frozen dataclass
-    whose SCALED_FIELDS are what the batch scales (each affine in it) and the rest what stays; `requests()` is every
-    request of the call, `part` which one this is, `bytes()` its bytes (memplan.estimator.interpolate)."""
+    """A kernel call that sizes one of its requests by a rule that is not affine in the batch (a CUDA reduction's
+    staging, memplan.estimator.cuda.reductions; the embedding backward's sort and partial sums, memplan.estimator.
+    cuda.embedding_backward): a frozen dataclass whose SCALED_FIELDS are what the batch scales (each affine in it)
+    and the rest what stays; `requests()` is every request of the call, `part` which one this is, `bytes()` its
+    bytes, 0 where the call makes no such request at this size (memplan.estimator.interpolate)."""
 
     SCALED_FIELDS: ClassVar[tuple[str, ...]]
     part: int
@@ -74,11 +75,8 @@ class TimelineAllocation:
     # for everything a single-GPU step allocates (the autograd engine's device thread runs on the
     # same current stream); other numbers for side streams such as collective communication's.
     stream: int = 0
-    # A CUDA reduction's staging request: how to size it at another batch size (memplan.estimator.
-    # interpolate), since Reduce.cuh's plan is not affine in the batch.
-    reduction: Reduction | None = None
-    # Another kernel's request whose size is not affine in the batch (CUDA's embedding backward): the call, to
-    # size it at another batch size.
+    # A kernel's request whose size is not affine in the batch (a CUDA reduction's staging: Reduce.cuh's plan;
+    # CUDA's embedding backward): the call, to size it at another batch size (memplan.estimator.interpolate).
     sized_call: SizedCall | None = None
     # A library call's transient that is freed as soon as that call ends, before the op's next
     # request (allocated_at == freed_at): a convolution backward's backward-data workspace is gone

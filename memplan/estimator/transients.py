@@ -26,7 +26,7 @@ from memplan.estimator.cuda.cudnn import (
     workspace_band_bytes,
 )
 from memplan.estimator.cuda.embedding_backward import EMBEDDING_DENSE_BACKWARD, embedding_backward_requests
-from memplan.estimator.cuda.reductions import Reduction, reduction_of
+from memplan.estimator.cuda.reductions import reduction_of
 from memplan.estimator.liveness import fake_args, op_name, round_for_device
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules.dtypes import MATMUL_OPS
@@ -84,8 +84,8 @@ class Scratch(NamedTuple):
 
     name: str  # what it is
     nbytes: int  # bytes requested
-    reduction: Reduction | None = None  # a reduction's staging: to be sized anew at other batch sizes
-    # another request whose size is not affine in the batch, to be sized anew likewise (SizedCall)
+    # a request whose size is not affine in the batch (a reduction's staging, the embedding backward's): to be
+    # sized anew at other batch sizes (SizedCall)
     sized_call: SizedCall | None = None
     # Freed before the op's next request: one of several library calls the op makes in turn (a
     # convolution backward's backward-data, then backward-weight workspace). Requests that are not
@@ -164,7 +164,7 @@ def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) ->
     # Both parts always, 0 bytes where this size reduces within blocks (the replay skips 0-byte
     # requests): the same requests at every batch size, so batch lines can size them anew.
     parts = (replace(reduction, part=0), replace(reduction, part=1))
-    return tuple(Scratch(name, part.bytes(), part) for part in parts)
+    return tuple(Scratch(name, part.bytes(), sized_call=part) for part in parts)
 
 
 def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scratch, ...]]:

@@ -115,7 +115,8 @@ def _two_dims(shape: tuple[int, ...], reduced: set[int]) -> tuple[int, int, bool
 class Reduction:
     """One CUDA reduction as Reduce.cuh sizes its staging: the part of it the timeline keeps, so a
     timeline interpolated to another batch size can size the staging anew (memplan.estimator.
-    interpolate): `inputs_per_output` (or `outputs`) is what the batch scales, the rest stays."""
+    interpolate): `inputs_per_output` (or `outputs`) is what the batch scales, the rest stays. A SizedCall
+    (memplan.estimator.timeline)."""
 
     outputs: int
     inputs_per_output: int
@@ -124,6 +125,9 @@ class Reduction:
     compute_capability: tuple[int, int]
     multiprocessors: int
     part: int = 0  # 0: the buffer, 1: the semaphores
+
+    # what the batch scales; every other field stays (memplan.estimator.interpolate)
+    SCALED_FIELDS = ("outputs", "inputs_per_output")
 
     def requests(self) -> tuple[int, ...]:
         """(buffer, semaphores) bytes, or () where it reduces without global memory."""
