@@ -289,8 +289,15 @@ def liveness(traced: TracedStep) -> Liveness:
         born[key], last_use[key] = 0, end
     # Live before the iteration: the batch, constants, and categorized storages the graph never reads.
     static = {
-        key for index, node in enumerate(nodes) if node.op in ("placeholder", "get_attr") for key, _ in storages[index]
+        key
+        for index, node in enumerate(nodes)
+        if node.op in ("placeholder", "get_attr") and "freed_after" not in node.meta
+        for key, _ in storages[index]
     }
+    for index, node in enumerate(nodes):  # a real tensor made for one op (memplan.estimator.recorder.node_of)
+        if node.op == "get_attr" and "freed_after" in node.meta:
+            for key, _ in storages[index]:
+                last_use[key] = max(last_use[key], node.meta["freed_after"])
     for key, nbytes in traced.storage_bytes.items():
         if key not in requested:
             requested[key] = nbytes

@@ -21,6 +21,7 @@ reference would add a gradient-sized copy per parameter that the real run does n
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +53,11 @@ def fake_device_query(func: object, args: Sequence[object]) -> torch.device | No
     return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
 
 
+# What first reads the number an indexed assignment makes (`ids[:, 0] = 3`: at::indexing::set_item lifts it, then
+# fills or copies it in), as under fake tensors.
+_SETITEM_OPS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+
+
 class GraphRecorder(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -79,6 +85,8 @@ class GraphRecorder(TorchDispatchMode):
         # Set on the cpu target while recording (memplan.estimator.wrapped_numbers.wrapped_numbers_recorded): the
         # Python numbers ops are given for Tensor arguments, real tensors no dispatch shows.
         self.wrapped_numbers: Any = None
+        self._finalizers: list[weakref.finalize] = []  # assigned numbers' (node_of), until the recording finishes
+        self._reading_for: Any = None  # the op whose arguments node_of is reading, on the cpu target
         for index, tensor in enumerate(inputs):
             node = self.graph.add(OpNode("placeholder", f"input_{index}"))
             node.meta["val"] = self._kept(alias(tensor))
@@ -115,7 +123,26 @@ class GraphRecorder(TorchDispatchMode):
             self._constants += 1
             node.meta["val"] = self._kept(alias(tensor))
             self._node_of[tensor] = node
+            if (
+                self._reading_for in _SETITEM_OPS
+                and tensor.dim() == 0
+                and not tensor.is_floating_point()
+                and not isinstance(tensor, FakeTensor)
+            ):
+                # A real 0-dim tensor no op made, lifted to a fake one: the number `ids[:, 0] = 3` assigns,
+                # which C++ made outside dispatch (THPVariable_setitem's valueToTensor -> scalarToTensor ->
+                # `scalar_tensor_static`) and frees as the call returns (the start token seq2seq models write
+                # into their shifted labels). Held as long as its PyObject (preserved while C++ holds the
+                # tensor); one that outlives the recording stays a constant. Floating-point ones stay constants
+                # (the old rule, a few bytes high): DeepSpeed's offloaded step lifts float32 numbers whose host
+                # figure moved 8 B away from the one worked by hand when they were let go so, not yet understood.
+                # On the cpu target only: on CUDA such a number is host memory.
+                self._finalizers.append(weakref.finalize(tensor, self._let_go, node))
         return node
+
+    def _let_go(self, node: OpNode) -> None:
+        """A real constant's tensor went: after the last node recorded (liveness reads `freed_after`)."""
+        node.meta["freed_after"] = self.node_count() - 1
 
     def _view_of_producer(self, tensor: torch.Tensor, producer: OpNode | None) -> OpNode | None:
         """`tensor` as a view of the op output that made its storage (an `aten.alias` node with its own
@@ -154,7 +181,11 @@ class GraphRecorder(TorchDispatchMode):
         if numbers is not None:  # the last op's numbers went as it returned: before this op's arguments' nodes
             numbers.settle()
         inputs: list[OpNode] = []
-        node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
+        self._reading_for = func if self.target == "cpu" else None
+        try:
+            node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
+        finally:
+            self._reading_for = None
         made = numbers.before_op(func, args, kwargs) if numbers is not None else None
         try:
             out = real_kernel_outputs(
@@ -226,6 +257,9 @@ class GraphRecorder(TorchDispatchMode):
     def finish(self, outputs: object) -> OpGraph:
         """Close the graph with an output node reading the tensors in `outputs` (what outlives the run)."""
         read = [self.node_of(local_tensor(tensor)) for tensor in tensors_in(outputs)]
+        for finalizer in self._finalizers:  # what is alive now outlives the step
+            finalizer.detach()
+        self._finalizers.clear()
         self.graph.add(OpNode("output", "output", (read,), None, read))
         return self.graph
 

@@ -73,7 +73,10 @@ class LiveStorageCounter(TorchDispatchMode):
             host.observers.append(self.leave_out)
         self.static_bytes = 0
         self.dynamic_bytes = 0
-        self.dynamic_peak_bytes = 0
+        # Tensors first read during the iteration that no op was seen making (_add_late), each with the most
+        # dynamic bytes before it was first read; and the most since the last of them.
+        self._late: list[tuple[weakref.ref, int, int]] = []
+        self._segment_peak_bytes = 0
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
         self._plain_paths = PlainFormulaPaths()
         # The engine's sums of a tensor's gradients, in place where a plain run's are
@@ -103,10 +106,29 @@ class LiveStorageCounter(TorchDispatchMode):
                 self._while_counting.close()
                 self._wrapped_numbers.close()
 
+    def _reached(self, dynamic_bytes: int) -> None:
+        self._segment_peak_bytes = max(self._segment_peak_bytes, dynamic_bytes)
+
+    def _add_late(self, tensor: torch.Tensor) -> None:
+        """A tensor an op reads that neither the start of the iteration gave nor an op was seen making: one that
+        existed before the iteration (a constant held outside the model's state), or one C++ made outside dispatch
+        for this op (`ids[:, 0] = 3` makes its number: THPVariable_setitem's valueToTensor -> scalarToTensor, freed
+        as the call returns). Counted from here until it is freed; one still alive after the iteration existed
+        before it too, and peak_bytes counts it before it was read as well."""
+        if self._statics_may_be_freed:
+            self.add_static(tensor)
+            return
+        storage = local_tensor(tensor).untyped_storage()
+        if storage._cdata in self._live or storage._cdata in self._host_storages:
+            return
+        self._late.append((weakref.ref(storage), storage.nbytes(), self._segment_peak_bytes))
+        self._segment_peak_bytes = self.dynamic_bytes
+        self.add_live(tensor)
+
     def _wrapped_made(self, key: WrappedNumber, nbytes: int) -> None:
         self._wrapped[key] = nbytes
         self.dynamic_bytes += nbytes
-        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
+        self._reached(self.dynamic_bytes)
 
     def _wrapped_freed(self, key: WrappedNumber) -> None:
         self.dynamic_bytes -= self._wrapped.pop(key, 0)
@@ -137,7 +159,7 @@ class LiveStorageCounter(TorchDispatchMode):
         gradients under loops that zero them late, a checkpoint's copy of the CPU generator's state): counted until
         its storage is freed."""
         self._add_dynamic(tensor)
-        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
+        self._reached(self.dynamic_bytes)
 
     def _add_dynamic(self, tensor: torch.Tensor) -> None:
         storage = local_tensor(tensor).untyped_storage()
@@ -162,7 +184,7 @@ class LiveStorageCounter(TorchDispatchMode):
             weakref.finalize(storage, self._release, key)
         self._live[key] += after - before
         self.dynamic_bytes += after - before
-        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
+        self._reached(self.dynamic_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if wraps_local_tensors(types):
@@ -171,7 +193,7 @@ class LiveStorageCounter(TorchDispatchMode):
             return func(*args, **(kwargs or {}))  # a copy to the host (leave_out is told of it once made)
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in self._live:
-                self.add_static(leaf)  # existed before the iteration, so live throughout it (host memory: never)
+                self._add_late(leaf)  # host memory: never
         func = self._accumulation.op_for(func, args, kwargs)  # the engine's sum, in place as a plain run's
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         kernel = _python_kernel(func)
@@ -179,7 +201,7 @@ class LiveStorageCounter(TorchDispatchMode):
         try:
             if str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {}):
                 out, inside = _with_kernel_allocations(func, args, kwargs or {})
-                self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes + inside)
+                self._reached(self.dynamic_bytes + inside)
             elif kernel is None:
                 out = func(*args, **(kwargs or {}))
             else:
@@ -192,13 +214,19 @@ class LiveStorageCounter(TorchDispatchMode):
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self._add_dynamic(leaf)
-        self.dynamic_peak_bytes = max(self.dynamic_peak_bytes, self.dynamic_bytes)
+        self._reached(self.dynamic_bytes)
         self._wrapped_numbers.after_op(made, out)
         return out
 
     @property
     def peak_bytes(self) -> int:
-        return self.static_bytes + self.dynamic_peak_bytes
+        """Read after the iteration: the statics, and the most dynamic bytes at any moment with the late tensors
+        still alive (_add_late) counted before they were first read too."""
+        peak, surviving_after = self._segment_peak_bytes, 0
+        for storage, nbytes, peak_before in reversed(self._late):
+            surviving_after += nbytes if storage() is not None else 0
+            peak = max(peak, peak_before + surviving_after)
+        return self.static_bytes + peak
 
 
 # CPU kernels that allocate inside themselves, below the dispatcher's Python layer, where no dispatch mode sees,
