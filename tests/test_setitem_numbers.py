@@ -43,10 +43,10 @@ class _Shifted(nn.Module):
 SPEC = loss_returning_spec("shifted", _Shifted, (WIDTH,))
 
 
-def test_a_number_assigned_into_a_tensor_lives_only_while_the_assignment_runs():
+def _plain_run_peak(model_class: type[nn.Module], optimizer_class: type[torch.optim.Optimizer]) -> int:
     def build():  # type: ignore[no-untyped-def]
-        model = _Shifted()
-        optimizer = torch.optim.AdamW(model.parameters())
+        model = model_class()
+        optimizer = optimizer_class(model.parameters(), lr=0.1)
         batch = torch.randn(BATCH, WIDTH)
         build.kept = (model, optimizer, batch)
 
@@ -57,7 +57,11 @@ def test_a_number_assigned_into_a_tensor_lives_only_while_the_assignment_runs():
 
         return iteration
 
-    measured = profiled_third_iteration_peak(build)
+    return profiled_third_iteration_peak(build)
+
+
+def test_a_number_assigned_into_a_tensor_lives_only_while_the_assignment_runs():
+    measured = _plain_run_peak(_Shifted, torch.optim.AdamW)
     settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="adamw")
     assert simulate(trace_step(SPEC, settings)).peak_bytes == measured
     assert measure_cpu(SPEC, settings).peak_bytes == measured
@@ -103,21 +107,7 @@ def test_validate_s_counter_counts_a_constant_first_read_after_the_peak_through_
     """memplan.measure.cpu counts a tensor first read during the iteration until it is freed; one still alive after
     it existed before it too, and counts at the peak before its first read (8 KiB here)."""
     spec = loss_returning_spec("late-constant", _LateConstant, (WIDTH,))
-
-    def build():  # type: ignore[no-untyped-def]
-        model = _LateConstant()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        batch = torch.randn(BATCH, WIDTH)
-        build.kept = (model, optimizer, batch)
-
-        def iteration() -> None:
-            model(batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    measured = profiled_third_iteration_peak(build)
+    measured = _plain_run_peak(_LateConstant, torch.optim.SGD)
     settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
     assert measure_cpu(spec, settings).peak_bytes == measured
     assert simulate(trace_step(spec, settings)).peak_bytes == measured
