@@ -28,10 +28,12 @@ class _Transcriber(torch.nn.Module):
     """A linear layer's log-probabilities over [B, 40] frames, a summed CTC loss against fixed targets (2-D, or
     concatenated 1-D), the lengths Python lists (or tensors)."""
 
-    def __init__(self, concatenated: bool = False, tensor_lengths: bool = False) -> None:
+    def __init__(
+        self, concatenated: bool = False, tensor_lengths: bool = False, loss: torch.nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(FEATURES, LABELS)
-        self.concatenated, self.tensor_lengths = concatenated, tensor_lengths
+        self.concatenated, self.tensor_lengths, self.loss = concatenated, tensor_lengths, loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
@@ -43,6 +45,8 @@ class _Transcriber(torch.nn.Module):
         input_lengths = [FRAMES] * batch
         if self.tensor_lengths:
             input_lengths, target_lengths = torch.tensor(input_lengths), torch.tensor(target_lengths)
+        if self.loss is not None:
+            return self.loss(log_probs, targets, input_lengths, target_lengths)
         return F.ctc_loss(log_probs, targets, input_lengths, target_lengths, reduction="sum")
 
 
@@ -76,3 +80,26 @@ def test_ctc_lengths_computed_as_tensors_are_refused_saying_why():
     settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
     with pytest.raises(TraceError, match=r"2 \* max\(target_lengths\) \+ 1.*Python lists"):
         trace_step(_spec(tensor_lengths=True), settings)
+
+
+@pytest.mark.parametrize("zero_infinity", [False, True], ids=["plain", "zero-infinity"])
+def test_a_mean_ctc_loss_traces_and_matches_a_plain_run(zero_infinity):
+    """nn.CTCLoss's default reduction, 'mean', divides by `at::tensor(target_lengths, ...)`, an `empty` whose data
+    ATen's C++ writes directly, which a fake tensor has none of: tracing had failed ("data is not allocated yet");
+    memplan.estimator.composite_losses runs that mean op for op in Python while a step is traced."""
+    settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
+
+    def model():
+        return _Transcriber(loss=torch.nn.CTCLoss(reduction="mean", zero_infinity=zero_infinity))
+
+    spec = dataclasses.replace(_spec(), build=lambda settings: model())
+
+    def build():
+        torch.manual_seed(0)
+        optimizer = torch.optim.SGD((module := model()).parameters(), lr=0.1)
+        build.kept = module
+        return training_iteration(module, spec.make_batch(settings, None), lambda out, _: out, optimizer)
+
+    measured = profiled_third_iteration_peak(build)
+    assert simulate(trace_step(spec, settings)).peak_bytes == measured
+    assert measure_cpu(spec, settings).peak_bytes == measured

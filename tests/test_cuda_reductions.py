@@ -166,3 +166,26 @@ def test_a_gpu_generation_without_a_listed_thread_limit_gets_2048_threads_per_mu
     """With 2048 threads per multiprocessor and 132 of them, as the H100: the H100's measured
     132.0 MiB buffer and 96 bytes of semaphores for GPT-2's MLP bias."""
     assert reduction_staging((16384, 3072), {0}, torch.bfloat16, (11, 0), 132) == (138_412_032, 96)
+
+
+class _ColumnNorm(nn.Module):
+    """torch.optim.Adafactor's column statistic, `grad.norm(dim=-2)`, of a [tokens, 768] activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(768, 768, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).flatten(0, 1).norm(dim=-2).sum()
+
+
+def test_a_column_norm_requests_the_staging_the_h100_requested_for_adafactor() -> None:
+    """t5-base-adafactor on the H100: the column norm of each [3,072, 768] weight gradient requested 18,874,368 B
+    and 24 B right after its output, of the [32,128, 768] embedding 138,412,032 B and 24 B (ReduceNormKernel.cu
+    runs every norm through Reduce.cuh as a sum). Here 1 x 3,072 tokens: the same [3,072, 768] column norm."""
+    assert reduction_staging((3072, 768), {0}, torch.float32, *H100) == (18_874_368, 24)
+    assert reduction_staging((32128, 768), {0}, torch.float32, *H100) == (138_412_032, 24)
+    spec = loss_returning_spec("column-norm", _ColumnNorm, (3072, 768))
+    cuda = simulate(trace_step(spec, TrainingSettings(batch_size=1, optimizer="sgd", gpu="H100-80GB")))
+    staging = [a for a in cuda.timeline.allocations if a.op == "reduction staging (aten.linalg_vector_norm.default)"]
+    assert [a.requested_bytes or a.size_bytes for a in staging] == [18_874_368, 24]

@@ -1,4 +1,4 @@
-"""memplan.estimator.liveness.formula_blocks: how long a backward formula's own temporaries live.
+"""memplan.estimator.formula_blocks.formula_blocks: how long a backward formula's own temporaries live.
 
 A generated formula computes each input's gradient in a block of its own, one C++ expression, whose temporaries
 live until that expression's result is made; validate_outputs then casts or sums each output into the shape and

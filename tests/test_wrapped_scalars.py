@@ -9,6 +9,7 @@ do not drop it either. A dispatch mode sees the number as a Python scalar, so ea
 Truth: the same step run plainly, measured by the CPU allocator's events (tests/hand_measure.py).
 """
 
+import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -178,6 +179,17 @@ def _allocator_events(op) -> list[int]:  # type: ignore[no-untyped-def]
     return [event.nbytes() for event in sorted(events, key=lambda event: event.start_ns())]
 
 
+def _counted_events(op) -> list[int]:  # type: ignore[no-untyped-def]
+    """The wrapped numbers' events memplan counts for one run of `op` (after a run that warms it up)."""
+    op()
+    counted = _Numbers()
+    with counted:
+        out = op()
+    counted.numbers.close()
+    del out
+    return counted.events
+
+
 def test_a_kernel_casts_its_numbers_to_the_common_dtype():
     """A pointwise CPU kernel casts a wrapped number to its common dtype for as long as it runs (float64 0.5 to one
     float16, 2 B; `a // 2`'s floor_divide, a TensorIterator op with no pointwise tag); a number already of the common
@@ -191,13 +203,7 @@ def test_a_kernel_casts_its_numbers_to_the_common_dtype():
         lambda: ints + True,
         lambda: ints * 2,
     ):
-        op()
-        counted = _Numbers()
-        with counted:
-            out = op()
-        counted.numbers.close()
-        del out
-        assert _allocator_events(op)[:-1] == counted.events
+        assert _allocator_events(op)[:-1] == _counted_events(op)
 
 
 class _CaughtFailure(nn.Module):
@@ -238,3 +244,75 @@ def test_functions_run_in_an_op_s_place_are_not_cached():
 
     assert wrapped_numbers.wrapped_numbers_of(stand_in, (torch.ones(2), 1.0), {}) == []
     assert stand_in not in wrapped_numbers._TENSOR_ARGUMENTS
+
+
+def _peak(events: list[int]) -> int:
+    total = peak = 0
+    for nbytes in events:
+        total += nbytes
+        peak = max(peak, total)
+    return peak
+
+
+def test_scalar_overloads_that_wrap_their_number_in_the_kernel():
+    """`x > 0`, `1 - x`, `x % 2`, `2 ** x`, and mul.Scalar as C++ autograd formulas call it: a Scalar overload whose
+    kernel makes the number a 0-dim tensor itself (`wrapped_scalar_tensor`, then the Tensor overload), 8 B and its cast
+    while the op runs; ops that read their Scalar by value (clamp, masked_fill, pow's exponent, an alpha) allocate
+    nothing for it. Truth: the allocator's events of the op run plainly; compared by their peak (the order of the
+    number, its cast and the output differs between kernels: pow.Scalar makes its output first)."""
+    floats, halves, ints = torch.randn(4), torch.randn(4, dtype=torch.float16), torch.arange(4)
+    mask = floats > 0
+    aten = torch.ops.aten
+    for op in (
+        lambda: floats > 0,
+        lambda: halves <= 0.5,
+        lambda: ints == 0,
+        lambda: 1 - floats,
+        lambda: 1.0 - halves,
+        lambda: floats % 2,
+        lambda: torch.fmod(floats, 2),
+        lambda: 2**floats,
+        lambda: torch.xlogy(floats, 2.0),
+        lambda: ints & 1,
+        lambda: ints << 1,
+        lambda: aten.mul.Scalar(floats, 0.5),
+        lambda: aten.add.Scalar(floats, 1, 2),
+        lambda: aten.div.Scalar(floats, 2),
+        lambda: aten.div.Scalar_mode(floats, 2, rounding_mode="floor"),
+        lambda: floats.clamp(min=0.1),
+        lambda: floats.masked_fill(mask, -1e9),
+        lambda: floats**2,
+        lambda: torch.nn.functional.leaky_relu(floats, 0.1),
+    ):
+        assert _peak(_allocator_events(op)[:-1]) == _peak(_counted_events(op))
+
+
+class _ScalarForm(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.form = nn.Linear(16, 256), form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.form == "rsub":
+            return (1 - h).sum()  # rsub.Scalar
+        if self.form == "remainder":
+            return (h % 2).sum()  # remainder.Scalar
+        return torch.xlogy(h, 2.0).sum()  # xlogy.Scalar_Other
+
+
+@pytest.mark.parametrize("form", ["rsub", "remainder", "xlogy"])
+def test_a_scalar_overload_s_own_number_at_the_peak(form):
+    """The forward's last op is the step's peak: its kernel's number and cast (12 B) were missing (8-12 B low)."""
+    settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
+    spec = loss_returning_spec(f"scalar-{form}", lambda: _ScalarForm(form), (16,))
+
+    def build():  # type: ignore[no-untyped-def]
+        model = _ScalarForm(form)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(BATCH, 16)
+        build.kept = (model, optimizer, batch)
+        return training_iteration(model, batch, lambda loss, _: loss, optimizer)
+
+    assert simulate(trace_step(spec, settings)).peak_bytes == profiled_third_iteration_peak(build)

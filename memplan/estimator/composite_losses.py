@@ -16,6 +16,13 @@ aten/src/ATen/native/Loss.cpp (torch 2.11-2.14) that calls many ops; memplan see
 memplan had freed each at its last read: a hinge embedding loss was 21% low, a margin ranking loss 11% and
 `kl_div` under CPU autocast 11.5%, a triplet margin loss under it 19% against their real CPU runs (a helper's bug hunt;
 `tests/test_composite_losses.py`).
+
+`ctc_loss` (aten/src/ATen/native/LossCTC.cpp, `ctc_loss_impl`) with reduction='mean' and lengths given as Python ints
+divides by `at::tensor(target_lengths, res.options()).clamp_min(1)`: `at::tensor` is an `at::empty` whose data the
+C++ code writes directly, which a fake tensor has none of, so tracing failed ("data is not allocated yet"). While a
+step is traced, `torch.ctc_loss` (what `F.ctc_loss` and `nn.CTCLoss` call) runs that mean in Python, op for op as
+the C++ does: the unreduced loss (`res`), the `empty` of the lengths, its `clamp_min` (the `empty` a temporary of
+that statement), then `(res / target_lengths_t).mean()`, `res` and `target_lengths_t` variables held to the return.
 """
 
 from __future__ import annotations
@@ -100,10 +107,35 @@ WATCHED_LOSSES: dict[str, HeldRule] = {
 }
 
 
+_MEAN, _NONE = 1, 0  # at::Reduction
+
+
+def _ctc_loss_traced(ctc_loss: Any) -> Any:
+    """`torch.ctc_loss` whose mean over Python-int target lengths runs in Python (module docstring)."""
+
+    def run(
+        log_probs: torch.Tensor,
+        targets: torch.Tensor,
+        input_lengths: Any,
+        target_lengths: Any,
+        blank: int = 0,
+        reduction: int = _MEAN,
+        zero_infinity: bool = False,
+    ) -> torch.Tensor:
+        if reduction != _MEAN or isinstance(target_lengths, torch.Tensor):  # a tensor's: `clamp_min`, no data write
+            return ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+        res = ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, _NONE, zero_infinity)
+        target_lengths_t = torch.empty(len(target_lengths), dtype=res.dtype, device=res.device).clamp_min(1)
+        return (res / target_lengths_t).mean()
+
+    return run
+
+
 @contextlib.contextmanager
 def composite_losses_tracked(watcher: CompositeWatcher) -> Iterator[None]:
-    """While a step is traced, the losses of WATCHED_LOSSES are watched."""
+    """While a step is traced, the losses of WATCHED_LOSSES are watched, and ctc_loss's mean runs in Python."""
     with contextlib.ExitStack() as stack:
         for name, held in WATCHED_LOSSES.items():
             stack.enter_context(patch.object(F, name, watched(watcher, getattr(F, name), held)))
+        stack.enter_context(patch.object(torch, "ctc_loss", _ctc_loss_traced(torch.ctc_loss)))
         yield

@@ -90,13 +90,38 @@ def _inside_autocast() -> bool:
     return nesting > 0
 
 
-def _tensors_held(value: object) -> list[torch.Tensor]:
+def tensors_held(value: object) -> list[torch.Tensor]:
     """The tensors a variable holding `value` keeps alive: itself, or those in it, one level of containers deep (a
-    model's output dict, ModelOutput among them, held in a variable keeps its logits alive)."""
+    model's output dict, ModelOutput among them, held in a variable keeps its logits alive), and the keys and values
+    of a Hugging Face key/value cache in it (a causal LM's output holds one where its config has `use_cache` on:
+    transformers fills it in training too, with copies made by `torch.cat`, cache_utils.DynamicLayer.update)."""
     if isinstance(value, torch.Tensor):
         return [value]
     items = value if isinstance(value, tuple | list) else value.values() if isinstance(value, dict) else ()
-    return [item for item in items if isinstance(item, torch.Tensor)]
+    held = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            held.append(item)
+        else:
+            held += _key_value_cache_tensors(item)
+    return held
+
+
+def _key_value_cache_tensors(value: object) -> list[torch.Tensor]:
+    """The tensors of a transformers `Cache` (each layer's keys, values and whatever else it keeps; an
+    encoder-decoder cache's two caches), or none where `value` is no such cache."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None or not isinstance(value, cache_utils.Cache):
+        return []
+    found = [
+        tensor
+        for layer in getattr(value, "layers", None) or ()
+        for tensor in vars(layer).values()
+        if isinstance(tensor, torch.Tensor)
+    ]
+    for inner in ("self_attention_cache", "cross_attention_cache"):
+        found += _key_value_cache_tensors(getattr(value, inner, None))
+    return found
 
 
 def _gained(container: object, known: int) -> list[StorageWeakRef]:
@@ -106,7 +131,7 @@ def _gained(container: object, known: int) -> list[StorageWeakRef]:
     if isinstance(container, list) and len(container) > known:
         return [storage_key(item) for item in container[known:] if isinstance(item, torch.Tensor)]
     if isinstance(container, dict):
-        return [storage_key(tensor) for tensor in _tensors_held(container)]
+        return [storage_key(tensor) for tensor in tensors_held(container)]
     return []
 
 
@@ -150,7 +175,7 @@ class LocalBindings:
             elif isinstance(
                 value, tuple | list | dict
             ):  # kept even without tensors: read again when its length changes
-                held[name] = (id(value), [storage_key(tensor) for tensor in _tensors_held(value)], len(value))
+                held[name] = (id(value), [storage_key(tensor) for tensor in tensors_held(value)], len(value))
 
     def release(self, end: int, lifetimes: list[tuple[StorageWeakRef, int]]) -> None:
         """The frame has returned (or the step ended): what its variables held lived through `end`."""
@@ -208,14 +233,15 @@ class EagerLifetimes(TorchDispatchMode):
         self.node_count = node_count
         self.backward_node_ops: list[list[int]] = []
         # For each of them, what the Node returned (its outputs as validate_outputs left them), where its post-hook
-        # saw them: None where it did not (liveness.formula_blocks)
+        # saw them: None where it did not (formula_blocks.formula_blocks)
         self.formula_results: list[frozenset[StorageWeakRef] | None] = []
         # For each of them, the last graph node the engine ran for its Node (evaluate_function): the formula, then
         # the additions that accumulate what it returned into the next Nodes' input buffers. What the Node
-        # returned is held until then (liveness.formula_blocks's caller).
+        # returned is held until then (formula_blocks.formula_blocks's caller).
         self.evaluation_ends: list[int] = []
         self.formula_casts: list[int] = []  # graph nodes: weights cast into the autocast cache inside a formula
         self.python_formulas: list[bool] = []  # for each of backward_node_ops: a Python autograd Function's backward
+        self.formula_nodes: list[str] = []  # for each of backward_node_ops: its Node's class name
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
         self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
         self._bindings: dict[int, LocalBindings] = {}  # id of each of them -> what its variables held when read
@@ -328,7 +354,7 @@ class EagerLifetimes(TorchDispatchMode):
     def _record_locals(self, frame: FrameType, end: int) -> None:
         """What the frame's variables hold as it returns (bound since its last op too) lived through `end`."""
         for value in frame.f_locals.values():
-            self.local_lifetimes.extend((storage_key(tensor), end) for tensor in _tensors_held(value))
+            self.local_lifetimes.extend((storage_key(tensor), end) for tensor in tensors_held(value))
 
     def held_until_released(self, owner: object, tensor: torch.Tensor) -> None:
         """`tensor` lives at least until `owner`, a Python object invisible to the graph, is freed."""
@@ -401,6 +427,7 @@ class EagerLifetimes(TorchDispatchMode):
             self.formula_results.append(None)
             self.evaluation_ends.append(end)
             self.python_formulas.append(isinstance(autograd_node, torch.autograd.function.BackwardCFunction))
+            self.formula_nodes.append(type(autograd_node).__name__)
             self._formula_node = autograd_node
             self._current = autograd_node
             self._formula_done = False

@@ -17,6 +17,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.estimator.cuda.allocator import round_size
+from memplan.estimator.formula_blocks import formula_blocks
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules import OUTPUT_BYTES_RULES
@@ -144,79 +145,6 @@ def _split_resized(
         storages[index] = split
 
 
-# What validate_outputs (torch/csrc/autograd/engine.cpp) runs on a Node's outputs after its formula returned: sum_to
-# where an output's shape differs from its input's, a cast where its dtype does, and the views sum_to ends with.
-_VALIDATE_OUTPUT_OPS = frozenset(
-    {
-        torch.ops.aten.sum.default,
-        torch.ops.aten.sum.dim_IntList,
-        torch.ops.aten._to_copy.default,
-        torch.ops.aten.view.default,
-        torch.ops.aten.squeeze.dim,
-        torch.ops.aten.squeeze.dims,
-        torch.ops.aten._unsafe_view.default,
-    }
-)
-
-
-@dataclass(frozen=True)
-class FormulaBlocks:
-    """Where a backward formula's temporaries are let go. A generated formula computes each input's gradient in a
-    block of its own, one C++ expression (`grad_result = -grad * ((self / other) / other)`), whose temporaries
-    live until the expression ends, when its result is made: past their last use, but not to the formula's end
-    (DivBackward0 frees `self / other` and `-grad` as its first block's result is made, before its second
-    block; tests/test_liveness_formulas.py). `results`: what the blocks made (the Node's outputs, and what
-    validate_outputs read to make them); `ends`: the graph nodes that made them, in order, then the formula's
-    last own node (before validate_outputs' ops)."""
-
-    results: frozenset[Any]
-    ends: tuple[int, ...]
-    # what validate_outputs cast or summed into a returned output: the engine replaces the output with the new
-    # tensor as it goes (`grad = grad.to(...)`), which frees the old one after that op
-    validated_from: frozenset[Any]
-
-    def end_after(self, index: int) -> int:
-        """The end of the block a temporary last read at `index` belongs to."""
-        for end in self.ends:
-            if end >= index:
-                return end
-        return self.ends[-1]
-
-
-def formula_blocks(
-    formula: list[int],
-    returned: frozenset[Any],
-    nodes: list[OpNode],
-    storages: list[list[tuple[Any, int]]],
-    born: dict[Any, int],
-    index_of: dict[OpNode, int],
-) -> FormulaBlocks | None:
-    """The blocks of one Node's formula (`formula`: its graph nodes; `returned`: the storages it returned), or None
-    where the formula made none of what it returned (nothing to tell its blocks by)."""
-    results = set(returned)
-    validated_from: set[Any] = set()
-    own_end = len(formula)
-    # validate_outputs' ops come last: each makes a returned storage (or a view of one) from another the formula made
-    while own_end > 1:
-        node = nodes[formula[own_end - 1]]
-        made = {key for key, _ in storages[formula[own_end - 1]]}
-        if not made or not made <= results or node.target not in _VALIDATE_OUTPUT_OPS:
-            break
-        for source in node.all_input_nodes:
-            sources = {key for key, _ in storages[index_of[source]]}
-            validated_from.update(sources - made)
-            results.update(sources)
-        own_end -= 1
-    ends = [
-        index
-        for index in formula[:own_end]
-        if any(born.get(key) == index and key in results for key, _ in storages[index])
-    ]
-    if not ends:
-        return None
-    return FormulaBlocks(frozenset(results), (*ends, formula[own_end - 1]), frozenset(validated_from - set(returned)))
-
-
 def liveness(traced: TracedStep) -> Liveness:
     nodes = list(traced.graph.nodes)
     unsupported: dict[str, None] = {}
@@ -241,12 +169,15 @@ def liveness(traced: TracedStep) -> Liveness:
             last_use[key] = max(last_use[key], end)
     results = traced.formula_results or (None,) * len(traced.backward_node_ops)
     python_formulas = traced.python_formulas or (False,) * len(traced.backward_node_ops)
-    for formula, returned, in_python in zip(traced.backward_node_ops, results, python_formulas, strict=True):
+    node_names = traced.formula_nodes or (None,) * len(traced.backward_node_ops)
+    for formula, returned, in_python, node_name in zip(
+        traced.backward_node_ops, results, python_formulas, node_names, strict=True
+    ):
         if not formula:
             continue
         last = formula[-1]
         block_ends = (
-            formula_blocks(formula, returned, nodes, storages, born, index_of)
+            formula_blocks(formula, returned, nodes, storages, born, index_of, node_name)
             if returned is not None and not in_python
             else None
         )
@@ -268,8 +199,10 @@ def liveness(traced: TracedStep) -> Liveness:
                     if block_ends is not None and born[key] in own:  # the formula's own temporaries
                         if key in block_ends.validated_from:
                             end = last_use[key]
+                        elif key in block_ends.named_locals:
+                            end = last
                         elif key not in block_ends.results:
-                            end = block_ends.end_after(last_use[key])
+                            end = block_ends.end_after(last_use[key], born[key])
                     last_use[key] = max(last_use[key], end)
     # What a Node returned is held by the engine's `outputs` (evaluate_function, torch/csrc/autograd/engine.cpp)
     # until its evaluation returns, past the additions that accumulate each into the next Node's input buffer:

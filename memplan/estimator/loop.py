@@ -20,8 +20,9 @@ The variants people write (settings.LOOPS), each differing only where noted:
   `model.zero_grad()` (set_to_none=True). It fetches a step's `grad_accum` micro-batches before the
   first forward (`get_batch_samples`), each moved to the device as accelerate hands it out, and its
   list holds them all until the step is over: `grad_accum - 1` batches more than the other loops hold.
-- keep-output: `out = model(...)`, `loss_of(out).backward()`: the model output (logits) stays
-  alive through the backward.
+- keep-output: `out = model(...)`, `loss_of(out).backward()`, `del out` after the step: the model output
+  (logits, and a Hugging Face model's key/value cache where its config has `use_cache` on) stays alive
+  through the backward and the optimizer step.
 
 A custom step (`--step package.module:fn`, settings.step) replaces the loop: memplan calls
 `fn(model, batch, optimizer)` once per iteration, with the model, batch and optimizer built as for
@@ -100,6 +101,8 @@ class TrainingState:
     reached: frozenset[int] | None = None
     # The step's other micro-batches, where the loop fetches them all before the first (hf-trainer): held to its end.
     fetched_batches: list[Batch] = field(default_factory=list)
+    # The keep-output loop's `out`: the last micro-batch's model output, held through the step (`del out` after it).
+    kept_output: Any = None
 
     @property
     def built_model(self) -> nn.Module:
@@ -256,6 +259,8 @@ def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
     autocast = autocast_context(settings, state.autocast_device) if engine is None else nullcontext()
     with autocast, engine.forward_context() if engine else nullcontext():
         output = call_model(state.model, state.batch)
+        if settings.loop == "keep-output":
+            state.kept_output = output  # `out = model(...)`: the previous micro-batch's lets go here
         loss = state.loss_of(output, state.batch)
     if settings.loop != "keep-output":
         del output
@@ -331,6 +336,7 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
         state.optimizer.step()
         if loop in ("canonical", "hf-trainer", "keep-output"):  # the others zero before backward, or in place
             state.optimizer.zero_grad(set_to_none=True)
+    state.kept_output = None  # keep-output's `del out` after the step
     if loop == "set-to-none-false":
         for grad in grads:
             grad.zero_()  # what zero_grad(set_to_none=False) does to each, also without an optimizer

@@ -23,7 +23,7 @@ from memplan.distributed.offload import copies_made
 from memplan.errors import MemplanError
 from memplan.estimator.cuda.target import target_kernels
 from memplan.estimator.custom_step_trace import keeps_tensors_across_calls, trace_custom_step
-from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
+from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key, tensors_held
 from memplan.estimator.fake_conversions import fake_friendly_conversions
 from memplan.estimator.fake_mode import TracingFakeMode, constant_item
 from memplan.estimator.held_tensors import OptimizerLocals
@@ -254,6 +254,8 @@ def trace_step(
             eager_lifetimes.finish()
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
             kept_on_modules = {storage_key(tensor) for tensor in attribute_tensors(state.built_model)}
+            # The keep-output loop's `out` lives through the step too (memplan.estimator.loop).
+            kept_on_modules |= {storage_key(tensor) for tensor in tensors_held(state.kept_output)}
             grads = current_grads(state)
             unreached = _unreached_state(state, settings)
             step_start = recorder.node_count()

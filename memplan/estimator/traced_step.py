@@ -62,11 +62,13 @@ class TracedStep:
     # Graph nodes: weights a backward formula cast into the autocast cache, which the cache holds (python_lifetimes)
     # and the autograd engine does not (no extension to the formula's end).
     formula_casts: frozenset[int] = frozenset()
-    # For each of backward_node_ops, the storages its Node returned (None: not seen); liveness.formula_blocks
+    # For each of backward_node_ops, the storages its Node returned (None: not seen); formula_blocks.formula_blocks
     formula_results: tuple[frozenset[StorageWeakRef] | None, ...] = ()
     # For each of backward_node_ops, whether its Node is a Python autograd Function's (its formula is Python code,
     # whose temporaries go at their last use: no C++ expression holds them)
     python_formulas: tuple[bool, ...] = ()
+    # For each of backward_node_ops, its autograd Node's class name (formula_blocks.MANUAL_STATEMENTS)
+    formula_nodes: tuple[str, ...] = ()
     # For each of backward_node_ops, the last graph node its Node's evaluation ran (the formula, then the additions
     # into the next Nodes' input buffers); () where not observed
     evaluation_ends: tuple[int, ...] = ()
@@ -123,6 +125,7 @@ def traced_step_from(
         formula_casts=frozenset(observed.eager_lifetimes.formula_casts),
         formula_results=tuple(observed.eager_lifetimes.formula_results),
         python_formulas=tuple(observed.eager_lifetimes.python_formulas),
+        formula_nodes=tuple(observed.eager_lifetimes.formula_nodes),
         evaluation_ends=tuple(observed.eager_lifetimes.evaluation_ends),
         seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,

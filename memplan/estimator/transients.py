@@ -1,6 +1,7 @@
 """What CUDA kernels and libraries request and free within one op, beside the op's outputs: cuBLAS's
 per-thread workspaces, cuDNN's convolution workspaces (the band's top), attention backward scratch,
-reductions' staging buffers, embedding backward's sort and partial sums, and bitsandbytes' scratch.
+reductions' staging buffers, embedding backward's sort and partial sums, softmax backward's product of its
+gradient and output, and bitsandbytes' scratch.
 Each is a registry rule of its own module (memplan.estimator.cuda, memplan.finetune.bnb_kernels); this
 module finds the nodes that make them.
 """
@@ -27,6 +28,7 @@ from memplan.estimator.cuda.cudnn import (
 )
 from memplan.estimator.cuda.embedding_backward import EMBEDDING_DENSE_BACKWARD, embedding_backward_requests
 from memplan.estimator.cuda.reductions import reduction_of
+from memplan.estimator.cuda.softmax_backward import SOFTMAX_BACKWARD_OPS, softmax_backward_requests
 from memplan.estimator.liveness import fake_args, op_name, round_for_device
 from memplan.estimator.opgraph import OpNode
 from memplan.estimator.oprules.dtypes import MATMUL_OPS
@@ -140,21 +142,43 @@ def _embedding_backward_scratch(node: OpNode, args: tuple, settings: TrainingSet
     return tuple(Scratch("embedding backward's sort and partial sums", call.bytes(), sized_call=call) for call in calls)
 
 
+def _softmax_backward_scratch(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
+    """The gradient-times-output product and contiguous copies a (log-)softmax backward node makes besides its
+    gradient (memplan.estimator.cuda.softmax_backward)."""
+    grad, output = args[0], args[1]
+    if not isinstance(grad, torch.Tensor) or not isinstance(output, torch.Tensor):
+        return ()
+    name = f"{op_name(node)}'s product and copies"
+    return tuple(Scratch(name, nbytes) for nbytes in softmax_backward_requests(node.target, grad, output))
+
+
 REDUCTION_OPS = {
     torch.ops.aten.sum.dim_IntList,
     torch.ops.aten.sum.default,
     torch.ops.aten.mean.dim,
     torch.ops.aten.mean.default,
+    # ReduceNormKernel.cu norm_kernel_cuda_impl: `gpu_reduce_kernel<scalar_t, out_t>(iter, Norm*Ops...)`, every
+    # order through Reduce.cuh with its default vt0 = input_vec_size = 4, as sum and mean. Measured on the lent H100
+    # (t5-base-adafactor): torch.optim.Adafactor's column norm `grad.norm(dim=-2)` of the [32,128, 768] embedding
+    # gradient requested a 138,412,032 B buffer and 24 B of semaphores, of each [3,072, 768] weight 18,874,368 B
+    # and 24 B, the staging setReductionConfig plans for 768 outputs of 32,128 (3,072) inputs.
+    torch.ops.aten.linalg_vector_norm.default,
+}
+# the position of each op's reduced dimensions among its arguments
+_REDUCED_DIMS_ARG = {
+    torch.ops.aten.sum.dim_IntList: 1,
+    torch.ops.aten.mean.dim: 1,
+    torch.ops.aten.linalg_vector_norm.default: 2,  # (self, ord, dim, keepdim, *, dtype)
 }
 
 
 def _reduction_staging(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
-    """The global-memory staging of a CUDA sum or mean (memplan.estimator.cuda.reductions)."""
+    """The global-memory staging of a CUDA sum, mean or vector norm (memplan.estimator.cuda.reductions)."""
     source = args[0] if args else None
     if not isinstance(source, torch.Tensor) or not source.is_contiguous() or source.dim() == 0:
         return ()
-    with_dims = node.target in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim)
-    dims = args[1] if len(args) > 1 and with_dims else None
+    position = _REDUCED_DIMS_ARG.get(node.target)
+    dims = args[position] if position is not None and len(args) > position else None
     reduced = set(range(source.dim())) if not dims else {d % source.dim() for d in dims}
     gpu = gpu_named(settings.gpu or DEFAULT_GPU)
     reduction = reduction_of(tuple(source.shape), reduced, source.dtype, gpu.compute_capability, gpu.multiprocessors)
@@ -221,12 +245,13 @@ def kernel_transients(
     traced: TracedStep, nodes: list[OpNode]
 ) -> tuple[dict[int, tuple[Scratch, ...]], dict[int, tuple[Scratch, ...]]]:
     """Each node's transients by node index: those in both ends of the cuDNN workspace band (attention
-    backward scratch, reductions' staging, embedding backward's, library kernels'), and the convolutions'
+    backward scratch, reductions' staging, embedding and softmax backward's, library kernels'), and the convolutions'
     workspaces (the band's top)."""
     exact = {
         **kernel_transients_of(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch),
         **kernel_transients_of(traced, nodes, REDUCTION_OPS, _reduction_staging),
         **kernel_transients_of(traced, nodes, {EMBEDDING_DENSE_BACKWARD}, _embedding_backward_scratch),
+        **kernel_transients_of(traced, nodes, SOFTMAX_BACKWARD_OPS, _softmax_backward_scratch),
         **library_transients(nodes, traced.settings.device),
     }
     return exact, kernel_transients_of(traced, nodes, CONV_OPS, _conv_workspace)

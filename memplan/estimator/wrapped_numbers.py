@@ -14,6 +14,14 @@ outside the dispatcher, before the op runs. A dispatch mode sees the number unwr
   (`TensorIteratorBase::compute_types`: `op.tensor().to(common_dtype_)` for a CPU input): one more element of that
   dtype while the op runs, freed before it returns. CUDA passes a CPU scalar to its kernels by value.
 
+A `Scalar` overload whose CPU kernel makes its number a tensor itself (`wrapped_scalar_tensor(other)`, then the
+Tensor overload: aten/src/ATen/native/BinaryOps.cpp's add/sub/mul/div/rsub/remainder/fmod/bitwise/shift/comparison
+`Scalar` kernels, pow.Scalar, xlogy's and the special functions' scalar overloads) does the same below the dispatcher:
+`x > 0`, `1 - x`, `x % 2`, `2 ** x` from Python, and `grad * 0.5`-like products in C++ autograd formulas, which reach
+the dispatch as mul.Scalar. That number (and its cast) lives only while the op runs: autograd saved the Scalar, not
+it. Kernels that read a Scalar by value allocate nothing for it (clamp, masked_fill, fill_, lerp, pow.Tensor_Scalar,
+leaky_relu, hardtanh, threshold, an `alpha`).
+
 Measured with torch.profiler's memory events (torch 2.13): `x * 0.5` (float32 x, no grad) allocates 8 B, 4 B, the
 output, then frees 4 B and 8 B; with x requiring grad the 8 B stays until MulBackward0 has run.
 
@@ -100,15 +108,89 @@ _INT_TO_FLOAT = {
 }
 
 
+def _overloads(names: str) -> frozenset[Any]:
+    """The aten overloads named `packet.overload` in `names` (those this torch has)."""
+    found = set()
+    for name in names.split():
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            found.add(op)
+    return frozenset(found)
+
+
+# Scalar overloads whose CPU kernel wraps its number(s) itself (`wrapped_scalar_tensor`, BinaryOps.cpp and the special
+# functions' `*_scalar` overloads), then runs the Tensor overload: the number as a 0-dim tensor for the op's duration,
+# cast to the common dtype. Each found by the CPU allocator's events of the op run plainly (an 8-byte request).
+_KERNEL_WRAPPED = _overloads(
+    """add.Scalar add_.Scalar sub.Scalar sub_.Scalar mul.Scalar mul_.Scalar div.Scalar div_.Scalar div.Scalar_mode
+    div_.Scalar_mode rsub.Scalar _add_relu.Scalar _add_relu_.Scalar remainder.Scalar remainder_.Scalar
+    remainder.Scalar_Tensor fmod.Scalar fmod_.Scalar floor_divide.Scalar floor_divide_.Scalar copysign.Scalar
+    copysign_.Scalar eq.Scalar eq_.Scalar ne.Scalar ne_.Scalar lt.Scalar lt_.Scalar le.Scalar le_.Scalar gt.Scalar
+    gt_.Scalar ge.Scalar ge_.Scalar bitwise_and.Scalar bitwise_and_.Scalar bitwise_and.Scalar_Tensor bitwise_or.Scalar
+    bitwise_or_.Scalar bitwise_or.Scalar_Tensor bitwise_xor.Scalar bitwise_xor_.Scalar bitwise_xor.Scalar_Tensor
+    bitwise_left_shift.Tensor_Scalar bitwise_left_shift_.Tensor_Scalar bitwise_left_shift.Scalar_Tensor
+    bitwise_right_shift.Tensor_Scalar bitwise_right_shift_.Tensor_Scalar bitwise_right_shift.Scalar_Tensor
+    __lshift__.Scalar __ilshift__.Scalar __rshift__.Scalar __irshift__.Scalar pow.Scalar xlogy.Scalar_Other
+    xlogy.Scalar_Self xlogy_.Scalar_Other special_xlog1py.self_scalar special_xlog1py.other_scalar
+    special_zeta.self_scalar special_zeta.other_scalar"""
+    + " ".join(
+        f" special_{kind}_polynomial_{letter}.{scalar}_scalar"
+        for kind, letters in (
+            ("chebyshev", "tuvw"),
+            ("shifted_chebyshev", "tuvw"),
+            ("hermite", ("h", "he")),
+            ("laguerre", "l"),
+            ("legendre", "p"),
+        )
+        for letter in letters
+        for scalar in ("x", "n")
+    )
+)
+# ... of which these promote integer inputs to the default float dtype (true division, xlogy, the special functions)
+_INT_TO_FLOAT |= {
+    op
+    for op in _KERNEL_WRAPPED
+    if "_polynomial_" in op._schema.name
+    or (
+        op._schema.name.removeprefix("aten::").rstrip("_") in ("div", "xlogy", "special_xlog1py", "special_zeta")
+        and op._schema.overload_name != "Scalar_mode"  # rounds: the inputs' own dtype
+    )
+}
+_KERNEL_SCALARS: dict[Any, tuple[tuple[int, str], ...]] = {
+    op: tuple(
+        (index, argument.name)
+        for index, argument in enumerate(op._schema.arguments)
+        if not argument.kwarg_only and str(argument.type) == "number" and argument.name != "alpha"
+    )
+    for op in _KERNEL_WRAPPED
+}
+
+
+def kernel_wrapped_numbers_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The Python numbers a `Scalar` overload's kernel wraps itself (`x > 0`'s 0, mul.Scalar's number)."""
+    found = []
+    for index, name in _KERNEL_SCALARS.get(func, ()):
+        value = args[index] if index < len(args) else kwargs.get(name)
+        if type(value) in _NUMBER_DTYPES:
+            found.append(value)
+    return found
+
+
 def _cast_bytes(func: Any, args: tuple[Any, ...], values: list[Any]) -> int:
     """A pointwise kernel's casts of its wrapped numbers to its common dtype (TensorIterator's `compute_types`: the
     result type of its tensors and numbers, a number of a higher category moving it, a 0-dim tensor weighing less
     than a dimensioned one)."""
-    if torch.Tag.pointwise not in getattr(func, "tags", ()) and func not in _UNTAGGED_POINTWISE:
+    if (
+        torch.Tag.pointwise not in getattr(func, "tags", ())
+        and func not in _UNTAGGED_POINTWISE
+        and func not in _KERNEL_WRAPPED
+    ):
         return 0
-    operands = [arg for arg in args if isinstance(arg, torch.Tensor) or type(arg) in _NUMBER_DTYPES]
-    if not any(isinstance(arg, torch.Tensor) for arg in operands):
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    if not tensors:
         return 0
+    operands = [*tensors, *values]  # not an `alpha`, which the kernel reads by value
     kind = (
         ELEMENTWISE_TYPE_PROMOTION_KIND.INT_TO_FLOAT
         if func in _INT_TO_FLOAT
@@ -138,15 +220,18 @@ class WrappedNumbers:
         after_op): what after_op takes."""
         self.settle()
         numbers = wrapped_numbers_of(func, args, kwargs)
-        if not numbers:
+        own = kernel_wrapped_numbers_of(func, args, kwargs) if func in _KERNEL_WRAPPED else []
+        if not numbers and not own:
             return [], None
         made = []
         if not _in_cpp_formula():
             for name, value in numbers:
                 dtype = _NUMBER_DTYPES[type(value)]
                 made.append((name, dtype, self._new(dtype.itemsize)))
-        cast = _cast_bytes(func, args, [value for _, value in numbers])
-        return made, self._new(cast) if cast else None
+        # the kernel's own numbers go with its casts, as the op returns
+        transient = sum(_NUMBER_DTYPES[type(value)].itemsize for value in own)
+        transient += _cast_bytes(func, args, [value for _, value in numbers] + own)
+        return made, self._new(transient) if transient else None
 
     def _new(self, nbytes: int) -> WrappedNumber:
         key = WrappedNumber(self._numbers)
