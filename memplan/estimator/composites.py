@@ -15,6 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memplan.estimator.leaves import local_tensor
+
 
 @dataclass(frozen=True)
 class CompositeOp:
@@ -29,6 +34,7 @@ class CompositeOp:
 
 class CompositeWatcher(Protocol):
     composite_ops: list[CompositeOp] | None
+    composite_plain_op: Callable[[Any, tuple[Any, ...], list[CompositeOp]], Any] | None
     local_lifetimes: list[tuple[Any, int]]
 
 
@@ -54,11 +60,49 @@ def watched(watcher: CompositeWatcher, function: Callable[..., Any], held: HeldR
     return run
 
 
+_ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+_MATRIX_PRODUCTS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default})
+# The ops at::matmul ends a product with: the product, or the view of a folded or batched one.
+_PRODUCT_ENDS = _MATRIX_PRODUCTS | {torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default}
+
+
+def _promotes_to(result: torch.dtype, other: torch.dtype) -> bool:
+    """Whether `result + other` has result's dtype (torch.promote_types is an op the trace would record)."""
+    if other in (result, torch.bool):
+        return True
+    return result.is_floating_point and other.is_floating_point and other.itemsize < result.itemsize
+
+
+def added_in_place(func: Any, args: tuple[Any, ...], ops: list[CompositeOp]) -> Any:
+    """`product.add_(other)` for `product.add(other)` where `product` is what the composite's at::matmul has just
+    made (the op before): the plain path of a C++ composite whose `at::areAnyTensorSubclassLike` branch adds out of
+    place for a tensor subclass, which a fake tensor is (memplan.estimator.math_attention, memplan.estimator.linear)."""
+    if func is not _ADD or len(args) < 2 or not ops or ops[-1].func not in _PRODUCT_ENDS:
+        return func
+    product, other = args[0], args[1]
+    if not isinstance(product, torch.Tensor) or not isinstance(other, torch.Tensor):
+        return func
+    if not any(op.func in _MATRIX_PRODUCTS for op in ops):
+        return func
+    if StorageWeakRef(local_tensor(product).untyped_storage()) not in ops[-1].output_storages:
+        return func
+    keeps = torch.broadcast_shapes(product.shape, other.shape) == product.shape and _promotes_to(
+        product.dtype, other.dtype
+    )
+    return _ADD_IN_PLACE if keeps else func
+
+
 @contextlib.contextmanager
 def composites_tracked(watcher: CompositeWatcher) -> Iterator[None]:
     from memplan.estimator.composite_losses import composite_losses_tracked
+    from memplan.estimator.linear import linear_tracked
     from memplan.estimator.math_attention import math_attention_tracked
     from memplan.estimator.rnn_layers import rnn_projections_tracked
 
-    with rnn_projections_tracked(watcher), math_attention_tracked(watcher), composite_losses_tracked(watcher):
+    with (
+        rnn_projections_tracked(watcher),
+        math_attention_tracked(watcher),
+        composite_losses_tracked(watcher),
+        linear_tracked(watcher),
+    ):
         yield

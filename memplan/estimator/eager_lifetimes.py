@@ -166,7 +166,11 @@ class LocalBindings:
                         if mark != len(value):  # type: ignore[arg-type]
                             held[name] = (identity, keys + _gained(value, mark), len(value))  # type: ignore[arg-type]
                         continue
-                elif identity() is value and mark == local_tensor(value).untyped_storage()._cdata:
+                elif (
+                    isinstance(value, torch.Tensor)  # a dead tensor's weak reference answers None, as `x = None` binds
+                    and identity() is value
+                    and mark == local_tensor(value).untyped_storage()._cdata
+                ):
                     continue  # the same tensor on the same storage (`.data =` gives it another)
                 lifetimes.extend((key, now) for key in keys)
                 del held[name]
@@ -259,6 +263,9 @@ class EagerLifetimes(TorchDispatchMode):
         self._regenerated_views = RegeneratedViews(node_count, self.local_lifetimes)
         # The ops of the C++ composite running now, where one is watched (memplan.estimator.composites).
         self.composite_ops: list[CompositeOp] | None = None
+        # While a watched composite with a subclass branch runs: (op, its args, the call's ops so far) -> the op its
+        # plain path runs (memplan.estimator.math_attention.plain_attention_op).
+        self.composite_plain_op: Callable[[Any, tuple[Any, ...], list[CompositeOp]], Any] | None = None
         self._plain_paths = PlainFormulaPaths(target)
         # The engine's sums of a tensor's gradients, in place where a plain run's are; the recorder's aliases are
         # references to a storage that a plain run has not (memplan.estimator.engine_accumulation).
@@ -393,6 +400,8 @@ class EagerLifetimes(TorchDispatchMode):
         autograd_node = torch._C._current_autograd_node()
         func = self.accumulation.op_for(func, args, kwargs)  # the engine's sum, in place as a plain run's
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
+        if self.composite_ops is not None and self.composite_plain_op is not None:
+            func = self.composite_plain_op(func, args, self.composite_ops)  # a composite's plain path
         out = func(*args, **(kwargs or {}))
         self._plain_paths.made(out)
         end = self.node_count() - 1
