@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from memplan.estimator.composite_kernels import COMPOSITE_KERNEL_SCRATCH, kernel_scratch_requests
+from memplan.estimator.composite_kernels import kernel_scratch_requests, may_hold_scratch
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS, chunk_cat_cast_bytes, chunk_cat_padding_bytes
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
@@ -212,7 +212,7 @@ def library_transients(nodes: list[OpNode], device: str) -> dict[int, tuple[Scra
             if requests:
                 transients[index] = tuple(requests)
             continue
-        elif node.target in COMPOSITE_KERNEL_SCRATCH:
+        elif may_hold_scratch(node.target):
             args, kwargs = fake_args(node)
             held = kernel_scratch_requests(node.target, args, kwargs, device)
             scratch = [(f"{op_name(node)}'s own temporaries", nbytes) for nbytes in held]

@@ -215,10 +215,17 @@ class WrappedNumbers:
         self._pending: list[tuple[list[weakref.ref], list[tuple[str, torch.dtype, WrappedNumber]]]] = []
         self._finalizers: list[weakref.finalize] = []
 
-    def before_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list, WrappedNumber | None]:
+    def before_op(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], kernel_measured: bool = False
+    ) -> tuple[list, WrappedNumber | None]:
         """Settle the previous op's numbers; make this op's, and its kernel's casts of them (one storage, freed by
-        after_op): what after_op takes."""
+        after_op): what after_op takes. `kernel_measured`: the call's allocations are read off the allocator
+        (memplan.measure.cpu profiles it, a real run's call, which wraps its numbers after the dispatch mode saw them):
+        nothing is made here. (A number such a call saves for backward is then not counted after it: a mixed-dtype
+        op given a Python number and an input that requires grad.)"""
         self.settle()
+        if kernel_measured:
+            return [], None
         numbers = wrapped_numbers_of(func, args, kwargs)
         own = kernel_wrapped_numbers_of(func, args, kwargs) if func in _KERNEL_WRAPPED else []
         if not numbers and not own:

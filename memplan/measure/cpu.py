@@ -197,9 +197,11 @@ class LiveStorageCounter(TorchDispatchMode):
         func = self._accumulation.op_for(func, args, kwargs)  # the engine's sum, in place as a plain run's
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
         kernel = _python_kernel(func)
-        made = self._wrapped_numbers.before_op(func, args, kwargs or {})
+        profiled = str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {})
+        # a profiled kernel's own wrapped numbers and casts are among the allocator's events
+        made = self._wrapped_numbers.before_op(func, args, kwargs or {}, kernel_measured=profiled)
         try:
-            if str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {}):
+            if profiled:
                 out, inside = _with_kernel_allocations(func, args, kwargs or {})
                 self._reached(self.dynamic_bytes + inside)
             elif kernel is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from memplan.estimator.composite_kernels.common_dtype import common_dtype_casts, is_tensor_iterator_op
 from memplan.estimator.memory_formats import contiguous_in_a_format, suggested_memory_format
 from memplan.estimator.oprules import _registrar
 
@@ -40,10 +41,25 @@ def kernel_scratch_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
 def kernel_scratch_requests(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[int, ...]:
     """kernel_scratch_bytes as the requests that make it up, where the rule names them (else one); () for none."""
     rule = COMPOSITE_KERNEL_SCRATCH.get(func)
-    if rule is None or not args or not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
+    if rule is None:  # a pointwise op's copies of its tensors to its common dtype, where it makes any
+        return common_dtype_casts(func, tuple(args), kwargs, device) if _strided_call(args) else ()
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
         return ()
     held = rule(tuple(args), kwargs, device)
     return tuple(nbytes for nbytes in (held if isinstance(held, tuple) else (held,)) if nbytes)
+
+
+def may_hold_scratch(func: Any) -> bool:
+    """Whether some call of `func` may hold temporaries beside its output: it has a rule, or it is a pointwise op
+    (memplan.estimator.composite_kernels.common_dtype)."""
+    return func in COMPOSITE_KERNEL_SCRATCH or is_tensor_iterator_op(func)
+
+
+def _strided_call(args: tuple[Any, ...]) -> bool:
+    """Whether the call's first tensor is strided (`where`'s condition, `pow.Scalar`'s number come before the
+    others)."""
+    first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+    return first is not None and first.layout == torch.strided
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
