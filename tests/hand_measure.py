@@ -132,3 +132,19 @@ def profiled_causal_lm_peak(model_of: Callable[[], torch.nn.Module], batch_of: C
         return iteration
 
     return profiled_third_iteration_peak(build)
+
+
+def held_beside_outputs(call: Callable[[], object]) -> int:
+    """The most bytes the CPU allocator held during `call()` beyond its outputs (all outputs live at its end), by its
+    own events: what a kernel holds inside itself."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        outputs = call()  # kept: their bytes are the total at the end
+    events = sorted(
+        (e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    total = peak = 0
+    for event in events:
+        total += event.nbytes()
+        peak = max(peak, total)
+    del outputs
+    return peak - total

@@ -7,7 +7,6 @@ op, or of the step, run plainly (no dispatch mode)."""
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from memplan.estimator.composite_kernels import kernel_scratch_bytes
 from memplan.estimator.simulate import simulate
@@ -15,7 +14,7 @@ from memplan.estimator.trace import trace_step
 from memplan.estimator.wrapped_numbers import WrappedNumbers
 from memplan.measure.cpu import measure_cpu
 from memplan.settings import TrainingSettings
-from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+from tests.hand_measure import held_beside_outputs, profiled_third_iteration_peak, training_iteration
 from tests.module_specs import loss_returning_spec
 
 aten = torch.ops.aten
@@ -46,20 +45,10 @@ CALLS = {
 
 
 def _held_beside_outputs(op, args) -> int:  # type: ignore[no-untyped-def]
-    """The most bytes the CPU allocator held while `op` ran beyond what it returned (fresh copies of its tensors, made
-    before, so that an in-place op writes into its own)."""
+    """What the allocator held while `op` ran beyond what it returned (on fresh copies of its tensors, made before,
+    so that an in-place op writes into its own)."""
     fresh = [arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args]
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        outputs = op(*fresh)
-    events = sorted(
-        (e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    total = peak = 0
-    for event in events:
-        total += event.nbytes()
-        peak = max(peak, total)
-    del outputs
-    return peak - total
+    return held_beside_outputs(lambda: op(*fresh))
 
 
 def _numbers_held(op, args) -> int:  # type: ignore[no-untyped-def]

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from memplan.estimator.composite_kernels import kernel_scratch_bytes
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.settings import TrainingSettings
-from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+from tests.hand_measure import held_beside_outputs, profiled_third_iteration_peak, training_iteration
 from tests.module_specs import loss_returning_spec
 
 aten = torch.ops.aten
@@ -24,21 +23,6 @@ SHAPE = (4, 8, 16, 16)
 
 def _channels_last(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous(memory_format=torch.channels_last)
-
-
-def _held_beside_output(call) -> int:
-    """The most bytes the CPU allocator held during `call()` beyond its outputs (all outputs live at its end)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        outputs = call()  # kept: their bytes are the total at the end
-    events = sorted(
-        (e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    total = peak = 0
-    for event in events:
-        total += event.nbytes()
-        peak = max(peak, total)
-    del outputs
-    return peak - total
 
 
 LAYOUTS = {
@@ -71,7 +55,7 @@ def test_each_pooling_rule_gives_what_the_kernel_holds(pool, input_layout, grad_
     output = output[0] if isinstance(output, tuple) else output
     grad = LAYOUTS[grad_layout](torch.randn(output.shape))
     for op, args in [forward, (backward, backward_args(grad))]:
-        assert kernel_scratch_bytes(op, args, {}, "cpu") == _held_beside_output(lambda op=op, args=args: op(*args)), op
+        assert kernel_scratch_bytes(op, args, {}, "cpu") == held_beside_outputs(lambda op=op, args=args: op(*args)), op
 
 
 class _PoolChannelsLast(torch.nn.Module):
