@@ -4,11 +4,13 @@ liveness reads them for each autograd Node's ops)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from memplan.estimator.manual_formulas import ARGUMENTS, BEGIN, END, LOCAL, MANUAL_STATEMENTS
 from memplan.estimator.opgraph import OpNode
 
 # What validate_outputs (torch/csrc/autograd/engine.cpp) runs on a Node's outputs after its formula returned: sum_to
@@ -44,12 +46,25 @@ class FormulaBlocks:
 
     # where a statement that an in-place op on a made result begins ends the one before (_statement_starts)
     statement_ends: tuple[int, ...] = ()
-    # what a manual formula's named locals hold (`auto pdf = ...`): alive until it returns (MANUAL_STATEMENTS)
-    named_locals: frozenset[Any] = frozenset()
+    # what a manual formula's named locals hold (`auto pdf = ...`), each with the op its scope ends at: the formula's
+    # end, or the end of the block (`if`, a lambda's body) that declares it (MANUAL_STATEMENTS)
+    named_locals: Mapping[Any, int] = field(default_factory=dict)
+    # a manual formula's statements (MANUAL_STATEMENTS): each one's last op with its depth in blocks, in order, and
+    # the depth of the statement each of their ops belongs to
+    manual_ends: tuple[tuple[int, int], ...] = ()
+    manual_depths: Mapping[int, int] = field(default_factory=dict)
 
     def end_after(self, index: int, born: int | None = None) -> int:
         """The end of the block a temporary last read at `index` belongs to; `born`: where it was made. One made after
-        a result, in a statement on it, dies at that statement's end."""
+        a result, in a statement on it, dies at that statement's end. One a manual formula's statement made dies at
+        the end of the first statement, as deep as that one or less, that ends at or after `index`: a temporary of a
+        call's arguments outlives the statements of the called lambda's body (`f(x, at::ones({}))`)."""
+        if born is not None and born in self.manual_depths:
+            depth = self.manual_depths[born]
+            for end, end_depth in self.manual_ends:
+                if end >= index and end_depth <= depth:
+                    return end
+            return self.ends[-1]
         ends = self.ends
         if born is not None and self.statement_ends and born > self.ends[0]:
             ends = tuple(sorted({*self.ends, *self.statement_ends}))
@@ -89,61 +104,80 @@ def formula_blocks(
     if not ends:
         return None
     statement_ends = _statement_starts(own, results, nodes, storages, born, index_of)
-    named_locals: set[Any] = set()
+    named_locals: dict[Any, int] = {}
     manual = _manual_statements(node_name, own, nodes)
     if manual is not None:
-        for last, named in manual:
-            statement_ends.append(last)
-            if named:
-                named_locals.update(key for key, _ in storages[last])
+        for last, scope_end in manual.locals:
+            for key, _ in storages[last]:
+                if key not in results and born.get(key) in manual.depths:  # a result is held until the formula returns
+                    named_locals[key] = formula[-1] if scope_end is None else scope_end
     return FormulaBlocks(
         frozenset(results),
         (*ends, formula[own_end - 1]),
         frozenset(validated_from - set(returned)),
         tuple(sorted(statement_ends)),
-        frozenset(named_locals),
+        named_locals,
+        manual.ends if manual is not None else (),
+        manual.depths if manual is not None else {},
     )
 
 
-# Manual formulas of several C++ statements, by autograd Node: each statement's ops (as the trace sees them, aliases
-# and result_type aside) and whether its value is a named local (`auto x = ...;`, alive until the function returns)
-# or the formula's result. A temporary dies at its statement's end; the statements must match the formula's last
-# ops exactly, or the formula keeps the blocks formula_blocks gives it.
-_M = torch.ops.aten
-MANUAL_STATEMENTS: dict[str, tuple[tuple[tuple[Any, ...], bool], ...]] = {
-    # gelu_double_backward, approximate='none' (torch/csrc/autograd/FunctionsManual.cpp, torch 2.13), the gradient of
-    # gelu_backward's `self`, after its `grad_output` block (`gelu_backward(grad, self, approximate)`):
-    #   auto input_sq = input * input;
-    #   auto pdf = kBeta * at::exp(-0.5 * input_sq);
-    #   auto dgrad_dInput = 2 * pdf - input_sq * pdf;   (the right operand computed first)
-    #   auto gI = ggI * gO * dgrad_dInput;
-    # Held to the formula's end, `-0.5 * input_sq`, its exp, `2 * pdf`, `input_sq * pdf` made a gradient penalty
-    # through nn.GELU 19% high (tests/test_double_backward.py).
-    "GeluBackwardBackward0": (
-        ((_M.mul.Tensor,), True),
-        ((_M.mul.Scalar, _M.exp.default, _M.mul.Scalar), True),
-        ((_M.mul.Tensor, _M.mul.Scalar, _M.sub.Tensor), True),
-        ((_M.mul.Tensor, _M.mul.Tensor), False),
-    ),
-}
-_ALIASES = frozenset({_M.detach.default, _M.result_type.Tensor, _M.result_type.Scalar})
+_ALIASES = frozenset(
+    {torch.ops.aten.detach.default, torch.ops.aten.result_type.Tensor, torch.ops.aten.result_type.Scalar}
+)
 
 
-def _manual_statements(node_name: str | None, own: list[int], nodes: list[OpNode]) -> list[tuple[int, bool]] | None:
-    """For a formula in MANUAL_STATEMENTS whose last ops are its statements': each statement's last op, and whether
-    it makes a named local."""
-    statements = MANUAL_STATEMENTS.get(node_name or "")
-    if statements is None:
-        return None
+@dataclass(frozen=True)
+class _Manual:
+    """Where a manual formula's statements matched: each statement's last op and depth (FormulaBlocks.manual_ends),
+    the depth of each of their ops, and each named local's last op with where its scope ends (None: the formula's
+    end)."""
+
+    ends: tuple[tuple[int, int], ...]
+    depths: dict[int, int]
+    locals: tuple[tuple[int, int | None], ...]
+
+
+def _manual_statements(node_name: str | None, own: list[int], nodes: list[OpNode]) -> _Manual | None:
+    """The statements of the longest variant in MANUAL_STATEMENTS whose ops are the formula's last ops, or None."""
     ops = [index for index in own if nodes[index].target not in _ALIASES]
-    wanted = [target for targets, _ in statements for target in targets]
-    if len(ops) < len(wanted) or [nodes[index].target for index in ops[-len(wanted) :]] != wanted:
+    targets = [nodes[index].target for index in ops]
+    found = None
+    for variant in MANUAL_STATEMENTS.get(node_name or "", ()):
+        wanted = [target for statement in variant if not isinstance(statement, str) for target in statement[0]]
+        if len(wanted) > len(ops) or targets[len(ops) - len(wanted) :] != wanted:
+            continue
+        if found is None or len(wanted) > len(found[1]):
+            found = (variant, wanted)
+    if found is None:
         return None
-    found, position = [], len(ops) - len(wanted)
-    for targets, named in statements:
-        position += len(targets)
-        found.append((ops[position - 1], named))
-    return found
+    variant, wanted = found
+    position = len(ops) - len(wanted)
+    last = ops[position - 1] if position else own[0]  # the op before the statements
+    ends: list[tuple[int, int]] = []
+    depths: dict[int, int] = {}
+    declared: list[list[int]] = [[]]  # the named locals' last ops, by open block
+    local_ends: list[tuple[int, int | None]] = []
+    for statement in variant:
+        depth = len(declared) - 1
+        if statement == BEGIN:
+            declared.append([])
+        elif statement == END:
+            local_ends.extend((local, last) for local in declared.pop())
+            ends.append((last, depth - 1))  # the block is a statement of the scope around it
+        else:
+            statement_ops, kind = statement
+            for index in ops[position : position + len(statement_ops)]:
+                depths[index] = depth
+            position += len(statement_ops)
+            if statement_ops:
+                last = ops[position - 1]
+            if kind == LOCAL:
+                declared[-1].append(last)
+            if kind != ARGUMENTS:  # the call's statement ends with the lambda's body (its END)
+                ends.append((last, depth))
+    local_ends.extend((local, None) for local in declared.pop())
+    return _Manual(tuple(ends), depths, tuple(local_ends))
 
 
 def _writes_its_first_argument(node: OpNode) -> bool:

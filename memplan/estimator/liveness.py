@@ -199,8 +199,8 @@ def liveness(traced: TracedStep) -> Liveness:
                     if block_ends is not None and born[key] in own:  # the formula's own temporaries
                         if key in block_ends.validated_from:
                             end = last_use[key]
-                        elif key in block_ends.named_locals:
-                            end = last
+                        elif key in block_ends.named_locals:  # until its scope ends
+                            end = block_ends.named_locals[key]
                         elif key not in block_ends.results:
                             end = block_ends.end_after(last_use[key], born[key])
                     last_use[key] = max(last_use[key], end)

@@ -67,7 +67,7 @@ class TracedStep:
     # For each of backward_node_ops, whether its Node is a Python autograd Function's (its formula is Python code,
     # whose temporaries go at their last use: no C++ expression holds them)
     python_formulas: tuple[bool, ...] = ()
-    # For each of backward_node_ops, its autograd Node's class name (formula_blocks.MANUAL_STATEMENTS)
+    # For each of backward_node_ops, its autograd Node's class name (manual_formulas.MANUAL_STATEMENTS)
     formula_nodes: tuple[str, ...] = ()
     # For each of backward_node_ops, the last graph node its Node's evaluation ran (the formula, then the additions
     # into the next Nodes' input buffers); () where not observed

@@ -1,0 +1,190 @@
+"""The statements of manual backward formulas (C++ functions of several statements in torch/csrc/autograd/
+FunctionsManual.cpp), as the trace sees their ops: a registry memplan.estimator.formula_blocks reads to let each
+temporary go at its statement's end, and each named local at its scope's end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Manual formulas of several C++ statements, by autograd Node: for each variant of the function (a branch it takes),
+# its statements' ops, as the trace sees them (aliases and result_type aside), in order, each with what its value is:
+#   LOCAL      a named local (`auto x = ...;`), alive until its scope ends: the function's return, or the `}` of the
+#              block that declares it
+#   STATEMENT  a temporary, the formula's result, or assigned to a variable declared outside it (`gG = ...;`): a
+#              value read after its statement lives until the statement of its last read ends
+#   ARGUMENTS  the arguments of a call into a lambda whose body follows as a block: their temporaries live until the
+#              call returns, past the body's statements
+# and BEGIN / END around a block (an `if` body, a called lambda's body), which ends the named locals it declares; the
+# block is one statement of the scope around it, which ends at its END. A temporary dies at the end of the first
+# statement, at its own depth or less, that ends at or after its last read (C++ destroys a full expression's
+# temporaries at its end). A variant must match the formula's last ops exactly, or the formula keeps the blocks
+# formula_blocks gives it; the longest matching variant wins.
+_M = torch.ops.aten
+LOCAL, STATEMENT, ARGUMENTS = "local", "statement", "arguments"
+BEGIN, END = "{", "}"
+_Statement = tuple[tuple[Any, ...], str] | str
+_FIRST_BWD_FN_GRAD_INPUT = (  # layer_norm_double_backward's lambda, called after its arguments' ops
+    BEGIN,
+    # auto h0 = (gamma_local * sigma2_eps_neg_1_2).div_(N);
+    ((_M.mul.Tensor, _M.div_.Scalar), LOCAL),
+    # auto h1 = (N * gO_local)
+    #               .sub_(gO_local.sum(1, true))
+    #               .sub_(
+    #                   input_sub_mu.mul(sigma2_eps_neg_1) *
+    #                   (gO_local * input_sub_mu).sum(1, true));   (the right operand of `*` computed first)
+    (
+        (
+            _M.mul.Scalar,
+            _M.sum.dim_IntList,
+            _M.sub_.Tensor,
+            _M.mul.Tensor,
+            _M.sum.dim_IntList,
+            _M.mul.Tensor,
+            _M.mul.Tensor,
+            _M.sub_.Tensor,
+        ),
+        LOCAL,
+    ),
+    # return h0 * h1;
+    ((_M.mul.Tensor,), STATEMENT),
+    END,
+)
+MANUAL_STATEMENTS: dict[str, tuple[tuple[_Statement, ...], ...]] = {
+    # gelu_double_backward (torch/csrc/autograd/FunctionsManual.cpp, torch 2.13), the gradient of gelu_backward's
+    # `self`, after its `grad_output` block (`gelu_backward(grad, self, approximate)`). GCC computes an operator's
+    # right operand first (`a * (b + c)`: `b + c`, then `a`).
+    "GeluBackwardBackward0": (
+        # approximate='none':
+        #   auto input_sq = input * input;
+        #   auto pdf = kBeta * at::exp(-0.5 * input_sq);
+        #   auto dgrad_dInput = 2 * pdf - input_sq * pdf;
+        #   auto gI = ggI * gO * dgrad_dInput;
+        # Held to the formula's end, `-0.5 * input_sq`, its exp, `2 * pdf`, `input_sq * pdf` made a gradient penalty
+        # through nn.GELU 19% high (tests/test_double_backward.py).
+        (
+            ((_M.mul.Tensor,), LOCAL),
+            ((_M.mul.Scalar, _M.exp.default, _M.mul.Scalar), LOCAL),
+            ((_M.mul.Tensor, _M.mul.Scalar, _M.sub.Tensor), LOCAL),
+            ((_M.mul.Tensor, _M.mul.Tensor), STATEMENT),
+        ),
+        # approximate='tanh' (kBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kKappa = 0.044715; `1 / t` and `1 - t` are
+        # at::empty_like(t).fill_(1).div_(t) and .sub_(t), ATen/TensorOperators.h). The quote below could not be
+        # read at the v2.13.0 tag here (the stored copies lack it): it was written down from the function as known
+        # and checked op for op against the trace's ops, the constants included (0.134145 = 3 kKappa):
+        #   auto inner = kBeta * (input + kKappa * pow(input, 3));
+        #   auto tanh_inner = at::tanh(inner);
+        #   auto sech_inner = 1 / at::cosh(inner);
+        #   auto f = 0.5 * input;
+        #   auto g = 1 - tanh_inner * tanh_inner;
+        #   auto h = kBeta * (1 + 3 * kKappa * input * input);
+        #   auto f_prime_gh = 0.5 * g * h;
+        #   auto g_prime = (2 * sech_inner) * (-sech_inner * tanh_inner) * h;
+        #   auto g_prime_fh = f * h * g_prime;
+        #   auto h_prime = 6 * kKappa * input * kBeta;
+        #   auto h_prime_fg = f * g * h_prime;
+        #   auto gI = ggI * gO * (2 * f_prime_gh + g_prime_fh + h_prime_fg);
+        # Held to the formula's end, their temporaries (`cosh(inner)`, `tanh_inner * tanh_inner`, ...) made a gradient
+        # penalty through nn.GELU(approximate='tanh') 50% high (tests/test_double_backward.py).
+        (
+            ((_M.pow.Tensor_Scalar, _M.mul.Scalar, _M.add.Tensor, _M.mul.Scalar), LOCAL),
+            ((_M.tanh.default,), LOCAL),
+            ((_M.cosh.default, _M.empty_like.default, _M.fill_.Scalar, _M.div_.Tensor), LOCAL),
+            ((_M.mul.Scalar,), LOCAL),
+            ((_M.mul.Tensor, _M.empty_like.default, _M.fill_.Scalar, _M.sub_.Tensor), LOCAL),
+            ((_M.mul.Scalar, _M.mul.Tensor, _M.add.Scalar, _M.mul.Scalar), LOCAL),
+            ((_M.mul.Scalar, _M.mul.Tensor), LOCAL),
+            ((_M.neg.default, _M.mul.Tensor, _M.mul.Scalar, _M.mul.Tensor, _M.mul.Tensor), LOCAL),
+            ((_M.mul.Tensor, _M.mul.Tensor), LOCAL),
+            ((_M.mul.Scalar, _M.mul.Scalar), LOCAL),
+            ((_M.mul.Tensor, _M.mul.Tensor), LOCAL),
+            ((_M.mul.Scalar, _M.add.Tensor, _M.add.Tensor, _M.mul.Tensor, _M.mul.Tensor), STATEMENT),
+        ),
+    ),
+    # layer_norm_double_backward (FunctionsManual.cpp, torch 2.13) with an affine LayerNorm, and only the gradient of
+    # its input's gradient flowing back (ggI defined, ggG and ggB not: a gradient penalty), from after its reshapes
+    # (views) and `auto mu = save_mean.to(input.scalar_type());` (no op at the same dtype). Held to the formula's
+    # end, the `if (ggI.defined())` block's locals and each statement's temporaries made a gradient penalty through
+    # nn.LayerNorm 21% high (tests/test_double_backward.py).
+    "NativeLayerNormBackwardBackward0": (
+        (
+            # auto input_sub_mu = input - mu;
+            ((_M.sub.Tensor,), LOCAL),
+            # auto sigma2_eps_neg_1 = sigma2_eps_neg_1_2.pow(2);
+            ((_M.pow.Tensor_Scalar,), LOCAL),
+            # auto sigma2_eps_neg_3_2 = sigma2_eps_neg_1_2.pow(3);
+            ((_M.pow.Tensor_Scalar,), LOCAL),
+            # auto input_mu_sigma2_neg_3_2 = input_sub_mu * sigma2_eps_neg_3_2;
+            ((_M.mul.Tensor,), LOCAL),
+            # if (ggI.defined()) {
+            BEGIN,
+            # auto gxhat = gO * gamma_expanded;
+            ((_M.mul.Tensor,), LOCAL),
+            # auto gxhat_mu_sum = (gxhat * input_sub_mu).sum(1, true);
+            ((_M.mul.Tensor, _M.sum.dim_IntList), LOCAL),
+            # auto gxhat_sum = gxhat.sum(1, true);
+            ((_M.sum.dim_IntList,), LOCAL),
+            # auto ggI_sum = ggI_expanded.sum(1, true);
+            ((_M.sum.dim_IntList,), LOCAL),
+            # auto ggI_mu_sum = (ggI_expanded * input_sub_mu).sum(1, true);
+            ((_M.mul.Tensor, _M.sum.dim_IntList), LOCAL),
+            # auto all_sub = ((ggI_sum * gxhat_sum).div_(N))
+            #                    .sub_((ggI_expanded * gxhat).sum(1, true))
+            #                    .add_((sigma2_eps_neg_1 * gxhat_mu_sum * ggI_mu_sum)
+            #                              .mul_(3. / static_cast<double>(N)));
+            (
+                (
+                    _M.mul.Tensor,
+                    _M.div_.Scalar,
+                    _M.mul.Tensor,
+                    _M.sum.dim_IntList,
+                    _M.sub_.Tensor,
+                    _M.mul.Tensor,
+                    _M.mul.Tensor,
+                    _M.mul_.Scalar,
+                    _M.add_.Tensor,
+                ),
+                LOCAL,
+            ),
+            # auto gI_0t = (input_mu_sigma2_neg_3_2 * all_sub).div_(N);   (becomes gI, a result)
+            ((_M.mul.Tensor, _M.div_.Scalar), LOCAL),
+            # auto gI_1t =
+            #     (ggI_mu_sum * sigma2_eps_neg_3_2).div_(N) * (gxhat_sum.div(N) - gxhat);
+            ((_M.div.Scalar, _M.sub.Tensor, _M.mul.Tensor, _M.div_.Scalar, _M.mul.Tensor), LOCAL),
+            # auto gI_2t = (gxhat_mu_sum * sigma2_eps_neg_3_2).div_(N) *
+            #     (ggI_sum.div(N) - ggI_expanded);
+            ((_M.div.Scalar, _M.sub.Tensor, _M.mul.Tensor, _M.div_.Scalar, _M.mul.Tensor), LOCAL),
+            # gI = (gI_0t.add_(gI_1t).add_(gI_2t));
+            ((_M.add_.Tensor, _M.add_.Tensor), STATEMENT),
+            # }
+            END,
+            # if (gI.defined()) { gI = gI.reshape_as(input_t); }
+            BEGIN,
+            ((_M.view.default,), STATEMENT),
+            END,
+            # if (affine && ggI.defined()) {
+            BEGIN,
+            # gG = first_bwd_fn_grad_input(
+            #     ggI_expanded, at::ones({}, sigma2_eps_neg_1_2.options()));
+            ((_M.ones.default,), ARGUMENTS),
+            *_FIRST_BWD_FN_GRAD_INPUT,
+            # gG = (gO * gG).sum(0);
+            ((_M.mul.Tensor, _M.sum.dim_IntList), STATEMENT),
+            # gG = gG.reshape_as(*gamma);
+            ((_M.view.default,), STATEMENT),
+            # }
+            END,
+            # if (ggI.defined()) { ggO = first_bwd_fn_grad_input(ggI_expanded, gamma_expanded); }
+            BEGIN,
+            ((), ARGUMENTS),
+            *_FIRST_BWD_FN_GRAD_INPUT,
+            END,
+            # if (ggO.defined()) { ggO = ggO.expand({M, N}).reshape_as(input_t); }   (the view reshape_as makes reads
+            # as validate_outputs' own, which formula_blocks sets apart)
+            BEGIN,
+            ((_M.expand.default,), STATEMENT),
+            END,
+        ),
+    ),
+}
