@@ -217,3 +217,22 @@ def test_linear_adds_its_bias_in_place_as_a_plain_run_does():
     spec = loss_returning_spec("sliced-head", _SlicedHead, (16, 16))
     settings = TrainingSettings(batch_size=4, device="cpu", optimizer="sgd")
     assert simulate(trace_step(spec, settings)).peak_bytes == measured
+
+
+def test_validate_s_counter_takes_linear_s_plain_path_too():
+    """Under a dispatch mode at::linear takes its subclass branch as under fake tensors (isTensorSubclassLike checks
+    dispatch_mode_enabled): validate's counter, over a real run, read 1,130,240 B where the run's own allocator
+    holds 777,992 B at most."""
+    from memplan.measure.cpu import measure_cpu
+    from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+    from tests.module_specs import loss_returning_spec
+
+    def build():
+        torch.manual_seed(0)
+        model = _SlicedHead()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return training_iteration(model, torch.randn(4, 16, 16), lambda out, _: out, optimizer)
+
+    spec = loss_returning_spec("sliced-head", _SlicedHead, (16, 16))
+    settings = TrainingSettings(batch_size=4, device="cpu", optimizer="sgd")
+    assert measure_cpu(spec, settings).peak_bytes == profiled_third_iteration_peak(build) == 777_992

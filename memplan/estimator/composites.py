@@ -14,8 +14,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
+from unittest.mock import patch
 
 import torch
+import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.estimator.leaves import local_tensor
@@ -90,6 +92,45 @@ def added_in_place(func: Any, args: tuple[Any, ...], ops: list[CompositeOp]) -> 
         product.dtype, other.dtype
     )
     return _ADD_IN_PLACE if keeps else func
+
+
+PlainOpRule = Callable[[Any, tuple[Any, ...], list[CompositeOp]], Any]
+
+
+def _nothing_held(ops: list[CompositeOp], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[object, int]]:
+    return []
+
+
+@contextlib.contextmanager
+def plain_path_patched(
+    watcher: CompositeWatcher, owner: Any, name: str, plain_op: PlainOpRule, held: HeldRule = _nothing_held
+) -> Iterator[None]:
+    """`owner.name` (a composite with a tensor-subclass branch, F.linear, F.scaled_dot_product_attention) watched
+    (`watched`), with `plain_op` choosing, while it runs, the op its plain path runs for each op it dispatches
+    (`watcher.composite_plain_op`): under fake tensors, and under any dispatch mode (at::isTensorSubclassLike checks
+    c10::impl::dispatch_mode_enabled), the composite takes its subclass branch."""
+    call = watched(watcher, getattr(owner, name), held)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        outer, watcher.composite_plain_op = watcher.composite_plain_op, plain_op
+        try:
+            return call(*args, **kwargs)
+        finally:
+            watcher.composite_plain_op = outer
+
+    with patch.object(owner, name, run):
+        yield
+
+
+@contextlib.contextmanager
+def plain_paths_tracked(watcher: CompositeWatcher) -> Iterator[None]:
+    """The composites' plain paths alone (nothing held beyond what runs): for a dispatch mode over a real run
+    (memplan.measure.cpu's counter), under which the composites take their subclass branches too."""
+    from memplan.estimator.linear import linear_tracked
+    from memplan.estimator.math_attention import plain_attention_op
+
+    with plain_path_patched(watcher, F, "scaled_dot_product_attention", plain_attention_op), linear_tracked(watcher):
+        yield
 
 
 @contextlib.contextmanager

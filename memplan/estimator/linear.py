@@ -13,25 +13,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
-from unittest.mock import patch
 
 import torch.nn.functional as F
 
-from memplan.estimator.composites import CompositeWatcher, added_in_place, watched
+from memplan.estimator.composites import CompositeWatcher, added_in_place, plain_path_patched
 
 
 @contextlib.contextmanager
 def linear_tracked(watcher: CompositeWatcher) -> Iterator[None]:
-    """While a step is traced, F.linear (what nn.Linear calls) adds its bias as a plain run adds it."""
-    call = watched(watcher, F.linear, lambda ops, args, kwargs: [])
-
-    def linear(*args: Any, **kwargs: Any) -> Any:
-        outer, watcher.composite_plain_op = watcher.composite_plain_op, added_in_place
-        try:
-            return call(*args, **kwargs)
-        finally:
-            watcher.composite_plain_op = outer
-
-    with patch.object(F, "linear", linear):
+    """While a step is traced (or a real one counted), F.linear (what nn.Linear calls) adds its bias as a plain run
+    adds it."""
+    with plain_path_patched(watcher, F, "linear", added_in_place):
         yield

@@ -28,12 +28,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
-from unittest.mock import patch
 
 import torch
 import torch.nn.functional as F
 
-from memplan.estimator.composites import CompositeOp, CompositeWatcher, added_in_place, watched
+from memplan.estimator.composites import CompositeOp, CompositeWatcher, added_in_place, plain_path_patched
 
 _SAFE_SOFTMAX = torch.ops.aten._safe_softmax.default
 _HELD_OUTPUTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.where.self})
@@ -71,14 +70,5 @@ def math_attention_tracked(watcher: CompositeWatcher) -> Iterator[None]:
     """While a step is traced, F.scaled_dot_product_attention (on a cuda target, memplan's emulation of CUDA's,
     patched in before this) is watched: what each call's math path held until it returned, and its mask added in
     place as a plain run adds it."""
-    call = watched(watcher, F.scaled_dot_product_attention, held_by_math_attention)
-
-    def attention(*args: Any, **kwargs: Any) -> Any:
-        outer, watcher.composite_plain_op = watcher.composite_plain_op, plain_attention_op
-        try:
-            return call(*args, **kwargs)
-        finally:
-            watcher.composite_plain_op = outer
-
-    with patch.object(F, "scaled_dot_product_attention", attention):
+    with plain_path_patched(watcher, F, "scaled_dot_product_attention", plain_attention_op, held_by_math_attention):
         yield

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -26,9 +27,10 @@ from memplan.distributed.fsdp import storage_resizes_observed
 from memplan.distributed.modes import FSDP_MODES
 from memplan.distributed.offload import HostCopies, copies_made
 from memplan.estimator.composite_kernels import kernel_scratch_bytes
+from memplan.estimator.composites import CompositeOp, PlainOpRule, plain_paths_tracked
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS
 from memplan.estimator.engine_accumulation import EngineAccumulation, roots_hooked
-from memplan.estimator.leaves import local_tensor, wraps_local_tensors
+from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
 from memplan.estimator.loop import (
     TrainingState,
     current_grads,
@@ -79,6 +81,11 @@ class LiveStorageCounter(TorchDispatchMode):
         self._segment_peak_bytes = 0
         self._live: dict[int, int] = {}  # id of the storage's C++ object -> bytes
         self._plain_paths = PlainFormulaPaths()
+        # The C++ composite running now, and the op its plain path runs for each of its ops: the real run is under
+        # this mode, so its composites take their subclass branches (memplan.estimator.composites.plain_paths_tracked)
+        self.composite_ops: list[CompositeOp] | None = None
+        self.composite_plain_op: PlainOpRule | None = None
+        self.local_lifetimes: list[tuple[Any, int]] = []  # CompositeWatcher's; a real run holds what it holds
         # The engine's sums of a tensor's gradients, in place where a plain run's are
         # (memplan.estimator.engine_accumulation): each backward's Nodes are hooked from its roots as it starts.
         self._accumulation = EngineAccumulation()
@@ -196,6 +203,8 @@ class LiveStorageCounter(TorchDispatchMode):
                 self._add_late(leaf)  # host memory: never
         func = self._accumulation.op_for(func, args, kwargs)  # the engine's sum, in place as a plain run's
         func = self._plain_paths.op_for(func, args)  # the path a plain run's formula takes (plain_formulas)
+        if self.composite_ops is not None and self.composite_plain_op is not None:
+            func = self.composite_plain_op(func, args, self.composite_ops)  # a composite's plain path
         kernel = _python_kernel(func)
         profiled = str(func) in _ALLOCATING_KERNELS or _allocates_inside(func, args, kwargs or {})
         # a profiled kernel's own wrapped numbers and casts are among the allocator's events
@@ -213,6 +222,11 @@ class LiveStorageCounter(TorchDispatchMode):
             self._wrapped_numbers.after_op(made, None)  # the numbers went with the failed call
             raise
         self._plain_paths.made(out)
+        if self.composite_ops is not None:
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            first = StorageWeakRef(local_tensor(first).untyped_storage()) if first is not None else None
+            outputs = frozenset(StorageWeakRef(local_tensor(leaf).untyped_storage()) for leaf in tensors_in(out))
+            self.composite_ops.append(CompositeOp(func, first, outputs, 0))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self._add_dynamic(leaf)
@@ -326,7 +340,7 @@ def measure_cpu(
         # the optimizer's tensors).
         _count_the_start(counter, state, {id(tensor) for tensor in before} if swaps or own_step else None)
         resizes = storage_resizes_observed(counter.resized) if settings.parallel in FSDP_MODES else nullcontext()
-        with collector_held(), counter, resizes:
+        with collector_held(), plain_paths_tracked(counter), counter, resizes:
             iteration(state)
     return CpuMeasurement(peak_bytes=counter.peak_bytes, static_bytes=counter.static_bytes)
 
@@ -359,7 +373,7 @@ def _measure_offloaded(state: TrainingState, warmup_iterations: int) -> CpuMeasu
             counter.leave_out(tensor)
         for tensor in model_tensors(state) + input_tensors(state):
             counter.add_static(tensor)
-        with collector_held(), counter, storage_resizes_observed(counter.resized):
+        with collector_held(), plain_paths_tracked(counter), counter, storage_resizes_observed(counter.resized):
             for _ in range(state.settings.grad_accum):
                 micro_batch(state)
                 state.micro_batches_done += 1
