@@ -5,6 +5,8 @@ Each is `fn(model, batch, optimizer)`, one iteration, written in plain PyTorch a
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -253,5 +255,44 @@ def gradient_penalty(model: torch.nn.Module, batch: dict, optimizer: torch.optim
     out = model(x=x)
     (grad_x,) = torch.autograd.grad(out["score"].sum(), x, create_graph=True)
     (out["loss"] + grad_x.pow(2).sum(1).mean()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# What a step keeps beside the model from one call to the next (an average of its weights), by model.
+_AVERAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ema_by_averaged_model(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """An exponential average of the weights by torch.optim.swa_utils.AveragedModel (its `avg_fn` way: per parameter,
+    `decay * ema + (1 - decay) * param` copied in), made at the first call from a deepcopy of the model, updated
+    after the step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
+
+    if model not in _AVERAGES:
+        _AVERAGES[model] = AveragedModel(model, avg_fn=get_ema_avg_fn(0.999))
+    model(**batch)["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _AVERAGES[model].update_parameters(model)
+
+
+def ema_after_zero_grad(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """An average of the weights kept in a list, updated out of place after zero_grad has freed the gradients."""
+    if model not in _AVERAGES:
+        with torch.no_grad():
+            _AVERAGES[model] = [param.detach().clone() for param in model.parameters()]
+    model(**batch)["loss"].backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for average, param in zip(_AVERAGES[model], model.parameters(), strict=True):
+            average.copy_(0.999 * average + 0.001 * param)
+
+
+def clipped_failing_on_nonfinite(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Clipping that raises on a non-finite norm (`error_if_nonfinite=True`: torch tests the norm with bool())."""
+    model(**batch)["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -219,7 +219,7 @@ def test_optimizer_locals_end_where_python_lets_go_of_them():
     exec(compile(_STEP_SOURCE, os.path.join(_OPTIMIZER_DIR, "memplan_test_step.py"), "exec"), namespace)
     xs = [torch.ones(4), torch.ones(8)]
     counter = _OpCounter()
-    observer = OptimizerLocals(lambda: counter.count)
+    observer = OptimizerLocals(lambda: counter.count, key=lambda tensor: tensor)  # the tensors themselves, to read
     with counter, observer:
         namespace["step"](xs)
     observer.finish()

@@ -107,13 +107,11 @@ def trace_custom_step(
             wrapped_numbers_recorded(recorder.node_count, settings.device, recorder) as wrapped_numbers,
         ):
             # How long the step's optimizers keep their temporaries in locals, as in memplan's own step (trace.py).
-            optimizer_locals = OptimizerLocals(recorder.node_count)
+            optimizer_locals = OptimizerLocals(recorder.node_count, storage_key)
             with lifetimes_tracked(eager_lifetimes), constant_item(), graphs, optimizer_locals.watch_steps():
                 custom_step(state, marker, on_step)
             eager_lifetimes.finish()
-            held_in_locals = optimizer_locals.lifetimes
-            eager_lifetimes.local_lifetimes += [(storage_key(tensor), end) for tensor, end in held_in_locals]
-            held_in_locals.clear()
+            eager_lifetimes.local_lifetimes += optimizer_locals.lifetimes
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
             step_end = recorder.node_count() - 1
             eager_lifetimes.local_lifetimes += [

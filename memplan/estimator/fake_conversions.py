@@ -81,6 +81,21 @@ def fake_friendly_conversions() -> Iterator[None]:
     nn.Module._apply = _apply_replacing  # type: ignore[method-assign]
     torch.Tensor.to = _stay_on_this_device(original_to)  # type: ignore[method-assign]
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        with copies_stay_in_their_mode():
+            yield
+    finally:
+        nn.Module._apply = original_apply  # type: ignore[method-assign]
+        torch.Tensor.to = original_to  # type: ignore[method-assign]
+        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def copies_stay_in_their_mode() -> Iterator[None]:
+    """`copy.deepcopy` of fake tensors keeps them in their FakeTensorMode (module docstring): in a model factory,
+    and in a user's `--step`, which copies the model for an average of its weights (torch.optim.swa_utils'
+    AveragedModel, an EMA or teacher model kept beside it: its copy in another mode was counted as a constant
+    live through the step and again as each op's conversion of it). No-op where no fake tensor is copied."""
     own_deepcopy = FakeTensorMode.__dict__.get("__deepcopy__")
     FakeTensorMode.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
     try:
@@ -88,9 +103,6 @@ def fake_friendly_conversions() -> Iterator[None]:
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
             yield
     finally:
-        nn.Module._apply = original_apply  # type: ignore[method-assign]
-        torch.Tensor.to = original_to  # type: ignore[method-assign]
-        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
         if own_deepcopy is None:
             del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]
         else:

@@ -98,12 +98,32 @@ def steps_finding_no_inf(
     return optimizer.step(*args, **kwargs)
 
 
+# torch 2.6+'s (private: a torch without it leaves clip_grad_norm_ unpatched, refused as before where it checks)
+_TOTAL_NORM = getattr(torch.nn.utils.clip_grad, "_get_total_norm", None)
+
+
+def finite_total_norm(
+    tensors: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+) -> torch.Tensor:
+    """`clip_grad_norm_(..., error_if_nonfinite=True)`'s norm (torch/nn/utils/clip_grad.py, `_get_total_norm`) as in a
+    healthy step: the norm, then its test, `torch.logical_or(total_norm.isnan(), total_norm.isinf())`, made as the real
+    one makes it and found false, so no error is raised. Under fake tensors the test's `bool()` has no value to read:
+    a step that asked for the check had been refused as data-dependent, its message blaming the user's own code."""
+    assert _TOTAL_NORM is not None, "patched in only where torch has it (constant_item)"
+    total_norm = _TOTAL_NORM(tensors, norm_type, False, foreach)
+    if error_if_nonfinite:
+        with torch.no_grad():
+            torch.logical_or(total_norm.isnan(), total_norm.isinf())
+    return total_norm
+
+
 @contextlib.contextmanager
 def constant_item() -> Iterator[None]:
     """Let optimizers call `.item()` on fake tensors (step counters, Adafactor's norms).
 
     The value only steers arithmetic, never which tensors are allocated, so a constant is safe; where a value
-    decides whether the optimizer steps (GradScaler's found-inf flags), the step a healthy run takes is traced.
+    decides whether the optimizer steps (GradScaler's found-inf flags) or the step goes on (clip_grad_norm_'s
+    error_if_nonfinite test), the step a healthy run takes is traced.
     """
 
     def item(self: FakeTensor) -> float | int | bool:
@@ -119,7 +139,12 @@ def constant_item() -> Iterator[None]:
     for name, reader in readers.items():
         setattr(FakeTensor, name, reader)
     try:
-        with patch.object(torch.amp.GradScaler, "_maybe_opt_step", steps_finding_no_inf):
+        with (
+            patch.object(torch.amp.GradScaler, "_maybe_opt_step", steps_finding_no_inf),
+            patch.object(torch.nn.utils.clip_grad, "_get_total_norm", finite_total_norm)
+            if _TOTAL_NORM is not None
+            else contextlib.nullcontext(),
+        ):
             yield
     finally:
         for name, before in previous.items():

@@ -16,6 +16,7 @@ from unittest.mock import patch
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -150,15 +151,18 @@ class OptimizerLocals(TorchDispatchMode):
     then. Ends are node indices, from `node_count` (the index the current op will get).
     """
 
-    def __init__(self, node_count: Callable[[], int]) -> None:
+    def __init__(self, node_count: Callable[[], int], key: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__()
         self._node_count = node_count
+        self._key = key or (lambda tensor: StorageWeakRef(tensor.untyped_storage()))
         self._held: dict[int, tuple[FrameType, dict[int, torch.Tensor]]] = {}  # id(frame) -> its tensors
         # id(frame) -> the tensors in each list or tuple among its locals at the last look, by the list's
         # identity and length (the list kept, so that its identity is no other's): a parameter group's lists
         # are read once, not at every op of the step (_tensor_locals).
         self._sequences: dict[int, SequenceTensors] = {}
-        self.lifetimes: list[tuple[torch.Tensor, int]] = []  # (tensor, the last node it lives through)
+        # (a tensor's storage, the last node it lives through): the storage's key, not the tensor, which a reference
+        # here would keep alive past the step (a gradient the step's zero_grad frees, while the user's step runs on).
+        self.lifetimes: list[tuple[Any, int]] = []
         # Watching: a user's own step (--step) runs its optimizers' steps among its other ops, so the mode stays
         # on through the whole step and watches only between each optimizer step's hooks (watch_steps).
         self.active = True
@@ -211,7 +215,7 @@ class OptimizerLocals(TorchDispatchMode):
             self._held[key] = (frame, held)
 
     def _release(self, tensors: Iterable[torch.Tensor], end: int) -> None:
-        self.lifetimes.extend((tensor, end) for tensor in tensors)
+        self.lifetimes.extend((self._key(tensor), end) for tensor in tensors)
 
     def finish(self) -> None:
         """The step returned: what its frames still held lived until its last op."""

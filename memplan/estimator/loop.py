@@ -50,7 +50,7 @@ from torch.optim import Optimizer
 from memplan.distributed.modes import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MODES
 from memplan.errors import SettingsError, UsageError
 from memplan.estimator.checkpointing import apply_checkpointing
-from memplan.estimator.fake_conversions import cast_floating_point
+from memplan.estimator.fake_conversions import cast_floating_point, copies_stay_in_their_mode
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import adapter_parameters, with_lora
@@ -464,7 +464,7 @@ def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | 
 def custom_step(state: TrainingState, marker: Marker = _no_marker, on_step: GradientsSeen | None = None) -> None:
     """The user's iteration, `fn(model, batch, optimizer)`, with its phases marked."""
     function = step_function(state.settings)
-    with _step_phases(state, marker, on_step):
+    with _step_phases(state, marker, on_step), copies_stay_in_their_mode():
         function(state.model, _container_of_its_own(state.batch), state.optimizer)
 
 

@@ -56,10 +56,8 @@ class OptimizerRecording:
     # same ops in the same order, on the same temporaries, so the same offsets hold.
     local_lifetimes: list[tuple[StorageWeakRef, int]] = field(default_factory=list)
 
-    def keep_local_lifetimes(self, lifetimes: Sequence[tuple[torch.Tensor, int]], step_start: int) -> None:
-        self.local_lifetimes = [
-            (StorageWeakRef(tensor.untyped_storage()), end - step_start) for tensor, end in lifetimes
-        ]
+    def keep_local_lifetimes(self, lifetimes: Sequence[tuple[StorageWeakRef, int]], step_start: int) -> None:
+        self.local_lifetimes = [(key, end - step_start) for key, end in lifetimes]
 
     def local_lifetimes_from(self, step_start: int) -> list[tuple[StorageWeakRef, int]]:
         """The locals' lifetimes in a trace whose optimizer step begins at node `step_start`."""
