@@ -33,7 +33,10 @@ plain run while it adds. Here the add is run as the plain engine would, in place
   reshape) keeps its base alive in its autograd metadata: one more reference to the TensorImpl or the storage, so
   the add stays out of place, as in the plain run (tests/test_accumulation_in_place.py). Holders memplan itself
   adds to a storage (the graph recorder's aliases of each op's output) are told by `storage_holders` and left out
-  of the count.
+  of the count. The counts are read by the top dispatch mode: a mode above it passes each op on with its arguments
+  boxed again, one more reference to each, and every sum would stay out of place (memplan's OptimizerLocals is on
+  the stack only inside an optimizer's step for that: a backward run there, an LBFGS closure's, still adds out of
+  place).
 
 Anything else (a count memplan cannot explain, a subclass, a sparse or zero tensor) keeps the out-of-place add:
 over-predicting by the buffer, never under.

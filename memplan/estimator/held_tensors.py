@@ -19,6 +19,7 @@ import torch.utils.checkpoint as checkpoint_module
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from memplan.estimator.leaves import tensors_in, wraps_local_tensors
 
@@ -163,9 +164,10 @@ class OptimizerLocals(TorchDispatchMode):
         # (a tensor's storage, the last node it lives through): the storage's key, not the tensor, which a reference
         # here would keep alive past the step (a gradient the step's zero_grad frees, while the user's step runs on).
         self.lifetimes: list[tuple[Any, int]] = []
-        # Watching: a user's own step (--step) runs its optimizers' steps among its other ops, so the mode stays
-        # on through the whole step and watches only between each optimizer step's hooks (watch_steps).
+        # Watching: a user's own step (--step) runs its optimizers' steps among its other ops, so the mode is on
+        # only between each optimizer step's hooks (watch_steps).
         self.active = True
+        self._entered = False  # watch_steps: the mode is on the dispatch mode stack now
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if wraps_local_tensors(types):
@@ -177,24 +179,38 @@ class OptimizerLocals(TorchDispatchMode):
     @contextlib.contextmanager
     def watch_steps(self) -> Iterator[None]:
         """Watch every optimizer's step (torch.optim's global step hooks) and nothing between them: what a step's
-        frames held as it returned lived until then (finish)."""
+        frames held as it returned lived until then (finish).
+
+        The mode is on the dispatch mode stack only from a step's pre-hook to its post-hook, not through the rest of
+        the user's step: a mode above memplan's own re-boxes each op's arguments as it passes the op on (one more
+        reference to each tensor's TensorImpl), and the engine's sums of gradients, told in place by those counts
+        (memplan.estimator.engine_accumulation), all stayed out of place in a --step's backward (+262,136 B, a
+        logits-sized gradient, on the zoo's GPT-2 with a class-weighted, label-smoothed cross-entropy)."""
         self.active = False
 
         def started(optimizer: object, args: object, kwargs: object) -> None:
             self.active = True
+            if not self._entered:  # (an optimizer stepping another from its own step is watched from the first)
+                self.__enter__()
+                self._entered = True
 
         def returned(optimizer: object, args: object, kwargs: object) -> None:
             self.finish()
             self.active = False
+            if self._entered and _current_dispatch_mode() is self:
+                self._entered = False
+                self.__exit__(None, None, None)
 
         before = register_optimizer_step_pre_hook(started)
         after = register_optimizer_step_post_hook(returned)
         try:
-            with self:
-                yield
+            yield
         finally:
             before.remove()
             after.remove()
+            if self._entered:  # a step that raised (its post-hook never ran), caught by the user's step or not
+                self._entered = False
+                self.__exit__(None, None, None)
 
     def _observe(self, before: int) -> None:
         frames: dict[int, FrameType] = {}
