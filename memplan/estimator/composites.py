@@ -18,9 +18,8 @@ from unittest.mock import patch
 
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from memplan.estimator.leaves import local_tensor
+from memplan.estimator.leaves import storage_key, tensors_in
 
 
 @dataclass(frozen=True)
@@ -33,10 +32,20 @@ class CompositeOp:
     output_storages: frozenset[object]
     end: int
 
+    @classmethod
+    def of(cls, func: Any, args: tuple[Any, ...], out: object, end: int) -> CompositeOp:
+        """The op `func` that ran on `args` and returned `out`."""
+        first = storage_key(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+        return cls(func, first, frozenset(storage_key(tensor) for tensor in tensors_in(out)), end)
+
+
+# (an op a composite dispatches, its arguments, the composite's ops so far) -> the op its plain path runs instead
+PlainOpRule = Callable[[Any, tuple[Any, ...], list[CompositeOp]], Any]
+
 
 class CompositeWatcher(Protocol):
     composite_ops: list[CompositeOp] | None
-    composite_plain_op: Callable[[Any, tuple[Any, ...], list[CompositeOp]], Any] | None
+    composite_plain_op: PlainOpRule | None
     local_lifetimes: list[tuple[Any, int]]
 
 
@@ -86,15 +95,12 @@ def added_in_place(func: Any, args: tuple[Any, ...], ops: list[CompositeOp]) -> 
         return func
     if not any(op.func in _MATRIX_PRODUCTS for op in ops):
         return func
-    if StorageWeakRef(local_tensor(product).untyped_storage()) not in ops[-1].output_storages:
+    if storage_key(product) not in ops[-1].output_storages:
         return func
     keeps = torch.broadcast_shapes(product.shape, other.shape) == product.shape and _promotes_to(
         product.dtype, other.dtype
     )
     return _ADD_IN_PLACE if keeps else func
-
-
-PlainOpRule = Callable[[Any, tuple[Any, ...], list[CompositeOp]], Any]
 
 
 def _nothing_held(ops: list[CompositeOp], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[object, int]]:

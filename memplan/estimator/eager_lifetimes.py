@@ -18,22 +18,17 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.checkpointing import recomputing
-from memplan.estimator.composites import CompositeOp, composites_tracked
+from memplan.estimator.composites import CompositeOp, PlainOpRule, composites_tracked
 from memplan.estimator.engine_accumulation import EngineAccumulation, graph_nodes, roots_hooked
 from memplan.estimator.held_tensors import (
     LIBRARIES_HOLDING_TENSORS,
     called_from_holding_library,
     python_holders_tracked,
 )
-from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
+from memplan.estimator.leaves import local_tensor, storage_key, tensors_in, wraps_local_tensors
 from memplan.estimator.plain_formulas import PlainFormulaPaths
 from memplan.estimator.recorder import fake_device_query
 from memplan.estimator.regenerated_views import RegeneratedViews
-
-
-def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(local_tensor(tensor).untyped_storage())
-
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
@@ -265,7 +260,7 @@ class EagerLifetimes(TorchDispatchMode):
         self.composite_ops: list[CompositeOp] | None = None
         # While a watched composite with a subclass branch runs: (op, its args, the call's ops so far) -> the op its
         # plain path runs (memplan.estimator.math_attention.plain_attention_op).
-        self.composite_plain_op: Callable[[Any, tuple[Any, ...], list[CompositeOp]], Any] | None = None
+        self.composite_plain_op: PlainOpRule | None = None
         self._plain_paths = PlainFormulaPaths(target)
         # The engine's sums of a tensor's gradients, in place where a plain run's are; the recorder's aliases are
         # references to a storage that a plain run has not (memplan.estimator.engine_accumulation).
@@ -406,9 +401,7 @@ class EagerLifetimes(TorchDispatchMode):
         self._plain_paths.made(out)
         end = self.node_count() - 1
         if self.composite_ops is not None:
-            first = storage_key(args[0]) if args and isinstance(args[0], torch.Tensor) else None
-            outputs = frozenset(storage_key(tensor) for tensor in tensors_in(out))
-            self.composite_ops.append(CompositeOp(func, first, outputs, end))
+            self.composite_ops.append(CompositeOp.of(func, args, out, end))
         if func is _TO_COPY and _autocast_caches(args[0], out):
             self.held_until_released(out, out)
             if autograd_node is not None and not recomputing():

@@ -12,6 +12,7 @@ import torch
 
 from memplan.estimator.manual_formulas import ARGUMENTS, BEGIN, END, LOCAL, MANUAL_STATEMENTS
 from memplan.estimator.opgraph import OpNode
+from memplan.estimator.regenerated_views import writes_first_argument
 
 # What validate_outputs (torch/csrc/autograd/engine.cpp) runs on a Node's outputs after its formula returned: sum_to
 # where an output's shape differs from its input's, a cast where its dtype does, and the views sum_to ends with.
@@ -44,8 +45,9 @@ class FormulaBlocks:
     # tensor as it goes (`grad = grad.to(...)`), which frees the old one after that op
     validated_from: frozenset[Any]
 
-    # where a statement that an in-place op on a made result begins ends the one before (_statement_starts)
-    statement_ends: tuple[int, ...] = ()
+    # `ends` with where a statement that an in-place op on a made result begins ends the one before
+    # (_statement_starts), in order: the ends of what the formula makes after its first result
+    ends_with_statements: tuple[int, ...] = ()
     # what a manual formula's named locals hold (`auto pdf = ...`), each with the op its scope ends at: the formula's
     # end, or the end of the block (`if`, a lambda's body) that declares it (MANUAL_STATEMENTS)
     named_locals: Mapping[Any, int] = field(default_factory=dict)
@@ -66,8 +68,8 @@ class FormulaBlocks:
                     return end
             return self.ends[-1]
         ends = self.ends
-        if born is not None and self.statement_ends and born > self.ends[0]:
-            ends = tuple(sorted({*self.ends, *self.statement_ends}))
+        if born is not None and self.ends_with_statements and born > self.ends[0]:
+            ends = self.ends_with_statements
         for end in ends:
             if end >= index:
                 return end
@@ -103,6 +105,7 @@ def formula_blocks(
     ends = [index for index in own if any(born.get(key) == index and key in results for key, _ in storages[index])]
     if not ends:
         return None
+    block_ends = (*ends, formula[own_end - 1])
     statement_ends = _statement_starts(own, results, nodes, storages, born, index_of)
     named_locals: dict[Any, int] = {}
     manual = _manual_statements(node_name, own, nodes)
@@ -113,9 +116,9 @@ def formula_blocks(
                     named_locals[key] = formula[-1] if scope_end is None else scope_end
     return FormulaBlocks(
         frozenset(results),
-        (*ends, formula[own_end - 1]),
+        block_ends,
         frozenset(validated_from - set(returned)),
-        tuple(sorted(statement_ends)),
+        tuple(sorted({*block_ends, *statement_ends})) if statement_ends else (),
         named_locals,
         manual.ends if manual is not None else (),
         manual.depths if manual is not None else {},
@@ -180,14 +183,6 @@ def _manual_statements(node_name: str | None, own: list[int], nodes: list[OpNode
     return _Manual(tuple(ends), depths, tuple(local_ends))
 
 
-def _writes_its_first_argument(node: OpNode) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
-
-
 def _statement_starts(
     own: list[int],
     results: set[Any],
@@ -210,7 +205,7 @@ def _statement_starts(
     for position, index in enumerate(own):
         node = nodes[index]
         made = {key for key, _ in storages[index]}
-        if not made or not made <= results or not _writes_its_first_argument(node):
+        if not made or not made <= results or not writes_first_argument(node.target):
             continue
         if any(born.get(key, index) >= index for key in made):
             continue  # it makes the result: the expression that made it

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 
@@ -42,3 +43,8 @@ def wraps_local_tensors(types: object) -> bool:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor that holds the memory: a wrapper subclass's local tensor, else the tensor itself."""
     return tensor._local_tensor if type(tensor) in WRAPPER_SUBCLASSES else tensor  # type: ignore[attr-defined]
+
+
+def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
+    """The key of the storage that holds the tensor's memory (its local tensor's, for a wrapper subclass)."""
+    return StorageWeakRef(local_tensor(tensor).untyped_storage())

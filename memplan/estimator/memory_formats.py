@@ -21,3 +21,9 @@ def contiguous_in_a_format(tensor: torch.Tensor) -> bool:
     """Contiguous in the default format or in the channels-last one of its dimension."""
     channels_last = _CHANNELS_LAST.get(tensor.dim())
     return tensor.is_contiguous() or (channels_last is not None and tensor.is_contiguous(memory_format=channels_last))
+
+
+def meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `tensor`'s sizes, strides and dtype: what a rule runs an op on, narrows or tests for
+    contiguity to read the layout and dtype the real kernel would give, without data."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")

@@ -28,7 +28,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memplan.estimator.leaves import local_tensor
 
 
-def _writes_first_argument(func: Any) -> bool:
+def writes_first_argument(func: Any) -> bool:
+    """Whether the op writes its first argument (its schema marks it `Tensor(a!)`: an in-place op, `x.add_(y)`)."""
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.arguments:
         return False
@@ -70,7 +71,7 @@ class RegeneratedViews:
             and args[0]._is_view()
             and args[0].requires_grad
             and torch.is_grad_enabled()
-            and _writes_first_argument(func)
+            and writes_first_argument(func)
         )
 
     def _hook(self, node: Any, nbytes: int, dtype: torch.dtype) -> None:

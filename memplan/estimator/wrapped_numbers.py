@@ -227,7 +227,7 @@ class WrappedNumbers:
         if kernel_measured:
             return [], None
         numbers = wrapped_numbers_of(func, args, kwargs)
-        own = kernel_wrapped_numbers_of(func, args, kwargs) if func in _KERNEL_WRAPPED else []
+        own = kernel_wrapped_numbers_of(func, args, kwargs)
         if not numbers and not own:
             return [], None
         made = []

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -30,7 +29,7 @@ from memplan.estimator.composite_kernels import kernel_scratch_bytes
 from memplan.estimator.composites import CompositeOp, PlainOpRule, plain_paths_tracked
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS
 from memplan.estimator.engine_accumulation import EngineAccumulation, roots_hooked
-from memplan.estimator.leaves import local_tensor, tensors_in, wraps_local_tensors
+from memplan.estimator.leaves import local_tensor, wraps_local_tensors
 from memplan.estimator.loop import (
     TrainingState,
     current_grads,
@@ -223,10 +222,7 @@ class LiveStorageCounter(TorchDispatchMode):
             raise
         self._plain_paths.made(out)
         if self.composite_ops is not None:
-            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            first = StorageWeakRef(local_tensor(first).untyped_storage()) if first is not None else None
-            outputs = frozenset(StorageWeakRef(local_tensor(leaf).untyped_storage()) for leaf in tensors_in(out))
-            self.composite_ops.append(CompositeOp(func, first, outputs, 0))
+            self.composite_ops.append(CompositeOp.of(func, args, out, 0))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self._add_dynamic(leaf)

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
+from memplan.estimator.memory_formats import meta_like
 from memplan.estimator.wrapped_numbers import _INT_TO_FLOAT, _NUMBER_DTYPES, _UNTAGGED_POINTWISE
 
 # Tensor arguments of pointwise ops that are not promoted with the others: `where`'s condition (where_self_out reads it
@@ -94,9 +95,7 @@ def _is_float(dtype: torch.dtype) -> bool:
 
 
 def _meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return value
+    return meta_like(value) if isinstance(value, torch.Tensor) else value
 
 
 def _promotes_integers_to_float(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

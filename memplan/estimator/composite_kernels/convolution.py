@@ -10,12 +10,7 @@ import torch
 
 from memplan.estimator import composite_kernels
 from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch, contiguous_copy_bytes
-from memplan.estimator.memory_formats import suggested_memory_format
-
-
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A meta tensor of `tensor`'s sizes, strides and dtype: what the rules below narrow and test for contiguity."""
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+from memplan.estimator.memory_formats import meta_like, suggested_memory_format
 
 
 def _subtensor(tensor: torch.Tensor, dim: int, groups: int, g: int) -> torch.Tensor:
@@ -105,7 +100,7 @@ def _as_2d(
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], int]:
     """Convolution.cpp's 1-D to 2-D view (`input.contiguous()`, then view4d: a [N, C, 1, L] input), and the bytes
     of that contiguous copy; 2-D arguments as they are."""
-    input, weight = _meta_like(input), _meta_like(weight)
+    input, weight = meta_like(input), meta_like(weight)
     stride, padding = _expanded(stride, input.dim() - 2), _expanded(padding, input.dim() - 2)
     if input.dim() == 4:
         return input, weight, stride, padding, 0
@@ -180,7 +175,7 @@ def slow_conv2d_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], 
     if not isinstance(grad_output, torch.Tensor) or not _slow_conv2d_backend(selection, bound["transposed"], groups):
         return 0
     input, weight, stride, padding, held = _as_2d(bound["input"], bound["weight"], bound["stride"], bound["padding"])
-    grad_output = _meta_like(grad_output)
+    grad_output = meta_like(grad_output)
     if grad_output.dim() == 3:
         grad_output = grad_output.unsqueeze(2)
     memory_format = _thnn_format(input, weight)

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from memplan.estimator.memory_formats import meta_like
+
 SOFTMAX_BACKWARD = torch.ops.aten._softmax_backward_data.default
 LOG_SOFTMAX_BACKWARD = torch.ops.aten._log_softmax_backward_data.default
 SOFTMAX_BACKWARD_OPS = frozenset({SOFTMAX_BACKWARD, LOG_SOFTMAX_BACKWARD})
-
-
-def _meta(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
 def _copy_bytes(tensor: torch.Tensor) -> int:
@@ -43,7 +41,7 @@ def softmax_backward_requests(op: object, grad: torch.Tensor, output: torch.Tens
     it returns (module docstring); () where it makes none."""
     requests = []
     if op is SOFTMAX_BACKWARD:
-        tmp = _meta(grad) * _meta(output)  # TensorIterator's dtype and layout, as the kernel's product has them
+        tmp = meta_like(grad) * meta_like(output)  # TensorIterator's dtype and layout, as the kernel's product has them
         requests.append(tmp.numel() * tmp.element_size())
         grad = tmp
     if grad.numel() == 0:
