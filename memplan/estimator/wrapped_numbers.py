@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.distributed.fsdp import StorageResize
 
-_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 _TENSOR_ARGUMENTS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of its `Tensor` arguments
 
 
@@ -85,16 +85,16 @@ def wrapped_numbers_of(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     found = []
     for index, name in _tensor_arguments(func):
         value = args[index] if index < len(args) else kwargs.get(name)
-        if type(value) in _NUMBER_DTYPES:
+        if type(value) in NUMBER_DTYPES:
             found.append((name, value))
     return found
 
 
 # TensorIterator binary ops not tagged pointwise (aten/src/ATen/native/BinaryOps.cpp: floor_divide builds a binary_op)
-_UNTAGGED_POINTWISE = {torch.ops.aten.floor_divide.default, torch.ops.aten.floor_divide_.Tensor}
+UNTAGGED_POINTWISE_OPS = {torch.ops.aten.floor_divide.default, torch.ops.aten.floor_divide_.Tensor}
 # Binary ops built with `build_borrowing_binary_float_op` (BinaryOps.cpp: true division, atan2, xlogy, ...): integer
 # inputs promote to the default float dtype, the common dtype their numbers are cast to (`i / 2` casts the 2)
-_INT_TO_FLOAT = {
+INT_TO_FLOAT_OPS = {
     torch.ops.aten.div.Tensor,
     torch.ops.aten.div_.Tensor,
     torch.ops.aten.true_divide.Tensor,
@@ -148,7 +148,7 @@ _KERNEL_WRAPPED = _overloads(
     )
 )
 # ... of which these promote integer inputs to the default float dtype (true division, xlogy, the special functions)
-_INT_TO_FLOAT |= {
+INT_TO_FLOAT_OPS |= {
     op
     for op in _KERNEL_WRAPPED
     if "_polynomial_" in op._schema.name
@@ -172,7 +172,7 @@ def kernel_wrapped_numbers_of(func: Any, args: tuple[Any, ...], kwargs: dict[str
     found = []
     for index, name in _KERNEL_SCALARS.get(func, ()):
         value = args[index] if index < len(args) else kwargs.get(name)
-        if type(value) in _NUMBER_DTYPES:
+        if type(value) in NUMBER_DTYPES:
             found.append(value)
     return found
 
@@ -183,7 +183,7 @@ def _cast_bytes(func: Any, args: tuple[Any, ...], values: list[Any]) -> int:
     than a dimensioned one)."""
     if (
         torch.Tag.pointwise not in getattr(func, "tags", ())
-        and func not in _UNTAGGED_POINTWISE
+        and func not in UNTAGGED_POINTWISE_OPS
         and func not in _KERNEL_WRAPPED
     ):
         return 0
@@ -193,11 +193,11 @@ def _cast_bytes(func: Any, args: tuple[Any, ...], values: list[Any]) -> int:
     operands = [*tensors, *values]  # not an `alpha`, which the kernel reads by value
     kind = (
         ELEMENTWISE_TYPE_PROMOTION_KIND.INT_TO_FLOAT
-        if func in _INT_TO_FLOAT
+        if func in INT_TO_FLOAT_OPS
         else ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
     )
     _, common = elementwise_dtypes(*operands, type_promotion_kind=kind)
-    return sum(common.itemsize for value in values if _NUMBER_DTYPES[type(value)] != common)
+    return sum(common.itemsize for value in values if NUMBER_DTYPES[type(value)] != common)
 
 
 class WrappedNumbers:
@@ -233,10 +233,10 @@ class WrappedNumbers:
         made = []
         if not _in_cpp_formula():
             for name, value in numbers:
-                dtype = _NUMBER_DTYPES[type(value)]
+                dtype = NUMBER_DTYPES[type(value)]
                 made.append((name, dtype, self._new(dtype.itemsize)))
         # the kernel's own numbers go with its casts, as the op returns
-        transient = sum(_NUMBER_DTYPES[type(value)].itemsize for value in own)
+        transient = sum(NUMBER_DTYPES[type(value)].itemsize for value in own)
         transient += _cast_bytes(func, args, [value for _, value in numbers] + own)
         return made, self._new(transient) if transient else None
 

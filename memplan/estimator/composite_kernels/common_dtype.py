@@ -49,7 +49,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from memplan.estimator.memory_formats import meta_like
-from memplan.estimator.wrapped_numbers import _INT_TO_FLOAT, _NUMBER_DTYPES, _UNTAGGED_POINTWISE
+from memplan.estimator.wrapped_numbers import INT_TO_FLOAT_OPS, NUMBER_DTYPES, UNTAGGED_POINTWISE_OPS
 
 # Tensor arguments of pointwise ops that are not promoted with the others: `where`'s condition (where_self_out reads it
 # as bool; its self and other are `.to(result_type)` first, the same copies), masked_fill's mask.
@@ -62,7 +62,7 @@ _SCALAR_OPERANDS = {"self", "other"}
 def is_tensor_iterator_op(func: Any) -> bool:
     """Whether `func` is a pointwise op, built on TensorIterator on the CPU (torch.Tag.pointwise, and the binary ops
     not tagged so)."""
-    return torch.Tag.pointwise in getattr(func, "tags", ()) or func in _UNTAGGED_POINTWISE
+    return torch.Tag.pointwise in getattr(func, "tags", ()) or func in UNTAGGED_POINTWISE_OPS
 
 
 @functools.cache
@@ -103,7 +103,7 @@ def _promotes_integers_to_float(func: Any, args: tuple[Any, ...], kwargs: dict[s
     (`promote_integer_inputs_to_float`: true division, the unary float ops): a binary float op's by name
     (memplan.estimator.wrapped_numbers), a functional op's by its own output's dtype (its meta kernel builds the same
     iterator) otherwise."""
-    if func in _INT_TO_FLOAT:
+    if func in INT_TO_FLOAT_OPS:
         return True
     try:
         out = func(*[_meta(arg) for arg in args], **{name: _meta(value) for name, value in kwargs.items()})
@@ -126,10 +126,10 @@ def common_dtype_casts(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     dtypes = {tensor.dtype for tensor in (*tensors, *given)}
     if len(dtypes) == 1 and _is_float(next(iter(dtypes))):
         return ()  # the usual case, quickly: one floating dtype throughout (a number cannot move it)
-    numbers = [value for _, value in values if type(value) in _NUMBER_DTYPES]
+    numbers = [value for _, value in values if type(value) in NUMBER_DTYPES]
     _, common = elementwise_dtypes(*tensors, *numbers, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
     if not _is_float(common):  # an in-place op's or out='s by name alone (a float op's integral output would raise)
-        if func in _INT_TO_FLOAT or (not given and _promotes_integers_to_float(func, args, kwargs)):
+        if func in INT_TO_FLOAT_OPS or (not given and _promotes_integers_to_float(func, args, kwargs)):
             common = torch.get_default_dtype()
     temporaries = [out for out in given if out.dtype not in (common, torch.bool)]
     copies = [tensor for tensor in tensors if tensor.dtype != common]
