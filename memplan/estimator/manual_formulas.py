@@ -51,6 +51,51 @@ _FIRST_BWD_FN_GRAD_INPUT = (  # layer_norm_double_backward's lambda, called afte
     ((_M.mul.Tensor,), STATEMENT),
     END,
 )
+# norm_backward (FunctionsManual.cpp, torch 2.13), the gradient of torch.norm / torch.linalg.vector_norm for a p
+# other than 0, 1, 2 and inf, from after its unsqueezes (views, before the statements). `self_scaled` and `scale_v`
+# are declared at the function's start; `self.abs()`, `self.sgn()` and `self_scaled * grad` are temporaries of their
+# statements. Held to the formula's end, `self.abs()` (its pow_ is in place) made an MLP whose hidden activation goes
+# through torch.norm(p=3, dim=1) one activation-sized buffer high (tests/test_formula_statements.py).
+_NORM_BACKWARD: tuple[tuple[_Statement, ...], ...] = (
+    (  # p > 2
+        # self_scaled = self * self.abs().pow_(p - 2);
+        ((_M.abs.default, _M.pow_.Scalar, _M.mul.Tensor), LOCAL),
+        # scale_v = grad / norm.pow(p - 1);
+        ((_M.pow.Tensor_Scalar, _M.div.Tensor), LOCAL),
+        # scale_v.masked_fill_(norm == 0, 0);
+        ((_M.eq.Scalar, _M.masked_fill_.Scalar), STATEMENT),
+        # return self_scaled * scale_v;
+        ((_M.mul.Tensor,), STATEMENT),
+    ),
+    (  # 1 < p < 2 (the right operand first)
+        # self_scaled = self.sgn() * self.abs().pow_(p - 1);
+        ((_M.abs.default, _M.pow_.Scalar, _M.sgn.default, _M.mul.Tensor), LOCAL),
+        ((_M.pow.Tensor_Scalar, _M.div.Tensor), LOCAL),
+        ((_M.eq.Scalar, _M.masked_fill_.Scalar), STATEMENT),
+        ((_M.mul.Tensor,), STATEMENT),
+    ),
+    (  # p < 1
+        # self_scaled = self.sgn() * self.abs().pow_(p - 1).masked_fill_(self == 0, 0);
+        ((_M.abs.default, _M.pow_.Scalar, _M.eq.Scalar, _M.masked_fill_.Scalar, _M.sgn.default, _M.mul.Tensor), LOCAL),
+        # return self_scaled * grad * norm.pow(1 - p);
+        ((_M.pow.Tensor_Scalar, _M.mul.Tensor, _M.mul.Tensor), STATEMENT),
+    ),
+)
+# var_backward then mean_backward, as var_mean_backward (FunctionsManual.cpp, torch 2.13) runs them where both outputs'
+# gradients flow (std_mean_backward's, after std_backward's `grad_var`, ends the same):
+#   gself = var_backward(gvar, self, dim_opt, correction_opt, keepdim);
+#     (its `return (2.0 / (rnumel - correction)) * grad * (self - self.mean(dim, true));`)
+#   auto aux = mean_backward(gmean, ...);   (`sum_backward(...) / n`: an unsqueeze, an expand, the division)
+#   gself = gself.defined() ? gself + aux : std::move(aux);
+# Held to the formula's end, var_backward's `self - self.mean(...)` made var_mean's gradient one input-sized buffer
+# high (tests/test_formula_statements.py).
+_VAR_THEN_MEAN: tuple[tuple[_Statement, ...], ...] = (
+    (
+        ((_M.mean.dim, _M.sub.Tensor, _M.mul.Scalar, _M.mul.Tensor), STATEMENT),
+        ((_M.unsqueeze.default, _M.expand.default, _M.div.Scalar), LOCAL),
+        ((_M.add.Tensor,), STATEMENT),
+    ),
+)
 MANUAL_STATEMENTS: dict[str, tuple[tuple[_Statement, ...], ...]] = {
     # gelu_double_backward (torch/csrc/autograd/FunctionsManual.cpp, torch 2.13), the gradient of gelu_backward's
     # `self`, after its `grad_output` block (`gelu_backward(grad, self, approximate)`). GCC computes an operator's
@@ -185,6 +230,79 @@ MANUAL_STATEMENTS: dict[str, tuple[tuple[_Statement, ...], ...]] = {
             BEGIN,
             ((_M.expand.default,), STATEMENT),
             END,
+        ),
+    ),
+    # sinc_backward (FunctionsManual.cpp, torch 2.13; GCC computes the right operand first, `self_pi.sin()` before
+    # `self_pi.cos()`, and a call's arguments right to left):
+    #   auto self_pi = self * M_PI;
+    #   auto self_squared_pi = self * self * M_PI;
+    #   auto out = grad * ((self_pi * self_pi.cos()) - self_pi.sin()).div(self_squared_pi).conj();
+    #   return at::where(self_squared_pi == 0.0, at::zeros({}, grad.options()), out);
+    # Held to the formula's end, `self * self`, the sine, the cosine and the other temporaries of `out`'s statement made
+    # an MLP through torch.sinc two activation-sized buffers high (tests/test_formula_statements.py).
+    "SincBackward0": (
+        (
+            ((_M.mul.Scalar,), LOCAL),
+            ((_M.mul.Tensor, _M.mul.Scalar), LOCAL),
+            ((_M.sin.default, _M.cos.default, _M.mul.Tensor, _M.sub.Tensor, _M.div.Tensor, _M.mul.Tensor), LOCAL),
+            ((_M.scalar_tensor.default, _M.eq.Scalar, _M.where.self), STATEMENT),
+        ),
+    ),
+    **{name: _NORM_BACKWARD for name in ("NormBackward0", "NormBackward1", "NormBackward2", "NormBackward3")},
+    "LinalgVectorNormBackward0": _NORM_BACKWARD,
+    "VarMeanBackward0": _VAR_THEN_MEAN,
+    # renorm_backward (FunctionsManual.cpp, torch 2.13), p = 2 (norm_backward's one-statement branch). On the CPU the
+    # accumulation type of float32 is float64, so `grad_output`, `self / norm` and what follows are float64:
+    #   auto norm = at::linalg_vector_norm(self, p, reduce_dims, /*keepdim=*/true, /*dtype=*/acc_type);
+    #   auto grad_output = (self.conj() * grad);
+    #   grad_output = grad_output.sum(reduce_dims, /*keepdim=*/true, /*dtype=*/real_acc_type);  (frees the product)
+    #   auto nb = norm_backward(std::move(grad_output), self, p, norm, reduce_dims, /*keepdim=*/true);
+    #     (its `return grad * (self / norm).masked_fill_(norm == 0, 0);`)
+    #   auto invnorm = (norm + 1e-7).reciprocal();
+    #   auto grad_norm = maxnorm * invnorm * (grad - invnorm * nb);
+    #   return at::where(norm > maxnorm, grad_norm.to(grad.scalar_type()), grad);
+    # Held to the formula's end, `self.conj() * grad`, `self / norm` and `invnorm * nb` and `grad - ...` made an MLP
+    # through torch.renorm five activation-sized float32 buffers high (tests/test_formula_statements.py).
+    "RenormBackward0": (
+        (
+            ((_M.linalg_vector_norm.default,), LOCAL),
+            ((_M.mul.Tensor,), STATEMENT),  # its value is reassigned: it dies with the statement that last reads it
+            ((_M.sum.dim_IntList,), STATEMENT),  # moved into norm_backward's `grad`, gone when it returns
+            ((_M.div.Tensor, _M.eq.Scalar, _M.masked_fill_.Scalar, _M.mul.Tensor), LOCAL),
+            ((_M.add.Scalar, _M.reciprocal.default), LOCAL),
+            ((_M.mul.Tensor, _M.sub.Tensor, _M.mul.Scalar, _M.mul.Tensor), LOCAL),
+            ((_M._to_copy.default, _M.gt.Scalar, _M.where.self), STATEMENT),
+        ),
+    ),
+    # atan2_backward (torch 2.13), as a plain run's allocator events and the trace's ops show it (the stored copies of
+    # FunctionsManual.cpp read here predate its mask):
+    #   auto denom = self * self + other * other;
+    #   auto recip = denom.reciprocal();
+    #   recip.masked_fill_(denom == 0, 0);      (plain_formulas runs the plain path's in-place op)
+    #   return {output_mask[0] ? grad * other * recip : Tensor(), output_mask[1] ? grad * -self * recip : Tensor()};
+    # Held to the first gradient, the mask `denom == 0` made an MLP through torch.atan2 one boolean mask high
+    # (tests/test_formula_statements.py).
+    "Atan2Backward0": tuple(
+        (
+            ((_M.mul.Tensor, _M.mul.Tensor, _M.add.Tensor), LOCAL),
+            ((_M.reciprocal.default,), LOCAL),
+            ((_M.eq.Scalar, _M.masked_fill_.Scalar), STATEMENT),
+            (returned, STATEMENT),
+        )
+        for returned in (
+            (_M.mul.Tensor, _M.mul.Tensor, _M.neg.default, _M.mul.Tensor, _M.mul.Tensor),  # both gradients
+            (_M.mul.Tensor, _M.mul.Tensor),  # self's
+            (_M.neg.default, _M.mul.Tensor, _M.mul.Tensor),  # other's
+        )
+    ),
+    # std_mean_backward: std_backward's `auto grad_var = (grad / (result * 2)).masked_fill_(result == 0, 0);`, then
+    # `return var_backward(std::move(grad_var), ...)` (whose `grad = unsqueeze_multiple(grad, ...)`, a view, comes
+    # first), then as var_mean's
+    "StdMeanBackward0": (
+        (
+            ((_M.mul.Scalar, _M.div.Tensor, _M.eq.Scalar, _M.masked_fill_.Scalar), STATEMENT),
+            ((_M.unsqueeze.default,), STATEMENT),
+            *_VAR_THEN_MEAN[0],
         ),
     ),
 }
