@@ -246,6 +246,7 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
 
 def _load_families() -> None:
     from memplan.estimator.composite_kernels import (  # noqa: F401
+        blas_operands,
         convolution,
         ctc_loss,
         embedding_bag,
