@@ -78,3 +78,39 @@ def test_layers_a_factory_deep_copies_are_counted_once(optimizer):
     settings = spec.settings_for(TrainingSettings(batch_size=4, device="cpu", optimizer=optimizer))
     predicted = simulate(trace_step(spec, settings)).peak_bytes
     assert abs(predicted - measure_cpu(spec, settings).peak_bytes) <= 8
+
+
+class _Orthogonal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.square, self.head = torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+        torch.nn.utils.parametrizations.orthogonal(self.square, orthogonal_map="cayley")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.square(x))).square().mean()
+
+
+def orthogonal_model() -> torch.nn.Module:
+    return _Orthogonal()
+
+
+def features(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 32)
+
+
+def test_an_orthogonal_parametrization_of_a_square_weight_builds_and_is_its_real_run():
+    """`parametrizations.orthogonal` tests a square weight with `torch.allclose` to pick how it makes its `base`: under
+    fake tensors the factory failed ("model factory ... raised DataDependentOutputException: aten.allclose.default
+    ... fix it"). Truth: the step run for real, no dispatch mode active, by the CPU allocator's events."""
+    from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+
+    def build():
+        torch.manual_seed(0)
+        model = _Orthogonal()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        return training_iteration(model, features(4), lambda out, _: out, optimizer)
+
+    measured = profiled_third_iteration_peak(build)
+    spec = resolve_model("tests.test_fake_conversions:orthogonal_model", inputs="tests.test_fake_conversions:features")
+    settings = spec.settings_for(TrainingSettings(batch_size=4, device="cpu", optimizer="sgd"))
+    assert simulate(trace_step(spec, settings)).peak_bytes == measured

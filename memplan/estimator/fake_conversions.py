@@ -14,6 +14,11 @@ made to work while memplan builds the model under fake tensors.
   copied here: the copies stay in the active one.
   The copy asks each fake tensor for its data pointer on the way (torch warns "Accessing the data pointer
   of FakeTensor is deprecated"), about torch's code, not the user's: not shown.
+- `torch.nn.utils.parametrizations.orthogonal` on a square weight asks whether the weight is orthogonal
+  already (`_is_orthogonal`: `torch.allclose`, which reads values and fake tensors refuse: the factory
+  failed as if the user's code were wrong) to decide between copying it and orthogonalizing it by QR for
+  the parametrization's `base` buffer. Either way `base` is a new tensor of the weight's shape and dtype,
+  and a freshly initialized weight is not orthogonal: here it is taken not to be.
 - Device moves become no-ops: memplan traces on fake CPU tensors whatever the target (design.md
   §3), models a cuda target by its kernels and allocator, and fake CUDA tensors would abort the
   process in autograd. `.cuda()`, `.to("cuda")` and `.to(device=...)` keep the device and apply
@@ -82,12 +87,29 @@ def fake_friendly_conversions() -> Iterator[None]:
     torch.Tensor.to = _stay_on_this_device(original_to)  # type: ignore[method-assign]
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     try:
-        with copies_stay_in_their_mode():
+        with copies_stay_in_their_mode(), _orthogonal_weights_taken_as_new():
             yield
     finally:
         nn.Module._apply = original_apply  # type: ignore[method-assign]
         torch.Tensor.to = original_to  # type: ignore[method-assign]
         torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _orthogonal_weights_taken_as_new() -> Iterator[None]:
+    """`parametrizations.orthogonal`'s test of a square weight (module docstring): not orthogonal, as a freshly
+    initialized one is not; where the module is missing (another torch), nothing to do."""
+    from torch.nn.utils import parametrizations
+
+    if not hasattr(parametrizations, "_is_orthogonal"):
+        yield
+        return
+    original = parametrizations._is_orthogonal
+    parametrizations._is_orthogonal = lambda Q, eps=None: False
+    try:
+        yield
+    finally:
+        parametrizations._is_orthogonal = original
 
 
 @contextlib.contextmanager

@@ -55,20 +55,37 @@ output_dtypes_rule = _registrar(OUTPUT_DTYPE_RULES)
 CONTIGUOUS_OUTPUTS: dict[Any, frozenset[int]] = {}
 
 
+# The memory format of each output (None: the fake kernel's layout is right) where the real kernel lays it out in a
+# format of its own choosing (`at::empty_like(input, input.suggest_memory_format())`) and torch's fake kernel keeps
+# another tensor's strides: filled in by the families' modules, each with its source.
+OutputFormatsRule = Callable[[tuple[Any, ...], dict[str, Any], str], tuple[torch.memory_format | None, ...]]
+
+OUTPUT_FORMAT_RULES: dict[Any, OutputFormatsRule] = {}
+
+
+output_formats_rule = _registrar(OUTPUT_FORMAT_RULES)
+
+
 def real_kernel_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, device: str) -> Any:
-    """`out` with each output a rule gives another dtype, or that the real kernel makes contiguous, replaced by an
-    empty tensor of that dtype and layout (made by the modes below the caller's: a fake tensor, recorded by no
-    one)."""
+    """`out` with each output a rule gives another dtype, or that the real kernel makes contiguous or lays out in
+    another memory format, replaced by an empty tensor of that dtype and layout (made by the modes below the
+    caller's: a fake tensor, recorded by no one)."""
     rule, contiguous = OUTPUT_DTYPE_RULES.get(func), CONTIGUOUS_OUTPUTS.get(func, frozenset())
-    if rule is None and not contiguous:
+    format_rule = OUTPUT_FORMAT_RULES.get(func)
+    if rule is None and not contiguous and format_rule is None:
         return out
     outputs = list(out) if isinstance(out, tuple) else [out]
     dtypes = rule(args, kwargs, device) if rule is not None else (None,) * len(outputs)
-    for index, (tensor, dtype) in enumerate(zip(outputs, dtypes, strict=False)):
+    formats = format_rule(args, kwargs, device) if format_rule is not None else (None,) * len(outputs)
+    for index, (tensor, dtype, memory_format) in enumerate(zip(outputs, dtypes, formats, strict=False)):
         if not isinstance(tensor, torch.Tensor):
             continue
         if index in contiguous and not tensor.is_contiguous():
             outputs[index] = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device)
+        elif memory_format is not None and not tensor.is_contiguous(memory_format=memory_format):
+            outputs[index] = torch.empty(
+                tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device, memory_format=memory_format
+            )
         elif dtype is not None and tensor.dtype != dtype:
             outputs[index] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=tensor.device)
     return tuple(outputs) if isinstance(out, tuple) else outputs[0]

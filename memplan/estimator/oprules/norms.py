@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from memplan.estimator.oprules import CONTIGUOUS_OUTPUTS, output_bytes_rule, output_dtypes_rule
+from memplan.estimator.memory_formats import suggested_memory_format
+from memplan.estimator.oprules import CONTIGUOUS_OUTPUTS, output_bytes_rule, output_dtypes_rule, output_formats_rule
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -91,3 +92,36 @@ def native_batch_norm(args: tuple[Any, ...], kwargs: dict[str, Any], device: str
 # the kernels' layout is checked in tests/test_oprules_norms.py).
 CONTIGUOUS_OUTPUTS[torch.ops.aten.native_layer_norm_backward.default] = frozenset({0})
 CONTIGUOUS_OUTPUTS[torch.ops.aten.native_group_norm_backward.default] = frozenset({0})
+
+
+_BATCH_NORMS = (
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit.no_stats,
+    torch.ops.aten._native_batch_norm_legit_no_training.default,
+)
+
+
+@output_formats_rule(*_BATCH_NORMS)
+def batch_norm_output_format(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[Any, ...]:
+    """The CPU batch norm makes its output `at::empty_like(self, all_contiguous ? suggest_memory_format_contig(self) :
+    self.suggest_memory_format())` (aten/src/ATen/native/Normalization.cpp, batch_norm_cpu, torch 2.11-2.14): in the
+    input's own format where it is contiguous in one, else in its suggested format, the default one for an input
+    neither contiguous nor channels-last (a `(N, L, C)` activation moved to `(N, C, L)` for a BatchNorm1d). torch's
+    fake kernel keeps such an input's strides, so that the next `movedim` back looked contiguous where the real one
+    is not, and the matmul after it copied nothing: a BatchNorm1d between two such projections was an input-sized
+    3,584 B (8%) low (tests/test_oprules_norms.py). The cpu target only: CUDA's kernels are not this code."""
+    if device != "cpu":
+        return (None, None, None)
+    return (suggested_memory_format(args[0]), None, None)
+
+
+@output_formats_rule(torch.ops.aten.native_batch_norm_backward.default)
+def batch_norm_backward_format(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[Any, ...]:
+    """The input's gradient, `at::empty_like(input, input.suggest_memory_format())` (Normalization.cpp,
+    batch_norm_backward_cpu_template; `suggest_memory_format_contig(input)` where input and gradient are both
+    contiguous in one format): laid out in the input's suggested format, where torch's fake kernel follows the
+    incoming gradient's strides."""
+    if device != "cpu":
+        return (None, None, None)
+    return (suggested_memory_format(args[1]), None, None)
