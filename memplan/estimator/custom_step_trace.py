@@ -99,7 +99,7 @@ def trace_custom_step(
         with (
             fake_mode,
             tracker,
-            real_run_paths(recorder.tensor_nodes),
+            real_run_paths(recorder.tensor_nodes, recorder.graph.nodes),
             on_target as unknown_ops,
             recorder,
             resizes_recorded as resizes,

@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memplan.estimator.causal_masks import causal_masks_read
 from memplan.estimator.input_checks import input_checks_passing
 
 
 @contextlib.contextmanager
-def real_run_paths(producers: Mapping[torch.Tensor, Any] | None = None) -> Iterator[None]:
+def real_run_paths(
+    producers: Mapping[torch.Tensor, Any] | None = None, recorded: Sequence[Any] | None = None
+) -> Iterator[None]:
     """`producers` (the recorder's tensor -> the graph node that made it): where given, a padding mask the model made
-    of ones is known to be one (_causal_mask_skipped_for_ones). Input checks that read values pass
-    (memplan.estimator.input_checks)."""
-    with _rope_without_frequency_updates(), input_checks_passing():
+    of ones is known to be one (_causal_mask_skipped_for_ones), and with `recorded` (the recorder's nodes, in order)
+    torch's transformer modules read a mask made of constants as the real run reads it
+    (memplan.estimator.causal_masks). Input checks that read values pass (memplan.estimator.input_checks)."""
+    with _rope_without_frequency_updates(), input_checks_passing(), causal_masks_read(producers, recorded):
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
             yield

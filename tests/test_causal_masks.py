@@ -1,0 +1,107 @@
+"""memplan.estimator.causal_masks: nn.TransformerEncoder / nn.TransformerDecoder given a mask and no `is_causal` test
+the mask's values (torch/nn/modules/transformer.py, _detect_is_causal_mask). Before, memplan refused the usual way to
+train them, `encoder(x, mask=nn.Transformer.generate_square_subsequent_mask(n))`, as data-dependent control flow in
+the user's code (a helper's hunt).
+
+Truth: the same step run for real on the CPU with no dispatch mode active, measured by the CPU allocator's own events
+(tests/hand_measure.py, torch.profiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.errors import TraceError
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.models.source import ModelRef, ModelSpec
+from memplan.settings import TrainingSettings
+from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+
+BATCH, POSITIONS, WIDTH, HEADS = 4, 16, 32, 4
+
+
+def _mask(kind: str) -> torch.Tensor:
+    if kind == "causal":
+        return nn.Transformer.generate_square_subsequent_mask(POSITIONS)
+    if kind == "bool-causal":
+        return torch.ones(POSITIONS, POSITIONS, dtype=torch.bool).triu(1)
+    # not causal: each position hidden from those two and more before it
+    return torch.zeros(POSITIONS, POSITIONS).masked_fill(
+        torch.ones(POSITIONS, POSITIONS, dtype=torch.bool).tril(-2), -1e4
+    )
+
+
+class _Encoder(nn.Module):
+    """A two-layer encoder given a mask it makes itself, with no is_causal hint (the module's default, None)."""
+
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.mask = mask
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, mask=_mask(self.mask)).square().mean()
+
+
+class _Seq2Seq(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Transformer(WIDTH, HEADS, 1, 1, dim_feedforward=64, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x, x, tgt_mask=_mask("causal")).square().mean()
+
+
+def _spec(build) -> ModelSpec:
+    return ModelSpec(
+        ModelRef("masked"),
+        lambda settings: build(),
+        lambda settings, dtype: torch.randn(settings.batch_size, POSITIONS, WIDTH),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+
+
+def _plain_run_peak(build) -> int:
+    def make():
+        torch.manual_seed(0)
+        model = build()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return training_iteration(model, torch.randn(BATCH, POSITIONS, WIDTH), lambda out, _: out, optimizer)
+
+    return profiled_third_iteration_peak(make)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: _Encoder("causal"), lambda: _Encoder("bool-causal"), lambda: _Encoder("not-causal"), _Seq2Seq],
+    ids=["causal", "bool-causal", "not-causal", "nn.Transformer"],
+)
+def test_a_mask_without_is_causal_is_read_as_the_real_run_reads_it(build):
+    settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
+    assert simulate(trace_step(_spec(build), settings)).peak_bytes == _plain_run_peak(build)
+
+
+class _BatchMasked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, dim_feedforward=64, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, mask=mask).square().mean()
+
+
+def test_a_mask_from_the_batch_is_refused_naming_the_hint():
+    spec = ModelSpec(
+        ModelRef("batch-masked"),
+        lambda settings: _BatchMasked(),
+        lambda settings, dtype: (torch.randn(settings.batch_size, POSITIONS, WIDTH), _mask("causal")),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+    with pytest.raises(TraceError, match="is_causal=True or False"):
+        trace_step(spec, TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd"))
