@@ -6,9 +6,12 @@ Truth: the step run for real on the CPU (memplan.measure.cpu). Without the rule 
 115,200 B of 1,840,936 (6.3%, the LSTM without oneDNN).
 """
 
+import gc
+
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from memplan.estimator.rnn_layers import CompositeOp, held_projections
 from memplan.estimator.simulate import simulate
@@ -16,6 +19,7 @@ from memplan.estimator.trace import trace_step
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
+from tests.hand_measure import peak_in_window, training_iteration
 
 STEPS, FEATURES, HIDDEN = 24, 32, 48
 
@@ -109,3 +113,44 @@ def test_on_a_cuda_target_the_layers_cudnn_runs_are_reported():
     assert any(op.startswith("aten::_cudnn_rnn (torch.nn's gru on CUDA") for op in unsupported), unsupported
     settings = settings.replace(device="cpu")
     assert simulate(trace_step(spec, settings)).unsupported_ops == ()
+
+
+def onednn_lstm() -> nn.Module:  # nn.LSTM's default CPU path: oneDNN's layers (mkldnn_rnn_layer)
+    return Recurrent(nn.LSTM(FEATURES, HIDDEN, num_layers=2, batch_first=True), True)
+
+
+def _plain_run_peak_with_onednn(batch_size: int) -> int:
+    """The canonical loop's third iteration, run with no dispatch mode and oneDNN on (tests/hand_measure.py's
+    profiled_third_iteration turns it off), by the CPU allocator's own events."""
+    gc.collect()
+    with (
+        torch.backends.mkldnn.flags(enabled=True),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as run,
+    ):
+        torch.manual_seed(0)
+        model, batch = onednn_lstm(), sequences(batch_size)
+        iteration = training_iteration(model, batch, mean_square, torch.optim.SGD(model.parameters(), lr=0.1))
+        iteration()
+        iteration()
+        gc.collect()
+        with record_function("measured"):
+            iteration()
+    return peak_in_window(run, "measured")
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN runs nn.LSTM only where torch has it")
+def test_a_onednn_lstm_step_is_its_plain_cpu_run():
+    """oneDNN's layer and its backward allocate scratch inside the kernel (packed weights, scratchpad, the contiguous
+    copy of a batch-first layer's output gradient: 107,704 B and 171,704 B + the final states' zero gradients for
+    one 48-unit layer here), and the backward returns its bias gradient twice in two storages (`at::clone`) where the
+    meta kernel returns one tensor: without the two the prediction was 32% low on a one-layer LSTM."""
+    spec = resolve_model(
+        "tests.test_rnn_layers:onednn_lstm",
+        inputs="tests.test_rnn_layers:sequences",
+        loss="tests.test_rnn_layers:mean_square",
+    )
+    settings = spec.settings_for(TrainingSettings(batch_size=4, device="cpu", optimizer="sgd"))
+    measured = _plain_run_peak_with_onednn(4)
+    with torch.backends.mkldnn.flags(enabled=True):
+        assert simulate(trace_step(spec, settings)).peak_bytes == measured
+        assert measure_cpu(spec, settings).peak_bytes == measured

@@ -2,11 +2,12 @@
 `constant_item`, the value a fake tensor's `.item()` answers while a step is traced.
 
 FakeTensorMode caches each op's output metadata and, on a cache hit, builds fresh output tensors
-from it. An op that returns one tensor in two places (the CPU LSTM's `mkldnn_rnn_layer_backward`
-returns its bias gradient twice, in its meta kernel and in aten/src/ATen/native/mkldnn/RNN.cpp
-alike) comes back from the cache as two tensors with two storages, and from a miss as one. The
-same step then traced twice in one process gave two different peaks (1,536 B apart on the zoo's
-lstm-accum). Such ops bypass the cache here, so every call returns what the kernel returns.
+from it. An op whose fake kernel returns one tensor in two places comes back from the cache as two
+tensors with two storages, and from a miss as one: the same step traced twice in one process gave
+two different peaks (1,536 B apart on the zoo's lstm-accum, whose `mkldnn_rnn_layer_backward` meta
+kernel returned its bias gradient twice; the real kernel clones it, as its rule in
+memplan.estimator.oprules.rnn now does). Such ops bypass the cache here, so every call returns what
+the kernel returns.
 
 And an op whose fake kernel refuses arguments the real kernel runs, or lays its output out otherwise
 (memplan.estimator.oprules FAKE_KERNEL_RULES: `torch._grouped_mm` in float32), gets the output its rule gives, or
