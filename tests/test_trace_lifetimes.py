@@ -111,7 +111,8 @@ def test_a_variable_whose_tensor_gets_another_storage_lets_the_old_one_go():
     variable held the old storage until then, and the new one after (a review of the reading by identity alone)."""
     import sys
 
-    from memplan.estimator.eager_lifetimes import LocalBindings, storage_key
+    from memplan.estimator.leaves import storage_key
+    from memplan.estimator.python_locals import LocalBindings
 
     bindings, lifetimes = LocalBindings(), []
     x = torch.zeros(8)

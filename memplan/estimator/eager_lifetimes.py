@@ -1,11 +1,10 @@
-"""What keeps tensors alive in an eager step past their last use by an op: Python's local variables,
-the autocast cache, the autograd engine running a Node's formula, and libraries' own Python objects
-(memplan.estimator.held_tensors). Observed while the traced step runs (memplan.estimator.trace)."""
+"""What keeps tensors alive in an eager step past their last use by an op: Python's local variables
+(memplan.estimator.python_locals), the autocast cache, the autograd engine running a Node's formula, and libraries'
+own Python objects (memplan.estimator.held_tensors). Observed while the traced step runs (memplan.estimator.trace)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -25,30 +24,11 @@ from memplan.estimator.held_tensors import (
     called_from_holding_library,
     python_holders_tracked,
 )
-from memplan.estimator.leaves import local_tensor, storage_key, tensors_in, wraps_local_tensors
+from memplan.estimator.leaves import storage_key, tensors_in, wraps_local_tensors
 from memplan.estimator.plain_formulas import PlainFormulaPaths
+from memplan.estimator.python_locals import LocalBindings, holds_python_locals, tensors_held
 from memplan.estimator.recorder import fake_device_query
 from memplan.estimator.regenerated_views import RegeneratedViews
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
-# torch.autograd.backward and torch.autograd.grad (torch/autograd/__init__.py, torch 2.11-2.14) make the root
-# gradients (`_make_grads`: `ones_like` of a scalar loss) into the local `grad_tensors_`/`grad_outputs_`, which
-# holds them until the engine returns: through the whole backward, not only to the first formula that reads them.
-_TORCH_AUTOGRAD_API = os.path.join(_TORCH_DIR, "autograd", "__init__.py")
-# memplan's own frames on the stack while a step is traced, whose locals are not the model's.
-_TRACER_FILES = tuple(
-    os.path.join(os.path.dirname(__file__), name)
-    for name in ("eager_lifetimes.py", "trace.py", "held_tensors.py")  # held_tensors: OptimizerLocals, a mode above
-)
-
-
-def _holds_python_locals(filename: str) -> bool:
-    """Frames whose local variables can keep a model's tensors alive: model code, not torch's machinery."""
-    if filename in _TRACER_FILES:
-        return False
-    return not filename.startswith(_TORCH_DIR) or filename.startswith(_TORCH_NN_DIR) or filename == _TORCH_AUTOGRAD_API
-
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -83,104 +63,6 @@ def _inside_autocast() -> bool:
     nesting = torch.autocast_increment_nesting() - 1
     torch.autocast_decrement_nesting()
     return nesting > 0
-
-
-def tensors_held(value: object) -> list[torch.Tensor]:
-    """The tensors a variable holding `value` keeps alive: itself, or those in it, one level of containers deep (a
-    model's output dict, ModelOutput among them, held in a variable keeps its logits alive), and the keys and values
-    of a Hugging Face key/value cache in it (a causal LM's output holds one where its config has `use_cache` on:
-    transformers fills it in training too, with copies made by `torch.cat`, cache_utils.DynamicLayer.update)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value if isinstance(value, tuple | list) else value.values() if isinstance(value, dict) else ()
-    held = []
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            held.append(item)
-        else:
-            held += _key_value_cache_tensors(item)
-    return held
-
-
-def _key_value_cache_tensors(value: object) -> list[torch.Tensor]:
-    """The tensors of a transformers `Cache` (each layer's keys, values and whatever else it keeps; an
-    encoder-decoder cache's two caches), or none where `value` is no such cache."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None or not isinstance(value, cache_utils.Cache):
-        return []
-    found = [
-        tensor
-        for layer in getattr(value, "layers", None) or ()
-        for tensor in vars(layer).values()
-        if isinstance(tensor, torch.Tensor)
-    ]
-    for inner in ("self_attention_cache", "cross_attention_cache"):
-        found += _key_value_cache_tensors(getattr(value, inner, None))
-    return found
-
-
-def _gained(container: object, known: int) -> list[StorageWeakRef]:
-    """The storages a container held in a variable gained since it held `known` items: a list's new tail (what a
-    loop appends, read once: DeepSpeed's ZeRO-3 appends a view per rank, a thousand on a large job), a dict's
-    values again. What it lost is still counted until the variable lets it go."""
-    if isinstance(container, list) and len(container) > known:
-        return [storage_key(item) for item in container[known:] if isinstance(item, torch.Tensor)]
-    if isinstance(container, dict):
-        return [storage_key(tensor) for tensor in tensors_held(container)]
-    return []
-
-
-class LocalBindings:
-    """What one frame's variables held when last read, until each variable is bound to something else.
-
-    `x = f(x)` keeps the old `x` alive while `f` runs, and anything the frame calls meanwhile: the variable lets go
-    only when it is assigned. Reading the variables at every op of the frame (and as it calls others) tells when
-    each value was bound last; the storages of one that is gone live through the op before (`release`). A value
-    is known by identity: a weak reference to a tensor (none kept alive by this) and the storage it has (`.data =`
-    gives it another), the id of a container and its length (what it gains is read as its length changes: a list
-    a loop appends to; one whose items are replaced in place is read as it was)."""
-
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        # variable -> (identity, storages, what tells a change: a tensor's storage, a container's length)
-        self.held: dict[str, tuple[object, list[StorageWeakRef], int]] = {}
-
-    def read(self, frame: FrameType, now: int, lifetimes: list[tuple[StorageWeakRef, int]]) -> None:
-        """The frame's variables at an op: a value bound since the last read replaces one that lived until `now`."""
-        current = frame.f_locals
-        for name in [name for name in self.held if name not in current]:  # a `del`
-            lifetimes.extend((key, now) for key in self.held.pop(name)[1])
-        held = self.held
-        for name, value in current.items():
-            entry = held.get(name)
-            if entry is not None:
-                identity, keys, mark = entry
-                if isinstance(identity, int):  # a container: the same one holds what it held, and what it gained
-                    if identity == id(value):
-                        if mark != len(value):  # type: ignore[arg-type]
-                            held[name] = (identity, keys + _gained(value, mark), len(value))  # type: ignore[arg-type]
-                        continue
-                elif (
-                    isinstance(value, torch.Tensor)  # a dead tensor's weak reference answers None, as `x = None` binds
-                    and identity() is value
-                    and mark == local_tensor(value).untyped_storage()._cdata
-                ):
-                    continue  # the same tensor on the same storage (`.data =` gives it another)
-                lifetimes.extend((key, now) for key in keys)
-                del held[name]
-            if isinstance(value, torch.Tensor):
-                held[name] = (weakref.ref(value), [storage_key(value)], local_tensor(value).untyped_storage()._cdata)
-            elif isinstance(
-                value, tuple | list | dict
-            ):  # kept even without tensors: read again when its length changes
-                held[name] = (id(value), [storage_key(tensor) for tensor in tensors_held(value)], len(value))
-
-    def release(self, end: int, lifetimes: list[tuple[StorageWeakRef, int]]) -> None:
-        """The frame has returned (or the step ended): what its variables held lived through `end`."""
-        for _, keys, _ in self.held.values():
-            lifetimes.extend((key, end) for key in keys)
-        self.held.clear()
 
 
 class EagerLifetimes(TorchDispatchMode):
@@ -326,7 +208,7 @@ class EagerLifetimes(TorchDispatchMode):
         while frame is not None:
             keeps = self._keeps_locals.get(frame.f_code)
             if keeps is None:
-                keeps = self._keeps_locals[frame.f_code] = _holds_python_locals(frame.f_code.co_filename)
+                keeps = self._keeps_locals[frame.f_code] = holds_python_locals(frame.f_code.co_filename)
             if keeps:
                 survivor = self._depth.get(id(frame), -1)
                 if survivor >= 0:

@@ -23,7 +23,7 @@ from memplan.distributed.offload import copies_made
 from memplan.errors import MemplanError
 from memplan.estimator.cuda.target import target_kernels
 from memplan.estimator.custom_step_trace import keeps_tensors_across_calls, trace_custom_step
-from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key, tensors_held
+from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
 from memplan.estimator.fake_conversions import fake_friendly_conversions
 from memplan.estimator.fake_mode import TracingFakeMode, constant_item
 from memplan.estimator.held_tensors import OptimizerLocals
@@ -46,6 +46,7 @@ from memplan.estimator.loop import (
 from memplan.estimator.module_attributes import attribute_tensors
 from memplan.estimator.module_tracker import ModuleTracker
 from memplan.estimator.optimizers import local_optimizer
+from memplan.estimator.python_locals import tensors_held
 from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.replay import OptimizerRecording
 from memplan.estimator.rng_snapshots import rng_snapshots_recorded
