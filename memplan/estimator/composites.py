@@ -25,18 +25,31 @@ from memplan.estimator.leaves import storage_key, tensors_in
 @dataclass(frozen=True)
 class CompositeOp:
     """One op a C++ composite ran: the storage of its first argument (None where it is no tensor), those of
-    its outputs, and the last graph node it made (or the one before it, where it made none)."""
+    its outputs, the last graph node it made (or the one before it, where it made none), and the storages of all
+    its tensor arguments (a list's among them: at::stack's, at::cat's)."""
 
     func: Any
     argument_storage: object
     output_storages: frozenset[object]
     end: int
+    argument_storages: frozenset[object] = frozenset()
 
     @classmethod
     def of(cls, func: Any, args: tuple[Any, ...], out: object, end: int) -> CompositeOp:
         """The op `func` that ran on `args` and returned `out`."""
         first = storage_key(args[0]) if args and isinstance(args[0], torch.Tensor) else None
-        return cls(func, first, frozenset(storage_key(tensor) for tensor in tensors_in(out)), end)
+        return cls(
+            func,
+            first,
+            frozenset(storage_key(tensor) for tensor in tensors_in(out)),
+            end,
+            frozenset(
+                storage_key(tensor)
+                for argument in args
+                for tensor in (argument if isinstance(argument, list | tuple) else (argument,))
+                if isinstance(tensor, torch.Tensor)
+            ),
+        )
 
 
 # (an op a composite dispatches, its arguments, the composite's ops so far) -> the op its plain path runs instead

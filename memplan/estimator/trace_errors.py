@@ -22,6 +22,7 @@ from memplan.settings import TrainingSettings
 # ATen's convolution shape check (aten/src/ATen/native/Convolution.cpp, check_shape_forward).
 _KERNEL_LARGER = re.compile(r"Calculated padded input size per channel: \(([\d x]+)\)\. Kernel size: \(([\d x]+)\)")
 _IMAGE_SIZE_REFUSED = re.compile(r"Input image size \((\d+)\*(\d+)\) doesn't match model \((\d+)\*(\d+)\)")
+_PACKING = frozenset({torch.ops.aten._pack_padded_sequence.default})
 
 
 def trace_failure(
@@ -50,6 +51,15 @@ def trace_failure(
     else:
         where = "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)
+    if op in _PACKING and isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
+        # torch.nn.utils.rnn's packing: the lengths' values make the packed data's shape and the batch sizes that
+        # RNN.cpp's PackedLayer reads step by step
+        return TraceError(
+            f"cannot trace {spec.name}: op {op} {where} packs sequences (torch.nn.utils.rnn.pack_padded_sequence), "
+            "which memplan's trace does not support: their lengths decide each step's batch size, and memplan's "
+            "tensors have no values; pad instead (give the recurrent layer the padded batch) or pass a model "
+            "without packing"
+        )
     if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
         reader = _library_line_reading_a_value(error)
         if reader is not None:  # transformers' or peft's own check (a label range, LyCORIS' module dropout)
