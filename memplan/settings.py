@@ -73,7 +73,7 @@ class TrainingSettings:
     quantize: str | None = None  # one of QUANT_TYPES: bnb_4bit_quant_type, or int8 (load_in_8bit)
     kbit_upcast: bool = True  # peft's prepare_model_for_kbit_training casts the 16-bit rest to float32
     # The user's own training iteration, `package.module:function` called as fn(model, batch,
-    # optimizer) in place of the canonical loop (memplan.estimator.loop.custom_step); None: the loop.
+    # optimizer) in place of the canonical loop (memplan.estimator.user_step.custom_step); None: the loop.
     step: str | None = None
     # Data parallelism (memplan.distributed): the figures are one rank's; batch settings are per rank.
     parallel: str = "none"  # one of PARALLEL_MODES

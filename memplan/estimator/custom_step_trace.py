@@ -1,4 +1,4 @@
-"""Tracing `--step`: the user's own whole iteration, recorded as it runs (memplan.estimator.loop.custom_step)."""
+"""Tracing `--step`: the user's own whole iteration, recorded as it runs (memplan.estimator.user_step.custom_step)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from memplan.estimator.leaves import local_tensor
 from memplan.estimator.loop import (
     TrainingState,
     current_grads,
-    custom_step,
     input_tensors,
     model_tensors,
     optimizer_tensors,
@@ -36,6 +35,7 @@ from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import tensors_python_holds
 from memplan.estimator.trace_errors import trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
+from memplan.estimator.user_step import custom_step
 from memplan.estimator.wrapped_numbers import wrapped_numbers_recorded
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings

@@ -24,7 +24,7 @@ The variants people write (settings.LOOPS), each differing only where noted:
   (logits, and a Hugging Face model's key/value cache where its config has `use_cache` on) stays alive
   through the backward and the optimizer step.
 
-A custom step (`--step package.module:fn`, settings.step) replaces the loop: memplan calls
+A custom step (`--step package.module:fn`, settings.step; memplan.estimator.user_step) replaces the loop: memplan calls
 `fn(model, batch, optimizer)` once per iteration, with the model, batch and optimizer built as for
 the loop (storage precision, LoRA and checkpointing applied; `optimizer` None with `--optimizer
 none`). Whatever fn does is what runs: its forward passes, losses, backward calls, optimizer step
@@ -34,11 +34,8 @@ backward at its first optimizer.step().
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import types
 import warnings
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,15 +45,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memplan.distributed.modes import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MODES
-from memplan.errors import SettingsError, UsageError
+from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import apply_checkpointing
-from memplan.estimator.fake_conversions import cast_floating_point, copies_stay_in_their_mode
+from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.estimator.leaves import tensors_in
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import adapter_parameters, with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
-from memplan.models.imports import import_object
-from memplan.models.source import Batch, ModelSpec, _check_signature, call_model
+from memplan.models.source import Batch, ModelSpec, call_model
 from memplan.settings import TrainingSettings
 
 STORAGE_DTYPES = {
@@ -74,7 +70,7 @@ INITIAL_LOSS_SCALE = 2.0**16
 Marker = Callable[[str], None]
 
 
-def _no_marker(phase: str) -> None:
+def no_marker(phase: str) -> None:
     return None
 
 
@@ -252,7 +248,7 @@ def gradients_outlive_the_step(settings: TrainingSettings) -> bool:
     return settings.grad_accum > 1 or settings.loop in LOOPS_KEEPING_GRADIENTS
 
 
-def micro_batch(state: TrainingState, marker: Marker = _no_marker) -> None:
+def micro_batch(state: TrainingState, marker: Marker = no_marker) -> None:
     settings = state.settings
     engine = _engine(state)
     # DeepSpeed's engine opens its own autocast around the model (torch_autocast, autocast_if_enabled).
@@ -350,134 +346,11 @@ def _accumulating(state: TrainingState) -> bool:
     return state.micro_batches_done % state.settings.grad_accum != 0
 
 
-StepFunction = Callable[[nn.Module, Batch, Optimizer | None], Any]
-
-
-def step_function(settings: TrainingSettings) -> StepFunction:
-    assert settings.step is not None
-    step = import_object(settings.step, "--step")
-    needs = f"--step {settings.step} must take three arguments: the model, the batch and the optimizer"
-    _check_signature(step, (None, None, None), UsageError, needs)
-    return step
-
-
-# Shown the gradients (and, at an optimizer's step, that optimizer): memplan.estimator.custom_step_trace.
-GradientsSeen = Callable[[list[torch.Tensor], Any], None]
-
-
-@contextlib.contextmanager
-def _step_phases(state: TrainingState, marker: Marker, on_step: GradientsSeen | None) -> Iterator[None]:
-    """Mark the forward's end at the first backward call (`loss.backward()`, `torch.autograd.backward` or
-    `torch.autograd.grad`) and the backward's end at the first step of an optimizer (memplan's, or one the
-    function makes itself: torch's global step pre-hook), showing `on_step` the gradients each backward leaves
-    and those the step finds, with that optimizer (or, without a step, those the function leaves). `on_step`
-    must not keep them: the step's own zero_grad frees them. A step given a closure (`optimizer.step(closure)`,
-    as LBFGS needs) runs the forward and backward inside it: the backward ends when the closure returns, not
-    when the step begins (torch calls its pre-hooks first). The phases decide which ops ran on the autograd
-    engine's thread, and so how many cuBLAS workspaces the step holds (memplan.estimator.transients)."""
-    marked: set[str] = set()
-    original_backward = torch.autograd.backward
-    original_grad = torch.autograd.grad
-
-    def forward_ends() -> None:
-        if not marked:
-            marked.add("forward")
-            marker("forward")
-
-    def backward(*args: Any, **kwargs: Any) -> Any:
-        forward_ends()
-        returned = original_backward(*args, **kwargs)
-        if on_step is not None:  # a function that updates the weights by hand, then frees .grad, has them here
-            on_step(current_grads(state), None)
-        return returned
-
-    def grad(*args: Any, **kwargs: Any) -> Any:
-        forward_ends()
-        return original_grad(*args, **kwargs)
-
-    optimizer = state.optimizer
-    original_step = optimizer.step if optimizer is not None else None
-
-    def stepping(stepped: Any) -> None:
-        if "backward" not in marked:
-            marked.update(("forward", "backward"))
-            if on_step is not None:
-                on_step(current_grads(state), stepped)
-            marker("backward")
-
-    def with_closure_marked(stepped: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """The step's arguments with its closure (if any) marking the backward's end as it returns."""
-        closure = kwargs.get("closure", args[0] if args else None)
-        if not callable(closure) or "backward" in marked:
-            return None
-
-        def marked_closure() -> Any:
-            returned = closure()
-            stepping(stepped)
-            return returned
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": marked_closure}
-        return (marked_closure, *args[1:]), kwargs
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        assert original_step is not None
-        closure_marked = with_closure_marked(optimizer, args, kwargs)
-        if closure_marked is None:
-            stepping(optimizer)
-            return original_step(*args, **kwargs)
-        return original_step(*closure_marked[0], **closure_marked[1])
-
-    def any_step(stepped: Any, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
-        if stepped is optimizer:  # memplan's (its step, above, marks it)
-            return None
-        closure_marked = with_closure_marked(stepped, args, kwargs)
-        if closure_marked is None:
-            stepping(stepped)
-        return closure_marked  # torch calls the step with these arguments (a hook may return new ones)
-
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    any_step_hook = register_optimizer_step_pre_hook(any_step)
-
-    torch.autograd.backward = backward  # Tensor.backward looks it up as torch.autograd.backward
-    torch.autograd.grad = grad
-    own_step = optimizer.__dict__.get("step") if optimizer is not None else None  # e.g. an LR scheduler's
-    if optimizer is not None:
-        # A bound method, as LR schedulers expect of optimizer.step (they wrap its __func__).
-        optimizer.step = types.MethodType(lambda _optimizer, *args, **kwargs: step(*args, **kwargs), optimizer)
-    try:
-        yield
-    finally:
-        any_step_hook.remove()
-        torch.autograd.backward = original_backward
-        torch.autograd.grad = original_grad
-        if optimizer is not None:
-            if own_step is None:
-                del optimizer.step  # back to the class's own method
-            else:
-                optimizer.step = own_step
-    if "backward" not in marked and on_step is not None:
-        on_step(current_grads(state), None)
-
-
-def custom_step(state: TrainingState, marker: Marker = _no_marker, on_step: GradientsSeen | None = None) -> None:
-    """The user's iteration, `fn(model, batch, optimizer)`, with its phases marked."""
-    function = step_function(state.settings)
-    with _step_phases(state, marker, on_step), copies_stay_in_their_mode():
-        function(state.model, _container_of_its_own(state.batch), state.optimizer)
-
-
-def _container_of_its_own(batch: Batch) -> Batch:
-    """The batch in a container of its own for each call, as a data loader hands each step a new one: a step
-    may take what it needs out of it (`labels = batch.pop("labels")`), and the next call still finds it all.
-    The tensors are the same ones (no allocation); the container keeps its type (a BatchEncoding stays one)."""
-    return copy.copy(batch) if isinstance(batch, MutableMapping | list) else batch
-
-
-def iteration(state: TrainingState, marker: Marker = _no_marker) -> None:
+def iteration(state: TrainingState, marker: Marker = no_marker) -> None:
     """One whole iteration of the training loop (used by real runs)."""
     if state.settings.step is not None:
+        from memplan.estimator.user_step import custom_step  # built on this module's state and phases
+
         custom_step(state, marker)
         return
     engine = _engine(state)
