@@ -83,6 +83,27 @@ class MaskFilledWithAParameter(Mlp):
         return super().forward(x)
 
 
+class MaskedRowsLoss(Mlp):
+    """The loss of the rows a value-dependent mask keeps: `y[mask]` is aten.nonzero, sized by the count of trues."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layers(x)
+        return y[x[:, 0] > 0].pow(2).mean()
+
+
+def masked_rows_loss() -> nn.Module:
+    return MaskedRowsLoss()
+
+
+class RepeatedRows(Mlp):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x.repeat_interleave((x[:, 0] > 0).long() + 1, dim=0)).pow(2).mean()
+
+
+def repeated_rows() -> nn.Module:
+    return RepeatedRows()
+
+
 def mask_filled_with_a_parameter() -> nn.Module:
     return MaskFilledWithAParameter()
 

@@ -176,6 +176,14 @@ CLI_CASES = [
     case(["estimate", *_factory("raises_in_forward")], ["cannot trace", "the user's forward is broken"], code=1),
     # it had said "outside any module (loss or optimizer)" (a helper's bug hunt)
     case(["estimate", *_factory("mask_filled_with_a_parameter")], ["aten.nonzero", "in the backward pass"], code=1),
+    # a value-sized op: where in the user's code, what it is there, and a fixed-shape way (a helper's bug hunt: it had
+    # named aten.nonzero alone, which `y[mask]` does not spell, and said "make that code shape-only")
+    case(
+        ["estimate", *_factory("masked_rows_loss")],
+        ["aten.nonzero", "bad_models.py:", "y[x[:, 0] > 0]", "boolean-mask index", "ignore_index=-100"],
+        code=1,
+    ),
+    case(["estimate", *_factory("repeated_rows")], ["aten.repeat_interleave", "output_size="], code=1),
     case(["estimate", *_factory("no_grad")], ["does not depend on any parameter that trains", "no_grad"]),
     # autograd's "element 0 of tensors does not require grad", exit 1, before
     case(["estimate", *_factory("all_frozen")], ["all_frozen has no trainable parameter", "unfreeze"]),

@@ -12,6 +12,7 @@ from memplan.choices import MAX_COUNT
 from memplan.errors import PlanFileError, SettingsError, TraceError
 from memplan.estimator.adam8bit import paged_state_bytes
 from memplan.estimator.checkpointing import LayoutModuleMissing
+from memplan.estimator.compiled import compiled_modules_notes
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
@@ -375,6 +376,7 @@ def _estimate(
         notes=tuple(
             settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)
             + unchecked_blocks_notes(settings, traced.checkpointed_blocks)
+            + compiled_modules_notes(tracer.setup.state.built_model)
         ),
         timeline=main.timeline,
     )

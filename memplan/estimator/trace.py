@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memplan.distributed.fsdp import storage_resizes_recorded
 from memplan.distributed.offload import copies_made
 from memplan.errors import MemplanError
+from memplan.estimator.compiled import compiled_code_run_eagerly
 from memplan.estimator.cuda.target import target_kernels
 from memplan.estimator.custom_step_trace import keeps_tensors_across_calls, trace_custom_step
 from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
@@ -113,6 +114,7 @@ def _untraced(state: TrainingState, spec: ModelSpec, settings: TrainingSettings)
 
 
 @deferred()
+@compiled_code_run_eagerly()
 def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
@@ -176,6 +178,7 @@ def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSetting
 
 
 @deferred()
+@compiled_code_run_eagerly()
 def trace_step(
     spec: ModelSpec,
     settings: TrainingSettings,

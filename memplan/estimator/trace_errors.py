@@ -67,8 +67,17 @@ def trace_failure(
                 f"cannot trace {spec.name}: op {op} {where} depends on tensor values, read at {reader}, in the "
                 "library's code rather than yours; that model cannot be traced as the library runs it"
             )
+        line = _user_line(error)
+        at = f" at {line}" if line is not None else ""
+        sized = _VALUE_SIZED.get(getattr(op, "overloadpacket", None))
+        if sized is not None:  # an op whose output's size is counted from values: what it was, and a fixed-shape way
+            what, fix = sized
+            return TraceError(
+                f"cannot trace {spec.name}: op {op} {where} depends on tensor values{at}: {what}, which tensors "
+                f"without values cannot size; {fix}"
+            )
         return TraceError(
-            f"cannot trace {spec.name}: op {op} {where} depends on tensor values "
+            f"cannot trace {spec.name}: op {op} {where} depends on tensor values{at} "
             "(data-dependent control flow, .item() or a data-dependent shape); "
             "make that code shape-only or pass a model without it"
         )
@@ -169,6 +178,47 @@ def _machinery(filename: str) -> bool:
     if _MEMPLAN in filename:
         return True
     return _TORCH in filename and not any(library in filename for library in _TORCH_LIBRARIES)
+
+
+_MASK_FIX = (
+    "keep the full shape instead: F.cross_entropy(..., ignore_index=-100) for masked labels, torch.where(mask, x, 0) "
+    "or x * mask (a masked sum divided by mask.sum() for a mean) elsewhere"
+)
+# Ops whose output's size is a count of values (their `dynamic_output_shape` tag, a fake tensor refusing them): what
+# user code calls them as, and a fixed-shape way to the same loss.
+_VALUE_SIZED = {
+    torch.ops.aten.nonzero: (
+        "a boolean-mask index (`x[mask]`), torch.nonzero or torch.where(cond) with one argument makes as many rows "
+        "as the mask has true values",
+        _MASK_FIX,
+    ),
+    torch.ops.aten.masked_select: ("torch.masked_select makes as many values as the mask has true values", _MASK_FIX),
+    **{
+        packet: (
+            "torch.unique makes as many values as the input has distinct ones",
+            "give a fixed-size form instead (all values, or torch.zeros(n).scatter_ over a known number n)",
+        )
+        for packet in (torch.ops.aten._unique2, torch.ops.aten.unique_dim, torch.ops.aten.unique_consecutive)
+    },
+    torch.ops.aten.repeat_interleave: (
+        "repeat_interleave with a tensor of repeats makes as many rows as their sum",
+        "pass its output_size= (the sum, as a Python int) or repeat a fixed number of times",
+    ),
+    torch.ops.aten.bincount: (
+        "torch.bincount makes max(input) + 1 counts (at least minlength)",
+        "count into a fixed number n of bins instead: torch.zeros(n).index_add_(0, input, torch.ones(len(input)))",
+    ),
+}
+
+
+def _user_line(error: Exception) -> str | None:
+    """Where the user's own code (not torch's, memplan's or an installed library's) called into what raised `error`,
+    as "file.py:line (`code`)"; None where no such frame is in the traceback (an op in the backward pass)."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.endswith(".pyc")]
+    caller = next((f for f in reversed(frames) if not _machinery(f.filename)), None)
+    if caller is None or _is_installed(caller.filename):
+        return None
+    return f"{os.path.basename(caller.filename)}:{caller.lineno} (`{(caller.line or '').strip()}`)"
 
 
 def _library_line_reading_a_value(error: Exception) -> str | None:
