@@ -33,6 +33,14 @@ CALLS = {
     "transposed @ contiguous": (aten.mm.default, (_X.t(), torch.randn(64, 8))),
     "bmm, expanded": (aten.bmm.default, (torch.ones(()).expand(4, 64, 256), _W.expand(4, 256, 32))),
     "bmm, transposed items": (aten.bmm.default, (torch.randn(4, 256, 64).transpose(1, 2), _W.expand(4, 256, 32))),
+    "bmm, int64 expanded": (
+        aten.bmm.default,
+        (torch.ones((), dtype=torch.long).expand(4, 64, 256), torch.ones(4, 256, 32, dtype=torch.long)),
+    ),
+    "bmm, complex sliced": (
+        aten.bmm.default,
+        (torch.randn(4, 64, 512, dtype=torch.cfloat)[:, :, ::2], torch.randn(4, 256, 32, dtype=torch.cfloat)),
+    ),
     "bmm, small": (aten.bmm.default, (torch.ones(()).expand(2, 4, 8), torch.randn(2, 8, 4))),
     "baddbmm, expanded": (
         aten.baddbmm.default,

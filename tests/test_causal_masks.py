@@ -105,3 +105,29 @@ def test_a_mask_from_the_batch_is_refused_naming_the_hint():
     )
     with pytest.raises(TraceError, match="is_causal=True or False"):
         trace_step(spec, TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd"))
+
+
+class _LongEncoder(nn.Module):
+    """One layer over 4,097 positions, its causal mask made of constants: past what memplan replays for real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=8, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1])).square().mean()
+
+
+def test_a_mask_past_4096_positions_is_not_replayed_and_the_hint_is_asked_for():
+    """Replaying a (positions, positions) mask with real values holds several such masks in memplan's own process
+    (1.1 GiB at 8,192 positions, found by a review): past 4,096 the hint is asked for instead."""
+    spec = ModelSpec(
+        ModelRef("long-masked"),
+        lambda settings: _LongEncoder(),
+        lambda settings, dtype: torch.randn(settings.batch_size, 4097, 8),
+        lambda output, batch: output,
+        lambda settings: settings,
+    )
+    with pytest.raises(TraceError, match="larger than the 4,096 x 4,096"):
+        trace_step(spec, TrainingSettings(batch_size=1, device="cpu", optimizer="sgd"))

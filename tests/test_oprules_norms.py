@@ -225,13 +225,20 @@ def test_a_batch_norm_of_a_moved_input_lays_its_output_out_as_the_cpu_kernel_doe
     ],
 )
 def test_the_batch_norm_rules_give_the_cpu_kernel_s_layouts(op, input_at):
-    """The rule's layout against the CPU kernel's own, for a moved (N, C, L) input, a transposed (N, C, W, H) one and a
-    channels-last one, with a gradient of the other layout."""
+    """The rule's layout against the CPU kernel's own, for a moved (N, C, L) input, a transposed (N, C, W, H) one, a
+    channels-last one, and channels-last ones (2-D and 3-D) sliced along their width, neither contiguous in a format
+    (the kernel reads their strides' order: channels-last), with a gradient of the other layout."""
     from memplan.estimator.oprules import real_kernel_outputs
 
     weight, running = torch.ones(8), torch.zeros(8)
-    for shape, order in [((2, 5, 8), (0, 2, 1)), ((2, 8, 3, 4), (0, 1, 3, 2)), ((2, 3, 4, 8), (0, 3, 1, 2))]:
-        x = torch.randn(shape).permute(order)
+    inputs = [
+        torch.randn(2, 5, 8).permute(0, 2, 1),
+        torch.randn(2, 8, 3, 4).permute(0, 1, 3, 2),
+        torch.randn(2, 3, 4, 8).permute(0, 3, 1, 2),
+        torch.randn(2, 3, 8, 8).permute(0, 3, 1, 2)[..., ::2],
+        torch.randn(2, 3, 4, 8, 8).permute(0, 4, 1, 2, 3)[..., ::2],
+    ]
+    for x in inputs:
         if op == torch.ops.aten.native_batch_norm_backward.default:
             _, mean, invstd = BATCH_NORM(x, weight, weight, running, running + 1, True, 0.1, 1e-5)
             grad = torch.randn(x.shape)

@@ -33,6 +33,10 @@ from memplan.errors import TraceError
 # How many of the ops that made a mask are replayed at most: a mask is made by a few (a larger ancestry reaches the
 # model's activations, which have no real values to replay anyway).
 _MOST_OPS = 200
+# The most mask elements replayed: a (positions, positions) mask is replayed with real values, and its makers'
+# intermediates and torch's own causal mask beside it (about 1.1 GiB of this process's memory at 8,192 positions).
+# Past 4,096 positions the hint is asked for instead of the memory.
+_MOST_REPLAYED_ELEMENTS = 4096 * 4096
 
 
 class _NotConstant(Exception):
@@ -65,11 +69,18 @@ def real_values(
     order = {id(each): index for index, each in enumerate(recorded) if id(each) in ancestry}
     if len(order) != len(ancestry):
         return None
+    replay = sorted(ancestry.values(), key=lambda each: order[id(each)])
+    # each value is let go after the last op that reads it: a mask is positions x positions real values, and the test
+    # alone replays two (the mask, torch's causal one) and their makers' intermediates (4 GiB held at 16k positions)
+    last_read = {id(each): index for index, current in enumerate(replay) for each in current.all_input_nodes}
     values: dict[int, Any] = {}
     try:
         with _disable_current_modes():
-            for current in sorted(ancestry.values(), key=lambda each: order[id(each)]):
+            for index, current in enumerate(replay):
                 values[id(current)] = _replayed(current, values)
+                for each in current.all_input_nodes:
+                    if last_read[id(each)] == index and each is not node:
+                        values.pop(id(each), None)
     except (_NotConstant, RuntimeError, TypeError, ValueError):
         return None
     value = values[id(node)]
@@ -138,13 +149,14 @@ def causal_masks_read(
         equal = (mask == causal_comparison).all()
         if producers is None or recorded is None:
             return False
-        value = real_values(equal, producers, recorded)
+        value = real_values(equal, producers, recorded) if mask.numel() <= _MOST_REPLAYED_ELEMENTS else None
         if value is None:
             raise CausalMaskUnread(
                 "torch's nn.TransformerEncoder / nn.TransformerDecoder (nn.Transformer) tests whether the attention "
                 "mask it is given is causal by reading its values (torch/nn/modules/transformer.py, "
                 "_detect_is_causal_mask), and this mask's values do not come from constants memplan can replay (the "
-                "batch, a parameter or a buffer); pass the module the hint that skips the test: is_causal=True or "
+                "batch, a parameter or a buffer), or it is larger than the 4,096 x 4,096 memplan replays; pass the "
+                "module the hint that skips the test: is_causal=True or "
                 "False (tgt_is_causal= / src_is_causal= for nn.Transformer and nn.TransformerDecoder)"
             )
         with _disable_current_modes():  # a real tensor's value, read with no mode to see it

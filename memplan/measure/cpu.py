@@ -48,6 +48,7 @@ from memplan.estimator.wrapped_numbers import WrappedNumber, WrappedNumbers
 from memplan.finetune.bnb_kernels import is_gemm_4bit
 from memplan.measure.collector import collector_held
 from memplan.models.source import ModelSpec
+from memplan.profiled_allocations import profiled_call, profiler_running
 from memplan.settings import TrainingSettings
 
 
@@ -259,17 +260,9 @@ def _with_kernel_allocations(func: Any, args: tuple, kwargs: dict) -> tuple[Any,
     """Run an op of _ALLOCATING_KERNELS; its output, and the most bytes its kernel held at once besides (its
     `out=` output is made before it runs), by torch.profiler's memory events. Under another profiler, which
     cannot nest, 0 (tests/hand_measure.py reads the whole step's events so)."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_running():
         return func(*args, **kwargs), 0
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        out = func(*args, **kwargs)
-    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
-    held = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        held += event.nbytes()
-        peak = max(peak, held)
+    out, peak, _ = profiled_call(lambda: func(*args, **kwargs))
     return out, peak
 
 

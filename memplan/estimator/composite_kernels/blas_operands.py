@@ -17,6 +17,8 @@ aten = torch.ops.aten
 # bmm_out_or_baddbmm_ (aten/src/ATen/native/LinearAlgebra.cpp, torch 2.11-2.14) multiplies products smaller than this
 # (contraction * rows * columns) in its own loop, which reads any strides.
 _SMALL_BMM = 400
+# bmm_out_or_baddbmm_'s bfloat16 and float16 batches go to oneDNN (`mkldnn_matmul`) where it is on: not this rule's.
+_ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -100,7 +102,7 @@ def batched_product_copies(args: tuple[Any, ...], kwargs: dict[str, Any], device
     batch1, batch2 = (args[0], args[1]) if len(args) == 2 else (args[1], args[2])
     if device != "cpu" or not isinstance(batch1, torch.Tensor) or not isinstance(batch2, torch.Tensor):
         return ()
-    if batch1.dtype not in (torch.float32, torch.float64) or batch1.dim() != 3 or batch1.shape[0] == 0:
+    if batch1.dtype in _ONEDNN_DTYPES or batch1.dim() != 3 or batch1.shape[0] == 0:
         return ()
     if batch1.shape[2] * batch1.shape[1] * batch2.shape[2] < _SMALL_BMM:
         return ()

@@ -22,7 +22,10 @@ def _scratch(op: Any) -> Any:
     def rule(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
         if device != "cpu":  # a cuda target's recurrent layers are cuDNN's (memplan.estimator.rnn_layers)
             return 0
-        return kernel_run(op, args, kwargs).held_beside_outputs or 0
+        held = kernel_run(op, args, kwargs).held_beside_outputs
+        # None: a profiler already ran in this process as memplan asked (profilers cannot nest), which an estimate's
+        # own process never has; a caller measuring the step under its own profiler sees this scratch in its events
+        return held if held is not None else 0
 
     return composite_kernel_scratch(op)(rule)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memplan.estimator.memory_formats import suggested_memory_format
+from memplan.estimator.memory_formats import empty_like_format
 from memplan.estimator.oprules import CONTIGUOUS_OUTPUTS, output_bytes_rule, output_dtypes_rule, output_formats_rule
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -113,7 +113,7 @@ def batch_norm_output_format(args: tuple[Any, ...], kwargs: dict[str, Any], devi
     3,584 B (8%) low (tests/test_oprules_norms.py). The cpu target only: CUDA's kernels are not this code."""
     if device != "cpu":
         return (None, None, None)
-    return (suggested_memory_format(args[0]), None, None)
+    return (empty_like_format(args[0]), None, None)
 
 
 @output_formats_rule(torch.ops.aten.native_batch_norm_backward.default)
@@ -124,4 +124,4 @@ def batch_norm_backward_format(args: tuple[Any, ...], kwargs: dict[str, Any], de
     incoming gradient's strides."""
     if device != "cpu":
         return (None, None, None)
-    return (suggested_memory_format(args[1]), None, None)
+    return (empty_like_format(args[1]), None, None)

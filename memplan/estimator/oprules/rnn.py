@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memplan.estimator.oprules import OutputLayout, fake_kernel_rule, output_bytes_rule
+from memplan.profiled_allocations import profiled_call, profiler_running
 
 
 class KernelRun(NamedTuple):
@@ -67,21 +68,10 @@ def _arguments(op: Any, arg_specs: tuple, kwarg_specs: tuple) -> tuple[list[Any]
 @cache
 def _measured_run(op: Any, arg_specs: tuple, kwarg_specs: tuple) -> KernelRun:
     """The op run once on zeros, under torch.profiler's memory events (which see inside the kernel)."""
-    from torch.profiler import ProfilerActivity, profile
-
     with unset_fake_temporarily():
         args, kwargs = _arguments(op, arg_specs, kwarg_specs)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-            outputs = op(*args, **kwargs)  # kept: their bytes are the total at the end
-    events = sorted(
-        (event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
-        key=lambda event: event.start_ns(),
-    )
-    total = peak = 0
-    for event in events:
-        total += event.nbytes()
-        peak = max(peak, total)
-    return KernelRun(_output_bytes(outputs), peak - total)
+        outputs, peak, end = profiled_call(lambda: op(*args, **kwargs))  # outputs kept: their bytes are `end`
+    return KernelRun(_output_bytes(outputs), peak - end)
 
 
 @cache
@@ -99,14 +89,17 @@ def kernel_run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Kernel
     """`op` run on real zeros shaped as `args`: its outputs' bytes and, unless a profiler is already running (one
     cannot nest), what it held beside them."""
     arg_specs, kwarg_specs = _spec(args), tuple(sorted(_spec(kwargs).items()))
-    if torch.autograd.profiler._is_profiler_enabled:
+    if profiler_running():
         return KernelRun(_plain_run(op, arg_specs, kwarg_specs), None)
     return _measured_run(op, arg_specs, kwarg_specs)
 
 
 @output_bytes_rule(torch.ops.aten.mkldnn_rnn_layer.default)
 def mkldnn_rnn_layer(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> list[int]:
-    return list(kernel_run(torch.ops.aten.mkldnn_rnn_layer.default, args, kwargs).output_bytes)
+    if device != "cpu":  # the workspace alone: the kernel's scratch is read for the cpu target only (onednn_rnn)
+        arg_specs, kwarg_specs = _spec(args), tuple(sorted(_spec(kwargs).items()))
+        return list(_plain_run(_LAYER, arg_specs, kwarg_specs))
+    return list(kernel_run(_LAYER, args, kwargs).output_bytes)
 
 
 _GRU_MODE = 3  # ideep::rnn_kind::GRU
