@@ -16,8 +16,8 @@ Each strategy's peak is the largest of a few moments of the step, each a sum of 
   it divides by as torch's argument parser wraps it (a float64 scalar tensor) and the division kernel's
   float32 copy of it (TensorIterator casts a CPU scalar to the common dtype); each parameter's state is
   two moments and a float32 `step` scalar.
-memplan's loop drops the loss at the end of the micro-batch (memplan.estimator.loop.micro_batch),
-so the loss scalar counts in the backward, not in the step; so does the loss's gradient.
+The canonical loop binds the loss (`loss = loss_fn(model(x))`) until the iteration ends: the loss scalar counts in
+the backward and in the step; the loss's gradient (the root gradient) in the backward only.
 """
 
 from __future__ import annotations
@@ -126,14 +126,14 @@ def test_an_fsdp2_rank_of_sgd_holds_the_shards_and_the_gathered_root(parallel, w
 
 def test_one_process_adamw_peaks_in_the_step():
     batch = 4
-    step = _input(batch) + _adamw_step(PARAMETERS, PARAMETERS, [W1, W2])
+    step = _input(batch) + LOSS + _adamw_step(PARAMETERS, PARAMETERS, [W1, W2])
     forward = PARAMETERS + 2 * PARAMETERS + 2 * ADAMW_STEP + _input(batch) + 2 * _activation(batch)
     assert _predicted("none", 1, "adamw", batch) == max(step, forward) == step
 
 
 def test_a_ddp_rank_of_adamw_adds_the_bucket_to_the_step():
     batch = 4
-    step = PARAMETERS + _input(batch) + _adamw_step(PARAMETERS, PARAMETERS, [W1, W2])
+    step = PARAMETERS + _input(batch) + LOSS + _adamw_step(PARAMETERS, PARAMETERS, [W1, W2])
     assert _predicted("ddp", 2, "adamw", batch) == step
 
 
@@ -144,7 +144,7 @@ def test_a_zero1_rank_keeps_the_state_of_its_share(world_size):
     keeps its moments and step scalar alone; parameters, gradients and DDP's bucket stay whole."""
     batch = 4
     buckets = PARAMETERS
-    step = buckets + _input(batch) + _adamw_step(PARAMETERS, PARAMETERS, [W1])
+    step = buckets + _input(batch) + LOSS + _adamw_step(PARAMETERS, PARAMETERS, [W1])
     assert _predicted("zero1", world_size, "adamw", batch) == step
 
 
@@ -167,6 +167,6 @@ def test_an_fsdp2_rank_of_adamw_peaks_in_the_forward_or_at_the_reduce_scatter(pa
     padded_w2 = world_size * _rows_per_rank(OUT, world_size) * HIDDEN * F32 if OUT % world_size else 0
     reduce_scatter = shard + state + PARAMETERS + gathered + _input(batch) + LOSS + ROOT_GRADIENT + padded_w2
     # The step's gradients are the reduce-scatter's output, one padded shard.
-    step = _input(batch) + _adamw_step(shard, shard, [shard_w1, shard - shard_w1])
+    step = _input(batch) + LOSS + _adamw_step(shard, shard, [shard_w1, shard - shard_w1])
     expected = forward if world_size == 2 else reduce_scatter  # 30 rows: 2 divides them, 4 and 8 do not
     assert _predicted(parallel, world_size, "adamw", batch) == max(forward, reduce_scatter, step) == expected

@@ -21,8 +21,9 @@ BATCH = 8
 
 def _step(loop: str, model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
     """One training step as each loop's users write it."""
-    if loop == "canonical":
-        model(**batch)["loss"].backward()
+    if loop == "canonical":  # `loss` bound, as docs/concepts.md writes it: its graph lives through the step
+        loss = model(**batch)["loss"]
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     elif loop == "zero-grad-before-backward":
@@ -31,11 +32,14 @@ def _step(loop: str, model: torch.nn.Module, batch: dict, optimizer: torch.optim
         loss.backward()
         optimizer.step()
     elif loop == "set-to-none-false":
-        model(**batch)["loss"].backward()
+        loss = model(**batch)["loss"]
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-    elif loop == "hf-trainer":
-        model(**batch)["loss"].backward()
+    elif loop == "hf-trainer":  # Trainer.training_step returns loss.detach(): the graph goes before the step
+        loss = model(**batch)["loss"]
+        loss.backward()
+        loss = loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         model.zero_grad()

@@ -24,6 +24,15 @@ The variants people write (settings.LOOPS), each differing only where noted:
   (logits, and a Hugging Face model's key/value cache where its config has `use_cache` on) stays alive
   through the backward and the optimizer step.
 
+What the loop keeps bound matters beyond the tensors' bytes: `loss` (the canonical loop and the first two
+variants bind it) holds the loss's autograd graph until the next micro-batch's forward rebinds it or the
+iteration ends. The backward frees the graph's saved tensors, not its Nodes, and with them lives what custom
+autograd Functions keep as context attributes: torch's reentrant checkpoint's copy of the RNG state (5,056 B a
+region on the CPU) and its function's arguments, bitsandbytes' 8-bit matmuls' layer inputs (`ctx.A`), a leaf
+the forward made (enable_input_require_grads): all alive through the optimizer step (TrainingState.kept_loss).
+hf-trainer's training_step returns `loss.detach()`: the loss's storage lives through the step, its graph not.
+keep-output's `loss_of(out)` is bound to nothing (a Hugging Face output's own loss is kept with `out`).
+
 A custom step (`--step package.module:fn`, settings.step; memplan.estimator.user_step) replaces the loop: memplan calls
 `fn(model, batch, optimizer)` once per iteration, with the model, batch and optimizer built as for
 the loop (storage precision, LoRA and checkpointing applied; `optimizer` None with `--optimizer
@@ -99,6 +108,9 @@ class TrainingState:
     fetched_batches: list[Batch] = field(default_factory=list)
     # The keep-output loop's `out`: the last micro-batch's model output, held through the step (`del out` after it).
     kept_output: Any = None
+    # The loss the loop keeps bound (module docstring): its graph's Nodes, and what they hold, live until the next
+    # micro-batch's forward rebinds it or the iteration ends, after zero_grad.
+    kept_loss: torch.Tensor | None = None
 
     @property
     def built_model(self) -> nn.Module:
@@ -237,6 +249,10 @@ def autocast_context(settings: TrainingSettings, device_type: str = "cpu"):
 HF_TRAINER_MAX_GRAD_NORM = 1.0
 
 
+# Loops that bind the loss to a variable (`loss = loss_of(...)`): its graph lives until the iteration ends.
+LOOPS_BINDING_THE_LOSS = ("canonical", "zero-grad-before-backward", "set-to-none-false")
+
+
 # Loops whose gradients are still allocated when the next iteration begins (the rest free them at
 # zero_grad(set_to_none=True) after the step).
 LOOPS_KEEPING_GRADIENTS = ("zero-grad-before-backward", "set-to-none-false")
@@ -258,6 +274,8 @@ def micro_batch(state: TrainingState, marker: Marker = no_marker) -> None:
         if settings.loop == "keep-output":
             state.kept_output = output  # `out = model(...)`: the previous micro-batch's lets go here
         loss = state.loss_of(output, state.batch)
+        if settings.loop in LOOPS_BINDING_THE_LOSS:
+            state.kept_loss = loss  # `loss = ...`: the previous micro-batch's graph goes as this binds
     if settings.loop != "keep-output":
         del output
     marker("forward")
@@ -266,12 +284,17 @@ def micro_batch(state: TrainingState, marker: Marker = no_marker) -> None:
         marker("zero_grad")
     if settings.grad_accum > 1 and engine is None:  # DeepSpeed's engine.backward divides by it itself
         loss = loss / settings.grad_accum
+    reported = loss  # what transformers' Trainer returns from training_step, detached
     if state.loss_scale is not None:
         loss = loss * state.loss_scale
     if engine is not None:
         engine.backward(loss)
     else:
         loss.backward()
+    del loss
+    if settings.loop == "hf-trainer":
+        state.kept_loss = reported.detach()
+    del reported
     marker("backward")
 
 
@@ -324,6 +347,7 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, state.found_inf, inv_scale)
     if (engine := _engine(state)) is not None:
         engine.step()  # the optimizer over the rank's partition, and zero_grad, inside the engine
+        state.kept_loss = None  # the iteration is over
         return grads
     loop = state.settings.loop
     if loop == "hf-trainer" and grads:
@@ -338,6 +362,7 @@ def optimizer_step(state: TrainingState) -> list[torch.Tensor]:
             grad.zero_()  # what zero_grad(set_to_none=False) does to each, also without an optimizer
     elif loop != "zero-grad-before-backward":
         drop_grads(state)
+    state.kept_loss = None  # the iteration is over (tests/hand_measure.py's, a function's: its `loss` goes)
     return grads
 
 

@@ -84,6 +84,7 @@ def _find_the_reached_parameters(state: TrainingState, settings: TrainingSetting
     trace instead (_unreached_state)."""
     with fake_mode, real_run_paths(), target_kernels(settings), constant_item():
         micro_batch(state)
+    state.kept_loss = None  # (its graph is not the traced micro-batch's to hold)
     state.reached = frozenset(id(param) for param in state.trainable if param.grad is not None)
     for param in state.trainable:
         param.grad = None
@@ -174,6 +175,7 @@ def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSetting
         if engine_counts:
             state.data_parallel.after_micro_batch()
             state.data_parallel.skip_micro_batches(settings.grad_accum - 2)
+    state.kept_loss = None  # (its graph is not the traced micro-batch's to hold)
     state.micro_batches_done = settings.grad_accum - 1
 
 
@@ -260,6 +262,9 @@ def trace_step(
             kept_on_modules = {storage_key(tensor) for tensor in attribute_tensors(state.built_model)}
             # The keep-output loop's `out` lives through the step too (memplan.estimator.loop).
             kept_on_modules |= {storage_key(tensor) for tensor in tensors_held(state.kept_output)}
+            # So does the loss the loop keeps bound; its graph's Nodes, and what they hold, until it goes at the step's
+            # end (memplan.estimator.loop, TrainingState.kept_loss).
+            kept_on_modules |= {storage_key(tensor) for tensor in tensors_held(state.kept_loss)}
             grads = current_grads(state)
             unreached = _unreached_state(state, settings)
             step_start = recorder.node_count()
@@ -285,6 +290,7 @@ def trace_step(
                 # What outlives one trace of the fake model, besides the gradients.
                 if not recording.is_replayable(model_tensors(state) + optimizer_tensors(state)) or resizes:
                     recording = None  # FSDP2's step runs on local shards a replay cannot substitute
+            state.kept_loss = None  # (a replayed step did not run optimizer_step, which lets it go)
             if swaps_seen is not None:
                 # DeepSpeed's step swaps storages too (stage 3 partitions and gathers parameters):
                 # watched through it, and never replayed (the recording's tensors would count as held).
