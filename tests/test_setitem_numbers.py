@@ -50,8 +50,9 @@ def _plain_run_peak(model_class: type[nn.Module], optimizer_class: type[torch.op
         batch = torch.randn(BATCH, WIDTH)
         build.kept = (model, optimizer, batch)
 
-        def iteration() -> None:  # the loss not kept past its backward, as memplan's loop drops it
-            model(batch).backward()
+        def iteration() -> None:  # the loss bound through the step, as the canonical loop binds it
+            loss = model(batch)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
