@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+from unittest.mock import patch
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -162,8 +163,5 @@ def causal_masks_read(
         with _disable_current_modes():  # a real tensor's value, read with no mode to see it
             return bool(value)
 
-    transformer._detect_is_causal_mask = detect_is_causal_mask
-    try:
+    with patch.object(transformer, "_detect_is_causal_mask", detect_is_causal_mask):
         yield
-    finally:
-        transformer._detect_is_causal_mask = original

@@ -32,7 +32,7 @@ class CompositeOp:
     argument_storage: object
     output_storages: frozenset[object]
     end: int
-    argument_storages: frozenset[object] = frozenset()
+    argument_storages: frozenset[object]
 
     @classmethod
     def of(cls, func: Any, args: tuple[Any, ...], out: object, end: int) -> CompositeOp:

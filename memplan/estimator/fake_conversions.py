@@ -31,6 +31,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest.mock import patch
 
 import torch
 from torch import nn
@@ -104,12 +105,8 @@ def _orthogonal_weights_taken_as_new() -> Iterator[None]:
     if not hasattr(parametrizations, "_is_orthogonal"):
         yield
         return
-    original = parametrizations._is_orthogonal
-    parametrizations._is_orthogonal = lambda Q, eps=None: False
-    try:
+    with patch.object(parametrizations, "_is_orthogonal", lambda Q, eps=None: False):
         yield
-    finally:
-        parametrizations._is_orthogonal = original
 
 
 @contextlib.contextmanager

@@ -211,11 +211,16 @@ _VALUE_SIZED = {
 }
 
 
+def _innermost_caller(error: Exception) -> traceback.FrameSummary | None:
+    """The innermost frame of `error`'s traceback outside torch's machinery and memplan (user or library code)."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.endswith(".pyc")]
+    return next((frame for frame in reversed(frames) if not _machinery(frame.filename)), None)
+
+
 def _user_line(error: Exception) -> str | None:
     """Where the user's own code (not torch's, memplan's or an installed library's) called into what raised `error`,
     as "file.py:line (`code`)"; None where no such frame is in the traceback (an op in the backward pass)."""
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.endswith(".pyc")]
-    caller = next((f for f in reversed(frames) if not _machinery(f.filename)), None)
+    caller = _innermost_caller(error)
     if caller is None or _is_installed(caller.filename):
         return None
     return f"{os.path.basename(caller.filename)}:{caller.lineno} (`{(caller.line or '').strip()}`)"
@@ -226,8 +231,7 @@ def _library_line_reading_a_value(error: Exception) -> str | None:
     "path:line (`code`)" relative to the package; None where it came from the user's own code or is of another kind."""
     if not isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
         return None
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.endswith(".pyc")]
-    caller = next((f for f in reversed(frames) if not _machinery(f.filename)), None)
+    caller = _innermost_caller(error)
     if caller is None or not _is_installed(caller.filename):
         return None
     parts = caller.filename.split(os.sep)

@@ -34,6 +34,11 @@ def _spec(value: Any) -> Any:
     return value
 
 
+def _specs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, tuple]:
+    """A call's arguments as hashable specs (the probes' cache keys)."""
+    return _spec(args), tuple(sorted(_spec(kwargs).items()))
+
+
 def _materialize(spec: Any) -> Any:
     if isinstance(spec, tuple) and spec and spec[0] == "tensor":
         return _zeros(spec[1], spec[2], spec[3])
@@ -88,7 +93,7 @@ def _output_bytes(outputs: Any) -> tuple[int, ...]:
 def kernel_run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> KernelRun:
     """`op` run on real zeros shaped as `args`: its outputs' bytes and, unless a profiler is already running (one
     cannot nest), what it held beside them."""
-    arg_specs, kwarg_specs = _spec(args), tuple(sorted(_spec(kwargs).items()))
+    arg_specs, kwarg_specs = _specs(args, kwargs)
     if profiler_running():
         return KernelRun(_plain_run(op, arg_specs, kwarg_specs), None)
     return _measured_run(op, arg_specs, kwarg_specs)
@@ -97,7 +102,7 @@ def kernel_run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Kernel
 @output_bytes_rule(torch.ops.aten.mkldnn_rnn_layer.default)
 def mkldnn_rnn_layer(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> list[int]:
     if device != "cpu":  # the workspace alone: the kernel's scratch is read for the cpu target only (onednn_rnn)
-        arg_specs, kwarg_specs = _spec(args), tuple(sorted(_spec(kwargs).items()))
+        arg_specs, kwarg_specs = _specs(args, kwargs)
         return list(_plain_run(_LAYER, arg_specs, kwarg_specs))
     return list(kernel_run(_LAYER, args, kwargs).output_bytes)
 
