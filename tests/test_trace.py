@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import memplan
@@ -90,3 +91,62 @@ def test_a_sparse_embedding_is_refused_in_one_line():
     ids = lambda batch_size: torch.randint(0, 1000, (batch_size, 4))  # noqa: E731
     with pytest.raises(SettingsError, match=r"module table makes sparse gradients \(EmbeddingBag\(sparse=True\)\)"):
         memplan.estimate(SparseEmbeddingBag(), inputs=ids, batch_size=8, device="cpu", optimizer="sgd")
+
+
+class FunctionalSparseEmbedding(nn.Module):
+    """F.embedding / F.embedding_bag with sparse=True on a bare parameter: no nn.Embedding module to refuse."""
+
+    def __init__(self, bag: bool) -> None:
+        super().__init__()
+        self.table, self.bag = nn.Parameter(torch.randn(1000, 16)), bag
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.bag:
+            return F.embedding_bag(ids, self.table, sparse=True).square().mean()
+        return F.embedding(ids, self.table, sparse=True).square().mean()
+
+
+class SparseAdjacency(nn.Module):
+    """A graph convolution over a sparse COO adjacency buffer (torch.sparse.mm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ring = torch.stack([torch.arange(8), (torch.arange(8) + 1) % 8])
+        self.register_buffer("adjacency", torch.sparse_coo_tensor(ring, torch.ones(8), (8, 8)).coalesce())
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adjacency, self.linear(x)).square().mean()
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "embedding_bag"])
+def test_a_functional_sparse_embedding_is_refused_as_a_sparse_gradient(bag):
+    """Before: "cannot trace ... in the backward pass: NotImplementedError: Cannot access storage of
+    SparseTensorImpl"."""
+    ids = lambda batch_size: torch.randint(0, 1000, (batch_size, 4))  # noqa: E731
+    with pytest.raises(SettingsError, match=r"in the backward pass makes a sparse gradient \(F\.embedding") as refused:
+        memplan.estimate(FunctionalSparseEmbedding(bag), inputs=ids, batch_size=8, device="cpu", optimizer="sgd")
+    assert "SparseTensorImpl" not in str(refused.value)
+
+
+def adjacency_nodes(batch_size: int) -> torch.Tensor:
+    return torch.randn(8, 4)
+
+
+def test_a_sparse_buffer_is_refused_as_a_sparse_tensor_not_blamed_on_the_batch():
+    """Before, from a factory: "... NotImplementedError: Cannot access storage of SparseTensorImpl; check that the
+    batch from --inputs ... is what it takes" (autograd's saved-tensor hook read the adjacency's storage)."""
+    with pytest.raises(
+        SettingsError, match=r"in module SparseAdjacency takes a sparse tensor \(torch\.sparse_coo\)"
+    ) as refused:
+        memplan.estimate(
+            "tests.test_trace:SparseAdjacency", inputs="tests.test_trace:adjacency_nodes", batch_size=8, device="cpu"
+        )
+    assert "batch" not in str(refused.value)
+
+
+def test_a_model_objects_sparse_buffer_is_refused_not_estimated_dense():
+    """Before, the object's copy (memplan.models.objects.skeleton) made the sparse adjacency a dense [8, 8] tensor and
+    estimated that model silently: a real graph's [n, n] dense adjacency is n² × 4 bytes its run never holds."""
+    with pytest.raises(SettingsError, match=r"adjacency is a sparse tensor \(torch\.sparse_coo\)"):
+        memplan.estimate(SparseAdjacency(), inputs=adjacency_nodes, batch_size=8, device="cpu", optimizer="sgd")

@@ -45,6 +45,23 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if type(tensor) in WRAPPER_SUBCLASSES else tensor  # type: ignore[attr-defined]
 
 
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+class SparseTensorRefused(Exception):
+    """An op read or made a sparse tensor (`taken`: read it, or autograd saved it for the op's backward; else made
+    it: F.embedding(sparse=True)'s gradient; `func` None where no dispatch names it). Its memory is its indices' and
+    values' storages, none of its own: memplan, which keys every tensor by its storage, had failed with torch's
+    "Cannot access storage of SparseTensorImpl", blamed on the batch or the backward
+    (memplan.estimator.trace_errors says what it is instead)."""
+
+    def __init__(self, func: object, layout: torch.layout, taken: bool) -> None:
+        super().__init__(f"{func} {'takes' if taken else 'makes'} a {layout} tensor")
+        self.func, self.layout, self.taken = func, layout, taken
+
+
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
     """The key of the storage that holds the tensor's memory (its local tensor's, for a wrapper subclass)."""
+    if tensor.layout in SPARSE_LAYOUTS:
+        raise SparseTensorRefused(None, tensor.layout, taken=True)
     return StorageWeakRef(local_tensor(tensor).untyped_storage())

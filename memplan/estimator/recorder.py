@@ -31,13 +31,29 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporaril
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from memplan import interrupts
-from memplan.estimator.leaves import local_tensor, map_leaves, tensors_in, wraps_local_tensors
+from memplan.estimator.leaves import (
+    SPARSE_LAYOUTS,
+    SparseTensorRefused,
+    local_tensor,
+    map_leaves,
+    tensors_in,
+    wraps_local_tensors,
+)
 from memplan.estimator.opgraph import OpGraph, OpNode
 from memplan.estimator.oprules import real_kernel_outputs
 from memplan.estimator.oprules.dtypes import refused_mixed_dtypes
 from memplan.estimator.replay import OptimizerRecording, RecordedOp
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+
+
+def _refuse_sparse_output(func: Any, out: object) -> None:
+    """Raise SparseTensorRefused where the op's result (a tensor, or a tuple or list of them) is sparse."""
+    for item in out if isinstance(out, tuple | list) else (out,):
+        if isinstance(item, torch.Tensor) and item.layout in SPARSE_LAYOUTS:
+            raise SparseTensorRefused(func, item.layout, taken=False)
+
+
 _ALIAS = torch.ops.aten.alias.default
 
 
@@ -157,10 +173,13 @@ class GraphRecorder(TorchDispatchMode):
         self._node_of[tensor] = node
         return node
 
-    def _argument(self, value: Any, inputs: list[OpNode]) -> Any:
-        """`value` with each tensor replaced by its node, which is appended to `inputs`."""
+    def _argument(self, value: Any, inputs: list[OpNode], func: Any = None) -> Any:
+        """`value` with each tensor replaced by its node, which is appended to `inputs` (`func`: the op that reads
+        it, which a sparse tensor's refusal names)."""
 
         def read(tensor: torch.Tensor) -> OpNode:
+            if tensor.layout in SPARSE_LAYOUTS:
+                raise SparseTensorRefused(func, tensor.layout, taken=True)
             inputs.append(self.node_of(tensor))
             return inputs[-1]
 
@@ -183,7 +202,7 @@ class GraphRecorder(TorchDispatchMode):
         inputs: list[OpNode] = []
         self._reading_for = func if self.target == "cpu" else None
         try:
-            node_args, node_kwargs = self._argument(args, inputs), self._argument(kwargs, inputs)
+            node_args, node_kwargs = self._argument(args, inputs, func), self._argument(kwargs, inputs, func)
         finally:
             self._reading_for = None
         made = numbers.before_op(func, args, kwargs) if numbers is not None else None
@@ -195,6 +214,7 @@ class GraphRecorder(TorchDispatchMode):
             if made is not None:  # the numbers went with the failed call, not at the end of the trace
                 numbers.after_op(made, None)
             raise
+        _refuse_sparse_output(func, out)
         val = self._add_node(func, node_args, node_kwargs, inputs, out)
         if made is not None:
             numbers.after_op(made, out)

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from memplan.errors import SettingsError, TraceError
+from memplan.estimator.leaves import SparseTensorRefused
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -51,6 +52,21 @@ def trace_failure(
     else:
         where = "outside any module (loss or optimizer)"
     op = getattr(error, "func", None)
+    if isinstance(error, SparseTensorRefused):
+        named = f"op {op} " if op is not None else "an op "
+        if not error.taken and _raised_in_backward(error):  # a sparse=True embedding's gradient
+            what = (
+                "makes a sparse gradient (F.embedding or F.embedding_bag with sparse=True), which memplan does not "
+                "model: estimate with sparse=False, whose dense gradient is at least as large while a batch holds "
+                "fewer distinct rows than the table"
+            )
+        else:
+            what = (
+                f"{'takes' if error.taken else 'makes'} a sparse tensor ({error.layout}), which memplan does not "
+                "model (it counts memory by each tensor's storage, and a sparse tensor's is its indices' and "
+                "values'): pass a model that keeps its tensors dense"
+            )
+        return SettingsError(f"cannot trace {spec.name}: {named}{where} {what}")
     if op in _PACKING and isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
         # torch.nn.utils.rnn's packing: the lengths' values make the packed data's shape and the batch sizes that
         # RNN.cpp's PackedLayer reads step by step
