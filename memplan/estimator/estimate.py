@@ -17,7 +17,7 @@ from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
 from memplan.estimator.interpolate import fits as timeline_fits
-from memplan.estimator.notes import settings_notes, unchecked_blocks_notes
+from memplan.estimator.notes import settings_notes, unchecked_blocks_notes, value_dependent_kernel_notes
 from memplan.estimator.optimizers import local_optimizer
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE, find_max_batch_size, largest_fitting, last_fitting_from
@@ -376,6 +376,7 @@ def _estimate(
         notes=tuple(
             settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)
             + unchecked_blocks_notes(settings, traced.checkpointed_blocks)
+            + value_dependent_kernel_notes(traced.graph)
             + compiled_modules_notes(tracer.setup.state.built_model)
         ),
         timeline=main.timeline,

@@ -240,6 +240,22 @@ MANUAL_STATEMENTS: dict[str, tuple[tuple[_Statement, ...], ...]] = {
     #   return at::where(self_squared_pi == 0.0, at::zeros({}, grad.options()), out);
     # Held to the formula's end, `self * self`, the sine, the cosine and the other temporaries of `out`'s statement made
     # an MLP through torch.sinc two activation-sized buffers high (tests/test_formula_statements.py).
+    # differential_analytic_matrix_function (FunctionsManual.cpp, torch 2.11-2.14), torch.linalg.matrix_exp's gradient
+    # (adjoint), on its subclass path, which the trace takes (plain_formulas):
+    #   auto A = self.transpose(-2, -1).conj();      (`conj` of a real tensor is itself, no op)
+    #   Tensor meta_grad;  ...  meta_grad = at::cat({at::cat({A, grad}, -1), at::cat({at::zeros_like(A), A}, -1)}, -2);
+    #   return matrix_function(meta_grad).narrow_symint(-2, 0, n).narrow_symint(-1, n, n);
+    # The inner cats and the zeros die with meta_grad's statement, before the [2n, 2n] exponential runs (a plain run's
+    # path copies A, A and grad into `at::zeros` instead: no temporaries). Held to the formula's end, they made a
+    # Linear(64, 64) through matrix_exp 81,920 B high there (tests/test_matrix_exp_scratch.py).
+    "LinalgMatrixExpBackward0": tuple(
+        (
+            (adjoint, LOCAL),
+            ((_M.cat.default, _M.zeros_like.default, _M.cat.default, _M.cat.default), LOCAL),
+            ((_M.linalg_matrix_exp.default, _M.slice.Tensor, _M.slice.Tensor), STATEMENT),
+        )
+        for adjoint in ((_M.transpose.int,), (_M.transpose.int, _M._conj.default))
+    ),
     "SincBackward0": (
         (
             ((_M.mul.Scalar,), LOCAL),

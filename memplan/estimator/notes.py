@@ -3,6 +3,10 @@ model in a band or leave out (memplan.estimator.estimate)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from memplan.distributed.deepspeed_file import replaced_values
 from memplan.distributed.modes import FSDP_MODES, RESHARDING_FSDP_MODES
 from memplan.finetune.bnb_kernels import OUTLIER_COLUMN_FRACTION
@@ -236,4 +240,18 @@ def unchecked_blocks_notes(settings: TrainingSettings, checkpointed_blocks: list
     return [
         f"--checkpoint {settings.checkpoint} found no nn.ModuleList of two or more repeated blocks in this model, so "
         "nothing is checkpointed (blocks in an nn.Sequential are named with `memplan plan --candidates REGEX`)"
+    ]
+
+
+def value_dependent_kernel_notes(graph: Any) -> list[str]:
+    """What the step's ops hold inside their kernels by their values, which a fake tensor has not, so that memplan
+    counts the top (memplan.estimator.composite_kernels.matrix_exp)."""
+    matrix_exp = torch.ops.aten.linalg_matrix_exp.default
+    if not any(node.op == "call_function" and node.target == matrix_exp for node in graph.nodes):
+        return []
+    return [
+        "linalg.matrix_exp (nn.utils.parametrizations.orthogonal's default map, and its gradient's exponential of a "
+        "[2n, 2n] block matrix): the temporaries its kernel holds follow each matrix's norm (the Taylor degree it "
+        "picks, 4 to 12 matrices' worth for one matrix), which memplan cannot know: the top of that range is counted; "
+        "a run whose matrices have small norms peaks lower"
     ]

@@ -251,6 +251,7 @@ def _load_families() -> None:
         ctc_loss,
         embedding_bag,
         flash_attention,
+        matrix_exp,
         onednn_rnn,
         pooling,
         safe_softmax,
