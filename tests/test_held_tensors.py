@@ -235,6 +235,47 @@ def test_optimizer_locals_end_where_python_lets_go_of_them():
     assert {key: ends[id(made[key])] for key in expected} == expected
 
 
+# A tensor held by two holders at once (a list and a local; one list bound to two names) lives until the last of
+# them lets go: held_tensors.FrameLocals counts its holders.
+_SHARED_HOLDERS_SOURCE = """
+def step(xs):
+    kept = [x.neg() for x in xs]
+    first = kept[0]
+    twice = kept
+    xs[0].mul(2)
+    kept = None
+    xs[0].add(1)
+    twice = None
+    xs[0].sub(1)
+    first = None
+    xs[0].div(2)
+"""
+
+
+def test_optimizer_locals_end_when_the_last_holder_lets_go():
+    """Ops 0-5: the two negs, mul, add, sub, div. Both negs are in the list bound to `kept` and `twice`; the first
+    neg is also bound to `first`. Unbinding `kept` lets nothing go (`twice` holds the list); unbinding `twice` lets
+    the second neg go before the sub (it lived through op 3), not the first, which `first` holds until the div
+    (it lived through op 4)."""
+    from memplan.estimator.held_tensors import _OPTIMIZER_DIR, OptimizerLocals
+
+    namespace: dict = {}
+    path = os.path.join(_OPTIMIZER_DIR, "memplan_test_shared_holders.py")
+    exec(compile(_SHARED_HOLDERS_SOURCE, path, "exec"), namespace)
+    xs = [torch.ones(4), torch.ones(8)]
+    counter = _OpCounter()
+    observer = OptimizerLocals(lambda: counter.count, key=lambda tensor: tensor)
+    with counter, observer:
+        namespace["step"](xs)
+    observer.finish()
+    ends: dict[tuple[int, float], int] = {}
+    for tensor, end in observer.lifetimes:
+        key = (tensor.numel(), float(tensor.flatten()[0]))
+        ends[key] = max(ends.get(key, -1), end)
+    assert counter.count == 6
+    assert (ends[(4, -1.0)], ends[(8, -1.0)]) == (4, 3)
+
+
 class _MaskedBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
