@@ -159,6 +159,11 @@ CLI_CASES = [
     case(["estimate", *_factory("factory_raises")], ["factory_raises' raised ValueError", "--debug"], code=1),
     case(["plan", *_factory("factory_raises"), *BUDGET], ["factory_raises' raised ValueError"], code=1),
     # sys.exit() in the user's code had ended memplan with its code (0 for none) and no answer (CLI bug hunt, M3)
+    case(
+        ["estimate", *_factory("jit_traced")],
+        ["jit_traced' calls torch.jit.trace", "return the eager nn.Module", "check_trace=False"],
+        code=1,
+    ),
     case(["estimate", *_factory("factory_exits")], ["factory_exits' called sys.exit(3)", "no answer"], code=1),
     case(["estimate", *_factory("exits_in_forward")], ["exits_in_forward called sys.exit(None)"], code=1),
     case(["compare", *_factory("inputs_raise")], ["callable with no arguments"]),

@@ -131,3 +131,43 @@ def test_a_mask_past_4096_positions_is_not_replayed_and_the_hint_is_asked_for():
     )
     with pytest.raises(TraceError, match="larger than the 4,096 x 4,096"):
         trace_step(spec, TrainingSettings(batch_size=1, device="cpu", optimizer="sgd"))
+
+
+class _BufferMasked(nn.Module):
+    """The causal mask registered as a buffer, made once in __init__ of constants (nanoGPT's and minGPT's way, here
+    handed to nn.TransformerEncoder with no is_causal hint), sliced to the sequence in forward; float or bool."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        if kind == "float":  # 0 kept, -inf hidden, from tril of ones as nanoGPT makes its mask
+            ones = torch.tril(torch.ones(2 * POSITIONS, 2 * POSITIONS))
+            self.register_buffer("mask", torch.zeros_like(ones).masked_fill(ones == 0, float("-inf")))
+        elif kind == "bool":
+            self.register_buffer("mask", torch.ones(2 * POSITIONS, 2 * POSITIONS, dtype=torch.bool).triu(1))
+        else:  # written in place after it was made: still constants, replayed as they were written
+            self.register_buffer("mask", torch.full((2 * POSITIONS, 2 * POSITIONS), float("-inf")).triu_(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = x.shape[1]
+        return self.encoder(x, mask=self.mask[:positions, :positions]).square().mean()
+
+
+@pytest.mark.parametrize("kind", ["float", "bool", "in-place"])
+def test_a_causal_mask_buffer_made_of_constants_is_read(kind):
+    """Before, a buffer had no values under fake tensors and the mask was refused (memplan.estimator.buffer_values)."""
+    settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
+    predicted = simulate(trace_step(_spec(lambda: _BufferMasked(kind)), settings)).peak_bytes
+    assert predicted == _plain_run_peak(lambda: _BufferMasked(kind))
+
+
+class _RandomBufferMasked(_BufferMasked):
+    def __init__(self) -> None:
+        super().__init__("bool")
+        self.mask = torch.rand(2 * POSITIONS, 2 * POSITIONS) > 0.5  # random values: no constants to replay
+
+
+def test_a_buffer_not_made_of_constants_is_still_refused_naming_the_hint():
+    with pytest.raises(TraceError, match="is_causal=True or False"):
+        trace_step(_spec(_RandomBufferMasked), TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd"))

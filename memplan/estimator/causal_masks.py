@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from memplan.errors import TraceError
+from memplan.estimator.buffer_values import buffer_value
 
 # How many of the ops that made a mask are replayed at most: a mask is made by a few (a larger ancestry reaches the
 # model's activations, which have no real values to replay anyway).
@@ -56,13 +57,19 @@ def real_values(
     if node is None:
         return None
     ancestry: dict[int, Any] = {}
+    constants: dict[int, torch.Tensor] = {}
     pending = [node]
     while pending:
         current = pending.pop()
         if id(current) in ancestry:
             continue
-        if current.op != "call_function" and _constant_value(current) is None:
-            return None  # a placeholder (the batch) or a fake parameter, buffer or constant
+        if current.op != "call_function":
+            constant = _constant_value(current)
+            if constant is None:
+                return None
+            constants[id(current)] = (
+                constant  # a placeholder (the batch), a fake parameter, or a buffer not made of constants
+            )
         ancestry[id(current)] = current
         if len(ancestry) > _MOST_OPS:
             return None
@@ -78,7 +85,7 @@ def real_values(
     try:
         with _disable_current_modes():
             for index, current in enumerate(replay):
-                values[id(current)] = _replayed(current, values)
+                values[id(current)] = _replayed(current, values, constants)
                 for each in current.all_input_nodes:
                     if last_read[id(each)] == index and each is not node:
                         values.pop(id(each), None)
@@ -91,8 +98,9 @@ def real_values(
 
 
 def _constant_value(node: Any) -> torch.Tensor | None:
-    """A constant's real values: a real tensor the step read, or a fake one that keeps its values (FakeTensorMode's
-    `constant`: `torch.tensor([...])` made under it); None for anything else (a fake tensor's node keeps the meta
+    """A constant's real values: a real tensor the step read, a fake one that keeps its values (FakeTensorMode's
+    `constant`: `torch.tensor([...])` made under it), or a buffer the model's factory made of constants
+    (memplan.estimator.buffer_values); None for anything else (a fake tensor's node keeps the meta
     tensor inside it, memplan.estimator.recorder.alias)."""
     if node.op != "get_attr":
         return None
@@ -101,12 +109,14 @@ def _constant_value(node: Any) -> torch.Tensor | None:
         return value.constant
     if isinstance(value, torch.Tensor) and value.device.type != "meta":
         return value
+    if isinstance(value, torch.Tensor):  # a buffer the model's factory made of constants, or a view of one
+        return buffer_value(value, _MOST_REPLAYED_ELEMENTS)
     return None
 
 
-def _replayed(node: Any, values: dict[int, Any]) -> Any:
+def _replayed(node: Any, values: dict[int, Any], constants: dict[int, torch.Tensor]) -> Any:
     if node.op == "get_attr":
-        return _constant_value(node).clone()
+        return constants[id(node)].clone()
 
     def real(argument: Any) -> Any:
         if hasattr(argument, "all_input_nodes") and hasattr(argument, "op"):

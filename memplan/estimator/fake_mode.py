@@ -66,7 +66,16 @@ class TracingFakeMode(FakeTensorMode):
         _QUIET.depth.value = getattr(_QUIET.depth, "value", 1) - 1
         return super().__exit__(*exc_info)
 
+    # While a model is built: how each tensor made of constants was made (memplan.estimator.buffer_values).
+    constants: Any = None
+
     def dispatch(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
+        out = self._dispatched(func, types, args, kwargs)
+        if self.constants is not None:
+            self.constants.record(func, args, kwargs or {}, out)
+        return out
+
+    def _dispatched(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
         rule = FAKE_KERNEL_RULES.get(func)
         if rule is None:
             return super().dispatch(func, types, args, kwargs)

@@ -236,6 +236,12 @@ def liveness(traced: TracedStep) -> Liveness:
             requested[key] = nbytes
             static.add(key)
     static = {key for key in static if not isinstance(key, ResizedStorage)}
+    # The previous micro-batch's loss (or output) and graph, alive until the forward binds the loop's variable again:
+    # a copy of each storage it holds, of that storage's size, from the iteration's start.
+    for copy in traced.previous_micro_batch if traced.previous_micro_batch_freed_at > 0 else ():
+        if copy.storage in requested and copy.storage not in static:
+            requested[copy] = requested[copy.storage]
+            born[copy], last_use[copy] = 0, traced.previous_micro_batch_freed_at - 1
     for key in static:
         born[key] = 0
     # Live until the iteration ends: the static storages and the graph outputs (gradients until zero_grad).

@@ -273,6 +273,7 @@ def micro_batch(state: TrainingState, marker: Marker = no_marker) -> None:
         output = call_model(state.model, state.batch)
         if settings.loop == "keep-output":
             state.kept_output = output  # `out = model(...)`: the previous micro-batch's lets go here
+            marker("output")
         loss = state.loss_of(output, state.batch)
         if settings.loop in LOOPS_BINDING_THE_LOSS:
             state.kept_loss = loss  # `loss = ...`: the previous micro-batch's graph goes as this binds

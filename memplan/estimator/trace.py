@@ -18,9 +18,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memplan.distributed.fsdp import storage_resizes_recorded
+from memplan.distributed.fsdp import StorageResize, storage_resizes_recorded
 from memplan.distributed.offload import copies_made
 from memplan.errors import MemplanError
+from memplan.estimator.buffer_values import constants_tracked, keep_buffers
 from memplan.estimator.compiled import compiled_code_run_eagerly
 from memplan.estimator.cuda.target import target_kernels
 from memplan.estimator.custom_step_trace import keeps_tensors_across_calls, trace_custom_step
@@ -31,6 +32,7 @@ from memplan.estimator.held_tensors import OptimizerLocals
 from memplan.estimator.hf_patches import no_weight_init, real_run_paths
 from memplan.estimator.leaves import local_tensor, tensors_in
 from memplan.estimator.loop import (
+    LOOPS_BINDING_THE_LOSS,
     STORAGE_DTYPES,
     TrainingState,
     current_grads,
@@ -54,7 +56,13 @@ from memplan.estimator.rng_snapshots import rng_snapshots_recorded
 from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
 from memplan.estimator.trace_errors import step_failure, trace_failure
-from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
+from memplan.estimator.traced_step import (
+    Observed,
+    PreviousMicroBatch,
+    TracedStep,
+    categorize_storages,
+    traced_step_from,
+)
 from memplan.estimator.wrapped_numbers import wrapped_numbers_recorded
 from memplan.interrupts import deferred
 from memplan.models.source import ModelSpec, exit_in_user_code
@@ -90,6 +98,20 @@ def _find_the_reached_parameters(state: TrainingState, settings: TrainingSetting
         param.grad = None
 
 
+def _bound_across_micro_batches(state: TrainingState, settings: TrainingSettings) -> object:
+    """What the loop's variable holds from one micro-batch into the next one's forward, where it is bound again: with
+    accumulation, the loss where the loop binds it (`loss = loss_of(model(...))` keeps the last micro-batch's until it
+    returns: module docstring of memplan.estimator.loop), keep-output's `out` (until `out = model(...)` returns). The
+    backward freed the graph's saved tensors; its Nodes, and what custom autograd Functions keep on their contexts
+    (bitsandbytes' 8-bit matmuls' inputs, a reentrant checkpoint's RNG state), and the tensors themselves, live on.
+    None where nothing does."""
+    if settings.grad_accum <= 1 or settings.step is not None:
+        return None
+    if settings.loop in LOOPS_BINDING_THE_LOSS:
+        return state.kept_loss
+    return state.kept_output if settings.loop == "keep-output" else None
+
+
 @dataclass
 class FakeSetup:
     """A model, optimizer and state built once under fake tensors, reusable across batch sizes."""
@@ -119,7 +141,9 @@ def _untraced(state: TrainingState, spec: ModelSpec, settings: TrainingSettings)
 def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
-        state = prepare(spec, settings)
+        with constants_tracked(fake_mode) as constants:
+            state = prepare(spec, settings)
+        keep_buffers([*state.built_model.buffers(), *attribute_tensors(state.built_model)], constants)
         if settings.step is None and state.data_parallel is None:
             _warm_up_optimizer(state)
     if settings.step is None and state.data_parallel is None and gradients_outlive_the_step(settings):
@@ -259,12 +283,16 @@ def trace_step(
                 micro_batch(state, marker)
             eager_lifetimes.finish()
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
-            kept_on_modules = {storage_key(tensor) for tensor in attribute_tensors(state.built_model)}
+            on_modules = {storage_key(tensor) for tensor in attribute_tensors(state.built_model)}
+            kept_on_modules = set(on_modules)
             # The keep-output loop's `out` lives through the step too (memplan.estimator.loop).
             kept_on_modules |= {storage_key(tensor) for tensor in tensors_held(state.kept_output)}
             # So does the loss the loop keeps bound; its graph's Nodes, and what they hold, until it goes at the step's
             # end (memplan.estimator.loop, TrainingState.kept_loss).
             kept_on_modules |= {storage_key(tensor) for tensor in tensors_held(state.kept_loss)}
+            # The previous micro-batch's loss (or output) and graph are this one's twins: let go where this one's go,
+            # and seen going.
+            previous = _bound_across_micro_batches(state, settings)
             grads = current_grads(state)
             unreached = _unreached_state(state, settings)
             step_start = recorder.node_count()
@@ -291,6 +319,11 @@ def trace_step(
                 if not recording.is_replayable(model_tensors(state) + optimizer_tensors(state)) or resizes:
                     recording = None  # FSDP2's step runs on local shards a replay cannot substitute
             state.kept_loss = None  # (a replayed step did not run optimizer_step, which lets it go)
+            lifetimes_seen, snapshots_seen = len(eager_lifetimes.local_lifetimes), len(rng_snapshots)
+            previous_graph = [storage_key(tensor) for tensor in tensors_held(previous)]
+            del previous  # its graph goes now: the finalizers say what it held
+            previous_graph += [key for key, _ in eager_lifetimes.local_lifetimes[lifetimes_seen:]]
+            previous_snapshots = [resize for resize in rng_snapshots[snapshots_seen:] if not resize.after_bytes]
             if swaps_seen is not None:
                 # DeepSpeed's step swaps storages too (stage 3 partitions and gathers parameters):
                 # watched through it, and never replayed (the recording's tensors would count as held).
@@ -320,6 +353,14 @@ def trace_step(
     for key in swaps_seen.entered.values() if swaps_seen is not None else ():
         if categories.get(key, "parameters") == "parameters":  # ZeRO-3's gathered parameters, whole
             categories[key] = "unsharded_parameters"
+    previous_graph = [key for key in previous_graph if key not in on_modules]  # the model's, not the graph's copy
+    # The previous graph's copies of the generator's state, freed as the variable is bound again (liveness reads the
+    # rest).
+    rebound = boundaries.get("output" if settings.loop == "keep-output" else "forward", 0)
+    rng_snapshots += [
+        StorageResize(PreviousMicroBatch(resize.storage), rebound, resize.before_bytes, 0)
+        for resize in previous_snapshots
+    ]
     observed = Observed(
         tracker,
         eager_lifetimes,
@@ -330,6 +371,8 @@ def trace_step(
         rng_snapshots=rng_snapshots,
         wrapped_numbers=wrapped_numbers,
         saved_packs=graphs.packs,
+        previous_graph=previous_graph + [resize.storage for resize in previous_snapshots],
+        previous_graph_freed_at=rebound,
     )
     if getattr(state.data_parallel, "offload", False):
         rank = state.data_parallel

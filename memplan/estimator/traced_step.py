@@ -30,6 +30,15 @@ from memplan.finetune.quantize import logical_numel
 from memplan.settings import TrainingSettings
 
 
+@dataclass(frozen=True)
+class PreviousMicroBatch:
+    """A copy of `storage` that the previous micro-batch's loss or output holds (itself, or its graph's): the loop's
+    variable keeps it alive until the traced micro-batch's forward binds it again (memplan.estimator.loop,
+    TrainingState.kept_loss, kept_output)."""
+
+    storage: object  # a StorageWeakRef, or an RngSnapshot (memplan.estimator.rng_snapshots)
+
+
 @dataclass
 class TracedStep:
     """The captured graph plus what memplan knows about its storages and phases."""
@@ -75,6 +84,12 @@ class TracedStep:
     # (node count, running module) at each tensor autograd saved outside a checkpoint, in order
     # (memplan.estimator.saved_tensors): where a checkpoint's recomputation would stop (memplan.planner.costs)
     saved_packs: tuple[tuple[int, str | None], ...] = ()
+    # With gradient accumulation: what the previous micro-batch's loss (or keep-output's `out`), and its graph, hold
+    # after its backward (what letting the traced micro-batch's go freed), live from the iteration's start until the
+    # loop's variable is bound again, before the node `previous_micro_batch_freed_at` (liveness sizes each as its
+    # storage)
+    previous_micro_batch: tuple[PreviousMicroBatch, ...] = ()
+    previous_micro_batch_freed_at: int = 0
 
 
 @dataclass
@@ -93,6 +108,10 @@ class Observed:
     # Python numbers ops were given for Tensor arguments, on the cpu target (memplan.estimator.wrapped_numbers)
     wrapped_numbers: list[StorageResize] = field(default_factory=list)
     saved_packs: list[tuple[int, str | None]] = field(default_factory=list)  # SavedTensors.packs
+    # the storages the traced micro-batch's loss or output held once its backward was done, and the node before which
+    # the previous micro-batch's went (TracedStep.previous_micro_batch)
+    previous_graph: list[StorageWeakRef] = field(default_factory=list)
+    previous_graph_freed_at: int = 0
 
 
 def traced_step_from(
@@ -109,6 +128,10 @@ def traced_step_from(
     node_count = len(graph.nodes)
     for key, category in sharding_categories(graph, observed.resizes).items():
         stored[0].setdefault(key, category)
+    # The previous micro-batch's copies of what its graph holds: made by its forward, kept for its backward.
+    previous = tuple(dict.fromkeys(PreviousMicroBatch(key) for key in observed.previous_graph if key not in stored[0]))
+    for copy in previous:
+        stored[0][copy] = "activations"
     return TracedStep(
         graph=graph,
         settings=state.settings,
@@ -133,6 +156,8 @@ def traced_step_from(
         released_early=tuple(released_early),
         storage_resizes=(*observed.resizes, *observed.rng_snapshots, *observed.wrapped_numbers),
         saved_packs=tuple(observed.saved_packs),
+        previous_micro_batch=previous,
+        previous_micro_batch_freed_at=observed.previous_graph_freed_at,
         swapped_storages=observed.swapped,
         host_memory=observed.host,
     )

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,10 +121,32 @@ def _call_user(function: Callable[..., Any], arguments: tuple, what: str) -> Any
         raise exit_in_user_code(what, exit_request) from exit_request
     except Exception as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if _raised_in_jit_trace(error):
+            raise UserCodeError(
+                f"{what} calls torch.jit.trace, which checks the module it traced by running it again and comparing "
+                f"the outputs' values ({type(error).__name__}: {detail}), and memplan calls the factory under fake "
+                "tensors, which have no values; return the eager nn.Module instead (memplan traces the training step "
+                "itself), or pass torch.jit.trace check_trace=False"
+            ) from error
         raise UserCodeError(
             f"{what} raised {type(error).__name__}{': ' + detail if detail else ''} (memplan calls it under fake "
             "tensors: no real data, no GPU); fix it, or rerun with --debug for the traceback"
         ) from error
+
+
+def _raised_in_jit_trace(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) came from inside torch.jit.trace (torch/jit/_trace.py): its
+    check_trace compares the traced module's outputs with the eager module's by value (`torch.testing.assert_close`),
+    which fake tensors fail with torch's bare "Comparing" error."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame, _ in traceback.walk_tb(current.__traceback__):
+            if frame.f_code.co_filename.replace("\\", "/").endswith("torch/jit/_trace.py"):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def exit_in_user_code(what: str, exit_request: SystemExit) -> UserCodeError:
