@@ -141,3 +141,65 @@ def test_a_deberta_classifier_is_predicted_as_its_plain_run_measures(tmp_path):
     predicted = simulate(trace_step(spec, settings)).peak_bytes
     # DeBERTa's masked-LM is 8 B high too, with no classifier: a bias of the encoder's, not of this head.
     assert abs(predicted - measured) <= 16
+
+
+# Run in a fresh interpreter (the test process has transformers.models imported already): the lazy module that
+# `import transformers.models` builds, every attribute of it written out in a fixed order (PYTHONHASHSEED fixed: its
+# __all__ is a list made from sets), and how many folders transformers scanned for it.
+_LAZY_MODELS_MODULE = """
+import sys
+import transformers
+from transformers.utils import import_utils
+
+scans = import_utils.create_import_structure_from_path.cache_info
+misses = scans().misses
+if sys.argv[1] == "memplan":
+    from memplan.models.hf import _load_config
+
+    _load_config("gpt2")
+else:  # what _load_config asks transformers for, as transformers does it
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gpt2")
+print(scans().misses - misses)
+lazy = sys.modules["transformers.models"]
+
+
+def canonical(value):
+    if isinstance(value, dict):
+        return sorted((repr(canonical(key)), canonical(item)) for key, item in value.items())
+    if isinstance(value, set | frozenset):
+        return sorted(repr(canonical(item)) for item in value)
+    if isinstance(value, list | tuple):
+        return [canonical(item) for item in value]
+    return repr(value)
+
+
+kept = {key: value for key, value in vars(lazy).items() if not key.startswith("__") or key == "__all__"}
+print(repr(canonical(kept)))
+"""
+
+
+def _lazy_models_module(how: str) -> tuple[int, str]:
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _LAZY_MODELS_MODULE, how], capture_output=True, text=True, env=environment, check=True
+    )
+    scanned, structure = done.stdout.splitlines()[-2:]
+    return int(scanned), structure
+
+
+def test_transformers_models_is_imported_without_scanning_the_model_folders_again():
+    """`import transformers` scans the ~500 folders under transformers/models for their `__all__`; importing
+    transformers.models (any config or model class) scanned them all again (~0.5 s of an estimate), its
+    __init__.py naming the folder otherwise. memplan asks for it under the first scan's name: the lazy module is
+    the one transformers builds itself, every name in the same order, without scanning the folders again."""
+    scanned, structure = _lazy_models_module("memplan")
+    own_scanned, own_structure = _lazy_models_module("transformers")
+    assert own_scanned > 100  # transformers' own import rescans every model folder
+    assert scanned < 10, scanned  # the folders of the model it loads (gpt2's __init__.py scans its own)
+    assert structure == own_structure

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,45 @@ class HFSource:
     task: str
 
 
+def import_transformers_models() -> None:
+    """Import transformers.models without scanning transformers' model folders a second time.
+
+    `import transformers` reads every file under transformers/models for its `__all__` (1,700 files,
+    define_import_structure: about 0.5 s) to build its lazy module; importing transformers.models (what any
+    config or model class needs) reads them all again: its __init__.py asks for the same folder under another
+    name (its own file's path, where transformers' is `Path(...) / "models"`), and the lru_cache of the
+    per-folder scans holds 128 of the 500-odd folders. Asked for by the name the first scan used, the
+    folder's structure comes from that cache: the same folder, the same function, the same lazy module
+    (every name in it, in the same order). Where the cache no longer holds it (another transformers), the
+    scan runs again, as it would have."""
+    if "transformers.models" in sys.modules:
+        return
+    import transformers
+    from transformers.utils import import_utils
+
+    scan = getattr(import_utils, "define_import_structure", None)
+    file = getattr(transformers, "__file__", None)
+    if scan is None or file is None:
+        import transformers.models  # noqa: F401
+
+        return
+    folder = os.path.join(os.path.dirname(file), "models")
+    from pathlib import Path
+
+    def scan_once(module_path: Any, prefix: str | None = None) -> Any:
+        if prefix is None and os.path.normpath(str(module_path)) == os.path.join(folder, "__init__.py"):
+            module_path = Path(folder)  # as transformers/__init__.py names it
+        return scan(module_path, prefix)
+
+    import_utils.define_import_structure = scan_once  # what transformers/models/__init__.py imports, as it runs
+    try:
+        import transformers.models  # noqa: F401
+    finally:
+        import_utils.define_import_structure = scan
+
+
 def model_types() -> list[str]:
+    import_transformers_models()
     from transformers import CONFIG_MAPPING
 
     return sorted(CONFIG_MAPPING.keys())
@@ -69,6 +108,7 @@ def _guess_task(config: Any) -> str | None:
 
 def _load_config(name: str) -> Any | None:
     """A config from a preset, a config.json / model directory, a model type or the hub cache."""
+    import_transformers_models()
     from transformers import CONFIG_MAPPING, AutoConfig
 
     preset = get_preset(name)
@@ -257,6 +297,7 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
     """
     import transformers
 
+    import_transformers_models()
     auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[source.task])
     config = source.config
     if hasattr(config, "use_cache"):
