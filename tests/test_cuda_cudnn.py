@@ -63,8 +63,11 @@ def test_a_pointwise_convolution_transforms_its_activations_or_runs_as_a_gemm() 
     assert workspace_band_bytes(weight, H100) == (0, x + y + split_k_cap)
     small = _geometry_call("backward-weight", (x, y), 4096, torch.float32, **{**strided, "weight_numel": 1024})
     assert workspace_band_bytes(small, H100) == (0, x + y + 16 * 4096)
+    # 16-bit too: their partial sums are float32 as well (16 float32 copies of 512 x 256: capped).
     half = _geometry_call("backward-weight", (x, y), w, torch.float16, **strided)
-    assert workspace_band_bytes(half, H100) == (0, x + y)
+    assert workspace_band_bytes(half, H100) == (0, x + y + split_k_cap)
+    small_half = _geometry_call("backward-weight", (x, y), 2048, torch.bfloat16, **{**strided, "weight_numel": 1024})
+    assert workspace_band_bytes(small_half, H100) == (0, x + y + 16 * 1024 * 4)
     # Stride 1 on a 14x14 map or larger: a GEMM on the NCHW tensors; the weight gradient from one
     # float32 partial per image (64 x 256 x 64 weights x 4 bytes = 4 MiB) ...
     gemm = {"pointwise": True, "strided": False, "output_pixels": 56 * 56, "batch": 64, "weight_numel": 256 * 64}
@@ -254,7 +257,7 @@ def h100_rule_agreement() -> dict[str, list]:
         call = (direction, tuple(x), tuple(w), dtype, round(predicted, 3), round(measured, 3))
         if abs(predicted - measured) < 0.01 or (measured < 0.01 and predicted == 0):
             found["exact"].append(call)
-        elif abs(predicted - measured) <= 8.25:  # the split-K room: rounded (fp32), left out (16-bit)
+        elif abs(predicted - measured) <= 8.25:  # within the split-K room: 16 copies is the most a call took
             found["near"].append(call)
         else:
             found["above" if measured > predicted else "below"].append(call)
@@ -266,12 +269,39 @@ def test_workspace_sizes_are_what_cudnn_requested_on_the_h100() -> None:
     found = h100_rule_agreement()
     total = sum(len(calls) for calls in found.values())
     assert total >= 600
-    assert len(found["exact"]) >= 0.8 * total, (len(found["exact"]), total)
+    # Forward and backward-data calls to the byte; backward-weight ones mostly within their split-K
+    # room under the top (the room is the most any call took, most took less).
+    not_weight = [c for calls in found.values() for c in calls if c[0] != "backward-weight"]
+    exact = [c for c in found["exact"] if c[0] != "backward-weight"]
+    assert len(exact) >= 0.9 * len(not_weight), (len(exact), len(not_weight))
     assert len(found["exact"]) + len(found["near"]) >= 0.98 * total, (found["above"], found["below"])
     # Further off: the 7x7 stem's backward-weight (11-30 MiB more than its operands) and bf16
     # forward, and fp16 1x1 1024->512 at 14x14 (transformed: 36.75 MiB, where memplan has a GEMM);
     # below: plans that transformed less than memplan assumes (the safe side).
     assert len(found["above"]) <= 6, found["above"]
+
+
+def test_16_bit_backward_weight_requests_on_the_h100_are_within_the_band_top() -> None:
+    """16-bit backward-weight calls took split-K room too (k float32 copies of the weight, k up to 13,
+    plus a few hundred bytes): every such request of the H100 run is at most the band's top, to a
+    512-byte allocator block. The 7x7 stem is left out: its 3 input channels are padded for tensor
+    cores (to 4 in fp16, 8 in bf16), which the rule does not model."""
+    calls = [
+        (x, w, stride, padding, dtype, round(measured * 2**20))
+        for direction, x, w, stride, padding, dtype, measured in _h100_calls()
+        if direction == "backward-weight" and dtype != "torch.float32" and w[1] != 3
+    ]
+    assert len(calls) >= 150
+    for x, w, stride, padding, dtype, measured in calls:
+        top = round(_rule_mib("backward-weight", x, w, stride, padding, dtype) * 2**20)
+        assert measured <= top + 512, (x, w, dtype, measured, top)
+    # resnet-50 amp-fp16's layer2.0 downsample (1x1, 256 -> 512, stride 2, 56x56 input, batch 64):
+    # operands by hand, input 64*256*56*56*2 + grad_output 64*512*28*28*2 = 154,140,672 B; cuDNN asked
+    # 155,714,095 (3 float32 copies of the weight + 559 B more), a segment of its own on the H100.
+    (downsample,) = [c for c in calls if c[1] == [512, 256, 1, 1] and c[4] == "torch.float16"]
+    assert downsample[-1] == 155_714_095
+    top = round(_rule_mib("backward-weight", *downsample[:-1]) * 2**20)
+    assert 154_140_672 < 155_714_095 <= top == 154_140_672 + 16 * 512 * 256 * 4
 
 
 def test_a_backward_convolutions_two_workspaces_are_requested_in_turn() -> None:

@@ -446,8 +446,15 @@ def test_the_conv_workspace_free_end_is_the_step_with_every_workspace_capped_at_
     from memplan.estimator.trace import trace_step
 
     spec = _conv_attention_spec()
+    # Workspaces capped at 16 MiB (CUDNN_CONV_WSCAP_DBG): with the full top (the backward-weight's
+    # split-K room) this step's band is not inverted.
     settings = TrainingSettings(
-        batch_size=4, optimizer="sgd", precision="amp-bf16", gpu="A100-40GB", cuda_alloc_conf="max_split_size_mb:20"
+        batch_size=4,
+        optimizer="sgd",
+        precision="amp-bf16",
+        gpu="A100-40GB",
+        cuda_alloc_conf="max_split_size_mb:20",
+        cudnn_workspace_cap_mib=16,
     )
     band = simulate(trace_step(spec, settings))
     no_workspace = simulate(trace_step(spec, settings.replace(cudnn_workspace_cap_mib=0)))
@@ -497,8 +504,15 @@ def test_a_budget_must_hold_what_the_step_completes_in_at_both_ends_of_the_works
     from memplan.estimator.trace import trace_step
 
     spec = _conv_attention_spec()
+    # Workspaces capped at 16 MiB (CUDNN_CONV_WSCAP_DBG): with the full top (the backward-weight's
+    # split-K room) this step's band is not inverted.
     settings = TrainingSettings(
-        batch_size=4, optimizer="sgd", precision="amp-bf16", gpu="A100-40GB", cuda_alloc_conf="max_split_size_mb:20"
+        batch_size=4,
+        optimizer="sgd",
+        precision="amp-bf16",
+        gpu="A100-40GB",
+        cuda_alloc_conf="max_split_size_mb:20",
+        cudnn_workspace_cap_mib=16,
     )
     band = simulate(trace_step(spec, settings))
     top, none = band.reserved_peak_bytes, band.conv_workspace_free_reserved_peak_bytes

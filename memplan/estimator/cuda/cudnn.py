@@ -30,9 +30,9 @@ So memplan predicts a band per convolution call:
   transforms its three operands (input + weight + output forward; grad_output + weight +
   grad_input for backward-data; input + grad_output + grad_weight for backward-weight); a 1x1 call
   only its activations, or none at stride 1 on maps of 14x14 or more, where it is a GEMM on the
-  NCHW tensors and its weight gradient is summed from a float32 partial per image; an fp32
-  backward-weight adds split-K room (`_plan_workspace_bytes`). 16-bit channels-last convolutions
-  run natively: 0.
+  NCHW tensors and its weight gradient is summed from a float32 partial per image; a
+  backward-weight adds split-K room, float32 copies of the weight in every dtype (`_split_k_bytes`).
+  16-bit channels-last convolutions run natively: 0.
 Depthwise convolutions that PyTorch runs with its own kernel make no cuDNN call
 (`_runs_natively_depthwise`). A backward convolution's two calls request and free their workspaces in turn (simulate.py,
 `Scratch.sequential`), and the replay skips a workspace the device cannot hold, as try_configs
@@ -127,18 +127,26 @@ FLOAT32_BYTES = 4
 # than its three operands: 6.75-8.25 MiB more in every such call, and 14 float32 copies of a weight
 # too small to reach that (64x64x3x3: +1.97 MiB; 128x128x3x3: +7.875 MiB): room for the partial sums
 # of a reduction split over thread blocks (split-K). memplan adds up to 16 float32 copies of the
-# weight, at most the largest extra seen, wherever TF32 runs (Ampere on). 16-bit calls showed
-# 0-3.4 MiB, not consistently: not added. Backward-weight's workspace then no longer fits in the
-# block backward-data's freed, and opens a segment of its own where both are large: on the A100
-# runs of benchmarks/gpumemnet_conv.py (cuDNN 9.1) this takes the calibration half's median error
-# from -5.0% to -1.1%, and some of those nets 20-30% over what they reserved.
+# weight, at most the largest extra seen, wherever TF32 runs (Ampere on). Backward-weight's
+# workspace then no longer fits in the block backward-data's freed, and opens a segment of its own
+# where both are large: on the A100 runs of benchmarks/gpumemnet_conv.py (cuDNN 9.1, fp32) this
+# takes the calibration half's median error from -5.0% to -1.1%, and some of those nets 20-30% over
+# what they reserved.
+# 16-bit backward-weight calls (fp16, bf16: their partial sums accumulate in float32 too) asked for
+# k float32 copies of the weight plus a few hundred bytes, k varying with the shape and the plan:
+# 13 for 3x3 64->64, 4-6 for 3x3 128->128, 2-3 for 1x1 256<->1024 at 14x14 and the strided 1x1
+# 256->512, 0 for 3x3 of 256 channels or more (a plan without split-K). The largest, 13 copies + 679 B,
+# is within the fp32 room, so the band's top takes the same room for every dtype: a 16-bit request
+# above the top opened a segment memplan did not have (resnet-50 amp-fp16's layer2.0 downsample,
+# 3 copies + 559 B more than its operands: a 150 MiB segment, -4.4% reserved). The low end is
+# unchanged (a plan without split-K, as the 3x3 256-channel calls ran).
 # Source: docs/validation/h100/conv-workspaces.json.
 SPLIT_K_WEIGHT_COPIES = 16
 SPLIT_K_MAX_BYTES = 8 * 2**20 + 256 * 2**10
 
 
 def _split_k_bytes(call: ConvOperands) -> int:
-    if call.direction != BACKWARD_WEIGHT or call.dtype != torch.float32:
+    if call.direction != BACKWARD_WEIGHT:
         return 0
     return min(SPLIT_K_WEIGHT_COPIES * call.weight_numel * FLOAT32_BYTES, SPLIT_K_MAX_BYTES)
 
