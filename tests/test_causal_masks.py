@@ -171,3 +171,15 @@ class _RandomBufferMasked(_BufferMasked):
 def test_a_buffer_not_made_of_constants_is_still_refused_naming_the_hint():
     with pytest.raises(TraceError, match="is_causal=True or False"):
         trace_step(_spec(_RandomBufferMasked), TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd"))
+
+
+class _ForeachZeroedMasked(_BufferMasked):
+    def __init__(self) -> None:
+        super().__init__("bool")
+        torch._foreach_zero_([self.mask])  # a Tensor[] argument written in place: no longer the triu it was made as
+
+
+def test_a_buffer_written_through_a_tensor_list_is_not_replayed_as_it_was_made():
+    """Before, a write through a Tensor(a!)[] argument was not counted, and the zeroed mask replayed as its triu."""
+    with pytest.raises(TraceError, match="is_causal=True or False"):
+        trace_step(_spec(_ForeachZeroedMasked), TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd"))

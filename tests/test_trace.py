@@ -135,14 +135,33 @@ def adjacency_nodes(batch_size: int) -> torch.Tensor:
 
 def test_a_sparse_buffer_is_refused_as_a_sparse_tensor_not_blamed_on_the_batch():
     """Before, from a factory: "... NotImplementedError: Cannot access storage of SparseTensorImpl; check that the
-    batch from --inputs ... is what it takes" (autograd's saved-tensor hook read the adjacency's storage)."""
-    with pytest.raises(
-        SettingsError, match=r"in module SparseAdjacency takes a sparse tensor \(torch\.sparse_coo\)"
-    ) as refused:
+    batch from --inputs ... is what it takes" (autograd's saved-tensor hook read the adjacency's storage). Refused
+    once built, by name, as a model object's is."""
+    with pytest.raises(SettingsError, match=r"adjacency is a sparse tensor \(torch\.sparse_coo\)") as refused:
         memplan.estimate(
             "tests.test_trace:SparseAdjacency", inputs="tests.test_trace:adjacency_nodes", batch_size=8, device="cpu"
         )
     assert "batch" not in str(refused.value)
+
+
+class UnreadSparseAdjacency(SparseAdjacency):
+    """The sparse buffer held but never read by the step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).square().mean()
+
+
+def test_a_factory_s_unread_sparse_buffer_is_refused_not_an_internal_error():
+    """Before: "memplan: internal error: SparseTensorRefused: None takes a torch.sparse_coo tensor" (the trace passed;
+    sorting the model's storages afterwards raised outside the trace's error handling)."""
+    with pytest.raises(SettingsError, match=r"adjacency is a sparse tensor \(torch\.sparse_coo\)"):
+        memplan.estimate(
+            "tests.test_trace:UnreadSparseAdjacency",
+            inputs="tests.test_trace:adjacency_nodes",
+            batch_size=8,
+            device="cpu",
+            optimizer="sgd",
+        )
 
 
 def test_a_model_objects_sparse_buffer_is_refused_not_estimated_dense():

@@ -103,7 +103,8 @@ class ConstantTracker:
             for argument in schema.arguments
             if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
         ]
-        for tensor in [args[index] for index in written if index < len(args)] + outs:
+        # (a Tensor(a!)[] argument, `_foreach_zero_([buffer])`'s, writes each of its tensors)
+        for tensor in tree_flatten([args[index] for index in written if index < len(args)] + outs)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:  # (a sparse one has no storage)
                 key = tensor.untyped_storage()._cdata
                 self._writes[key] = self._writes.get(key, 0) + 1

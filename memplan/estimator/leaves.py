@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
+
+from memplan.errors import SettingsError
 
 
 def tensors_in(value: object) -> list[torch.Tensor]:
@@ -58,6 +61,20 @@ class SparseTensorRefused(Exception):
     def __init__(self, func: object, layout: torch.layout, taken: bool) -> None:
         super().__init__(f"{func} {'takes' if taken else 'makes'} a {layout} tensor")
         self.func, self.layout, self.taken = func, layout, taken
+
+
+def refuse_sparse_tensors(model: torch.nn.Module) -> None:
+    """Raise SettingsError for a sparse parameter or buffer (a graph's adjacency for torch.sparse.mm), used by the step
+    or not: memplan counts every tensor by its storage (SparseTensorRefused). A model object's would have been copied
+    as a dense tensor of its full shape (memplan.models.objects.skeleton: a 64-node ring's 1,280 B adjacency as
+    16,384 B); a factory's, unread, failed as an internal error where the trace sorted the model's storages."""
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.layout in SPARSE_LAYOUTS:
+            raise SettingsError(
+                f"{name} is a sparse tensor ({tensor.layout}), which memplan does not model (it counts memory by "
+                "each tensor's storage, and a sparse tensor's is its indices' and values'): pass a model that keeps "
+                "its tensors dense"
+            )
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:

@@ -57,7 +57,7 @@ from memplan.distributed.modes import DDP_MODES, FSDP_MODES, RESHARDING_FSDP_MOD
 from memplan.errors import SettingsError
 from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
-from memplan.estimator.leaves import tensors_in
+from memplan.estimator.leaves import refuse_sparse_tensors, tensors_in
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
 from memplan.finetune.lora import adapter_parameters, with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
@@ -137,6 +137,7 @@ def prepare(spec: ModelSpec, settings: TrainingSettings) -> TrainingState:
     """Build model, batch and optimizer in the active tensor mode (fake or real)."""
     model = spec.build(settings)
     _refuse_sparse_gradients(model)
+    refuse_sparse_tensors(model)
     model.train()
     dtype = STORAGE_DTYPES[settings.precision]
     if dtype != torch.float32:  # adapters the user's own peft model holds keep their dtype, as peft keeps them

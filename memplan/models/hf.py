@@ -69,10 +69,10 @@ def import_transformers_models() -> None:
     folder = os.path.join(os.path.dirname(file), "models")
     from pathlib import Path
 
-    def scan_once(module_path: Any, prefix: str | None = None) -> Any:
-        if prefix is None and os.path.normpath(str(module_path)) == os.path.join(folder, "__init__.py"):
+    def scan_once(module_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and os.path.normpath(str(module_path)) == os.path.join(folder, "__init__.py"):
             module_path = Path(folder)  # as transformers/__init__.py names it
-        return scan(module_path, prefix)
+        return scan(module_path, *args, **kwargs)  # (any other call, or signature, passed on as it came)
 
     import_utils.define_import_structure = scan_once  # what transformers/models/__init__.py imports, as it runs
     try:

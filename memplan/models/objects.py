@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from memplan.errors import InputsError, SettingsError, UsageError, a_type
-from memplan.estimator.leaves import SPARSE_LAYOUTS
+from memplan.errors import InputsError, UsageError, a_type
+from memplan.estimator.leaves import refuse_sparse_tensors
 from memplan.models.imports import import_object
 from memplan.models.source import (
     Batch,
@@ -51,7 +51,7 @@ def skeleton(model: nn.Module) -> nn.Module:
     torch.arange(num_virtual_tokens)}` on the PeftModel) are new tensors of the same shape and dtype as well, their
     values copied where both sides are real: copied by deepcopy, a real tensor under the fake mode had failed in torch
     ("Attempted to set the storage of a tensor on device "meta" to a storage on different device "cpu"")."""
-    _refuse_sparse(model)
+    refuse_sparse_tensors(model)  # (copied, one would become a dense tensor of its full shape)
     memo: dict[int, Any] = {}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if id(tensor) not in memo:  # parameters() lists a tied weight once; buffers are never tied
@@ -64,19 +64,6 @@ def skeleton(model: nn.Module) -> nn.Module:
             if id(tensor) not in memo:
                 memo[id(tensor)] = _same_tensor(tensor)
     return copy.deepcopy(model, memo)
-
-
-def _refuse_sparse(model: nn.Module) -> None:
-    """A sparse parameter or buffer (a graph's adjacency for torch.sparse.mm) would be copied as a dense tensor of its
-    full shape, and the model estimated silently with a dense n × n matrix (a 64-node ring's 1,280 B adjacency as
-    16,384 B); memplan's trace does not model sparse tensors (memplan.estimator.leaves.SparseTensorRefused)."""
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if tensor.layout in SPARSE_LAYOUTS:
-            raise SettingsError(
-                f"{name} is a sparse tensor ({tensor.layout}), which memplan does not model (it counts memory by "
-                "each tensor's storage, and a sparse tensor's is its indices' and values'): pass a model that keeps "
-                "its tensors dense"
-            )
 
 
 def _attribute_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:

@@ -6,11 +6,13 @@ Which Taylor degree runs depends on the values: a lone matrix's 1-norm picks com
 theta_12 (1.46 in float32) the degree-18 polynomial with scaling and squaring; a fake tensor has no values, so memplan
 counts the top of that range (torch.nn.utils.parametrizations.orthogonal's default map, a Linear(64, 64), holds
 98,320 B at a norm of 0.01, 147,468 B at 1.0, 196,632 B from 1.46 up). A batch of matrices always takes the
-degree-18 path, its squarings grouped by each matrix's scale; the top counted there is every matrix squared apart.
+degree-18 path, its squarings grouped by each matrix's scale; the top counted there is every matrix squared apart, in
+as many groups as finite norms have scales (128 for float32).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -19,6 +21,18 @@ from memplan.estimator.composite_kernels import composite_kernel_scratch
 
 _INDEX = torch.int64.itemsize
 _T18_PRODUCTS = 5  # compute_T18's num_prods: As and Bs hold 5 matrices each
+# theta_18, the 1-norm that compute_T18_scale_square scales each matrix below (mexp_impl's `thetas`, last entry, per
+# real dtype; LinearAlgebra.cpp, torch 2.11-2.14)
+_THETA_18 = {torch.float32: 3.010066362817634e00, torch.float64: 1.090863719290036e00}
+
+
+def _most_scales(real: torch.dtype) -> int:
+    """How many distinct scales `s = max(0, ceil(log2(norm / theta_18)))` finite norms of `real` can take: the most
+    groups compute_T18_scale_square's squarings split a batch into (128 for float32, 1,025 for float64)."""
+    theta = _THETA_18.get(real)
+    if theta is None:
+        return 1 << 62  # a dtype mexp's table does not name: no bound but the batch
+    return 1 + math.ceil(math.log2(torch.finfo(real).max / theta))
 
 
 @composite_kernel_scratch(torch.ops.aten.linalg_matrix_exp.default)
@@ -56,7 +70,10 @@ def matrix_exp_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: st
     # sorted scales and their indices, the groups' counts, edges, scales and steps, the inverse permutation; their
     # `cat` (two int64 a group) stays on the CPU
     bookkeeping = (batch * _INDEX,) * 7 + ((2 * batch * _INDEX,) if device == "cpu" else ())
-    kept = tuple(groups * matrix for groups in range(1, batch + 1))  # each group's accumulator, every matrix apart
+    # each group's accumulator: the groups before it one matrix each, as many groups as the dtype has scales (never
+    # more: a batch of 1,000 float32 4x4 matrices, every scale apart, holds 128 accumulators, not 1,000)
+    groups = min(batch, _most_scales(a.dtype.to_real()))
+    kept = tuple((batch - first) * matrix for first in range(groups))
     if batch == 1:  # norm, idx_large_norm, large_norm_subset, s, pow2s; a_large_norm, a_scaled; ...
         scalars = (real, _INDEX, real, real, real)
         before_output = (*scalars, matrix, matrix, *coefficients, *buffers)  # ... As, Bs
