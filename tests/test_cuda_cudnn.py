@@ -145,7 +145,8 @@ def test_each_convolution_requests_its_workspace_after_its_output_and_frees_it_a
     settings = TrainingSettings(batch_size=4, optimizer="sgd", gpu="A100-40GB")
     simulation = simulate(trace_step(_spec(), settings))
     timeline = simulation.timeline
-    x, w1, y1 = 4 * 3 * 32 * 32 * 4, 16 * 3 * 9 * 4, 4 * 16 * 30 * 30 * 4
+    # The first convolution's 3 input channels are padded to 4 for TF32 tensor cores (x, w1).
+    x, w1, y1 = 4 * 4 * 32 * 32 * 4, 16 * 4 * 9 * 4, 4 * 16 * 30 * 30 * 4
     w2, y2 = 8 * 16 * 9 * 4, 4 * 8 * 28 * 28 * 4
     workspaces = [a for a in timeline.allocations if a.op.startswith("cudnn workspace")]
     expected = [
@@ -153,7 +154,7 @@ def test_each_convolution_requests_its_workspace_after_its_output_and_frees_it_a
         y1 + w2 + y2,  # second forward
         y2 + w2 + y1,  # second backward: data (grad_output, weight -> grad_input) ...
         y1 + y2 + w2 + 16 * w2,  # ... then weight (input, grad_output -> grad_weight), with split-K room
-        x + y1 + w1 + 16 * w1,  # first backward: weight only (the input needs no gradient)
+        x + y1 + w1 + 8 * 2**20 + 256 * 2**10,  # first backward: weight only, padded: the split-K cap
     ]
     assert [a.size_bytes for a in workspaces] == [-(-size // 512) * 512 for size in expected]
     assert all(a.allocated_at == a.freed_at and a.sequential for a in workspaces)
@@ -191,7 +192,7 @@ def test_the_users_switches_change_the_band_as_cudnn_would() -> None:
 
 
 def test_the_simulation_applies_the_cap_and_the_tf32_switch() -> None:
-    x, w1, y1 = 4 * 3 * 32 * 32 * 4, 16 * 3 * 9 * 4, 4 * 16 * 30 * 30 * 4
+    x, w1, y1 = 4 * 4 * 32 * 32 * 4, 16 * 4 * 9 * 4, 4 * 16 * 30 * 30 * 4  # 3 channels padded to 4
     capped = TrainingSettings(batch_size=4, optimizer="sgd", gpu="A100-40GB", cudnn_workspace_cap_mib=0)
     assert not [a for a in simulate(trace_step(_spec(), capped)).timeline.allocations if "cudnn" in a.op]
     one_mib = TrainingSettings(batch_size=4, optimizer="sgd", gpu="A100-40GB", cudnn_workspace_cap_mib=1)
@@ -284,12 +285,11 @@ def test_workspace_sizes_are_what_cudnn_requested_on_the_h100() -> None:
 def test_16_bit_backward_weight_requests_on_the_h100_are_within_the_band_top() -> None:
     """16-bit backward-weight calls took split-K room too (k float32 copies of the weight, k up to 13,
     plus a few hundred bytes): every such request of the H100 run is at most the band's top, to a
-    512-byte allocator block. The 7x7 stem is left out: its 3 input channels are padded for tensor
-    cores (to 4 in fp16, 8 in bf16), which the rule does not model."""
+    512-byte allocator block, the 7x7 stem's too (its 3 input channels padded for tensor cores)."""
     calls = [
         (x, w, stride, padding, dtype, round(measured * 2**20))
         for direction, x, w, stride, padding, dtype, measured in _h100_calls()
-        if direction == "backward-weight" and dtype != "torch.float32" and w[1] != 3
+        if direction == "backward-weight" and dtype != "torch.float32"
     ]
     assert len(calls) >= 150
     for x, w, stride, padding, dtype, measured in calls:
@@ -302,6 +302,58 @@ def test_16_bit_backward_weight_requests_on_the_h100_are_within_the_band_top() -
     assert downsample[-1] == 155_714_095
     top = round(_rule_mib("backward-weight", *downsample[:-1]) * 2**20)
     assert 154_140_672 < 155_714_095 <= top == 154_140_672 + 16 * 512 * 256 * 4
+
+
+def test_unaligned_channels_are_padded_for_tensor_cores_on_the_h100() -> None:
+    """cuDNN pads NCHW channels that tensor cores cannot take (fp16/bf16: multiples of 8, TF32: 4; a
+    strided fp16 layer of up to 4 channels: 4, NVIDIA's Convolutional Layers User's Guide) in the
+    copies it transforms. The H100 run's only such convolution is ResNet's 7x7 stride-2 stem (3 -> 64
+    channels, 224x224 -> 112x112): every request it made is at most the band's top (to a 512-byte
+    block), the 16-bit forwards to the byte of the padded operands (+16 B, as every forward)."""
+    unaligned = [
+        (direction, x, w, stride, padding, dtype, round(measured * 2**20))
+        for direction, x, w, stride, padding, dtype, measured in _h100_calls()
+        if w[0] % 8 or w[1] % 8
+    ]
+    assert {tuple(c[2]) for c in unaligned} == {(64, 3, 7, 7)} and len(unaligned) == 8
+    for direction, x, w, stride, padding, dtype, measured in unaligned:
+        top = round(_rule_mib(direction, x, w, stride, padding, dtype) * 2**20)
+        assert measured <= top + 512, (direction, x[0], dtype, measured, top)
+    requested = {(c[0], c[1][0], c[5]): c[-1] for c in unaligned}
+    # By hand: fp16 pads 3 channels to 4, bf16 to 8 (input, weight); the 64-channel output is aligned.
+    fp16 = 64 * 4 * 224 * 224 * 2 + 64 * 4 * 49 * 2 + 64 * 64 * 112 * 112 * 2
+    assert requested[("forward", 64, "torch.float16")] == fp16 + 16 == 128_475_664
+    bf16 = 50 * 8 * 224 * 224 * 2 + 64 * 8 * 49 * 2 + 50 * 64 * 112 * 112 * 2
+    assert requested[("forward", 50, "torch.bfloat16")] == bf16 + 16 == 120_472_592
+    assert (
+        round(_rule_mib("forward", [64, 3, 224, 224], [64, 3, 7, 7], [2, 2], [3, 3], "torch.float16") * 2**20) == fp16
+    )
+    assert (
+        round(_rule_mib("forward", [50, 3, 224, 224], [64, 3, 7, 7], [2, 2], [3, 3], "torch.bfloat16") * 2**20) == bf16
+    )
+    # fp32 backward-weight: from batch 32 to 64 the request grew by an input of 4 channels, not 3.
+    growth = requested[("backward-weight", 64, "torch.float32")] - requested[("backward-weight", 32, "torch.float32")]
+    assert growth == 32 * 4 * 224 * 224 * 4 + 32 * 64 * 112 * 112 * 4
+
+
+def test_the_rule_pads_unaligned_channels_of_transformed_operands() -> None:
+    """Hand-computed padded copies: bf16 3x3 5 -> 12 channels pads to 8 -> 16; fp32 (TF32) to 8 -> 12;
+    16-bit channels-last runs natively (no copies); a grouped convolution is left unpadded."""
+    x = torch.empty(2, 5, 10, 10, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(12, 5, 3, 3, dtype=torch.bfloat16, device="meta")
+    out = torch.empty(2, 12, 8, 8, dtype=torch.bfloat16, device="meta")
+    (call,) = conv_calls(aten.convolution.default, (x, weight, *_REST), out)
+    assert workspace_band_bytes(call, H100) == (0, (2 * 8 * 100 + 16 * 8 * 9 + 2 * 16 * 64) * 2)
+    (fp32,) = conv_calls(aten.convolution.default, (x.float(), weight.float(), *_REST), out.float())
+    assert workspace_band_bytes(fp32, H100) == (0, (2 * 8 * 100 + 12 * 8 * 9 + 2 * 12 * 64) * 4)
+    nhwc = x.contiguous(memory_format=torch.channels_last)
+    (native,) = conv_calls(aten.convolution.default, (nhwc, weight, *_REST), out)
+    assert workspace_band_bytes(native, H100) == (0, 0)
+    grouped_weight = torch.empty(12, 3, 3, 3, dtype=torch.float32, device="meta")  # 2 groups of 3 -> 6
+    x6 = torch.empty(2, 6, 10, 10, device="meta")
+    rest = (*_REST[:-1], 2)
+    (grouped,) = conv_calls(aten.convolution.default, (x6, grouped_weight, *rest), out.float())
+    assert workspace_band_bytes(grouped, H100) == (0, (2 * 6 * 100 + 12 * 3 * 9 + 2 * 12 * 64) * 4)
 
 
 def test_a_backward_convolutions_two_workspaces_are_requested_in_turn() -> None:

@@ -62,7 +62,7 @@ The user's switches (`CudnnSwitches`, from TrainingSettings):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -93,6 +93,10 @@ class ConvOperands:
     output_pixels: int = 0  # height x width of the forward output (= of grad_output)
     batch: int = 0
     weight_numel: int = 0
+    # (input channels, output channels) of the convolution, and its groups: what cuDNN pads for
+    # tensor cores where they are not aligned (`_channel_padding`).
+    channels: tuple[int, int] = (0, 0)
+    groups: int = 1
 
 
 def _uses_tensor_cores(dtype: torch.dtype, compute_capability: tuple[int, int]) -> bool:
@@ -145,9 +149,71 @@ SPLIT_K_WEIGHT_COPIES = 16
 SPLIT_K_MAX_BYTES = 8 * 2**20 + 256 * 2**10
 
 
+# Channel padding for tensor cores. NVIDIA's Convolutional Layers User's Guide (Deep Learning
+# Performance docs, "Channels In And Out"): tensor cores want input and output channels divisible by
+# 8 in fp16 (and bf16) and by 4 in TF32; "for the first convolutional layer in most CNNs where the
+# input tensor consists of 3-channel images, padding to 4 channels is sufficient if a stride of 2 is
+# used". cuDNN pads packed NCHW operands itself to reach those kernels (cuDNN docs, Legacy API, "Data
+# and Filter Formats": "may use padding, folding, and NCHW-to-NHWC transformations"; NVIDIA's blog
+# "Tensor Ops Made Easier in cuDNN", cuDNN 7.2): the transformed copies then have the padded channel
+# counts. On the H100 (cuDNN 9.19) the 7x7 stride-2 stem of 3 channels was padded to 4 in fp16 (forward:
+# the padded input + padded weight + output + 16 B, to the byte) and to 8 in bf16 (the same, to the
+# byte), and its fp32 backward-weight to 4 (its input one channel wider: 6,422,528 B more at batch 64
+# than at 32 beyond the operands' own growth); its fp32 forward ran on the unpadded operands, under
+# the top. Grouped convolutions are left as they are (no evidence how cuDNN pads a group).
+TENSOR_CORE_CHANNEL_ALIGNMENT = {torch.float16: 8, torch.bfloat16: 8, torch.float32: 4}
+FP16_STRIDED_FIRST_LAYER_ALIGNMENT = 4
+
+
+def _aligned(channels: int, alignment: int) -> int:
+    return -(-channels // alignment) * alignment
+
+
+def _padded_channels(call: ConvOperands) -> tuple[int, int] | None:
+    """(input channels, output channels) as cuDNN pads them for tensor cores, or None where both are
+    aligned already (or the call is grouped, or its channels unknown)."""
+    alignment = TENSOR_CORE_CHANNEL_ALIGNMENT.get(call.dtype)
+    in_channels, out_channels = call.channels
+    if alignment is None or call.groups != 1 or in_channels <= 0 or out_channels <= 0:
+        return None
+    in_alignment = alignment
+    if call.dtype == torch.float16 and call.strided and in_channels <= FP16_STRIDED_FIRST_LAYER_ALIGNMENT:
+        in_alignment = FP16_STRIDED_FIRST_LAYER_ALIGNMENT
+    padded = (_aligned(in_channels, in_alignment), _aligned(out_channels, alignment))
+    return None if padded == call.channels else padded
+
+
+def _padded_operands(call: ConvOperands, padded: tuple[int, int]) -> ConvOperands:
+    """The call with its operands' bytes as cuDNN's transformed copies hold them: the input-side
+    tensor (input, grad_input) grown by the padded input channels, the output-side one (output,
+    grad_output) by the padded output channels, the weight by both."""
+    (in_channels, out_channels), (in_padded, out_padded) = call.channels, padded
+
+    def input_side(size: int) -> int:
+        return size * in_padded // in_channels
+
+    def output_side(size: int) -> int:
+        return size * out_padded // out_channels
+
+    first, second = call.read_bytes
+    if call.direction == FORWARD:  # input, weight -> output
+        sizes = (input_side(first), output_side(input_side(second)), output_side(call.written_bytes))
+    elif call.direction == BACKWARD_DATA:  # grad_output, weight -> grad_input
+        sizes = (output_side(first), output_side(input_side(second)), input_side(call.written_bytes))
+    else:  # input, grad_output -> grad_weight
+        sizes = (input_side(first), output_side(second), output_side(input_side(call.written_bytes)))
+    return replace(call, read_bytes=sizes[:2], written_bytes=sizes[2])
+
+
 def _split_k_bytes(call: ConvOperands) -> int:
     if call.direction != BACKWARD_WEIGHT:
         return 0
+    if _padded_channels(call) is not None:
+        # A call with padded channels took more than 16 copies: the H100's fp32 and bf16 stems asked
+        # 6,021,264 B beyond their padded operands at batch 32, 50 and 64 alike (120 float32 copies of
+        # the 4-channel weight, 60 of the 8-channel one), fp16's 401,408 + 623 B (8 copies). The cap,
+        # the most any call took, is the top's room for them.
+        return SPLIT_K_MAX_BYTES
     return min(SPLIT_K_WEIGHT_COPIES * call.weight_numel * FLOAT32_BYTES, SPLIT_K_MAX_BYTES)
 
 
@@ -155,6 +221,9 @@ def _plan_workspace_bytes(call: ConvOperands) -> int:
     """The workspace of the plan cuDNN's heuristics run first, for a call that takes a tensor-core
     path through transformed operands (see the module docstring and
     docs/validation.md "Workspace sizes on the H100")."""
+    padded = _padded_channels(call)
+    if padded is not None:
+        call = _padded_operands(call, padded)
     first, second = call.read_bytes
     if not call.pointwise:
         # A kxk kernel: every operand transformed once (41 of 51 fp32 forward calls to the byte).
@@ -249,6 +318,9 @@ def conv_calls(target: object, args: tuple, output: object) -> list[ConvOperands
         "output_pixels": math.prod(grad_output.shape[2:]),
         "batch": x.shape[0],
         "weight_numel": weight.numel(),
+        # The input's and the output's channels (a transposed weight lists them the other way round).
+        "channels": (x.shape[1], grad_output.shape[1]) if x.dim() > 1 and grad_output.dim() > 1 else (0, 0),
+        "groups": int(groups),
     }
     layout = _channels_last(x) or _channels_last(weight)
     if target in CONV_FORWARD_OPS:
