@@ -7,6 +7,7 @@ without memplan); DeepSpeed's documented default bucket size (500,000,000 elemen
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -67,6 +68,21 @@ def _estimate(
     )
 
 
+@functools.cache
+def _traced_once(name: str, world_size: int, precision: str, zero: str | None, parallel: str, options: tuple):
+    return _estimate(name, world_size, precision, json.loads(zero) if zero else None, parallel, **dict(options))
+
+
+def _predicted(
+    name: str, world_size: int, precision: str = "fp32", zero: dict | None = None, parallel: str = "zero2", **options
+):
+    """_estimate's answer, traced once per process for the tests that only read it: several tests ask for the same
+    rank (8 of the file's 74 traces, 2-4 s each, repeated one an earlier test had made). The tests of what the call
+    itself does to the process (its group, torch's linear, an import that fails) call _estimate."""
+    zero_key = json.dumps(zero, sort_keys=True) if zero is not None else None
+    return _traced_once(name, world_size, precision, zero_key, parallel, tuple(sorted(options.items())))
+
+
 def _measured(name: str, world_size: int, precision: str = "fp32", zero: dict | None = None, stage: int = 2) -> int:
     _, _, factory, make_batch, batch_size = MODELS[name]
     config = deepspeed_models.deepspeed_config(stage, batch_size, precision, zero)
@@ -112,7 +128,7 @@ def test_a_deepspeed_rank_is_the_real_deepspeed_run(parallel, name, world_size, 
     of the ZeRO-3 amp-fp16 case."""
     stage = STAGES[parallel]
     measured = _measured(name, world_size, precision, SMALL_BUCKET, stage=stage)
-    predicted = _estimate(name, world_size, precision, SMALL_BUCKET, parallel=parallel)
+    predicted = _predicted(name, world_size, precision, SMALL_BUCKET, parallel=parallel)
     assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
 
 
@@ -129,7 +145,7 @@ def test_a_checkpointed_deepspeed_rank_is_the_real_deepspeed_run(parallel, world
 
     config = deepspeed_models.deepspeed_config(STAGES[parallel], 16, "fp32", SMALL_BUCKET)
     measured = deepspeed_models.measured_peak(checkpointed, fsdp_models.rows, mean_square, world_size, config)
-    predicted = _estimate("stack", world_size, zero=SMALL_BUCKET, parallel=parallel, checkpoint="all")
+    predicted = _predicted("stack", world_size, zero=SMALL_BUCKET, parallel=parallel, checkpoint="all")
     assert abs(predicted.peak_bytes - measured) <= 64, (predicted.peak_bytes, measured)
 
 
@@ -155,7 +171,7 @@ def test_an_accumulating_deepspeed_rank_is_the_real_deepspeed_run(parallel, name
         STAGES[parallel], batch_size, precision, SMALL_BUCKET, grad_accum=grad_accum
     )
     measured = deepspeed_models.measured_peak(factory, make_batch, mean_square, world_size, config)
-    predicted = _estimate(name, world_size, precision, SMALL_BUCKET, parallel=parallel, grad_accum=grad_accum)
+    predicted = _predicted(name, world_size, precision, SMALL_BUCKET, parallel=parallel, grad_accum=grad_accum)
     assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
 
 
@@ -173,7 +189,7 @@ def test_deepspeeds_stage_1_releases_its_reduce_bucket_at_the_accumulation_bound
     _, _, factory, make_batch, batch_size = MODELS[name]
     config = deepspeed_models.deepspeed_config(1, batch_size, precision, SMALL_BUCKET, grad_accum=grad_accum)
     measured = deepspeed_models.measured_peak(factory, make_batch, mean_square, world_size, config)
-    predicted = _estimate(name, world_size, precision, SMALL_BUCKET, parallel="zero1", grad_accum=grad_accum)
+    predicted = _predicted(name, world_size, precision, SMALL_BUCKET, parallel="zero1", grad_accum=grad_accum)
     assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
 
 
@@ -182,7 +198,7 @@ def test_a_zero3_rank_gathering_each_module_is_the_real_deepspeed_run():
     forward and again for its backward, and released after each."""
     zero = {**SMALL_BUCKET, "stage3_param_persistence_threshold": 0}
     measured = _measured("stack", 2, "fp32", zero, stage=3)
-    predicted = _estimate("stack", 2, "fp32", zero, parallel="zero3")
+    predicted = _predicted("stack", 2, "fp32", zero, parallel="zero3")
     assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
 
 
@@ -196,9 +212,9 @@ def test_zero3_gathers_each_parameter_when_its_module_runs_and_releases_persiste
     all of them persistent, the ones the iteration starts with live until the step partitions them as
     it begins (stage3.py `step`: `_partition_all_parameters`), past their last reader in the backward,
     and new ones are gathered after it (`_post_step`) and kept to the end."""
-    released = _estimate("stack", 2, "fp32", {**SMALL_BUCKET, "stage3_param_persistence_threshold": 0}, "zero3")
+    released = _predicted("stack", 2, "fp32", {**SMALL_BUCKET, "stage3_param_persistence_threshold": 0}, "zero3")
     assert _unsharded(released) and all(a.allocated_at > 0 for a in _unsharded(released))
-    kept = _estimate("stack", 2, "fp32", SMALL_BUCKET, "zero3")
+    kept = _predicted("stack", 2, "fp32", SMALL_BUCKET, "zero3")
     timeline = kept.timeline
     at_start = [a for a in _unsharded(kept) if a.allocated_at == 0]
     after_step = [a for a in _unsharded(kept) if a.allocated_at >= timeline.backward_end]
@@ -211,7 +227,7 @@ def test_zero3_gathers_each_parameter_when_its_module_runs_and_releases_persiste
 def test_deepspeeds_default_bucket_is_two_gigabytes_whatever_the_model():
     """reduce_bucket_size's default, 5e8 elements, in the gradients' float32: the rank's peak is the
     bucket and a tiny model around it, as the real run shows."""
-    predicted = _estimate("two-layer", 4)
+    predicted = _predicted("two-layer", 4)
     assert predicted.breakdown.communication == DEEPSPEED_DEFAULT_BUCKET * 4
     measured = _measured("two-layer", 4)
     assert abs(predicted.peak_bytes - measured) <= 32, (predicted.peak_bytes, measured)
@@ -224,7 +240,7 @@ def test_the_optimizer_state_is_one_nth_of_the_flattened_model():
     moments of 1/N of it (plus a 4-byte step) as optimizer state."""
     parameters = sum(p.numel() for p in fsdp_models.stack().parameters())
     for world_size in (2, 4):
-        result = _estimate("stack", world_size, zero=SMALL_BUCKET)
+        result = _predicted("stack", world_size, zero=SMALL_BUCKET)
         padded = -(-parameters // (2 * world_size)) * 2 * world_size
         assert result.breakdown.parameters == padded * 4
         assert result.breakdown.optimizer_state == 3 * (padded // world_size) * 4 + 4
@@ -239,7 +255,7 @@ def test_a_zero3_rank_keeps_one_nth_of_everything_and_gathers_what_persists():
     parameters = sum(p.numel() for p in fsdp_models.stack().parameters())
     assert max(p.numel() for p in fsdp_models.stack().parameters()) < 100_000
     for world_size in (2, 4):
-        result = _estimate("stack", world_size, zero=SMALL_BUCKET, parallel="zero3")
+        result = _predicted("stack", world_size, zero=SMALL_BUCKET, parallel="zero3")
         partition = -(-parameters // world_size) * 4
         assert result.breakdown.parameters == partition and result.breakdown.gradients == partition
         assert result.breakdown.optimizer_state == 3 * partition + 4
@@ -579,7 +595,7 @@ def test_zero3_leaves_torch_s_own_linear_in_place():
 def test_the_step_s_peak_is_in_no_module_after_checkpointed_blocks():
     """Checkpointed blocks' recomputation stops early, so the last one recomputed never runs its
     forward hook; the step's peak must still be named as in no module (it was `blocks.0.down`)."""
-    result = _estimate("stack", 2, zero=SMALL_BUCKET, checkpoint="all")
+    result = _predicted("stack", 2, zero=SMALL_BUCKET, checkpoint="all")
     assert result.phase == "optimizer" and result.peak_module is None
 
 
@@ -598,7 +614,7 @@ def test_the_step_finds_the_gradient_partition_buffer_as_gradients():
     """At the step, the rank's reduced gradients are in the buffer DeepSpeed keeps for its partition,
     which holds each parameter the partition overlaps, whole (stage_1_and_2.py, grads_in_partition):
     rank 0's first 12,032 of the 24,064 flat elements lie in the first weight, 16,384 elements."""
-    result = _estimate("two-layer", 2, zero=SMALL_BUCKET)
+    result = _predicted("two-layer", 2, zero=SMALL_BUCKET)
     assert result.phase == "optimizer"
     assert result.breakdown.gradients == 256 * 64 * 4
 
