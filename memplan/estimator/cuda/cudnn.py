@@ -32,6 +32,8 @@ So memplan predicts a band per convolution call:
   only its activations, or none at stride 1 on maps of 14x14 or more, where it is a GEMM on the
   NCHW tensors and its weight gradient is summed from a float32 partial per image; a
   backward-weight adds split-K room, float32 copies of the weight in every dtype (`_split_k_bytes`).
+  Transformed operands have their channels padded where tensor cores cannot take them (to multiples
+  of 8 in fp16/bf16, 4 in TF32: `_padded_channels`), as the ResNet stems' 3 channels were on the H100.
   16-bit channels-last convolutions run natively: 0.
 Depthwise convolutions that PyTorch runs with its own kernel make no cuDNN call
 (`_runs_natively_depthwise`). A backward convolution's two calls request and free their workspaces in turn (simulate.py,
