@@ -13,12 +13,31 @@ from memplan.estimator.eager_lifetimes import storage_key
 
 
 class _Saved:
-    """What autograd keeps of one saved tensor while a graph holds it (SavedTensors)."""
+    """What autograd keeps of one saved tensor while a graph holds it (SavedTensors): the tensor, and what
+    SavedVariable keeps to check it was not modified in place before the backward reads it."""
 
-    __slots__ = ("__weakref__", "tensor")
+    __slots__ = ("__weakref__", "grad_fn", "output_nr", "tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, grad_fn: object, output_nr: int) -> None:
+        self.tensor, self.version = tensor, tensor._version
+        self.grad_fn, self.output_nr = type(grad_fn).__name__ if grad_fn is not None else None, output_nr
+
+    def unpacked(self) -> torch.Tensor:
+        """The tensor, refused as SavedVariable::unpack refuses it where an in-place op changed it since it was
+        saved (saved_variable.cpp): torch checks the version counter only where no saved_tensors_hooks are
+        set, so under SavedTensors' own hooks a step the real run fails ("one of the variables needed for
+        gradient computation has been modified by an inplace operation") had been traced, and predicted."""
+        current = self.tensor._version
+        if current != self.version:
+            tensor = self.tensor
+            made_by = f", which is output {self.output_nr} of {self.grad_fn}," if self.grad_fn is not None else ""
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{tensor.dtype} {list(tensor.shape)}]{made_by} is at version {current}; expected version "
+                f"{self.version} instead. Hint: the real run fails here too; clone the tensor before the in-place "
+                "op, or make the op out of place."
+            )
+        return self.tensor
 
 
 class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
@@ -55,7 +74,7 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
             return tensor
         # Detached (the same storage and version counter, no grad_fn): a saved output holding its own grad_fn
         # through the holder would be a reference cycle through the graph, never freed.
-        holder = _Saved(tensor.detach() if tensor.grad_fn is not None else tensor)
+        holder = _Saved(tensor.detach() if tensor.grad_fn is not None else tensor, tensor.grad_fn, tensor.output_nr)
         key = storage_key(tensor)
         released, node_count = self._released, self._node_count
 
@@ -67,7 +86,7 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     @staticmethod
     def _unpack(saved: _Saved | torch.Tensor) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
+        return saved.unpacked() if isinstance(saved, _Saved) else saved
 
     def lifetimes(self, step_end: int) -> list[tuple[StorageWeakRef, int]]:
         """(storage, last node it is alive at) for every saved tensor; the finalizers detached."""
