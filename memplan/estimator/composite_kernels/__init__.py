@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from memplan.estimator.composite_kernels.common_dtype import common_dtype_casts, is_tensor_iterator_op
-from memplan.estimator.memory_formats import contiguous_in_a_format, suggested_memory_format
 from memplan.estimator.oprules import _registrar
 
 # op -> rule(args, kwargs, device) -> bytes the kernel holds at its fullest, beside its output: one number, or a tuple
@@ -214,38 +213,9 @@ def mean_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) 
     return result_copy + max(input_cast, item)
 
 
-@composite_kernel_scratch(torch.ops.aten.native_batch_norm_backward.default)
-def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
-    """The CPU batch norm backward (aten/src/ATen/native/Normalization.cpp, batch_norm_backward_cpu_template, torch
-    2.11-2.14) allocates `grad_input = at::empty_like(input, ...)` first, then grad_weight and grad_bias; where input
-    and grad_out are both contiguous in one memory format (its `all_contiguous`, the usual case) it allocates
-    `grad_input = at::empty_like(input, ...)` again before the kernel runs, and the first is freed only as that
-    assignment replaces it: an input-sized buffer beside the three outputs (measured with torch.profiler: a
-    [4, 16, 14, 14] float32 input's 50,176 B twice). The other path (a channels-last input whose gradient comes
-    back in the default format) allocates grad_input once and holds `at::sum(grad_out_, reduce_dims)`, one
-    grad_out-typed element per channel, until it returns. CUDA's kernels (cuDNN's, its own) are not this code: 0
-    there."""
-    if device != "cpu":
-        return 0
-    names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd", "train", "eps")
-    bound = dict(zip(names, args, strict=False)) | kwargs
-    output_mask = bound.get("output_mask", args[9] if len(args) > 9 else (True, True, True))
-    grad_out, input = bound["grad_out"], bound["input"]
-    if not isinstance(grad_out, torch.Tensor) or input.numel() == 0:
-        return 0
-    # `is_contiguous` of aten/src/ATen/native/batch_norm.h: contiguous in the default or a channels-last format
-    all_contiguous = (
-        contiguous_in_a_format(input)
-        and contiguous_in_a_format(grad_out)
-        and suggested_memory_format(input) == suggested_memory_format(grad_out)
-    )
-    if all_contiguous:
-        return _nbytes(input) if output_mask[0] else 0
-    return input.shape[1] * grad_out.element_size()
-
-
 def _load_families() -> None:
     from memplan.estimator.composite_kernels import (  # noqa: F401
+        batch_norm,
         blas_operands,
         convolution,
         ctc_loss,
