@@ -438,6 +438,18 @@ def _conv_attention_spec():  # type: ignore[no-untyped-def]
     return object_spec(_ConvAttention, lambda batch_size: torch.randn(batch_size, 64, 64, 64), None)
 
 
+# Workspaces capped at 16 MiB (CUDNN_CONV_WSCAP_DBG): with the full top (the backward-weight's split-K room) the
+# conv+attention step's band is not inverted.
+CONV_ATTENTION_SETTINGS = TrainingSettings(
+    batch_size=4,
+    optimizer="sgd",
+    precision="amp-bf16",
+    gpu="A100-40GB",
+    cuda_alloc_conf="max_split_size_mb:20",
+    cudnn_workspace_cap_mib=16,
+)
+
+
 def test_the_conv_workspace_free_end_is_the_step_with_every_workspace_capped_at_zero():
     """The band's low end (every cuDNN workspace 0 bytes) is the same step run with
     CUDNN_CONV_WSCAP_DBG=0, which leaves cuDNN no workspace; the attention backward's scratch stays
@@ -445,17 +457,7 @@ def test_the_conv_workspace_free_end_is_the_step_with_every_workspace_capped_at_
     is above the low one, at a convolution, and its breakdown adds up to its peak."""
     from memplan.estimator.trace import trace_step
 
-    spec = _conv_attention_spec()
-    # Workspaces capped at 16 MiB (CUDNN_CONV_WSCAP_DBG): with the full top (the backward-weight's
-    # split-K room) this step's band is not inverted.
-    settings = TrainingSettings(
-        batch_size=4,
-        optimizer="sgd",
-        precision="amp-bf16",
-        gpu="A100-40GB",
-        cuda_alloc_conf="max_split_size_mb:20",
-        cudnn_workspace_cap_mib=16,
-    )
+    spec, settings = _conv_attention_spec(), CONV_ATTENTION_SETTINGS
     band = simulate(trace_step(spec, settings))
     no_workspace = simulate(trace_step(spec, settings.replace(cudnn_workspace_cap_mib=0)))
     scratch = [a for a in band.timeline.allocations if "attention backward scratch" in a.op]
@@ -503,17 +505,7 @@ def test_a_budget_must_hold_what_the_step_completes_in_at_both_ends_of_the_works
     from memplan.estimator.timeline import completes_within, without_cudnn_workspaces
     from memplan.estimator.trace import trace_step
 
-    spec = _conv_attention_spec()
-    # Workspaces capped at 16 MiB (CUDNN_CONV_WSCAP_DBG): with the full top (the backward-weight's
-    # split-K room) this step's band is not inverted.
-    settings = TrainingSettings(
-        batch_size=4,
-        optimizer="sgd",
-        precision="amp-bf16",
-        gpu="A100-40GB",
-        cuda_alloc_conf="max_split_size_mb:20",
-        cudnn_workspace_cap_mib=16,
-    )
+    spec, settings = _conv_attention_spec(), CONV_ATTENTION_SETTINGS
     band = simulate(trace_step(spec, settings))
     top, none = band.reserved_peak_bytes, band.conv_workspace_free_reserved_peak_bytes
     no_workspace = simulate(trace_step(spec, settings.replace(cudnn_workspace_cap_mib=0)))

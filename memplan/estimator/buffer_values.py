@@ -38,9 +38,10 @@ _UNINITIALIZED = frozenset(
     }
 )
 
-# The most elements of a real tensor argument copied to replay later: a causal mask's reader replays masks of at most
-# 4096 × 4096 elements (memplan.estimator.causal_masks).
-_MOST_COPIED_ELEMENTS = 4096 * 4096
+# The most elements of a mask replayed with real values: its makers' intermediates and torch's own causal mask stand
+# beside it (about 1.1 GiB of this process's memory at 8,192 positions); past 4,096 positions the hint is asked for
+# instead of the memory (memplan.estimator.causal_masks). A real tensor argument larger than this is not copied.
+MOST_REPLAYED_ELEMENTS = 4096 * 4096
 
 
 class _Made:
@@ -144,7 +145,9 @@ class ConstantTracker:
             return value
 
         if any(
-            isinstance(leaf, torch.Tensor) and not isinstance(leaf, FakeTensor) and leaf.numel() > _MOST_COPIED_ELEMENTS
+            isinstance(leaf, torch.Tensor)
+            and not isinstance(leaf, FakeTensor)
+            and leaf.numel() > MOST_REPLAYED_ELEMENTS
             for leaf in leaves
         ):
             return None  # a real weight the factory loads, say: not copied (no mask reads one)

@@ -30,15 +30,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from memplan.errors import TraceError
-from memplan.estimator.buffer_values import buffer_value
+from memplan.estimator.buffer_values import MOST_REPLAYED_ELEMENTS, buffer_value
 
 # How many of the ops that made a mask are replayed at most: a mask is made by a few (a larger ancestry reaches the
 # model's activations, which have no real values to replay anyway).
 _MOST_OPS = 200
-# The most mask elements replayed: a (positions, positions) mask is replayed with real values, and its makers'
-# intermediates and torch's own causal mask beside it (about 1.1 GiB of this process's memory at 8,192 positions).
-# Past 4,096 positions the hint is asked for instead of the memory.
-_MOST_REPLAYED_ELEMENTS = 4096 * 4096
 
 
 class _NotConstant(Exception):
@@ -110,7 +106,7 @@ def _constant_value(node: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor) and value.device.type != "meta":
         return value
     if isinstance(value, torch.Tensor):  # a buffer the model's factory made of constants, or a view of one
-        return buffer_value(value, _MOST_REPLAYED_ELEMENTS)
+        return buffer_value(value, MOST_REPLAYED_ELEMENTS)
     return None
 
 
@@ -160,7 +156,7 @@ def causal_masks_read(
         equal = (mask == causal_comparison).all()
         if producers is None or recorded is None:
             return False
-        value = real_values(equal, producers, recorded) if mask.numel() <= _MOST_REPLAYED_ELEMENTS else None
+        value = real_values(equal, producers, recorded) if mask.numel() <= MOST_REPLAYED_ELEMENTS else None
         if value is None:
             raise CausalMaskUnread(
                 "torch's nn.TransformerEncoder / nn.TransformerDecoder (nn.Transformer) tests whether the attention "

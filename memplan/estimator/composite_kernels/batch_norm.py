@@ -16,17 +16,13 @@ from typing import Any
 import torch
 
 from memplan.estimator import composite_kernels
-from memplan.estimator.composite_kernels import composite_kernel_scratch, kernel_scratch_bytes, mean_input_cast
+from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch, kernel_scratch_bytes, mean_input_cast
 from memplan.estimator.memory_formats import contiguous_in_a_format, suggested_memory_format
 
 _REDUCED = (torch.float16, torch.bfloat16)
 _FORWARD_NAMES = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
 _NO_STATS_NAMES = ("input", "weight", "bias", "training", "momentum", "eps")
 _UPDATE_NAMES = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
-
-
-def _nbytes(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def _mixed(input: torch.Tensor, *params: torch.Tensor | None) -> bool:

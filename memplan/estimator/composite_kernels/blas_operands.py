@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from memplan.estimator.composite_kernels import composite_kernel_scratch
+from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch
 
 aten = torch.ops.aten
 
@@ -19,10 +19,6 @@ aten = torch.ops.aten
 _SMALL_BMM = 400
 # bmm_out_or_baddbmm_'s bfloat16 and float16 batches go to oneDNN (`mkldnn_matmul`) where it is on: not this rule's.
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _cpu_gemm_copies(mat1: torch.Tensor, mat2: torch.Tensor) -> tuple[int, ...]:
