@@ -39,3 +39,36 @@ def residual_scaled_after_relu() -> nn.Module:
 
 def rows(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, WIDTH)
+
+
+class FrozenNormBackbone(nn.Module):
+    """A frozen backbone whose batch norms and dropout stay in eval mode through `model.train()`: the `norm_eval`
+    pattern of mmdetection's and timm's backbones, which override `train()` so that a script's `model.train()`
+    cannot put them back in training mode. A trainable stem below it: its gradient flows through the frozen layers,
+    which save their activations for it (dropout's mask only in training mode)."""
+
+    def __init__(self, norm_eval: bool = True) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(), nn.Dropout(0.1), nn.Linear(WIDTH, WIDTH)
+        )
+        self.backbone.requires_grad_(False)
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.norm_eval = norm_eval
+
+    def train(self, mode: bool = True) -> FrozenNormBackbone:
+        super().train(mode)
+        if mode and self.norm_eval:
+            self.backbone.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(self.stem(x)).square().mean()
+
+
+def frozen_norm_backbone() -> nn.Module:
+    return FrozenNormBackbone()
+
+
+def frozen_backbone_trained_norms() -> nn.Module:
+    return FrozenNormBackbone(norm_eval=False)

@@ -51,3 +51,22 @@ def test_an_in_place_op_on_a_tensor_saved_for_backward_is_refused_as_torch_refus
     spec = _spec("residual_scaled_after_relu")
     with pytest.raises(TraceError, match="modified by an inplace operation"):
         trace_step(spec, spec.settings_for(SETTINGS))
+
+
+@pytest.mark.parametrize("name", ["frozen_norm_backbone", "frozen_backbone_trained_norms"])
+def test_modules_a_models_own_train_keeps_in_eval_mode_stay_there(name):
+    """memplan puts the model in training mode with `model.train()`, as the script's loop does, so a backbone whose
+    `train()` override keeps its batch norm and dropout in eval mode (norm_eval) is traced in eval mode, and one
+    without is trained: each as its plain run, whose `model.train()` runs the same override. (The two differ:
+    dropout's mask and batch norm's batch statistics are held only in training mode.)"""
+
+    def build():
+        torch.manual_seed(0)
+        model = getattr(models, name)()
+        model.train()
+        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad])
+        return training_iteration(model, models.rows(BATCH), lambda out, _: out, optimizer)
+
+    measured = profiled_third_iteration_peak(build)
+    spec = _spec(name)
+    assert simulate(trace_step(spec, spec.settings_for(SETTINGS))).peak_bytes == measured
