@@ -221,6 +221,7 @@ def _load_families() -> None:
         ctc_loss,
         embedding_bag,
         flash_attention,
+        layer_group_norm,
         matrix_exp,
         onednn_rnn,
         pooling,

@@ -1,0 +1,113 @@
+"""The temporaries the CPU layer norm and group norm kernels hold inside themselves (aten/src/ATen/native/
+layer_norm.cpp, group_norm.cpp, cpu/layer_norm_kernel.cpp, cpu/group_norm_kernel.cpp, torch 2.13), which no
+dispatch mode sees. Measured with torch.profiler's allocator events on torch 2.13 CPU
+(tests/test_layer_group_norm_scratch.py). CUDA's kernels are other code: 0 there.
+
+Not here: `rms_norm` (torch 2.13's CPU `_fused_rms_norm` is CompositeImplicit: plain ops the trace sees),
+`instance_norm` (batch norm on a reshaped input: composite_kernels.batch_norm), `local_response_norm` and
+`F.normalize` (plain ops).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from memplan.estimator import composite_kernels
+from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch
+from memplan.estimator.memory_formats import empty_like_format
+
+_REDUCED = (torch.float16, torch.bfloat16)
+# group_norm_kernel.cpp's `feature_map_threshold`: at or above this many elements an image, the channels-last
+# kernels reduce through a per-thread buffer instead of one pass per (sample, group)
+_CL_FORWARD_THRESHOLD, _CL_BACKWARD_THRESHOLD = 1024, 2048
+
+
+def _opmath_itemsize(dtype: torch.dtype) -> int:
+    """`at::opmath_type`'s size: float32 for a 16-bit dtype, the dtype itself otherwise."""
+    return 4 if dtype in _REDUCED else dtype.itemsize
+
+
+def _contiguous_copies(*tensors: Any) -> int:
+    """What `expect_contiguous()` copies: each defined tensor not contiguous in the default format, whole."""
+    return sum(_nbytes(t) for t in tensors if isinstance(t, torch.Tensor) and not t.is_contiguous())
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
+    return kwargs.get(name, args[index] if len(args) > index else default)
+
+
+@composite_kernel_scratch(torch.ops.aten.native_layer_norm.default)
+def layer_norm_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """`layer_norm_cpu` (layer_norm.cpp) reads `input.expect_contiguous()`, `weight.expect_contiguous()` and
+    `bias.expect_contiguous()`: a whole copy of each one that is not contiguous, held while the kernel writes the
+    outputs; the forward kernel itself allocates nothing."""
+    if device != "cpu":
+        return 0
+    return _contiguous_copies(args[0], _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"))
+
+
+@composite_kernel_scratch(torch.ops.aten.native_layer_norm_backward.default)
+def layer_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """`layer_norm_backward_cpu` (layer_norm.cpp) copies a non-contiguous input, weight or bias
+    (`expect_contiguous`); its kernel (LayerNormBackwardKernelImpl) then runs on `dY.contiguous()` (a whole copy of
+    a transposed or expanded gradient, as a `sum` over the normalized rows hands back) and, where dgamma or dbeta
+    is asked for, `buffer.resize_({2, num_threads, N}).zero_()` in the input's dtype (per-thread dgamma and dbeta
+    rows, a 16-bit input's too, float32 weight or not); all held at once beside the three outputs."""
+    if device != "cpu":
+        return 0
+    grad_out, input, normalized_shape = args[0], args[1], args[2]
+    weight, bias = _arg(args, kwargs, 5, "weight"), _arg(args, kwargs, 6, "bias")
+    mask = _arg(args, kwargs, 7, "output_mask", (True, True, True))
+    copies = _contiguous_copies(input, weight, bias)
+    rows = input.numel() // max(math.prod(normalized_shape), 1)
+    if rows == 0:  # M == 0: the kernel does not run
+        return copies
+    normalized = math.prod(normalized_shape)
+    buffer = 2 * composite_kernels.INTRA_OP_THREADS * normalized * input.element_size() if mask[1] or mask[2] else 0
+    return copies + _contiguous_copies(grad_out) + buffer
+
+
+def _channels_last(input: torch.Tensor) -> bool:
+    """Whether the group norm kernels run their channels-last code (`X.suggest_memory_format()`)."""
+    return empty_like_format(input) in (torch.channels_last, torch.channels_last_3d)
+
+
+def _per_thread_buffers(input: torch.Tensor, groups: int) -> int:
+    """The channels-last kernels' per-thread path: `at::zeros({num_threads, N, 2 * C})` and `at::empty({N, 2 * G})`,
+    in the opmath dtype."""
+    n, c = input.shape[0], input.shape[1]
+    return (composite_kernels.INTRA_OP_THREADS * n * 2 * c + n * 2 * groups) * _opmath_itemsize(input.dtype)
+
+
+@composite_kernel_scratch(torch.ops.aten.native_group_norm.default)
+def group_norm_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """`native_group_norm` (torch 2.13 requires the input contiguous in its memory format: no copy). The contiguous
+    kernel allocates nothing; the channels-last one (GroupNormKernelImplChannelsLastInternal) holds each (sample,
+    group)'s scale and bias, `at::empty({N * G, 2 * D})` in the opmath dtype (`N * 2C` elements), below
+    `feature_map_threshold` (1024) elements an image, and _per_thread_buffers at or above it."""
+    input = args[0]
+    if device != "cpu" or input.numel() == 0 or not _channels_last(input):
+        return 0
+    n, c, hxw, groups = (_arg(args, kwargs, i, name) for i, name in ((3, "N"), (4, "C"), (5, "HxW"), (6, "group")))
+    if hxw < _CL_FORWARD_THRESHOLD:
+        return n * 2 * c * _opmath_itemsize(input.dtype)
+    return _per_thread_buffers(input, groups)
+
+
+@composite_kernel_scratch(torch.ops.aten.native_group_norm_backward.default)
+def group_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+    """`native_group_norm_backward`'s kernels (GroupNormBackwardKernelImplInternal and its channels-last twin) hold
+    the internal gradients `ds` and `db`, `at::empty({N, C})` each in the opmath dtype, until they return; the
+    channels-last one adds _per_thread_buffers at or above `feature_map_threshold` (2048) elements an image. N == 0
+    returns zeros without the kernel."""
+    input = args[1]
+    if device != "cpu" or input.numel() == 0:
+        return 0
+    n, c, hxw, groups = (_arg(args, kwargs, i, name) for i, name in ((5, "N"), (6, "C"), (7, "HxW"), (8, "group")))
+    internal = 2 * n * c * _opmath_itemsize(input.dtype)
+    if _channels_last(input) and hxw >= _CL_BACKWARD_THRESHOLD:
+        return internal + _per_thread_buffers(input, groups)
+    return internal
