@@ -63,8 +63,6 @@ def test_batch_norm_kernels_hold_what_the_allocator_sees(shape, layout, training
     running_mean, running_var = torch.zeros(C, dtype=param_dtype), torch.ones(C, dtype=param_dtype)
     args = (x, weight, bias, running_mean, running_var, training, 0.1, 1e-5)
     assert kernel_scratch_bytes(FORWARD, args, {}, "cpu") == held_beside_outputs(lambda: FORWARD(*args))
-    if layout == "moved" and dtype == torch.bfloat16:
-        return  # the backward's `at::sum` of a 16-bit gradient holds a float32 copy no sum rule models yet
     output, save_mean, save_invstd = FORWARD(*args)
     grad = torch.randn_like(output)
     backward_args = (grad, x, weight, running_mean, running_var, save_mean, save_invstd, training, 1e-5)

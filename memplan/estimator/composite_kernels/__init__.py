@@ -189,17 +189,23 @@ def _numel_out(self: torch.Tensor, dims: Any) -> int:
 def sum_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """`make_reduction` (ReduceOpsUtils.h) reduces `self.to(in_dtype)` where the dtypes differ: a whole copy of the
     input, on either device, while the sum runs (a bool mask's sum copies it to int64, 8 B an element; measured with
-    torch.profiler on the CPU)."""
+    torch.profiler on the CPU); a CPU float16/bfloat16 sum may reduce float32 copies instead
+    (reductions.sum_float_buffer_bytes)."""
+    from memplan.estimator.composite_kernels.reductions import sum_float_buffer_bytes
+
     self, dtype = args[0], kwargs.get("dtype")  # keyword-only in both overloads
     _, in_dtype = _reduction_dtypes(self, dtype, device)
-    return 0 if in_dtype == self.dtype else self.numel() * in_dtype.itemsize
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    cast = 0 if in_dtype == self.dtype else self.numel() * in_dtype.itemsize
+    return cast + sum_float_buffer_bytes(self, dims, in_dtype, device)
 
 
 @composite_kernel_scratch(torch.ops.aten.mean.default, torch.ops.aten.mean.dim)
 def mean_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """CPU `mean_out` (aten/src/ATen/native/ReduceOps.cpp, torch 2.11-2.14) is `at::sum_out(result, self, ...,
     sum_dtype).div_(dim_prod)`: a float16/bfloat16 mean sums in float32, into `result.to(float)`, reading
-    `self.to(float)` (make_reduction); then the divisor, a wrapped scalar, is cast to the sum's dtype. CUDA's mean
+    `self.to(float)` (make_reduction); then the divisor, an int64 wrapped scalar (`div_(Scalar)`), is cast to the
+    sum's dtype, both held together (measured: 12 B for a float32 mean, 16 B for a float64 one). CUDA's mean
     reduces in one kernel (its input cast as sum's, above)."""
     self = args[0]
     dims, dtype = args[1] if len(args) > 1 else kwargs.get("dim"), kwargs.get("dtype")  # dtype: keyword-only
@@ -210,7 +216,7 @@ def mean_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) 
     item = sum_dtype.itemsize
     result_copy = _numel_out(self, dims) * item if sum_dtype != out_dtype else 0
     input_cast = self.numel() * item if self.dtype != sum_dtype else 0
-    return result_copy + max(input_cast, item)
+    return result_copy + max(input_cast, torch.int64.itemsize + item)
 
 
 def _load_families() -> None:
@@ -225,6 +231,7 @@ def _load_families() -> None:
         matrix_exp,
         onednn_rnn,
         pooling,
+        reductions,
         safe_softmax,
     )
 

@@ -12,6 +12,8 @@ from memplan.estimator import composite_kernels
 from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch, contiguous_copy_bytes
 from memplan.estimator.memory_formats import meta_like, suggested_memory_format
 
+_SUM = torch.ops.aten.sum.dim_IntList
+
 
 def _subtensor(tensor: torch.Tensor, dim: int, groups: int, g: int) -> torch.Tensor:
     """The view Convolution.cpp's `subtensor` narrows, `tensor.narrow(dim, n * g, n)`, before its
@@ -184,7 +186,17 @@ def slow_conv2d_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], 
     if groups == 1:
         grad_output_copy = contiguous_copy_bytes(grad_output, memory_format)
         columns = _columns_bytes(input, weight, stride, padding)
-        return held + max(grad_output_copy if mask[0] else 0, grad_output_copy + columns if mask[1] else 0)
+        # the bias's `at::sum_out(grad_bias, grad_output_, {0, 2, 3})` runs before the weight's gradient exists: a
+        # 16-bit one sums float32 copies (reductions.sum_float_buffer_bytes; measured: a bfloat16 [2, 16, 6, 6]
+        # gradient held 4,672 B beside its bias's 32 B)
+        contiguous = grad_output.contiguous(memory_format=memory_format)
+        bias_sum = composite_kernels.kernel_scratch_bytes(_SUM, (contiguous, [0, 2, 3]), {}, device)
+        bias_stage = grad_output_copy + bias_sum - (_nbytes(weight) if mask[1] else 0)
+        return held + max(
+            grad_output_copy if mask[0] else 0,
+            grad_output_copy + columns if mask[1] else 0,
+            bias_stage if mask[2] else 0,
+        )
     grad_output_g = _subtensor(grad_output, 1, groups, 0)
     input_g, weight_g = _subtensor(input, 1, groups, 0), _subtensor(weight, 0, groups, 0)
     copies = (
