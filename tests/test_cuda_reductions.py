@@ -189,3 +189,27 @@ def test_a_column_norm_requests_the_staging_the_h100_requested_for_adafactor() -
     cuda = simulate(trace_step(spec, TrainingSettings(batch_size=1, optimizer="sgd", gpu="H100-80GB")))
     staging = [a for a in cuda.timeline.allocations if a.op == "reduction staging (aten.linalg_vector_norm.default)"]
     assert [a.requested_bytes or a.size_bytes for a in staging] == [18_874_368, 24]
+
+
+class _MaskCounted(nn.Module):
+    """A loss that counts a large bool mask, as `(labels != -100).sum()` counts tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        return out.square().mean() / (out > 0).sum()
+
+
+def test_a_bool_masks_sum_requests_its_int64_copy_and_its_staging_together() -> None:
+    """make_reduction sums `self.to(kLong)` (ReduceOpsUtils.h): the copy, 8 bytes an element, is held while the
+    reduction stages its partial sums; neither request may replace the other."""
+    spec = loss_returning_spec("mask-counted", _MaskCounted, (4096, 256))
+    timeline = simulate(trace_step(spec, TrainingSettings(batch_size=2, optimizer="sgd", gpu="H100-80GB"))).timeline
+    counted = [a for a in timeline.allocations if a.allocated_at < timeline.forward_end and "sum" in a.op]
+    copies = [a for a in counted if "own temporaries" in a.op]
+    assert [a.requested_bytes for a in copies] == [2 * 4096 * 512 * 8]  # the mask's elements as int64
+    staged = [a for a in counted if a.op.startswith("reduction staging") and a.requested_bytes]
+    assert staged and {a.allocated_at for a in staged} == {copies[0].allocated_at}

@@ -247,11 +247,16 @@ def kernel_transients(
     """Each node's transients by node index: those in both ends of the cuDNN workspace band (attention
     backward scratch, reductions' staging, embedding and softmax backward's, library kernels'), and the convolutions'
     workspaces (the band's top)."""
-    exact = {
-        **kernel_transients_of(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch),
-        **kernel_transients_of(traced, nodes, REDUCTION_OPS, _reduction_staging),
-        **kernel_transients_of(traced, nodes, {EMBEDDING_DENSE_BACKWARD}, _embedding_backward_scratch),
-        **kernel_transients_of(traced, nodes, SOFTMAX_BACKWARD_OPS, _softmax_backward_scratch),
-        **library_transients(nodes, traced.settings.device),
-    }
+    exact: dict[int, tuple[Scratch, ...]] = {}
+    for found in (
+        kernel_transients_of(traced, nodes, ATTENTION_BACKWARD_OPS, _attention_scratch),
+        kernel_transients_of(traced, nodes, REDUCTION_OPS, _reduction_staging),
+        kernel_transients_of(traced, nodes, {EMBEDDING_DENSE_BACKWARD}, _embedding_backward_scratch),
+        kernel_transients_of(traced, nodes, SOFTMAX_BACKWARD_OPS, _softmax_backward_scratch),
+        library_transients(nodes, traced.settings.device),
+    ):
+        # one node can have several: a CUDA sum of a bool mask copies it to int64 (a composite kernel's
+        # temporary) and then stages its reduction; each is requested, none replaces another
+        for index, requests in found.items():
+            exact[index] = exact.get(index, ()) + requests
     return exact, kernel_transients_of(traced, nodes, CONV_OPS, _conv_workspace)
