@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memplan.distributed.fsdp import storage_resizes_recorded
 from memplan.errors import MemplanError
+from memplan.estimator.cuda.host_tensors import host_outputs_recorded, optimizer_host_tensors
 from memplan.estimator.cuda.target import target_kernels
 from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
 from memplan.estimator.fake_mode import constant_item
@@ -105,6 +106,7 @@ def trace_custom_step(
             resizes_recorded as resizes,
             rng_snapshots_recorded(recorder.node_count, settings.device) as rng_snapshots,
             wrapped_numbers_recorded(recorder.node_count, settings.device, recorder) as wrapped_numbers,
+            host_outputs_recorded() as host_outputs,
         ):
             # How long the step's optimizers keep their temporaries in locals, as in memplan's own step (trace.py).
             optimizer_locals = OptimizerLocals(recorder.node_count, storage_key)
@@ -136,6 +138,10 @@ def trace_custom_step(
         for tensor in optimizer_state_tensors(optimizer):
             key = storage_key(tensor)
             categories[key], sizes[key] = "optimizer_state", local_tensor(tensor).untyped_storage().nbytes()
+    on_host = [
+        *host_outputs,
+        *(tensor for optimizer in [state.optimizer, *own_optimizers] for tensor in optimizer_host_tensors(optimizer)),
+    ]
     own_optimizers.clear()  # nothing of the step's own is kept past the trace
     for key, nbytes in seen:
         categories[key], sizes[key] = "gradients", nbytes
@@ -159,6 +165,8 @@ def trace_custom_step(
         rng_snapshots=rng_snapshots,
         wrapped_numbers=wrapped_numbers,
     )
+    if settings.device == "cuda":  # what a GPU run keeps in host memory (memplan.estimator.cuda.host_tensors)
+        observed.host_tensors = frozenset(storage_key(tensor) for tensor in on_host)
     return traced_step_from(graph, state, boundaries, (categories, sizes), observed, None, released_early)
 
 

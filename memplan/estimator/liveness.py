@@ -17,6 +17,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.estimator.cuda.allocator import round_size
+from memplan.estimator.cuda.host_tensors import host_operands
 from memplan.estimator.formula_blocks import formula_blocks
 from memplan.estimator.leaves import map_leaves, tensors_in
 from memplan.estimator.opgraph import OpNode
@@ -265,7 +266,9 @@ def liveness(traced: TracedStep) -> Liveness:
             if allocation.stream:
                 streams[resized_key] = allocation.stream
     unsupported.update(dict.fromkeys(traced.unknown_target_ops))
-    host = _host_lifetimes(traced, requested, born, last_use, streams)
+    host = _host_lifetimes(
+        traced, requested, born, last_use, streams, host_operands(nodes, storages, traced.host_tensors)
+    )
     size = {key: round_for_device(nbytes, traced.settings) for key, nbytes in requested.items()}
     return Liveness(nodes, storages, size, born, last_use, tuple(unsupported), requested, streams, host)
 
@@ -276,21 +279,26 @@ def _host_lifetimes(
     born: dict[Any, int],
     last_use: dict[Any, int],
     streams: dict[Any, int],
+    host_tensors: set[Any],
 ) -> dict[Any, tuple[int, int, int]]:
     """Under offload, the host's storages taken out of the device's tables: what the rank keeps there
     (FSDP2's shards, gradients, optimizer state and gradient copies: memplan.distributed.offload;
     DeepSpeed's master partitions, their gradients, optimizer state and staging buffers:
     memplan.distributed.deepspeed), and whatever the host's computation makes (its windows, or for FSDP2
-    the whole optimizer step)."""
+    the whole optimizer step); on the cuda target, what a GPU run keeps there besides (TracedStep.host_tensors)."""
     host_memory = traced.host_memory
-    if host_memory is None:
+    if host_memory is None and not host_tensors:
         return {}
-    windows = host_memory.windows if host_memory.windows is not None else ((traced.backward_end, sys.maxsize),)
+    windows: tuple[tuple[int, int], ...] = ()
+    if host_memory is not None:
+        windows = host_memory.windows if host_memory.windows is not None else ((traced.backward_end, sys.maxsize),)
     host = {}
     for key in list(requested):
         base = key.storage if isinstance(key, ResizedStorage) else key
-        if base in host_memory.storages or any(start <= born[key] < end for start, end in windows):
-            host[key] = (born[key], last_use[key], host_memory.bytes_of(base, requested[key]))
+        offloaded = host_memory is not None and base in host_memory.storages
+        if offloaded or base in host_tensors or any(start <= born[key] < end for start, end in windows):
+            nbytes = host_memory.bytes_of(base, requested[key]) if host_memory is not None else requested[key]
+            host[key] = (born[key], last_use[key], nbytes)
             for table in (requested, born, last_use, streams):
                 table.pop(key, None)
     return host

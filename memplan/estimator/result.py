@@ -82,7 +82,8 @@ class EstimateResult:
     paged_optimizer_bytes: int = 0
     # --offload params or optimizer: the most host memory the rank's offloaded state takes at once (FSDP2's
     # shards, or DeepSpeed's master partition, with their gradients and optimizer state, and the host's
-    # computation's temporaries), in none of the figures above
+    # computation's temporaries, and the CPU tensors a GPU run keeps: memplan.estimator.cuda.host_tensors), in none
+    # of the figures above
     host_peak_bytes: int | None = None
     notes: tuple[str, ...] = ()
     # batch sizes the largest-batch search answered from confirmed lines through traces, not traced

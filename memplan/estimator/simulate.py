@@ -177,7 +177,9 @@ def simulate(traced: TracedStep, lifetimes: Liveness | None = None) -> Simulatio
         conv_workspace_free_peak_bytes=low_peak,
         conv_workspace_free_reserved_peak_bytes=low_reserved,
         allocator_config=config if reserved is not None else None,
-        host_peak_bytes=host_peak_bytes(lifetimes),
+        # the offloaded state's host memory; a GPU run's own host tensors (step counters, seeds: a few hundred
+        # bytes) are left out of the device's figures but reported only beside an offload's
+        host_peak_bytes=host_peak_bytes(lifetimes) if traced.host_memory is not None else None,
     )
 
 

@@ -23,6 +23,7 @@ from memplan.distributed.offload import copies_made
 from memplan.errors import MemplanError
 from memplan.estimator.buffer_values import constants_tracked, keep_buffers
 from memplan.estimator.compiled import compiled_code_run_eagerly
+from memplan.estimator.cuda.host_tensors import host_outputs_recorded, optimizer_host_tensors
 from memplan.estimator.cuda.target import target_kernels
 from memplan.estimator.custom_step_trace import keeps_tensors_across_calls, trace_custom_step
 from memplan.estimator.eager_lifetimes import EagerLifetimes, lifetimes_tracked, storage_key
@@ -278,6 +279,7 @@ def trace_step(
             wrapped_numbers_recorded(recorder.node_count, settings.device, recorder) as wrapped_numbers,
             swaps as swaps_seen,
             copies_made(state.data_parallel) as host_copies,
+            host_outputs_recorded() as host_outputs,
         ):
             with lifetimes_tracked(eager_lifetimes), graphs:
                 micro_batch(state, marker)
@@ -374,6 +376,9 @@ def trace_step(
         previous_graph=previous_graph + [resize.storage for resize in previous_snapshots],
         previous_graph_freed_at=rebound,
     )
+    if settings.device == "cuda":  # what a GPU run keeps in host memory (memplan.estimator.cuda.host_tensors)
+        on_host = [*host_outputs, *optimizer_host_tensors(state.optimizer)]
+        observed.host_tensors = frozenset(storage_key(tensor) for tensor in on_host)
     if getattr(state.data_parallel, "offload", False):
         rank = state.data_parallel
         optimizer_state = [local_tensor(tensor) for tensor in optimizer_tensors(state)]

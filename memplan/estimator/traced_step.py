@@ -68,6 +68,9 @@ class TracedStep:
     swapped_storages: SwappedStorages | None = None
     # --offload params or optimizer: the rank's host memory, out of the device's figures (memplan.distributed.offload).
     host_memory: HostMemory | None = None
+    # cuda target: what a GPU run keeps in host memory besides (memplan.estimator.cuda.host_tensors): step counters,
+    # attention's philox seeds; out of the device's figures as host_memory's are.
+    host_tensors: frozenset[StorageWeakRef] = frozenset()
     # Graph nodes: weights a backward formula cast into the autocast cache, which the cache holds (python_lifetimes)
     # and the autograd engine does not (no extension to the formula's end).
     formula_casts: frozenset[int] = frozenset()
@@ -103,6 +106,7 @@ class Observed:
     resizes: list[StorageResize]  # FSDP2's
     swapped: SwappedStorages | None = None  # where a library swaps storages under parameters
     host: HostMemory | None = None  # --offload: the rank's host memory
+    host_tensors: frozenset[StorageWeakRef] = frozenset()  # TracedStep.host_tensors
     # the CPU generator's state copied by checkpoints on the cpu target (memplan.estimator.rng_snapshots)
     rng_snapshots: list[StorageResize] = field(default_factory=list)
     # Python numbers ops were given for Tensor arguments, on the cpu target (memplan.estimator.wrapped_numbers)
@@ -160,6 +164,7 @@ def traced_step_from(
         previous_micro_batch_freed_at=observed.previous_graph_freed_at,
         swapped_storages=observed.swapped,
         host_memory=observed.host,
+        host_tensors=observed.host_tensors,
     )
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from memplan.estimator.cuda.autocast import autocast_eligible
+from memplan.estimator.cuda.host_tensors import efficient_attention_rng_on_host, note_on_host
 from memplan.gpus import DEFAULT_GPU, gpu_named
 
 
@@ -236,9 +237,12 @@ def _sdpa_as_on_cuda(compute_capability: tuple[int, int], deterministic: bool = 
                 if attn_mask is not None:
                     attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
                 needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-                return torch.ops.aten._scaled_dot_product_efficient_attention(
+                outputs = torch.ops.aten._scaled_dot_product_efficient_attention(
                     query, key, value, attn_mask, needs_grad, dropout_p, is_causal, scale=scale
-                )[0]
+                )
+                if efficient_attention_rng_on_host(dropout_p):
+                    note_on_host(outputs[2], outputs[3])  # the philox seed and offset (host_tensors)
+                return outputs[0]
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
             )[0]
