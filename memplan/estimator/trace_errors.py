@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import (
 
 from memplan.errors import SettingsError, TraceError
 from memplan.estimator.leaves import SparseTensorRefused
+from memplan.estimator.routed_experts import eager_experts_message, routing_sized_experts_in
 from memplan.models.source import ModelSpec
 from memplan.settings import TrainingSettings
 
@@ -78,6 +79,11 @@ def trace_failure(
         )
     if isinstance(error, DataDependentOutputException | DynamicOutputShapeException):
         reader = _library_line_reading_a_value(error)
+        if routing_sized_experts_in(error.__traceback__):
+            at = f", read at {reader}" if reader is not None else ""
+            return TraceError(
+                f"cannot trace {spec.name}: op {op} {where} depends on tensor values{at}: {eager_experts_message()}"
+            )
         if reader is not None:  # transformers' or peft's own check (a label range, LyCORIS' module dropout)
             return TraceError(
                 f"cannot trace {spec.name}: op {op} {where} depends on tensor values, read at {reader}, in the "
