@@ -9,8 +9,8 @@ feature maps the presets' ResNets do not reach. Used as
 torchvision/models/vgg.py builds it: thirteen 3x3 convolutions with biases and in-place ReLUs, five
 max-pools, an adaptive average pool to 7x7, a classifier of three Linear layers with dropout; 138,357,544
 parameters), written out so that no torchvision is needed. Its first convolutions run on 224x224 maps of
-64 channels, where GPUMemNet's A100 runs of torchvision's vgg16 used 21-23% more memory than memplan
-predicts (docs/validation.md, "cuDNN convolution workspaces"): which plans cuDNN picks there is what a
+64 channels, where memplan predicts 18-25% less memory than GPUMemNet's A100 runs of torchvision's vgg16
+used at batches 64 and 128 (docs/validation.md, "cuDNN convolution workspaces"): which plans cuDNN picks there is what a
 GPU run of it shows. `memplan estimate memplan.validate.zoo:vgg16 --inputs memplan.validate.zoo:vgg16_inputs`.
 """
 
