@@ -13,6 +13,7 @@ import torch
 
 from memplan.errors import PlanFileError, SettingsError, UsageError
 from memplan.estimator.loop import micro_batch, prepare
+from memplan.estimator.trace import build_fake_setup
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import resolve_model
 from memplan.planner.plan import make_plan
@@ -21,15 +22,18 @@ from memplan.settings import TrainingSettings
 from tests.zoo import TINY_HF_CONFIGS
 
 TOLERANCE = 0.005
+# Four blocks leave plans room to differ from every baseline (none, all, sqrt(n) = two segments of two, every
+# 2nd block), as six did, at two thirds of the tracing and measuring.
+BLOCKS = 4
 
 
 @pytest.fixture(scope="module")
 def deep_models(tmp_path_factory):
-    """Tiny configs with 6 blocks, so plans have room to differ from the baselines."""
+    """Tiny configs with BLOCKS blocks, so plans have room to differ from the baselines."""
     folder = tmp_path_factory.mktemp("deep")
     paths = {}
     for name, layers_key in (("gpt2", "n_layer"), ("llama", "num_hidden_layers"), ("bert", "num_hidden_layers")):
-        config = {**TINY_HF_CONFIGS[name], layers_key: 6}
+        config = {**TINY_HF_CONFIGS[name], layers_key: BLOCKS}
         (folder / name).mkdir()
         (folder / name / "config.json").write_text(json.dumps(config))
         paths[name] = str(folder / name)
@@ -37,12 +41,26 @@ def deep_models(tmp_path_factory):
 
 
 _BASELINE_PEAKS: dict = {}
+_SETUPS: dict = {}
+
+
+def _setup(spec, settings):
+    """One fake model per model and settings, shared by every plan of this module (make_plan's `setup`: built
+    without checkpointing, any batch size), as --maximize-batch shares one across its plans."""
+    key = (spec.name, settings.replace(batch_size=1, checkpoint="none"))
+    if key not in _SETUPS:
+        _SETUPS[key] = build_fake_setup(spec, settings.replace(checkpoint="none"))
+    return _SETUPS[key]
+
+
+def _plan(spec, settings, budget, **options):
+    return make_plan(spec, settings, budget, setup=_setup(spec, settings), **options)
 
 
 def _baseline_peaks(spec, settings):
     key = (spec.name, settings)
     if key not in _BASELINE_PEAKS:
-        wide = make_plan(spec, settings, 1 << 40)
+        wide = _plan(spec, settings, 1 << 40)
         _BASELINE_PEAKS[key] = {option.name: option.predicted_peak_bytes for option in wide.baselines}
     return _BASELINE_PEAKS[key]
 
@@ -58,7 +76,7 @@ def test_planned_step_measures_within_budget_and_prediction(model, fraction, dee
     spec = resolve_model(deep_models[model])
     settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
     budget = _budget_between(spec, settings, fraction)
-    result = make_plan(spec, settings, budget)
+    result = _plan(spec, settings, budget)
     assert result.fits and result.layout.segments
     measured = measure_cpu(spec, result.settings).peak_bytes
     error = (result.predicted_peak_bytes - measured) / measured
@@ -74,7 +92,7 @@ def test_nothing_fits_says_by_how_much_and_what_would(deep_models):
     settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
     least = min(_baseline_peaks(spec, settings).values())
     budget = least - 200_000
-    result = make_plan(spec, settings, budget)
+    result = _plan(spec, settings, budget)
     assert not result.fits
     assert result.over_budget_bytes == result.predicted_peak_bytes - budget == least - budget
     traced = next(suggestion for suggestion in result.suggestions if suggestion.startswith("--batch-size"))
@@ -89,7 +107,7 @@ def test_nothing_fits_says_by_how_much_and_what_would(deep_models):
 def test_apply_plan_checkpoints_a_real_model_and_refuses_another(deep_models, tiny_model_dirs, tmp_path):
     spec = resolve_model(deep_models["gpt2"])
     settings = spec.settings_for(TrainingSettings(batch_size=2, seq_len=32, device="cpu"))
-    result = make_plan(spec, settings, _budget_between(spec, settings, 0.3))
+    result = _plan(spec, settings, _budget_between(spec, settings, 0.3))
     path = tmp_path / "plan.json"
     write_plan(result, path)
     assert load_plan(path).layout == result.layout
@@ -127,10 +145,10 @@ def test_selective_option_is_traced_applied_and_measured(deep_models, tmp_path):
     """
     spec = resolve_model(deep_models["gpt2"])
     settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
-    result = make_plan(spec, settings, 1 << 40, selective=True)
+    result = _plan(spec, settings, 1 << 40, selective=True)
     assert not result.layout.segments  # the step fits as it is: no checkpoint, though selective ones "cost" 0 FLOPs
     option = next(option for option in result.baselines if option.name == "all blocks, selective")
-    assert set(option.layout.policies) == {"selective"} and len(option.layout.segments) == 6
+    assert set(option.layout.policies) == {"selective"} and len(option.layout.segments) == BLOCKS
     peaks = {baseline.name: baseline.predicted_peak_bytes for baseline in result.baselines}
     assert peaks["all blocks"] < option.predicted_peak_bytes < peaks["none"]
 
@@ -145,7 +163,7 @@ def test_selective_option_is_traced_applied_and_measured(deep_models, tmp_path):
     # A budget only the selective option and the full checkpoints meet: the plan is the option
     # with the least recompute, and the policies survive the plan file.
     budget = (option.predicted_peak_bytes + peaks["none"]) // 2
-    planned = make_plan(spec, settings, budget, selective=True)
+    planned = _plan(spec, settings, budget, selective=True)
     fitting = [baseline for baseline in planned.baselines if baseline.fits]
     assert planned.recompute_flops == min(baseline.recompute_flops for baseline in fitting)
     write_plan(planned, tmp_path / "plan.json")
@@ -171,17 +189,17 @@ def test_where_one_block_is_enough_the_plan_beats_every_baseline(deep_models):
     from memplan.checkpoint_layout import CheckpointLayout
     from memplan.estimator.checkpointing import block_names
     from memplan.estimator.simulate import simulate
-    from memplan.estimator.trace import build_fake_setup, trace_step
+    from memplan.estimator.trace import trace_step
 
     spec = resolve_model(deep_models["gpt2"])
     settings = spec.settings_for(TrainingSettings(batch_size=4, seq_len=64, device="cpu"))
-    blocks = block_names(build_fake_setup(spec, settings).state.model)
-    single_peaks = {
+    blocks = block_names(_setup(spec, settings).state.model)
+    single_peaks = {  # each on a fake model of its own, not the plan's
         name: simulate(trace_step(spec, settings.replace(checkpoint=CheckpointLayout(segments=((name,),))))).peak_bytes
         for name in blocks
     }
     budget = min(single_peaks.values())
-    result = make_plan(spec, settings, budget)
+    result = _plan(spec, settings, budget)
     assert result.fits and len(result.layout.modules) == 1
     assert single_peaks[result.layout.modules[0]] <= budget
     fitting = [baseline for baseline in result.baselines if baseline.fits]
