@@ -27,6 +27,7 @@ from memplan.estimator.cuda.cudnn import (
     workspace_band_bytes,
 )
 from memplan.estimator.cuda.embedding_backward import EMBEDDING_DENSE_BACKWARD, embedding_backward_requests
+from memplan.estimator.cuda.layer_norm_backward import LAYER_NORM_BACKWARD, gamma_beta_partials
 from memplan.estimator.cuda.reductions import reduction_of
 from memplan.estimator.cuda.softmax_backward import SOFTMAX_BACKWARD_OPS, softmax_backward_requests
 from memplan.estimator.liveness import fake_args, op_name, round_for_device
@@ -152,6 +153,19 @@ def _softmax_backward_scratch(node: OpNode, args: tuple, settings: TrainingSetti
     return tuple(Scratch(name, nbytes) for nbytes in softmax_backward_requests(node.target, grad, output))
 
 
+def _layer_norm_backward_partials(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
+    """The partial dgamma/dbeta buffers a tall layer norm backward sums in (memplan.estimator.cuda.
+    layer_norm_backward); its contiguous copies are the composite rule's (composite_kernels.layer_group_norm)."""
+    input, normalized_shape = args[1], args[2]
+    weight, bias = (args[5], args[6]) if len(args) > 6 else (None, None)
+    mask = args[7] if len(args) > 7 else (True, True, True)
+    if not isinstance(input, torch.Tensor):
+        return ()
+    gpu = gpu_named(settings.gpu or DEFAULT_GPU)
+    calls = gamma_beta_partials(input, list(normalized_shape), weight, bias, list(mask), gpu.multiprocessors)
+    return tuple(Scratch("layer norm backward's partial sums", call.bytes(), sized_call=call) for call in calls)
+
+
 REDUCTION_OPS = {
     torch.ops.aten.sum.dim_IntList,
     torch.ops.aten.sum.default,
@@ -253,6 +267,7 @@ def kernel_transients(
         kernel_transients_of(traced, nodes, REDUCTION_OPS, _reduction_staging),
         kernel_transients_of(traced, nodes, {EMBEDDING_DENSE_BACKWARD}, _embedding_backward_scratch),
         kernel_transients_of(traced, nodes, SOFTMAX_BACKWARD_OPS, _softmax_backward_scratch),
+        kernel_transients_of(traced, nodes, {LAYER_NORM_BACKWARD}, _layer_norm_backward_partials),
         library_transients(nodes, traced.settings.device),
     ):
         # one node can have several: a CUDA sum of a bool mask copies it to int64 (a composite kernel's

@@ -1,7 +1,8 @@
 """The temporaries the CPU layer norm and group norm kernels hold inside themselves (aten/src/ATen/native/
 layer_norm.cpp, group_norm.cpp, cpu/layer_norm_kernel.cpp, cpu/group_norm_kernel.cpp, torch 2.13), which no
 dispatch mode sees. Measured with torch.profiler's allocator events on torch 2.13 CPU
-(tests/test_layer_group_norm_scratch.py). CUDA's kernels are other code: 0 there.
+(tests/test_layer_group_norm_scratch.py). CUDA's layer norm makes the same contiguous copies (modelled here
+for both devices); CUDA's group norm kernels are other code: 0 there.
 
 Not here: `rms_norm` (torch 2.13's CPU `_fused_rms_norm` is CompositeImplicit: plain ops the trace sees),
 `instance_norm` (batch norm on a reshaped input: composite_kernels.batch_norm), `local_response_norm` and
@@ -35,32 +36,48 @@ def _contiguous_copies(*tensors: Any) -> int:
     return sum(_nbytes(t) for t in tensors if isinstance(t, torch.Tensor) and not t.is_contiguous())
 
 
+def _contiguous_copy_requests(*tensors: Any) -> tuple[int, ...]:
+    """_contiguous_copies as one request a copy (each is its own allocation: rounded apart on cuda)."""
+    return tuple(_nbytes(t) for t in tensors if isinstance(t, torch.Tensor) and not t.is_contiguous())
+
+
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
     return kwargs.get(name, args[index] if len(args) > index else default)
 
 
 @composite_kernel_scratch(torch.ops.aten.native_layer_norm.default)
-def layer_norm_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+def layer_norm_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int | tuple[int, ...]:
     """`layer_norm_cpu` (layer_norm.cpp) reads `input.expect_contiguous()`, `weight.expect_contiguous()` and
     `bias.expect_contiguous()`: a whole copy of each one that is not contiguous, held while the kernel writes the
-    outputs; the forward kernel itself allocates nothing."""
+    outputs; the forward kernel itself allocates nothing. CUDA's `layer_norm_cuda` (cuda/layer_norm_kernel.cu,
+    torch 2.11-2.14) begins with the same three `expect_contiguous()` calls and its kernel allocates nothing either
+    (ConvNeXt's LayerNorm of a permuted NCHW->NHWC activation copies it there too): on cuda each copy is its own
+    caching-allocator request."""
+    tensors = (args[0], _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"))
     if device != "cpu":
-        return 0
-    return _contiguous_copies(args[0], _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"))
+        return _contiguous_copy_requests(*tensors)
+    return _contiguous_copies(*tensors)
 
 
 @composite_kernel_scratch(torch.ops.aten.native_layer_norm_backward.default)
-def layer_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
+def layer_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int | tuple[int, ...]:
     """`layer_norm_backward_cpu` (layer_norm.cpp) copies a non-contiguous input, weight or bias
     (`expect_contiguous`); its kernel (LayerNormBackwardKernelImpl) then runs on `dY.contiguous()` (a whole copy of
     a transposed or expanded gradient, as a `sum` over the normalized rows hands back) and, where dgamma or dbeta
     is asked for, `buffer.resize_({2, num_threads, N}).zero_()` in the input's dtype (per-thread dgamma and dbeta
-    rows, a 16-bit input's too, float32 weight or not); all held at once beside the three outputs."""
-    if device != "cpu":
-        return 0
+    rows, a 16-bit input's too, float32 weight or not); all held at once beside the three outputs.
+
+    CUDA's `layer_norm_backward_cuda` (cuda/layer_norm_kernel.cu, torch 2.11-2.14) makes the same three
+    `expect_contiguous()` copies and, where M > 0 and N > 0, calls LayerNormBackwardKernelImpl on `dY.contiguous()`
+    as the CPU does; it has no per-thread buffer (its partial sums for a tall input are memplan.estimator.cuda.
+    layer_norm_backward's, sized by the GPU's multiprocessors). Each copy is its own request there."""
     grad_out, input, normalized_shape = args[0], args[1], args[2]
     weight, bias = _arg(args, kwargs, 5, "weight"), _arg(args, kwargs, 6, "bias")
     mask = _arg(args, kwargs, 7, "output_mask", (True, True, True))
+    if device != "cpu":
+        copies = _contiguous_copy_requests(input, weight, bias)
+        runs = input.numel() > 0 and math.prod(normalized_shape) > 0  # `if (M > 0 && N > 0)`
+        return copies + (_contiguous_copy_requests(grad_out) if runs else ())
     copies = _contiguous_copies(input, weight, bias)
     rows = input.numel() // max(math.prod(normalized_shape), 1)
     if rows == 0:  # M == 0: the kernel does not run

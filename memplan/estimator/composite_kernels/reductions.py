@@ -179,10 +179,13 @@ def vector_norm_input_cast(args: tuple[Any, ...], kwargs: dict[str, Any], device
 )
 def contiguous_input_copy(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """The CPU `softmax_cpu_out`/`log_softmax_cpu_out` (aten/src/ATen/native/SoftMax.cpp) and `max()`/`min()` of a
-    whole tensor (ReduceAllOps.cpp: `max_all_stub(..., self.contiguous())`) read `input.contiguous()`: a copy of a
-    strided input, held beside the output (the cuda target's softmax is modelled apart)."""
+    whole tensor (ReduceAllOps.cpp: `max_all_stub(self.device().type(), ..., self.contiguous())`, code both devices
+    share) read `input.contiguous()`: a copy of a strided input, held beside the output. CUDA's
+    `softmax_cuda_out`/`log_softmax_cuda_out` (cuda/SoftMax.cu, torch 2.11-2.14) call `host_softmax`, whose first
+    line is `auto input = input_.contiguous();`, held until it returns: the same copy (a softmax over a dimension
+    other than the last, of a transposed or windowed tensor)."""
     self = args[0]
-    if device != "cpu" or self.numel() == 0:
+    if self.numel() == 0:
         return 0
     return contiguous_copy_bytes(self, torch.contiguous_format)
 
