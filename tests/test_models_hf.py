@@ -203,3 +203,43 @@ def test_transformers_models_is_imported_without_scanning_the_model_folders_agai
     assert own_scanned > 100  # transformers' own import rescans every model folder
     assert scanned < 10, scanned  # the folders of the model it loads (gpt2's __init__.py scans its own)
     assert structure == own_structure
+
+
+_OTHER_HEADS = {
+    # (config.json, the head memplan offers instead with --task, or None)
+    "segformer-semantic-segmentation": (
+        {"model_type": "segformer", "architectures": ["SegformerForSemanticSegmentation"]},
+        "image-classification (SegformerForImageClassification)",
+    ),
+    "clip-contrastive": ({"model_type": "clip", "architectures": ["CLIPModel"]}, "image-classification"),
+    "wav2vec2-ctc": ({"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForCTC"]}, None),
+    "whisper-speech-to-text": (
+        {"model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"], "decoder_start_token_id": 1},
+        "causal-lm (WhisperForCausalLM)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_OTHER_HEADS))
+def test_a_config_naming_a_head_memplan_does_not_train_is_refused_saying_so(tmp_path, case):
+    """A config naming a head none of memplan's tasks builds had been estimated as another head of its model type:
+    SegformerForSemanticSegmentation as Segformer's image classifier, CLIPModel (its contrastive loss over two towers)
+    as CLIP's vision tower alone; measured by the CPU allocator's events (tiny configs, batch 2, 32x32 images, AdamW,
+    oneDNN off), the named models' steps peak at 363,072 B and 516,664 B, the estimates were 211,120 B and 320,676 B
+    (42% and 38% low). WhisperForConditionalGeneration was sent to AutoModelForSeq2SeqLM, which has no Whisper, and
+    refused as "fix the config" (a helper's bug hunt). Refused, naming the head and what --task offers instead."""
+    import json
+
+    from memplan.models.source import resolve_model
+
+    config, offered = _OTHER_HEADS[case]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError) as refused:
+        resolve_model(str(tmp_path))
+    said = str(refused.value)
+    assert f"names {config['architectures'][0]}, a head none of memplan's tasks builds" in said
+    assert "your own module:function" in said
+    assert (offered in said) if offered else ("--task" not in said)
+    if offered:  # the head offered is estimated when asked for
+        task = offered.split()[0]
+        assert resolve_model(str(tmp_path), task=task) is not None

@@ -88,16 +88,69 @@ def model_types() -> list[str]:
     return sorted(CONFIG_MAPPING.keys())
 
 
-def _guess_task(config: Any) -> str | None:
-    for architecture in getattr(config, "architectures", None) or []:
-        for suffix, task in _ARCHITECTURE_SUFFIXES.items():
-            if architecture.endswith(suffix):
-                return task
+def _classes_of(config: Any, task: str) -> tuple[str, ...]:
+    """The classes transformers' auto mapping for `task` builds for the config's model type (DeiT's image
+    classification maps to two, a tuple)."""
     from transformers.models.auto import modeling_auto
 
-    mapped = [
-        task for task, mapping in _MAPPING_BY_TASK.items() if config.model_type in getattr(modeling_auto, mapping)
+    classes = getattr(modeling_auto, _MAPPING_BY_TASK[task]).get(config.model_type, ())
+    return (classes,) if isinstance(classes, str) else tuple(classes)
+
+
+def _names_a_head(architecture: str, config: Any) -> bool:
+    """Whether the architecture trains a head of its own: a `...For<Task>` class, or a two-tower model whose forward
+    computes its contrastive loss (CLIPModel, SiglipModel: `return_loss=True`, over both towers)."""
+    two_towers = getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None
+    return "For" in architecture or (two_towers and architecture.endswith("Model"))
+
+
+def _architecture_task(config: Any) -> str | None:
+    """The task whose auto class builds the architecture the config names (BertForPreTraining's nearest: masked-lm),
+    where the model type is in that task's mapping; None where it names none of memplan's tasks."""
+    for architecture in getattr(config, "architectures", None) or []:
+        for task in _MAPPING_BY_TASK:
+            if architecture in _classes_of(config, task):
+                return task
+        for suffix, task in _ARCHITECTURE_SUFFIXES.items():
+            # Whisper's WhisperForConditionalGeneration is a speech-to-text head, in no seq2seq (text) mapping.
+            if architecture.endswith(suffix) and _classes_of(config, task):
+                return task
+    return None
+
+
+def _refuse_other_heads(config: Any, name: str) -> None:
+    """A config naming a head memplan does not train (SegformerForSemanticSegmentation, Wav2Vec2ForCTC, CLIPModel's
+    contrastive loss, WhisperForConditionalGeneration) had been built as another head of its model type (Segformer's
+    image classifier, CLIP's vision tower alone: 42% and 38% below the named model's measured step) or failed saying
+    "fix the config": refused, saying which heads memplan can estimate instead."""
+    from memplan.errors import UsageError
+
+    heads = [
+        architecture
+        for architecture in getattr(config, "architectures", None) or []
+        if _names_a_head(architecture, config)
     ]
+    if not heads:
+        return
+    offered = [f"{task} ({_classes_of(config, task)[0]})" for task in _MAPPING_BY_TASK if _classes_of(config, task)]
+    instead = (
+        f"pass --task to estimate another head of {config.model_type} instead ({', '.join(offered)}), "
+        if offered
+        else ""
+    )
+    raise UsageError(
+        f"{name!r} names {heads[0]}, a head none of memplan's tasks builds ({', '.join(TASKS)}): "
+        f"{instead}{'or give' if offered else 'give'} the model, its batch and loss as your own module:function "
+        "(docs/usage.md, custom models)"
+    )
+
+
+def _guess_task(config: Any, name: str) -> str | None:
+    named = _architecture_task(config)
+    if named is not None:
+        return named
+    _refuse_other_heads(config, name)
+    mapped = [task for task in _MAPPING_BY_TASK if _classes_of(config, task)]
     if getattr(config, "is_encoder_decoder", False):
         # BART, mBART, Pegasus, Marian, Whisper are in the causal-LM mapping too, for their decoder alone
         # (BartForCausalLM): an encoder-decoder config trains both halves, or cannot be told (Whisper's
@@ -221,7 +274,7 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
     if config is None:
         return None
     preset = get_preset(name) or preset_for_hub_id(name)
-    chosen = task or (preset.task if preset else None) or _guess_task(config)
+    chosen = task or (preset.task if preset else None) or _guess_task(config, name)
     if chosen is None:
         from memplan.errors import UsageError
 
