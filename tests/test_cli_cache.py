@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import memplan.cli.cache as cache_module
-import memplan.estimator.estimate as estimator
+import memplan.estimator.batch_tracer as estimator
 from memplan.cli import main
 from memplan.cli.cache import ANSWER_PREFIX, _evict
 

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memplan.api import compare, estimate, sweep
 from memplan.cli import main
-from memplan.estimator.estimate import BatchTracer
+from memplan.estimator.batch_tracer import BatchTracer
 from memplan.explore.sweep import run_sweep, tracing_order
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
@@ -19,7 +19,7 @@ BASE = {"seq_len": 32, "device": "cpu", "attn_impl": "eager"}
 
 def test_sweep_points_and_largest_batches_match_estimates():
     """Every point and largest batch against a trace at that very batch size (one fake model per setting, as
-    an estimate's own trace at its batch size: memplan.estimator.estimate.BatchTracer)."""
+    an estimate's own trace at its batch size: memplan.estimator.batch_tracer.BatchTracer)."""
     spec = resolve_model("tiny-gpt2")
 
     def traced(checkpoint: str):

@@ -142,7 +142,7 @@ def _both_ways(monkeypatch, run) -> tuple[dict, dict, int]:
             started.append(1)
             super().__init__(job)
 
-    monkeypatch.setattr("memplan.estimator.estimate.ForkedJob", CountedJob)
+    monkeypatch.setattr("memplan.estimator.batch_tracer.ForkedJob", CountedJob)
     aside = run().to_dict()
     monkeypatch.setattr(CountedJob, "can_start", staticmethod(lambda: False))
     here = run().to_dict()
@@ -179,6 +179,27 @@ def test_a_sweep_s_traced_points_in_forked_children_are_those_traced_here(monkey
     assert forks == 2 and aside == here
     (series,) = aside["series"]
     assert series["traces"] == 4 and [p["traced"] for p in series["points"]] == [1, 1, 0, 1, 0, 1]
+
+
+@needs_fork
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_budget_s_lines_confirmed_by_a_third_forked_trace_give_the_answers_traced_here(monkeypatch, device):
+    """With a third core, a budget's estimate traces twice its batch size in a second child beside the first two
+    traces, only to confirm the lines through them: the search then traces nothing after them, and every answer is
+    the one the estimate gives tracing the search's guesses here (batch_tracer.BatchTracer.confirm_aside)."""
+    monkeypatch.setattr("memplan.estimator.batch_tracer.available_cores", lambda: 3)
+    if not forked.ForkedJob.can_start():
+        pytest.skip("no second core, or autograd cannot run in a forked child of this process")
+    budget = {"cpu": "40MiB", "cuda": "1GiB"}[device]
+    aside, here, forks = _estimate_both_ways(
+        monkeypatch, "tiny-gpt2", batch_size=6, seq_len=64, device=device, budget=budget
+    )
+    assert forks == 2 and aside["traces"] == here["traces"] == 3  # 6, 3 and 12 beside; 6, 3 and a guess here
+    assert aside["interpolated_batch_sizes"] > here["interpolated_batch_sizes"]  # the guess too, from the lines
+    assert aside["max_batch_size"] > 6  # a search that guessed above the batch size
+    for result in (aside, here):
+        result.pop("interpolated_batch_sizes")
+    assert aside == here
 
 
 @needs_fork

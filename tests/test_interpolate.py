@@ -7,8 +7,8 @@ which shares none of the interpolation's arithmetic.
 import pytest
 import torch
 
+from memplan.estimator.batch_tracer import BatchTracer
 from memplan.estimator.cuda.allocator import DEFAULT_CONFIG
-from memplan.estimator.estimate import BatchTracer
 from memplan.estimator.interpolate import BatchLines, fit_bytes, phase_fit_bytes, same_requests
 from memplan.models.source import ModelRef, ModelSpec, resolve_model
 from memplan.settings import TrainingSettings

@@ -10,7 +10,7 @@ function of the batch size (allocator segments) that a search must probe point b
 
 Nothing here is assumed: `fit` answers only when the two timelines have the same shape and every
 size lands on an integer byte count, and the search uses it only after a third trace agreed with
-it exactly (memplan.estimator.estimate.BatchTracer).
+it exactly (memplan.estimator.batch_tracer.BatchTracer).
 """
 
 from __future__ import annotations

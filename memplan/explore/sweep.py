@@ -16,7 +16,7 @@ from typing import Any
 
 from memplan.distributed.deepspeed_file import file_precision
 from memplan.errors import SettingsError
-from memplan.estimator.estimate import BatchTracer, Progress
+from memplan.estimator.batch_tracer import BatchTracer, Progress
 from memplan.forked import imap_forked, side_by_side_workers
 from memplan.models.source import ModelSpec
 from memplan.results import fields_dict

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.errors import SettingsError
-from memplan.estimator.estimate import BatchTracer
+from memplan.estimator.batch_tracer import BatchTracer
 from memplan.estimator.search import MAX_BATCH_SIZE
 from memplan.models.source import ModelSpec
 from memplan.planner.plan import PlanResult, make_plan
