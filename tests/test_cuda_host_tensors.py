@@ -137,3 +137,23 @@ def test_a_custom_step_s_step_counters_are_host_memory_too() -> None:
         MLP, inputs=ROWS, device="cuda", optimizer="adamw", batch_size=4, step="tests.test_cuda_host_tensors:plain_step"
     )
     assert result.breakdown.optimizer_state == expected["meta"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"lr": torch.tensor(1e-3), "foreach": False}, {"lr": 1e-3, "betas": (torch.tensor(0.9), torch.tensor(0.999))}],
+    ids=["tensor-lr", "tensor-betas"],
+)
+def test_tensor_options_keep_the_step_counters_on_the_host(options: dict) -> None:
+    """A tensor learning rate (or betas) leaves the counters where capturable and fused put them (adam.py
+    `_init_group`): the host's, as torch's own AdamW over meta parameters makes them (they had been counted on the
+    GPU: the probe skipped groups with a tensor option)."""
+    from memplan.estimator.cuda.host_tensors import host_state_keys
+
+    param = nn.Parameter(torch.empty(3, device="meta"))
+    param.grad = torch.empty_like(param)
+    optimizer = torch.optim.AdamW([param], **options)
+    optimizer.step()
+    expected = {name for name, value in optimizer.state[param].items() if value.device.type == "cpu"}
+    assert expected == {"step"}
+    assert host_state_keys(torch.optim.AdamW, optimizer.param_groups[0]) == expected

@@ -243,3 +243,19 @@ def test_a_config_naming_a_head_memplan_does_not_train_is_refused_saying_so(tmp_
     if offered:  # the head offered is estimated when asked for
         task = offered.split()[0]
         assert resolve_model(str(tmp_path), task=task) is not None
+
+
+def test_an_xlnet_config_with_no_length_limit_resolves(tmp_path):
+    """XLNetConfig's max_position_embeddings is a property that returns -1 ("no sequence length limit",
+    configuration_xlnet.py): a value the class computes, not a size the file gives, so no reason to refuse every
+    XLNet checkpoint as a broken config."""
+    import json
+
+    from memplan.models.hf import resolve_hf
+
+    config = {"model_type": "xlnet", "architectures": ["XLNetLMHeadModel"], "d_model": 64, "n_layer": 1, "n_head": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_hf(str(tmp_path), None).task == "causal-lm"
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_layer": 0}))
+    with pytest.raises(UsageError, match="n_layer"):  # a size the file gives is still checked
+        resolve_hf(str(tmp_path), None)

@@ -40,6 +40,8 @@ def _call_cases(dtype: torch.dtype, strided: bool) -> list[tuple[str, object, tu
         ("sum-4d-0-3", aten.sum.dim_IntList, (x4, [0, 3]), {}),
         ("sum-4d-transposed-0-1", aten.sum.dim_IntList, (x4.transpose(1, 2), [0, 1]), {}),
         ("sum-float32", aten.sum.dim_IntList, (x, [-1]), F32),
+        # a float32 input summed into bfloat16: its 16-bit cast, and the float32 result beside it (no float32 copy)
+        ("sum-into-bfloat16", aten.sum.dim_IntList, (x.float(), [0, 2]), {"dtype": torch.bfloat16}),
         ("mean", aten.mean.default, (x,), {}),
         ("mean-dim", aten.mean.dim, (x, [1], True), {}),
         ("var", aten.var.correction, (x,), {}),

@@ -329,6 +329,9 @@ def _check_sizes(config: Any, name: str) -> None:
     from memplan.errors import UsageError
 
     for field in _SIZE_FIELDS:
+        if isinstance(getattr(type(config), field, None), property):
+            # computed by the class, not given: XLNetConfig's max_position_embeddings is -1 for "no limit"
+            continue
         try:
             value = getattr(config, field, None)
         except Exception:  # some configs compute fields from others, and may raise on bad ones

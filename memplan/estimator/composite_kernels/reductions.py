@@ -107,7 +107,10 @@ def sum_float_buffer_bytes(self: torch.Tensor, dims: Any, in_dtype: torch.dtype,
     if len(strides) < 2 or strides[0] != 0 or strides[1] != 0:
         return 0
     kept = math.prod(size for d, size in enumerate(self.shape) if d not in reduced)
-    return (kept + self.numel()) * torch.float32.itemsize
+    # `self.to(ScalarType::Float)` reads the op's own argument: a float32 one summed into a 16-bit `dtype=` (the
+    # iterator's input is its 16-bit cast) comes back as itself, no copy
+    input_copy = 0 if self.dtype == torch.float32 else self.numel() * torch.float32.itemsize
+    return kept * torch.float32.itemsize + input_copy
 
 
 @composite_kernel_scratch(torch.ops.aten.logsumexp.default)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,20 +55,43 @@ def efficient_attention_rng_on_host(dropout_p: float) -> bool:
     return dropout_p > 0.0 and torch.version.hip is None
 
 
+@dataclass(frozen=True)
+class _TensorOption:
+    """A tensor option (a tensor `lr` or `betas`) in a probe's key: its dtype and shape, not the tensor, which may be
+    the trace's fake one and would be kept alive by the cache. `_init_group` places the step counters by `capturable`
+    and `fused` alone (adam.py), so a real CPU tensor of the same dtype and shape stands for it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def materialized(self) -> torch.Tensor:
+        return torch.full(self.shape, 1e-3, dtype=self.dtype)
+
+
+def _option_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _TensorOption(value.dtype, tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return tuple(_option_key(item) for item in value)
+    return value
+
+
+def _option_value(key: Any) -> Any:
+    if isinstance(key, _TensorOption):
+        return key.materialized()
+    if isinstance(key, tuple):
+        return tuple(_option_value(item) for item in key)
+    return key
+
+
 def _options_key(group: dict) -> tuple | None:
-    """The group's options, hashable; None where one cannot stand in a probe (a tensor learning rate)."""
-    items = []
-    for name, value in sorted(group.items()):
-        if name == "params":
-            continue
-        if isinstance(value, torch.Tensor):
-            return None
-        items.append((name, tuple(value) if isinstance(value, list) else value))
+    """The group's options, hashable; None where one cannot stand in a probe (an unhashable value)."""
+    items = tuple((name, _option_key(value)) for name, value in sorted(group.items()) if name != "params")
     try:
-        hash(tuple(items))
+        hash(items)
     except TypeError:
         return None
-    return tuple(items)
+    return items
 
 
 @functools.cache
@@ -79,7 +103,8 @@ def _probed_host_keys(optimizer_class: type[Optimizer], options: tuple) -> froze
             probe = optimizer_class([param])
         except (TypeError, ValueError, RuntimeError):
             return frozenset()
-        probe.param_groups[0].update(options)  # the group's options as `step` reads them
+        # the group's options as `step` reads them
+        probe.param_groups[0].update({name: _option_value(key) for name, key in options})
         with contextlib.suppress(Exception):
             # The state exists once `_init_group` ran; what follows may need values meta tensors lack (.item()).
             # A fused group fails before it (`_device_dtype_check_for_fused`): fused steps are the GPU's.
