@@ -1,12 +1,14 @@
 """memplan's cuda prediction beside GPUMemNet's conv-net runs on a real A100-SXM4-40GB.
 
-The data (not shipped with memplan): itu-rad/GPUMemNet's CNN dataset (git history, commit f5a3f5d:
-Datasets/CNN/cnn_data_step1.csv, 2,061 runs; fp32, torch.optim.Adam, CrossEntropyLoss, random
-data; `Max GPU Memory (MiB)` is the highest nvidia-smi memory.used polled every second over a 60 s
-run, so it holds the CUDA context and what cuDNN keeps outside the caching allocator). The nets
-come from the dataset's own generator; `--rebuild` names a module with `build_cnn(row)` and
-`batch(row, batch_size)` that rebuilds one from its row (memplan ships none: write one from the
-generator's rules, or ask for the one used here).
+The data (not shipped with memplan): itu-rad/GPUMemNet's CNN dataset as commit f5a3f5d has it
+(`git show f5a3f5d:cnn_data_step1.csv`: at the repository's root then, under Datasets/CNN/ later;
+2,061 runs; fp32, torch.optim.Adam, CrossEntropyLoss, random data; `Max GPU Memory (MiB)` is the
+highest nvidia-smi memory.used polled every second over a 60 s run, so it holds the CUDA context
+and what cuDNN keeps outside the caching allocator). The nets come from the dataset's own
+generator; `--rebuild` names a module with `build_cnn(row)`, `batch(row, batch_size)` and
+optionally `parse_filename(filename)` that rebuilds one from its row: benchmarks/gpumemnet_rebuild.py
+follows the generator's code (cnn.py, launcher_cnn.py at f5a3f5d) and gives every run that lists
+its layers the row's parameter counts, layer by layer.
 
 Method: a seeded random sample of the successful runs and of the out-of-memory ones, each traced
 once on the cuda target (`--gpu A100-40GB`, fp32, adam). The runs are split in two halves by a
@@ -14,7 +16,7 @@ hash of their file name. The one constant, the device's fixed part (context, cuD
 kernels: nvidia-smi minus the reserved peak), is the median over the calibration half's smallest
 quarter; every error is then reported on both halves, the check half being the evidence.
 
-usage: python benchmarks/gpumemnet_conv.py --data cnn_data_step1.csv --rebuild path/to/rebuild.py
+usage: python benchmarks/gpumemnet_conv.py --data cnn_data_step1.csv --rebuild benchmarks/gpumemnet_rebuild.py
        [--successes 200] [--ooms 60] [--seed 1] [--out predictions.csv]
 """
 
