@@ -311,3 +311,27 @@ def class_weighted_smoothed_loss(model: torch.nn.Module, batch: dict, optimizer:
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def gan_without_detach(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> None:
+    """A GAN's iteration with the fake batch not detached: the discriminator's backward also reaches the generator,
+    adding into the gradients the generator's step left at the last call, which its zero_grad then drops. Two Adams of
+    its own, made at the first call (memplan's optimizer is not used)."""
+    if not hasattr(model, "gan_optimizers"):
+        model.gan_optimizers = (
+            torch.optim.Adam(model.generator.parameters()),
+            torch.optim.Adam(model.discriminator.parameters()),
+        )
+    generator_optimizer, discriminator_optimizer = model.gan_optimizers
+    fake = model.generator(batch["noise"])
+    discriminator_optimizer.zero_grad()
+    real_score = model.discriminator(batch["real"])
+    fake_score = model.discriminator(fake)
+    (torch.nn.functional.softplus(fake_score).mean() + torch.nn.functional.softplus(-real_score).mean()).backward(
+        retain_graph=True
+    )
+    discriminator_optimizer.step()
+    generator_optimizer.zero_grad()
+    discriminator_optimizer.zero_grad()
+    torch.nn.functional.softplus(-model.discriminator(fake)).mean().backward()
+    generator_optimizer.step()

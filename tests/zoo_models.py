@@ -295,3 +295,20 @@ def tied_lm_on_meta() -> nn.Module:
     """tied_lm built on torch.device("meta"): no memory, no values, as large models are built before loading."""
     with torch.device("meta"):
         return TiedLM()
+
+
+class SmallGAN(nn.Module):
+    """A generator and a discriminator, for steps that train both (`--step`), each with an optimizer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, FEATURES))
+        self.discriminator = nn.Sequential(nn.Linear(FEATURES, 128), nn.LeakyReLU(0.2), nn.Linear(128, 1))
+
+
+def small_gan() -> nn.Module:
+    return SmallGAN()
+
+
+def real_and_noise(batch_size: int) -> dict[str, torch.Tensor]:
+    return {"real": torch.randn(batch_size, FEATURES), "noise": torch.randn(batch_size, 16)}

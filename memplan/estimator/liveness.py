@@ -222,11 +222,15 @@ def liveness(traced: TracedStep) -> Liveness:
         requested[key] = nbytes
         born[key], last_use[key] = 0, end
     # Live before the iteration: the batch, constants, and categorized storages the graph never reads.
+    # Not those released early: a gradient the step began with and accumulated into in place (a backward before its
+    # zero_grad) is read by the graph, so a placeholder, yet freed where the step let it go, not at the end.
+    released = {key for key, _, _ in traced.released_early}
     static = {
         key
         for index, node in enumerate(nodes)
         if node.op in ("placeholder", "get_attr") and "freed_after" not in node.meta
         for key, _ in storages[index]
+        if key not in released
     }
     for index, node in enumerate(nodes):  # a real tensor made for one op (memplan.estimator.recorder.node_of)
         if node.op == "get_attr" and "freed_after" in node.meta:
