@@ -187,6 +187,7 @@ def test_a_budget_s_lines_confirmed_by_a_third_forked_trace_give_the_answers_tra
     """With a third core, a budget's estimate traces twice its batch size in a second child beside the first two
     traces, only to confirm the lines through them: the search then traces nothing after them, and every answer is
     the one the estimate gives tracing the search's guesses here (batch_tracer.BatchTracer.confirm_aside)."""
+    monkeypatch.setenv("MEMPLAN_JOBS", "2")  # conftest gives pytest-xdist's workers 1
     monkeypatch.setattr("memplan.estimator.batch_tracer.available_cores", lambda: 3)
     if not forked.ForkedJob.can_start():
         pytest.skip("no second core, or autograd cannot run in a forked child of this process")
