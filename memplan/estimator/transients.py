@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from memplan.estimator.composite_kernels import kernel_scratch_requests, may_hold_scratch
+from memplan.estimator.composite_kernels import bound_arguments, kernel_scratch_requests, may_hold_scratch
 from memplan.estimator.cpu_kernels import CHUNK_CAT_OPS, chunk_cat_cast_bytes, chunk_cat_padding_bytes
 from memplan.estimator.cuda.allocator import round_size
 from memplan.estimator.cuda.attention_scratch import CUDNN_BACKWARD, FLASH_BACKWARD, attention_backward_scratch
@@ -156,13 +156,13 @@ def _softmax_backward_scratch(node: OpNode, args: tuple, settings: TrainingSetti
 def _layer_norm_backward_partials(node: OpNode, args: tuple, settings: TrainingSettings) -> tuple[Scratch, ...]:
     """The partial dgamma/dbeta buffers a tall layer norm backward sums in (memplan.estimator.cuda.
     layer_norm_backward); its contiguous copies are the composite rule's (composite_kernels.layer_group_norm)."""
-    input, normalized_shape = args[1], args[2]
-    weight, bias = (args[5], args[6]) if len(args) > 6 else (None, None)
-    mask = args[7] if len(args) > 7 else (True, True, True)
+    b = bound_arguments(LAYER_NORM_BACKWARD, args, {})
+    input, mask = b["input"], b["output_mask"]
     if not isinstance(input, torch.Tensor):
         return ()
     gpu = gpu_named(settings.gpu or DEFAULT_GPU)
-    calls = gamma_beta_partials(input, list(normalized_shape), weight, bias, list(mask), gpu.multiprocessors)
+    shape = list(b["normalized_shape"])
+    calls = gamma_beta_partials(input, shape, b["weight"], b["bias"], list(mask), gpu.multiprocessors)
     return tuple(Scratch("layer norm backward's partial sums", call.bytes(), sized_call=call) for call in calls)
 
 

@@ -28,6 +28,7 @@ composite_kernel_scratch = _registrar(COMPOSITE_KERNEL_SCRATCH)
 # (convolution). A later torch.set_num_threads in the same process is not seen.
 INTRA_OP_THREADS = torch.get_num_threads()
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 _REDUCTION_NONE, _REDUCTION_MEAN = 0, 1  # at::Reduction::None and Mean (aten/src/ATen/core/Reduction.h)
 
 
@@ -63,6 +64,26 @@ def _strided_call(args: tuple[Any, ...]) -> bool:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    """`at::opmath_type` (ATen's `toOpMathType`): the dtype a kernel accumulates a float16 or bfloat16 tensor in
+    is float32; every other dtype accumulates in itself."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def bound_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's arguments by their schema's names, positional or keyword, defaults filled in (None where the schema
+    has none)."""
+    bound = {}
+    for position, argument in enumerate(func._schema.arguments):
+        if position < len(args):
+            bound[argument.name] = args[position]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        else:
+            bound[argument.name] = argument.default_value if argument.has_default_value() else None
+    return bound
 
 
 def contiguous_copy_bytes(tensor: torch.Tensor, memory_format: torch.memory_format) -> int:
@@ -163,9 +184,6 @@ def sort_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> 
     positional_dim = args[1] if len(args) > 1 and not isinstance(args[1], bool) else -1
     dim = kwargs.get("dim", positional_dim)
     return self.shape[dim] * torch.int64.itemsize
-
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _reduction_dtypes(self: torch.Tensor, dtype: torch.dtype | None, device: str) -> tuple[torch.dtype, torch.dtype]:

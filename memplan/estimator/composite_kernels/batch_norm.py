@@ -16,34 +16,28 @@ from typing import Any
 import torch
 
 from memplan.estimator import composite_kernels
-from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch, kernel_scratch_bytes, mean_input_cast
+from memplan.estimator.composite_kernels import (
+    _LOW_PRECISION,
+    _nbytes,
+    bound_arguments,
+    composite_kernel_scratch,
+    kernel_scratch_bytes,
+    mean_input_cast,
+    opmath_dtype,
+)
 from memplan.estimator.memory_formats import contiguous_in_a_format, suggested_memory_format
-
-_REDUCED = (torch.float16, torch.bfloat16)
-_FORWARD_NAMES = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
-_NO_STATS_NAMES = ("input", "weight", "bias", "training", "momentum", "eps")
-_UPDATE_NAMES = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
 
 
 def _mixed(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """ATen's `is_mixed_type` (aten/src/ATen/native/cpu/mixed_data_type.h): a 16-bit input with float32
     parameters."""
-    return input.dtype in _REDUCED and any(p is not None and p.dtype == torch.float32 for p in params)
-
-
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    """`at::opmath_type`: float32 for a 16-bit dtype, the dtype itself otherwise."""
-    return torch.float32 if dtype in _REDUCED else dtype
+    return input.dtype in _LOW_PRECISION and any(p is not None and p.dtype == torch.float32 for p in params)
 
 
 def _channels_last_kernel(input: torch.Tensor) -> bool:
     """Whether batch_norm_kernel.cpp runs its channels-last code for `input` (contiguous in a format): a
     channels-last input, or a contiguous one whose image (`numel / N / C`) is one element."""
     return not input.is_contiguous() or input.numel() // (input.shape[0] * input.shape[1]) == 1
-
-
-def _bound(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    return dict(zip(names, args, strict=False)) | kwargs
 
 
 def _forward_scratch(
@@ -79,7 +73,7 @@ def _forward_scratch(
             rows = input.numel() // channels
             threads = composite_kernels.INTRA_OP_THREADS
             if _channels_last_kernel(input) and rows > threads:
-                buffer = threads * channels * _opmath(input.dtype).itemsize
+                buffer = threads * channels * opmath_dtype(input.dtype).itemsize
             stats = 2 * channels * param_item + buffer
         else:
             dims = [0, *range(2, input.dim())]
@@ -88,7 +82,7 @@ def _forward_scratch(
         t is None or t.is_contiguous() for t in (weight, bias, running_mean, running_var)
     )
     if all_contiguous:
-        transform = 2 * channels * _opmath(input.dtype).itemsize
+        transform = 2 * channels * opmath_dtype(input.dtype).itemsize
     else:
         scalars = param_item * ((weight is None) + (bias is None))
         if training or running_var is None:
@@ -104,7 +98,7 @@ def batch_norm_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: st
     """`native_batch_norm` and `_native_batch_norm_legit` (batch_norm_cpu): _forward_scratch."""
     if device != "cpu":
         return 0
-    b = _bound(args, kwargs, _FORWARD_NAMES)
+    b = bound_arguments(torch.ops.aten.native_batch_norm.default, args, kwargs)
     return _forward_scratch(b["input"], b["weight"], b["bias"], b["running_mean"], b["running_var"], b["training"])
 
 
@@ -113,7 +107,7 @@ def batch_norm_no_stats_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     """`_native_batch_norm_legit.no_stats` (batch_norm_cpu without running statistics): _forward_scratch."""
     if device != "cpu":
         return 0
-    b = _bound(args, kwargs, _NO_STATS_NAMES)
+    b = bound_arguments(torch.ops.aten._native_batch_norm_legit.no_stats, args, kwargs)
     return _forward_scratch(b["input"], b["weight"], b["bias"], None, None, b["training"])
 
 
@@ -124,7 +118,8 @@ def batch_norm_evaluation_scratch(args: tuple[Any, ...], kwargs: dict[str, Any],
     """The overloads that run batch_norm_cpu with `train=false`: _forward_scratch."""
     if device != "cpu":
         return 0
-    b = _bound(args, kwargs, _UPDATE_NAMES)
+    # the two schemas name their arguments alike
+    b = bound_arguments(torch.ops.aten._batch_norm_no_update.default, args, kwargs)
     return _forward_scratch(b["input"], b["weight"], b["bias"], b["running_mean"], b["running_var"], False)
 
 
@@ -133,7 +128,7 @@ def batch_norm_with_update_scratch(args: tuple[Any, ...], kwargs: dict[str, Any]
     """`_batch_norm_with_update` (_batch_norm_with_update_cpu: batch_norm_cpu with `train=true`): _forward_scratch."""
     if device != "cpu":
         return 0
-    b = _bound(args, kwargs, _UPDATE_NAMES)
+    b = bound_arguments(torch.ops.aten._batch_norm_with_update.default, args, kwargs)
     return _forward_scratch(b["input"], b["weight"], b["bias"], b["running_mean"], b["running_var"], True)
 
 
@@ -152,9 +147,8 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     channel, until it returns."""
     if device != "cpu":
         return 0
-    names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd", "train", "eps")
-    bound = _bound(args, kwargs, names)
-    output_mask = bound.get("output_mask", args[9] if len(args) > 9 else (True, True, True))
+    bound = bound_arguments(torch.ops.aten.native_batch_norm_backward.default, args, kwargs)
+    output_mask = bound["output_mask"]
     grad_out, input = bound["grad_out"], bound["input"]
     if not isinstance(grad_out, torch.Tensor) or input.numel() == 0:
         return 0
@@ -173,7 +167,7 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
         return replaced
     channels, threads = input.shape[1], composite_kernels.INTRA_OP_THREADS
     weight = bound.get("weight")
-    if input.dtype in _REDUCED:
+    if input.dtype in _LOW_PRECISION:
         kernel = 3 * channels * 4 + 2 * threads * channels * 4
     else:
         item = input.element_size()

@@ -16,25 +16,12 @@ from typing import Any
 
 import torch
 
-from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch
+from memplan.estimator.composite_kernels import _nbytes, bound_arguments, composite_kernel_scratch
 from memplan.estimator.oprules import output_bytes_rule
 
 MODE_SUM, MODE_MEAN, MODE_MAX = 0, 1, 2
 _WRAPPED_SCALAR = torch.int64.itemsize  # `offset2bag[0] -= 1`: the 1 wrapped in a 0-d int64 tensor
 _FAST_PATH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The op's arguments by their schema's names, defaults filled in."""
-    bound = {}
-    for position, argument in enumerate(func._schema.arguments):
-        if position < len(args):
-            bound[argument.name] = args[position]
-        elif argument.name in kwargs:
-            bound[argument.name] = kwargs[argument.name]
-        else:
-            bound[argument.name] = argument.default_value if argument.has_default_value() else None
-    return bound
 
 
 def _index_dtype(indices: torch.Tensor, offsets: torch.Tensor) -> torch.dtype:
@@ -91,7 +78,7 @@ def _forward_output_bytes(args: tuple[Any, ...], kwargs: dict[str, Any], device:
     offsets' size with include_last_offset. CUDA's are made at their sizes, as the meta function's non-CPU branch has
     them (torch/_meta_registrations.py, meta_embedding_bag, after EmbeddingBag.cu): offset2bag [N] in every mode,
     bag_size at offsets' size, max_indices [bags, D] for max and empty otherwise."""
-    bound = _bound(torch.ops.aten._embedding_bag.default, args, kwargs)
+    bound = bound_arguments(torch.ops.aten._embedding_bag.default, args, kwargs)
     if device != "cpu":
         weight, indices, offsets = bound["weight"], bound["indices"], bound["offsets"]
         bags = offsets.size(0) - (1 if bound["include_last_offset"] else 0)
@@ -122,7 +109,7 @@ def _forward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str,
     weights to float32 (index_select_scale_add's scale_fp32)."""
     if device != "cpu":
         return 0
-    bound = _bound(torch.ops.aten._embedding_bag.default, args, kwargs)
+    bound = bound_arguments(torch.ops.aten._embedding_bag.default, args, kwargs)
     weight, indices, offsets, mode = bound["weight"], bound["indices"], bound["offsets"], bound["mode"]
     if not isinstance(indices, torch.Tensor) or not isinstance(offsets, torch.Tensor) or weight.dim() != 2:
         return 0
@@ -203,7 +190,7 @@ def _dense_backward_scratch(
 def embedding_bag_dense_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     if device != "cpu":
         return 0
-    bound = _bound(torch.ops.aten._embedding_bag_dense_backward.default, args, kwargs)
+    bound = bound_arguments(torch.ops.aten._embedding_bag_dense_backward.default, args, kwargs)
     return _dense_backward_scratch(
         bound["grad"],
         bound["indices"],
@@ -238,7 +225,7 @@ def embedding_bag_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any]
     modelled (0)."""
     if device != "cpu":
         return 0
-    bound = _bound(torch.ops.aten._embedding_bag_backward.default, args, kwargs)
+    bound = bound_arguments(torch.ops.aten._embedding_bag_backward.default, args, kwargs)
     grad, indices, offsets, offset2bag = bound["grad"], bound["indices"], bound["offsets"], bound["offset2bag"]
     if bound["sparse"] or grad.dim() != 2:
         return 0
@@ -273,7 +260,7 @@ def embedding_bag_per_sample_weights_backward_scratch(
     (its cumsum beside it), held to the end; the dot products allocate nothing."""
     if device != "cpu":
         return 0
-    bound = _bound(torch.ops.aten._embedding_bag_per_sample_weights_backward.default, args, kwargs)
+    bound = bound_arguments(torch.ops.aten._embedding_bag_per_sample_weights_backward.default, args, kwargs)
     indices, offsets, offset2bag = bound["indices"], bound["offsets"], bound["offset2bag"]
     promotion = _promotion_copy(indices, offsets)
     fake_offset2bag = _fake_offset2bag(bound | {"per_sample_weights": None})  # the weights' stride taken as 1

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from memplan.estimator import composite_kernels
-from memplan.estimator.composite_kernels import _LOW_PRECISION, _nbytes, composite_kernel_scratch
+from memplan.estimator.composite_kernels import _LOW_PRECISION, _nbytes, composite_kernel_scratch, opmath_dtype
 
 
 def _flash_cpu_split_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
@@ -18,11 +18,6 @@ def _flash_cpu_split_sizes(q_len: int, kv_len: int) -> tuple[int, int]:
     rows from 768 query positions on, of 64 from 192, else of 32; key blocks of 512; each at most the length."""
     q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
     return min(q_split, q_len), min(512, kv_len)
-
-
-def _accumulate_itemsize(dtype: torch.dtype) -> int:
-    """`toOpMathType`: float16 and bfloat16 accumulate in float32, the others in themselves."""
-    return torch.float32.itemsize if dtype in _LOW_PRECISION else dtype.itemsize
 
 
 @composite_kernel_scratch(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -37,7 +32,7 @@ def flash_attention_cpu_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
         return 0
     query, key = args[0], args[1]
     q_split, kv_split = _flash_cpu_split_sizes(query.shape[2], key.shape[2])
-    per_thread = (q_split * kv_split + 2 * q_split + q_split * query.shape[3]) * _accumulate_itemsize(query.dtype)
+    per_thread = (q_split * kv_split + 2 * q_split + q_split * query.shape[3]) * opmath_dtype(query.dtype).itemsize
     if query.dtype in _LOW_PRECISION:
         per_thread += q_split * kv_split * query.element_size()
     return composite_kernels.INTRA_OP_THREADS * per_thread
@@ -62,7 +57,7 @@ def flash_attention_cpu_backward_scratch(args: tuple[Any, ...], kwargs: dict[str
         return 0
     copy = 0 if grad_out.transpose(1, 2).is_contiguous() else _nbytes(grad_out)
     q_split, kv_split = _flash_cpu_split_sizes(query.shape[2], key.shape[2])
-    accumulate = _accumulate_itemsize(query.dtype)
+    accumulate = opmath_dtype(query.dtype).itemsize
     per_thread = 2 * q_split * kv_split * accumulate
     if query.dtype in _LOW_PRECISION:
         per_thread += 2 * q_split * kv_split * query.element_size()

@@ -17,32 +17,18 @@ from typing import Any
 import torch
 
 from memplan.estimator import composite_kernels
-from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch
+from memplan.estimator.composite_kernels import _nbytes, bound_arguments, composite_kernel_scratch, opmath_dtype
 from memplan.estimator.memory_formats import empty_like_format
 
-_REDUCED = (torch.float16, torch.bfloat16)
 # group_norm_kernel.cpp's `feature_map_threshold`: at or above this many elements an image, the channels-last
 # kernels reduce through a per-thread buffer instead of one pass per (sample, group)
 _CL_FORWARD_THRESHOLD, _CL_BACKWARD_THRESHOLD = 1024, 2048
 
 
-def _opmath_itemsize(dtype: torch.dtype) -> int:
-    """`at::opmath_type`'s size: float32 for a 16-bit dtype, the dtype itself otherwise."""
-    return 4 if dtype in _REDUCED else dtype.itemsize
-
-
-def _contiguous_copies(*tensors: Any) -> int:
-    """What `expect_contiguous()` copies: each defined tensor not contiguous in the default format, whole."""
-    return sum(_nbytes(t) for t in tensors if isinstance(t, torch.Tensor) and not t.is_contiguous())
-
-
 def _contiguous_copy_requests(*tensors: Any) -> tuple[int, ...]:
-    """_contiguous_copies as one request a copy (each is its own allocation: rounded apart on cuda)."""
+    """What `expect_contiguous()` / `.contiguous()` copy: each defined tensor not contiguous in the default format,
+    whole, one request a copy (each is its own allocation: rounded apart on cuda)."""
     return tuple(_nbytes(t) for t in tensors if isinstance(t, torch.Tensor) and not t.is_contiguous())
-
-
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
-    return kwargs.get(name, args[index] if len(args) > index else default)
 
 
 @composite_kernel_scratch(torch.ops.aten.native_layer_norm.default)
@@ -53,10 +39,9 @@ def layer_norm_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: st
     torch 2.11-2.14) begins with the same three `expect_contiguous()` calls and its kernel allocates nothing either
     (ConvNeXt's LayerNorm of a permuted NCHW->NHWC activation copies it there too): on cuda each copy is its own
     caching-allocator request."""
-    tensors = (args[0], _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"))
-    if device != "cpu":
-        return _contiguous_copy_requests(*tensors)
-    return _contiguous_copies(*tensors)
+    b = bound_arguments(torch.ops.aten.native_layer_norm.default, args, kwargs)
+    copies = _contiguous_copy_requests(b["input"], b["weight"], b["bias"])
+    return copies if device != "cpu" else sum(copies)
 
 
 @composite_kernel_scratch(torch.ops.aten.native_layer_norm_backward.default)
@@ -71,20 +56,19 @@ def layer_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     `expect_contiguous()` copies and, where M > 0 and N > 0, calls LayerNormBackwardKernelImpl on `dY.contiguous()`
     as the CPU does; it has no per-thread buffer (its partial sums for a tall input are memplan.estimator.cuda.
     layer_norm_backward's, sized by the GPU's multiprocessors). Each copy is its own request there."""
-    grad_out, input, normalized_shape = args[0], args[1], args[2]
-    weight, bias = _arg(args, kwargs, 5, "weight"), _arg(args, kwargs, 6, "bias")
-    mask = _arg(args, kwargs, 7, "output_mask", (True, True, True))
+    b = bound_arguments(torch.ops.aten.native_layer_norm_backward.default, args, kwargs)
+    grad_out, input, normalized_shape = b["grad_out"], b["input"], b["normalized_shape"]
+    mask = b["output_mask"]
+    copies = _contiguous_copy_requests(input, b["weight"], b["bias"])
     if device != "cpu":
-        copies = _contiguous_copy_requests(input, weight, bias)
         runs = input.numel() > 0 and math.prod(normalized_shape) > 0  # `if (M > 0 && N > 0)`
         return copies + (_contiguous_copy_requests(grad_out) if runs else ())
-    copies = _contiguous_copies(input, weight, bias)
     rows = input.numel() // max(math.prod(normalized_shape), 1)
     if rows == 0:  # M == 0: the kernel does not run
-        return copies
+        return sum(copies)
     normalized = math.prod(normalized_shape)
     buffer = 2 * composite_kernels.INTRA_OP_THREADS * normalized * input.element_size() if mask[1] or mask[2] else 0
-    return copies + _contiguous_copies(grad_out) + buffer
+    return sum(copies) + sum(_contiguous_copy_requests(grad_out)) + buffer
 
 
 def _channels_last(input: torch.Tensor) -> bool:
@@ -96,7 +80,7 @@ def _per_thread_buffers(input: torch.Tensor, groups: int) -> int:
     """The channels-last kernels' per-thread path: `at::zeros({num_threads, N, 2 * C})` and `at::empty({N, 2 * G})`,
     in the opmath dtype."""
     n, c = input.shape[0], input.shape[1]
-    return (composite_kernels.INTRA_OP_THREADS * n * 2 * c + n * 2 * groups) * _opmath_itemsize(input.dtype)
+    return (composite_kernels.INTRA_OP_THREADS * n * 2 * c + n * 2 * groups) * opmath_dtype(input.dtype).itemsize
 
 
 @composite_kernel_scratch(torch.ops.aten.native_group_norm.default)
@@ -108,9 +92,10 @@ def group_norm_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: st
     input = args[0]
     if device != "cpu" or input.numel() == 0 or not _channels_last(input):
         return 0
-    n, c, hxw, groups = (_arg(args, kwargs, i, name) for i, name in ((3, "N"), (4, "C"), (5, "HxW"), (6, "group")))
+    b = bound_arguments(torch.ops.aten.native_group_norm.default, args, kwargs)
+    n, c, hxw, groups = b["N"], b["C"], b["HxW"], b["group"]
     if hxw < _CL_FORWARD_THRESHOLD:
-        return n * 2 * c * _opmath_itemsize(input.dtype)
+        return n * 2 * c * opmath_dtype(input.dtype).itemsize
     return _per_thread_buffers(input, groups)
 
 
@@ -123,8 +108,9 @@ def group_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     input = args[1]
     if device != "cpu" or input.numel() == 0:
         return 0
-    n, c, hxw, groups = (_arg(args, kwargs, i, name) for i, name in ((5, "N"), (6, "C"), (7, "HxW"), (8, "group")))
-    internal = 2 * n * c * _opmath_itemsize(input.dtype)
+    b = bound_arguments(torch.ops.aten.native_group_norm_backward.default, args, kwargs)
+    n, c, hxw, groups = b["N"], b["C"], b["HxW"], b["group"]
+    internal = 2 * n * c * opmath_dtype(input.dtype).itemsize
     if _channels_last(input) and hxw >= _CL_BACKWARD_THRESHOLD:
         return internal + _per_thread_buffers(input, groups)
     return internal
