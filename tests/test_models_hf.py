@@ -42,7 +42,14 @@ def test_a_config_without_architectures_builds_where_the_task_has_several_classe
 
 @pytest.mark.parametrize(
     ("model_type", "expected"),
-    [("bart", "BartForConditionalGeneration"), ("t5", "T5ForConditionalGeneration"), ("gpt2", "GPT2LMHeadModel")],
+    [
+        ("bart", "BartForConditionalGeneration"),
+        ("t5", "T5ForConditionalGeneration"),
+        ("gpt2", "GPT2LMHeadModel"),
+        ("bert", "BertForMaskedLM"),
+        ("roberta", "RobertaForMaskedLM"),
+        ("electra", "ElectraForMaskedLM"),
+    ],
 )
 def test_a_config_without_architectures_builds_the_head_its_kind_trains(tmp_path, model_type, expected):
     """BART, mBART, Pegasus, Marian and Whisper are in transformers' causal-LM mapping too, for their decoder alone
@@ -60,6 +67,32 @@ def test_a_config_without_architectures_builds_the_head_its_kind_trains(tmp_path
     with torch.device("meta"):
         model = spec.build(spec.settings_for(TrainingSettings(device="cpu")))
     assert type(model).__name__ == expected
+    # the answer says which head it trained, and how to pick another
+    (note,) = spec.notes
+    assert f"trains {expected} (" in note and "--task" in note
+
+
+def test_an_encoder_config_is_pre_trained_as_a_masked_lm_and_a_decoder_one_as_a_causal_lm(tmp_path):
+    """BERT, RoBERTa and ELECTRA are in transformers' causal-LM mapping too (BertLMHeadModel), for their decoder use
+    (is_decoder=True): a bare BertModel config (sentence-transformers' all-MiniLM) had been trained as that; its
+    is_decoder says which, and a config naming its head gets no note."""
+    import json
+
+    from memplan.models.source import resolve_model
+
+    for name, config, expected in (
+        ("bare", {"model_type": "bert", "architectures": ["BertModel"]}, "masked-lm"),
+        ("decoder", {"model_type": "bert", "is_decoder": True}, "causal-lm"),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        (note,) = resolve_model(str(tmp_path / name)).notes
+        assert f"({expected})" in note
+    (tmp_path / "named").mkdir()
+    (tmp_path / "named" / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertLMHeadModel"]})
+    )
+    assert resolve_model(str(tmp_path / "named")).notes == ()
 
 
 def test_an_encoder_decoder_config_with_no_head_of_memplan_s_asks_for_one(tmp_path):

@@ -152,7 +152,8 @@ def _estimate(
         paged_optimizer_bytes=paged,
         host_peak_bytes=main.host_peak_bytes,
         notes=tuple(
-            settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)
+            list(spec.notes)
+            + settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)
             + unchecked_blocks_notes(settings, traced.checkpointed_blocks)
             + value_dependent_kernel_notes(traced.graph)
             + compiled_modules_notes(tracer.setup.state.built_model)

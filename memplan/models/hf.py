@@ -42,6 +42,9 @@ class HFSource:
     name: str
     config: Any
     task: str
+    # Where memplan chose the head itself (no --task, no preset, no architecture in the config): the class it builds,
+    # said in the answer's notes; None where the head was named.
+    guessed_class: str | None = None
 
 
 def import_transformers_models() -> None:
@@ -145,18 +148,26 @@ def _refuse_other_heads(config: Any, name: str) -> None:
     )
 
 
-def _guess_task(config: Any, name: str) -> str | None:
+def _guess_task(config: Any, name: str) -> tuple[str | None, bool]:
+    """The task to train for a config that names none (no --task, no preset), and whether memplan chose it itself
+    (False where the config's architectures name it)."""
     named = _architecture_task(config)
     if named is not None:
-        return named
+        return named, False
     _refuse_other_heads(config, name)
     mapped = [task for task in _MAPPING_BY_TASK if _classes_of(config, task)]
     if getattr(config, "is_encoder_decoder", False):
         # BART, mBART, Pegasus, Marian, Whisper are in the causal-LM mapping too, for their decoder alone
         # (BartForCausalLM): an encoder-decoder config trains both halves, or cannot be told (Whisper's
         # speech-to-text head is no task of memplan's).
-        return "seq2seq" if "seq2seq" in mapped else None
-    return mapped[0] if mapped else None
+        return ("seq2seq" if "seq2seq" in mapped else None), True
+    if "masked-lm" in mapped and not getattr(config, "is_decoder", False):
+        # An encoder family's causal-LM class (BertLMHeadModel, RobertaForCausalLM) is its decoder use, which needs
+        # is_decoder=True (transformers warns "If you want to use BertLMHeadModel as a standalone, add
+        # is_decoder=True"); an encoder config (BERT, RoBERTa, ELECTRA, XLM-R: is_decoder False) pre-trains its
+        # masked-LM head.
+        return "masked-lm", True
+    return (mapped[0] if mapped else None), True
 
 
 def _load_config(name: str) -> Any | None:
@@ -274,7 +285,10 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
     if config is None:
         return None
     preset = get_preset(name) or preset_for_hub_id(name)
-    chosen = task or (preset.task if preset else None) or _guess_task(config, name)
+    guessed = False
+    chosen = task or (preset.task if preset else None)
+    if chosen is None:
+        chosen, guessed = _guess_task(config, name)
     if chosen is None:
         from memplan.errors import UsageError
 
@@ -297,7 +311,9 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
     if chosen in ("sequence-classification", "image-classification") and not getattr(config, "num_labels", None):
         config.num_labels = 2
     _check_sizes(config, name)
-    return HFSource(name=name, config=config, task=chosen)
+    return HFSource(
+        name=name, config=config, task=chosen, guessed_class=_classes_of(config, chosen)[0] if guessed else None
+    )
 
 
 # Config fields that count something (layers, heads, widths, tokens, pixels): each at least 1. The

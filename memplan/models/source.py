@@ -17,7 +17,7 @@ from torch import nn
 
 from memplan.errors import InputsError, LossError, MemplanError, UnknownModelError, UsageError, UserCodeError
 from memplan.models.batches import TASKS, TEXT_TASKS, resolve_lengths, sequence_limit, synthesize_batch
-from memplan.models.hf import build_hf_model, model_types, resolve_hf
+from memplan.models.hf import HFSource, build_hf_model, model_types, resolve_hf
 from memplan.models.imports import import_object, is_import_path
 from memplan.models.presets import all_presets
 from memplan.settings import TrainingSettings
@@ -49,6 +49,8 @@ class ModelSpec:
     settings_for: Callable[[TrainingSettings], TrainingSettings]
     # The longest --seq-len the model's position embeddings allow; None where no limit is known.
     max_seq_len: int | None = None
+    # What the answer should say about how the model was read (the head memplan chose for a config that names none).
+    notes: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -343,4 +345,15 @@ def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
         loss_of=loss_of,
         settings_for=settings_for,
         max_seq_len=sequence_limit(source.config, source.task) if source.task in TEXT_TASKS else None,
+        notes=_guessed_head_notes(source, name),
+    )
+
+
+def _guessed_head_notes(source: HFSource, name: str) -> tuple[str, ...]:
+    """Where the config names no head (no --task, no preset, no `architectures`), which one memplan trains."""
+    if source.guessed_class is None:
+        return ()
+    return (
+        f"{name} names no head, so memplan trains {source.guessed_class} ({source.task}); --task picks another "
+        f"({', '.join(TASKS)})",
     )
