@@ -5,10 +5,14 @@ rate, logging, saving, ...) is ignored. Mappings follow transformers' Trainer (t
 trainer.py `get_optimizer_cls_and_kwargs` and training_args.py):
 
 - per_device_train_batch_size -> batch_size; gradient_accumulation_steps -> grad_accum
-- gradient_checkpointing: true -> checkpoint "all" (Trainer calls gradient_checkpointing_enable,
-  which checkpoints every decoder/encoder layer, as memplan's "all" does, non-reentrant by default in
-  transformers 5: modeling_utils `_activation_checkpointing_enable`); gradient_checkpointing_kwargs'
-  use_reentrant: true is noted, not modelled
+- activation_checkpointing (or its deprecated alias gradient_checkpointing, read where the new name is
+  not set, as training_args.py `__post_init__` resolves them): true -> checkpoint "all" (Trainer calls
+  activation_checkpointing_enable, which checkpoints every decoder/encoder layer, as memplan's "all" does,
+  non-reentrant by default in transformers 5: modeling_utils `_activation_checkpointing_enable`); of
+  activation_checkpointing_kwargs (or gradient_checkpointing_kwargs), use_reentrant: true and offload: true
+  are noted, not modelled, and every_n_layers other than 1 is refused (it checkpoints only some layers)
+- label_smoothing_factor > 0 -> label_smoothing: the Trainer's LabelSmoother computes the loss in the
+  hf-trainer loop (memplan.estimator.trainer_loss); refused under DeepSpeed
 - bf16 / fp16: true -> amp-bf16 / amp-fp16 (Trainer autocasts through accelerate; the weights stay fp32); fp16 on
   the cpu target -> fp32 (accelerate runs no fp16 autocast on the CPU)
 - optim -> OPTIMS below; the default is adamw_torch_fused, as TrainingArguments' on torch >= 2.8
@@ -16,12 +20,21 @@ trainer.py `get_optimizer_cls_and_kwargs` and training_args.py):
   ":16:8" (trainer_utils.enable_full_determinism sets exactly these)
 - tf32: true / false -> torch.backends.cudnn.allow_tf32 (training_args.py enable_tf32 sets it with
   the matmul flag); left out, the torch default (true for cuDNN) stands
+
+Noted, not modelled (each changes the memory): torch_compile (or a torch_compile_backend / _mode, which
+turn it on), neftune_noise_alpha (a transient embedding-sized noise tensor in each forward), use_liger_kernel
+(Liger's kernels and fused loss), use_cache: true (a key/value cache in each training forward, freed before
+the backward), torch_empty_cache_steps on the cuda target (the reserved figure). Measured against the Trainer
+on the CPU and found not to move one rank's peak: average_tokens_across_devices (a scalar count),
+torch_empty_cache_steps on the cpu target. optim_target_modules only serves the GaLore / APOLLO optims, which
+the optim mapping refuses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import re
@@ -48,12 +61,25 @@ OPTIMS: dict[str, tuple[str, str]] = {
 DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default with torch >= 2.8
 # Keys that put the run outside one GPU holding everything, which memplan does not model.
 _SHARDING_KEYS = ("fsdp", "deepspeed")
+# Fields of transformers releases newer than the oldest memplan supports (5.17 has neither): read where the
+# installed TrainingArguments has them, and otherwise listed as not its fields, as any other unknown key.
+NEWER_READ_KEYS = frozenset({"activation_checkpointing", "activation_checkpointing_kwargs"})
 # Every TrainingArguments field this module reads.
 READ_KEYS = frozenset(
     {
         "per_device_train_batch_size",
         "gradient_accumulation_steps",
         "gradient_checkpointing",
+        "gradient_checkpointing_kwargs",
+        "activation_checkpointing",
+        "activation_checkpointing_kwargs",
+        "label_smoothing_factor",
+        "neftune_noise_alpha",
+        "use_liger_kernel",
+        "torch_empty_cache_steps",
+        "use_cache",
+        "torch_compile_backend",
+        "torch_compile_mode",
         "bf16",
         "fp16",
         "optim",
@@ -119,6 +145,14 @@ def _momentum(optim_args: object) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+@functools.cache
+def training_argument_fields() -> tuple[str, ...]:
+    """The installed transformers' TrainingArguments fields."""
+    from transformers import TrainingArguments
+
+    return tuple(field.name for field in dataclasses.fields(TrainingArguments))
+
+
 def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
     """Keys TrainingArguments does not have, each with the field it is closest to, if any.
 
@@ -126,9 +160,7 @@ def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
     be silently lost. Other unknown keys (typos of fields that do not matter here, or fields of
     other transformers releases, like 4.x's evaluation_strategy) are listed in a note.
     """
-    from transformers import TrainingArguments
-
-    fields = [field.name for field in dataclasses.fields(TrainingArguments)]
+    fields = training_argument_fields()
     described = []
     for key in sorted(key for key in data if key not in fields):
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
@@ -136,6 +168,50 @@ def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
             raise HfArgsError(f"--hf-args {path}: {key!r} is not a TrainingArguments field; did you mean {close[0]!r}?")
         described.append(f"{key} (did you mean {close[0]}?)" if close else key)
     return described
+
+
+def _aliased(data: dict[str, Any], key: str) -> str:
+    """The key TrainingArguments takes `key`'s value from: activation_checkpointing(_kwargs) where the file sets
+    it, else its deprecated alias gradient_checkpointing(_kwargs) (training_args.py __post_init__)."""
+    known = key in training_argument_fields()  # transformers before the new name: the old one alone
+    return key if known and data.get(key) is not None else key.replace("activation_", "gradient_", 1)
+
+
+def _read_checkpointing(data: dict[str, Any], path: Path, settings: dict[str, Any], notes: list[str]) -> None:
+    """activation_checkpointing and its kwargs, as Trainer._setup_model... hands them to the model's
+    activation_checkpointing_enable (trainer.py): every_n_layers and offload are popped, the rest goes to
+    torch.utils.checkpoint."""
+    if not _flag(data, key := _aliased(data, "activation_checkpointing")):
+        return
+    settings["checkpoint"] = "all"
+    kwargs_key = _aliased(data, "activation_checkpointing_kwargs")
+    checkpointing = data.get(kwargs_key) or {}
+    if isinstance(checkpointing, str) and checkpointing.startswith("{"):  # TrainingArguments parses such strings
+        try:
+            checkpointing = json.loads(checkpointing)
+        except ValueError as error:
+            raise HfArgsError(f"--hf-args {path}: {kwargs_key} is not valid JSON: {error}") from error
+    if not isinstance(checkpointing, dict):
+        raise HfArgsError(f"--hf-args {path}: {kwargs_key} must be a mapping, got {checkpointing!r}")
+    every = checkpointing.get("every_n_layers", 1)
+    if every != 1:
+        # modeling_utils._set_gradient_checkpointing: only layers whose index is a multiple of it are checkpointed.
+        raise HfArgsError(
+            f"--hf-args {path}: {kwargs_key} every_n_layers {every!r} checkpoints only some layers, which memplan "
+            f"does not read from the file: remove {key} from it and give --checkpoint a plan file whose layout names "
+            "those layers"
+        )
+    if checkpointing.get("offload"):
+        notes.append(
+            f"{kwargs_key} offload: true keeps the checkpointed layers' inputs in pinned host memory (save_on_cpu); "
+            "memplan keeps them on the device, so its figure is high by them"
+        )
+    if checkpointing.get("use_reentrant") is True:
+        notes.append(
+            f"{kwargs_key} use_reentrant: true is traced as a non-reentrant checkpoint "
+            "(transformers' default): a reentrant one recomputes each layer whole in the backward, with no "
+            "early stop, and can hold a little more there"
+        )
 
 
 def _deepspeed_path(value: object, path: Path) -> Path | None:
@@ -237,15 +313,7 @@ def read_training_args(
     grad_accum = _positive_int(data, "gradient_accumulation_steps", path)
     if grad_accum is not None:
         settings["grad_accum"] = grad_accum
-    if _flag(data, "gradient_checkpointing"):
-        settings["checkpoint"] = "all"
-        checkpointing = data.get("gradient_checkpointing_kwargs") or {}
-        if isinstance(checkpointing, dict) and checkpointing.get("use_reentrant") is True:
-            notes.append(
-                "gradient_checkpointing_kwargs use_reentrant: true is traced as a non-reentrant checkpoint "
-                "(transformers' default): a reentrant one recomputes each layer whole in the backward, with no "
-                "early stop, and can hold a little more there"
-            )
+    _read_checkpointing(data, path, settings, notes)
     if _flag(data, "bf16") and _flag(data, "fp16"):
         raise HfArgsError(f"--hf-args {path} sets both bf16 and fp16; TrainingArguments refuses that too")
     # Under DeepSpeed the Trainer hands bf16 and fp16 to DeepSpeed's own (16-bit weights, float32 master weights);
@@ -285,6 +353,52 @@ def read_training_args(
     max_grad_norm = data.get("max_grad_norm", 1.0)
     if not max_grad_norm:
         notes.append("max_grad_norm 0 turns Trainer's clipping off; memplan traces it anyway (a few scalars in excess)")
-    if _flag(data, "torch_compile"):
-        notes.append("torch_compile is not modelled: memplan predicts the eager step, compiled steps usually use less")
+    _read_trainer_loss(data, path, settings, runs_deepspeed)
+    # A backend or mode alone turns torch_compile on (training_args.py __post_init__).
+    backend_or_mode = (key for key in ("torch_compile_backend", "torch_compile_mode") if data.get(key) is not None)
+    compiled = "torch_compile" if _flag(data, "torch_compile") else next(backend_or_mode, None)
+    if compiled is not None:
+        notes.append(f"{compiled} is not modelled: memplan predicts the eager step, compiled steps usually use less")
+    notes.extend(_unmodelled_notes(data, device))
     return HfTrainingArgs(str(path), settings, tuple(notes))
+
+
+def _read_trainer_loss(data: dict[str, Any], path: Path, settings: dict[str, Any], runs_deepspeed: bool) -> None:
+    """label_smoothing_factor: the Trainer's own loss (memplan.estimator.trainer_loss), in the hf-trainer loop."""
+    factor = data.get("label_smoothing_factor") or 0.0
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor < 0:
+        raise HfArgsError(f"--hf-args {path}: label_smoothing_factor must be a number, 0 or more, got {factor!r}")
+    if factor and runs_deepspeed:
+        raise HfArgsError(
+            f"--hf-args {path} sets label_smoothing_factor under DeepSpeed, whose loop memplan traces without the "
+            "Trainer's label smoother: remove label_smoothing_factor (memplan's figure is then low by about two "
+            "float32 logits-sized tensors)"
+        )
+    if factor:
+        settings["label_smoothing"] = float(factor)
+
+
+def _unmodelled_notes(data: dict[str, Any], device: str) -> list[str]:
+    """What the file turns on that changes the memory and memplan does not model, one note each."""
+    notes = []
+    if data.get("neftune_noise_alpha") is not None:
+        notes.append(
+            "neftune_noise_alpha: the Trainer's NEFTune hook (integrations/neftune.py) adds uniform noise to the "
+            "input embeddings in each forward, a transient tensor of their size that memplan leaves out"
+        )
+    if _flag(data, "use_liger_kernel"):
+        notes.append(
+            "use_liger_kernel is not modelled: memplan traces the model's own layers and loss; Liger's kernels "
+            "(its fused linear cross entropy never makes the logits) usually use less"
+        )
+    if data.get("torch_empty_cache_steps") and device == "cuda":
+        notes.append(
+            "torch_empty_cache_steps: the Trainer empties the CUDA cache between a step's forward and backward every "
+            "so many steps; memplan's reserved figure assumes a cache kept (the allocated peak is the same)"
+        )
+    if _flag(data, "use_cache"):
+        notes.append(
+            "use_cache: true lets the model fill a key/value cache in each training forward, which memplan's trace "
+            "leaves off (the Trainer frees it with the outputs, before the backward)"
+        )
+    return notes

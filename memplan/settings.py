@@ -55,6 +55,9 @@ class TrainingSettings:
     gpu: str | None = None  # cuda: the card whose kernels are emulated (memplan.gpus); None = H100
     attn_impl: str = "sdpa"  # transformers' attn_implementation
     loop: str = "canonical"  # one of LOOPS: where zero_grad runs, what stays alive (memplan.estimator.loop)
+    # The hf-trainer loop's TrainingArguments.label_smoothing_factor: where not 0, the Trainer computes the loss
+    # with transformers' LabelSmoother from the model's logits (memplan.estimator.trainer_loss).
+    label_smoothing: float = 0.0
     cuda_context: int | None = None  # bytes nvidia-smi shows beyond reserved; None = memplan.gpus.CONTEXT_BYTES
     # The CUDA libraries as the run configures them (memplan.estimator.cuda.cudnn, .cublas, docs/concepts.md):
     cudnn_benchmark: bool = False  # torch.backends.cudnn.benchmark
@@ -133,6 +136,7 @@ class TrainingSettings:
         check_choice("device", self.device, DEVICES)
         check_choice("attention implementation", self.attn_impl, ATTENTION_IMPLEMENTATIONS)
         check_choice("loop", self.loop, LOOPS)
+        self._check_label_smoothing()
         if self.cuda_context is not None:
             if self.device != "cuda":
                 raise SettingsError("--cuda-context is the CUDA context of a GPU; it has no meaning with --device cpu")
@@ -190,6 +194,16 @@ class TrainingSettings:
         if config is not None and config_bytes(config) is None:
             raise SettingsError(
                 f"cannot read CUBLAS_WORKSPACE_CONFIG {config!r}: it is :SIZE:COUNT pairs in KiB, e.g. :4096:8 or :16:8"
+            )
+
+    def _check_label_smoothing(self) -> None:
+        value = self.label_smoothing
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise SettingsError(f"label smoothing is a factor of 0 or more, got {value!r}")
+        if value and self.loop != "hf-trainer":
+            raise SettingsError(
+                "label smoothing is transformers' Trainer's (label_smoothing_factor), which memplan traces in its "
+                "loop: give --loop hf-trainer"
             )
 
     def _check_step(self) -> None:

@@ -148,3 +148,53 @@ def held_beside_outputs(call: Callable[[], object]) -> int:
         peak = max(peak, total)
     del outputs
     return peak - total
+
+
+def trainer_third_step_peak(
+    model_dir: str, auto_class: str = "AutoModelForCausalLM", seq_len: int = 32, **arguments
+) -> int:
+    """Peak bytes, by the CPU allocator's own profiler events, during the third step of transformers' own Trainer
+    (its loop, accelerate's preparation of the model and batches) on the CPU, over a model built from the config in
+    `model_dir` with `auto_class`, trained on random token batches (input_ids and labels) with TrainingArguments
+    `arguments`; oneDNN off, as profiled_third_iteration says why."""
+    import tempfile
+
+    import transformers
+    from transformers import AutoConfig, Trainer, TrainerCallback, TrainingArguments
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, index: int) -> dict:
+            ids = torch.randint(0, 100, (seq_len,))
+            return {"input_ids": ids, "labels": ids}
+
+    window: list = []
+
+    class ThirdStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step == 2:
+                gc.collect()
+                gc.disable()
+                window.append(record_function("third step"))
+                window[0].__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if window and state.global_step == 3:
+                window[0].__exit__(None, None, None)
+                gc.enable()
+
+    training_arguments = TrainingArguments(
+        output_dir=tempfile.mkdtemp(), max_steps=3, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, **arguments,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    gc.collect()
+    with (
+        torch.backends.mkldnn.flags(enabled=False),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
+    ):
+        model = getattr(transformers, auto_class).from_config(AutoConfig.from_pretrained(model_dir))
+        Trainer(model=model, args=training_arguments, train_dataset=Tokens(), callbacks=[ThirdStep()]).train()
+    return peak_in_window(profiler, "third step")

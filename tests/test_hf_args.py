@@ -248,10 +248,12 @@ def test_a_misspelt_memory_field_is_an_error_and_other_unknown_keys_are_noted(tm
 
     from transformers import TrainingArguments
 
-    from memplan.hf_args import READ_KEYS
+    from memplan.hf_args import NEWER_READ_KEYS, READ_KEYS
 
     fields = {field.name for field in dataclasses.fields(TrainingArguments)}
-    assert READ_KEYS <= fields  # every key memplan reads is a real field (a misspelt one would never match)
+    # every key memplan reads is a real field (a misspelt one would never match); the newer ones in newer releases
+    assert READ_KEYS - NEWER_READ_KEYS <= fields
+    assert NEWER_READ_KEYS <= fields or not NEWER_READ_KEYS & fields
     typo = write(tmp_path, "typo.json", {**TRAINING_ARGS, "gradient_acumulation_steps": 2})
     file = "TrainingArguments file"  # as Python callers read it; the CLI says --hf-args
     with pytest.raises(HfArgsError, match=f"^{file} {typo}: 'gradient_acumulation_steps' is not a Train"):
@@ -384,3 +386,103 @@ def test_python_callers_read_of_the_file_not_of_a_flag(tmp_path):
         read_training_args(path)
     shown = CliRunner().invoke(main, ["estimate", "tiny-gpt2", "--hf-args", str(path)])
     assert shown.exit_code == 2 and f"--hf-args {path} sets both bf16 and fp16" in shown.output
+
+
+def _needs_activation_checkpointing():  # type: ignore[no-untyped-def]
+    from memplan.hf_args import training_argument_fields
+
+    if "activation_checkpointing" not in training_argument_fields():
+        pytest.skip("this transformers' TrainingArguments has gradient_checkpointing only")
+
+
+@pytest.mark.parametrize(
+    ("fields", "checkpointed"),
+    [
+        ({"activation_checkpointing": True}, True),
+        ({"activation_checkpointing": "true"}, True),
+        ({"gradient_checkpointing": True}, True),  # the deprecated alias, where the new name is not set
+        ({"activation_checkpointing": None, "gradient_checkpointing": True}, True),
+        # a file that sets both: TrainingArguments takes the new name's value, as saved files hold it
+        ({"activation_checkpointing": False, "gradient_checkpointing": True}, False),
+        ({"activation_checkpointing": True, "gradient_checkpointing": False}, True),
+    ],
+)
+def test_activation_checkpointing_and_its_alias_are_read_as_training_arguments_reads_them(
+    tmp_path, fields, checkpointed
+):
+    _needs_activation_checkpointing()
+    settings = read_training_args(write(tmp_path, "args.json", fields)).settings
+    assert (settings.get("checkpoint") == "all") is checkpointed
+
+
+def test_activation_checkpointing_kwargs_are_read_as_the_trainer_reads_them(tmp_path):
+    """The Trainer pops every_n_layers and offload from them (trainer.py) and hands the rest to torch's checkpoint."""
+    _needs_activation_checkpointing()
+
+    def read(kwargs):  # type: ignore[no-untyped-def]
+        return read_training_args(write(tmp_path, "args.json", {"activation_checkpointing": True, **kwargs}))
+
+    assert any(
+        "use_reentrant: true" in note
+        for note in read({"activation_checkpointing_kwargs": {"use_reentrant": True}}).notes
+    )
+    as_string = read({"activation_checkpointing_kwargs": '{"use_reentrant": true}'})  # TrainingArguments parses it
+    assert any("activation_checkpointing_kwargs use_reentrant: true" in note for note in as_string.notes)
+    # the alias's kwargs where the new name's are not set
+    assert any(
+        "gradient_checkpointing_kwargs use_reentrant" in note
+        for note in read({"gradient_checkpointing_kwargs": {"use_reentrant": True}}).notes
+    )
+    offloaded = read({"activation_checkpointing_kwargs": {"offload": True}})
+    assert offloaded.settings["checkpoint"] == "all"
+    assert any(
+        "offload: true keeps the checkpointed layers' inputs in pinned host memory" in n for n in offloaded.notes
+    )
+    assert read({"activation_checkpointing_kwargs": {"every_n_layers": 1}}).notes == ()
+    with pytest.raises(HfArgsError, match="every_n_layers 2 checkpoints only some layers"):
+        read({"activation_checkpointing_kwargs": {"every_n_layers": 2}})
+
+
+def test_label_smoothing_factor_is_the_trainers_loss_in_its_loop(tmp_path):
+    settings = read_training_args(write(tmp_path, "args.json", {"label_smoothing_factor": 0.1})).settings
+    assert settings["label_smoothing"] == 0.1 and settings["loop"] == "hf-trainer"
+    assert (
+        "label_smoothing"
+        not in read_training_args(write(tmp_path, "args.json", {"label_smoothing_factor": 0})).settings
+    )
+    with pytest.raises(HfArgsError, match="label_smoothing_factor must be a number, 0 or more"):
+        read_training_args(write(tmp_path, "args.json", {"label_smoothing_factor": -0.1}))
+    write(tmp_path, "ds_config.json", {"zero_optimization": {"stage": 2}})
+    with pytest.raises(HfArgsError, match="sets label_smoothing_factor under DeepSpeed"):
+        read_training_args(write(tmp_path, "args.json", {"label_smoothing_factor": 0.1, "deepspeed": "ds_config.json"}))
+    # the settings take it in the Trainer's loop only; a step of one's own computes its own loss
+    from memplan.errors import SettingsError
+    from memplan.settings import TrainingSettings
+
+    with pytest.raises(SettingsError, match="label smoothing is transformers' Trainer's"):
+        TrainingSettings(label_smoothing=0.1)
+    path = str(write(tmp_path, "args.json", {"label_smoothing_factor": 0.1}))
+    with_step = estimate_json("--hf-args", path, "--device", "cpu", "--step", "tests.custom_steps:canonical")
+    assert with_step["settings"]["label_smoothing"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "device", "note"),
+    [
+        ({"neftune_noise_alpha": 5.0}, "cpu", "neftune_noise_alpha: the Trainer's NEFTune hook"),
+        ({"use_liger_kernel": True}, "cpu", "use_liger_kernel is not modelled"),
+        ({"use_cache": True}, "cpu", "use_cache: true lets the model fill a key/value cache"),
+        ({"torch_empty_cache_steps": 4}, "cuda", "torch_empty_cache_steps: the Trainer empties the CUDA cache"),
+        ({"torch_compile_mode": "max-autotune"}, "cpu", "torch_compile_mode is not modelled"),
+        ({"torch_compile_backend": "inductor"}, "cpu", "torch_compile_backend is not modelled"),
+    ],
+)
+def test_fields_that_change_memory_unmodelled_are_noted(tmp_path, fields, device, note):
+    notes = read_training_args(write(tmp_path, "args.json", fields), device=device).notes
+    assert len(notes) == 1 and notes[0].startswith(note)
+
+
+def test_fields_that_do_not_change_one_ranks_memory_are_not_noted(tmp_path):
+    """Measured against the Trainer on the CPU (helper's hunt): neither moved the step's peak by a byte."""
+    fields = {"average_tokens_across_devices": False, "torch_empty_cache_steps": 1, "use_cache": False}
+    assert read_training_args(write(tmp_path, "args.json", fields), device="cpu").notes == ()

@@ -13,7 +13,7 @@ from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import LOOPS, TrainingSettings
 from tests import loop_mlp
-from tests.hand_measure import measured_step_peak, peak_in_window, profiled_third_iteration_peak
+from tests.hand_measure import measured_step_peak, profiled_third_iteration_peak, trainer_third_step_peak
 from tests.zoo_models import tied_lm, token_inputs
 
 BATCH = 8
@@ -94,52 +94,11 @@ def test_zero_grad_before_backward_starts_with_the_previous_gradients():
 def _real_trainer_peak(
     model_dir, batch_size: int, seq_len: int, bf16: bool, grad_accum: int = 1, fp16: bool = False
 ) -> int:
-    """Peak bytes, by the CPU allocator's own profiler events, during the third step of transformers'
-    own Trainer (its loop, accelerate's preparation of the model and batches) on the CPU; oneDNN off, as
-    tests/hand_measure.py says why (its 16-bit matmuls' kernel scratch on some CPUs)."""
-    import gc
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 64
-
-        def __getitem__(self, index: int) -> dict:
-            ids = torch.randint(0, 100, (seq_len,))
-            return {"input_ids": ids, "labels": ids}
-
-    window: list = []
-
-    class ThirdStep(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            if state.global_step == 2:
-                gc.collect()
-                gc.disable()
-                window.append(record_function("third step"))
-                window[0].__enter__()
-
-        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            if window and state.global_step == 3:
-                window[0].__exit__(None, None, None)
-                gc.enable()
-
-    arguments = TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, max_steps=3, bf16=bf16, fp16=fp16,
-        gradient_accumulation_steps=grad_accum, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0,
+    """tests/hand_measure.py's trainer_third_step_peak over a causal LM."""
+    return trainer_third_step_peak(
+        model_dir, seq_len=seq_len, per_device_train_batch_size=batch_size, bf16=bf16, fp16=fp16,
+        gradient_accumulation_steps=grad_accum,
     )  # fmt: skip
-    torch.manual_seed(0)
-    gc.collect()
-    with (
-        torch.backends.mkldnn.flags(enabled=False),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
-    ):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-        Trainer(model=model, args=arguments, train_dataset=Tokens(), callbacks=[ThirdStep()]).train()
-    return peak_in_window(profiler, "third step")
 
 
 @pytest.mark.parametrize("grad_accum", [1, 3])

@@ -300,7 +300,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "--hf-args",
             type=click.Path(dir_okay=False),
             help="A Hugging Face TrainingArguments JSON/YAML file: batch size, accumulation, bf16/fp16, "
-            "gradient_checkpointing and optim; flags given explicitly override it.",
+            "activation (gradient) checkpointing, optim and label_smoothing_factor (memplan.hf_args lists the "
+            "fields read and noted); flags given explicitly override it.",
         ),
         click.option("--inputs", help="package.module:fn where fn(batch_size) returns the batch (custom models)."),
         click.option("--loss", help="package.module:fn where fn(output, batch) returns the scalar loss."),

@@ -183,6 +183,7 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> tuple[dict[str, An
         loaded.settings.pop("checkpoint", None)  # plan chooses the checkpointing itself
     if settings.get("step") is not None:
         loaded.settings.pop("loop", None)  # the user's own iteration replaces the Trainer's loop the file implies
+        loaded.settings.pop("label_smoothing", None)  # and its loss
     if context_name == "sweep" or context.params.get("maximize_batch"):
         loaded.settings.pop("batch_size", None)  # these commands choose the batch sizes themselves
     from_file = {key: value for key, value in loaded.settings.items() if not typed(key)}

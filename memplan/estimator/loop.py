@@ -59,6 +59,13 @@ from memplan.estimator.checkpointing import apply_checkpointing
 from memplan.estimator.fake_conversions import cast_floating_point
 from memplan.estimator.leaves import refuse_sparse_tensors, tensors_in
 from memplan.estimator.optimizers import build_optimizer, optimizer_state_tensors
+from memplan.estimator.trainer_loss import (
+    float32_outputs,
+    items_in_batch,
+    label_smoothed_loss,
+    smooths_labels,
+    without_labels,
+)
 from memplan.finetune.lora import adapter_parameters, with_lora
 from memplan.finetune.quantize import bookkeeping_buffers, quantized
 from memplan.models.source import Batch, ModelSpec, call_model
@@ -270,14 +277,26 @@ def micro_batch(state: TrainingState, marker: Marker = no_marker) -> None:
     engine = _engine(state)
     # DeepSpeed's engine opens its own autocast around the model (torch_autocast, autocast_if_enabled).
     autocast = autocast_context(settings, state.autocast_device) if engine is None else nullcontext()
+    # The Trainer's label smoothing (memplan.estimator.trainer_loss): the model runs without the labels, and
+    # transformers' LabelSmoother computes the loss after the (autocast) forward, from its float32 outputs.
+    smoothing = settings.loop == "hf-trainer" and smooths_labels(
+        state.built_model, state.batch, settings.label_smoothing
+    )
+    inputs, labels = without_labels(state.batch) if smoothing else (state.batch, None)
+    counted = items_in_batch(state.built_model, labels) if labels is not None else None
     with autocast, engine.forward_context() if engine else nullcontext():
-        output = call_model(state.model, state.batch)
+        output = call_model(state.model, inputs)
         if settings.loop == "keep-output":
             state.kept_output = output  # `out = model(...)`: the previous micro-batch's lets go here
             marker("output")
-        loss = state.loss_of(output, state.batch)
+        if labels is None:
+            loss = state.loss_of(output, state.batch)
         if settings.loop in LOOPS_BINDING_THE_LOSS:
             state.kept_loss = loss  # `loss = ...`: the previous micro-batch's graph goes as this binds
+    if labels is not None:
+        output = float32_outputs(output) if settings.is_amp else output
+        loss = label_smoothed_loss(state.built_model, output, labels, settings.label_smoothing, counted)
+    del inputs, labels, counted
     if settings.loop != "keep-output":
         del output
     marker("forward")
