@@ -9,6 +9,7 @@ from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.measure.cpu import measure_cpu
 from memplan.models.source import resolve_model
+from tests.readme_zoo import readme_release_is_installed, readme_zoo_rows
 from tests.zoo import TINY_HF_CONFIGS, ZOO_CASES
 
 TOLERANCE = 0.005
@@ -32,3 +33,9 @@ def test_predicted_peak_matches_real_cpu_run(case, tiny_model_dirs):
         f"{case.id}: predicted {simulation.peak_bytes:,} B, measured {measured.peak_bytes:,} B ({error:+.3%})"
     )
     assert simulation.unsupported_ops == ()
+    if readme_release_is_installed():  # the README's accuracy table shows this prediction, byte for byte
+        shown = readme_zoo_rows()[case.id]
+        assert shown == simulation.peak_bytes, (
+            f"{case.id}: README {shown:,} B, memplan {simulation.peak_bytes:,} B; "
+            "regenerate: python benchmarks/zoo_accuracy.py"
+        )
