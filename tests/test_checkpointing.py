@@ -445,6 +445,61 @@ def test_recomputed_saved_tensors_live_until_the_formula_that_unpacked_them_retu
     assert simulate(traced).peak_bytes == measured
 
 
+class _BiasedBlock(nn.Module):
+    """An MLP over a 3-D input, its output scaled (a constant factor: the first Node whose unpack recomputes the
+    block is the product's): the second Linear's AddmmBackward0 returns the bias's gradient at the rows' size, which
+    the engine's validate_outputs sums to the bias's shape after the formula returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x)))) * torch.full((1,), 0.5)
+
+
+class _BiasedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList(_BiasedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_recomputed_saved_tensor_goes_before_validate_outputs_sums_a_gradient():
+    """The unpack hook of torch's non-reentrant checkpoint hands a recomputed tensor to the formula and drops its own
+    reference (torch/utils/checkpoint.py, `holder.handles[gid] = None`); the Node keeps only the holder. So it goes as
+    the formula returns, before the engine's validate_outputs sums a gradient to its input's shape, where a tensor
+    the Node saved itself lives until the Node's variables are released after it (engine.cpp, evaluate_function).
+    Held through the sum of the bias's gradient, the prediction was high by that sum's output (512 B here; 128 B on
+    timm's Swin with its blocks checkpointed). Truth: the same step run plainly, torch's own checkpoint around each
+    block, measured by the CPU allocator's events."""
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from tests.hand_measure import checkpoint_each, profiled_third_iteration_peak, training_iteration
+    from tests.module_specs import loss_returning_spec
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = _BiasedStack()
+        checkpoint_each(model.blocks)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(2, 256, 64)
+        build.kept = (model, optimizer, batch)
+        return training_iteration(model, batch, lambda loss, _: loss, optimizer)
+
+    measured = profiled_third_iteration_peak(build)
+    spec = loss_returning_spec("biased-stack", _BiasedStack, (256, 64))
+    settings = TrainingSettings(batch_size=2, device="cpu", optimizer="sgd", checkpoint="all")
+    assert simulate(trace_step(spec, settings)).peak_bytes == measured
+
+
 class _MlpBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

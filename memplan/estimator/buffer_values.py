@@ -46,12 +46,22 @@ MOST_REPLAYED_ELEMENTS = 4096 * 4096
 
 class _Made:
     """How a tensor was made: `func` run on `args`/`kwargs` (tensors among them _Made, or real tensors); its output
-    `index` (None: the op's only output; "self": its first argument, written in place)."""
+    `index` (None: the op's only output; "self": its first argument, written in place); `elements`: the most elements
+    of any tensor a replay makes or reads (ConstantTracker._keep adds the output's)."""
 
-    __slots__ = ("args", "func", "index", "kwargs")
+    __slots__ = ("args", "elements", "func", "index", "kwargs")
 
     def __init__(self, func: Any, args: Any, kwargs: Any, index: int | str | None) -> None:
         self.func, self.args, self.kwargs, self.index = func, args, kwargs, index
+        leaves = tree_flatten((args, kwargs))[0]
+        self.elements = max(
+            (
+                leaf.elements if isinstance(leaf, _Made) else leaf.numel()
+                for leaf in leaves
+                if isinstance(leaf, _Made | torch.Tensor)
+            ),
+            default=0,
+        )
 
     def replay(self, memo: dict[int, Any]) -> Any:
         if id(self) in memo:
@@ -123,9 +133,29 @@ class ConstantTracker:
                 if isinstance(each, FakeTensor):
                     self._keep(each, _Made(func, made_args, made_kwargs, index))
 
+    def item(self, tensor: torch.Tensor) -> float | int | bool | None:
+        """The real value of `tensor`, a one-element fake tensor made of constants while the model was built, replayed
+        from the ops that made it; None where it is not one, or its replay would make or read a tensor of more than
+        MOST_REPLAYED_ELEMENTS elements. What a factory reads with `.item()` or `.tolist()` from such a tensor
+        decides what it builds: timm's stochastic-depth rates (`calculate_drop_path_rates`, timm/layers/drop.py:
+        `torch.linspace(0, drop_path_rate, depth)` read back as floats, as the official Swin, ConvNeXt and DeiT
+        code reads them) make a block's `DropPath` where the rate is above 0 and an `nn.Identity` where it is 0."""
+        made = self.made(tensor)
+        if made is None or made.elements > MOST_REPLAYED_ELEMENTS:
+            return None
+        with _disable_current_modes():  # real tensors, which no mode is to see
+            try:
+                value = made.replay({})
+            except (RuntimeError, TypeError, ValueError):
+                return None
+            if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or value.dtype != tensor.dtype:
+                return None
+            return value.item() if value.numel() == 1 else None
+
     def _keep(self, tensor: torch.Tensor, made: _Made) -> None:
         if tensor.layout != torch.strided:  # a sparse tensor has no storage of its own: never a mask
             return
+        made.elements = max(made.elements, tensor.numel())
         key = tensor.untyped_storage()._cdata
         self._made[tensor] = (made, key, self._writes.get(key, 0))
 

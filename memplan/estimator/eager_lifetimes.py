@@ -124,6 +124,9 @@ class EagerLifetimes(TorchDispatchMode):
         self.python_formulas: list[bool] = []  # for each of backward_node_ops: a Python autograd Function's backward
         self.formula_nodes: list[str] = []  # for each of backward_node_ops: its Node's class name
         self.local_lifetimes: list[tuple[StorageWeakRef, int]] = []
+        # Storages a checkpoint's recomputation saved for the backward: held by the formula that unpacks them, not by
+        # its Node (recomputed_for_backward)
+        self.recomputed_saved: set[StorageWeakRef] = set()
         self._frames: list[FrameType] = []  # model-code frames on the stack, outermost first
         self._bindings: dict[int, LocalBindings] = {}  # id of each of them -> what its variables held when read
         self._depth: dict[int, int] = {}  # id of each of them -> its index there
@@ -243,6 +246,11 @@ class EagerLifetimes(TorchDispatchMode):
     def held_until_released(self, owner: object, tensor: torch.Tensor) -> None:
         """`tensor` lives at least until `owner`, a Python object invisible to the graph, is freed."""
         weakref.finalize(owner, self._released, storage_key(tensor))
+
+    def recomputed_for_backward(self, tensor: torch.Tensor) -> None:
+        """`tensor` is one a checkpoint's recomputation saved for a Node's formula, which holds it once unpacked, until
+        it returns; the Node does not (held_tensors._RecomputedTensors)."""
+        self.recomputed_saved.add(storage_key(tensor))
 
     def _released(self, key: StorageWeakRef) -> None:
         self.local_lifetimes.append((key, self.node_count() - 1))

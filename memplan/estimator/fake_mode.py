@@ -129,7 +129,10 @@ def finite_total_norm(
 
 @contextlib.contextmanager
 def constant_item() -> Iterator[None]:
-    """Let optimizers call `.item()` on fake tensors (step counters, Adafactor's norms).
+    """Let optimizers call `.item()` on fake tensors (step counters, Adafactor's norms), and model factories read the
+    tensors they make of constants: while a model is built (TracingFakeMode's `constants` set) such a tensor's
+    `.item()` (and `.tolist()`, `float()`, which read it) answers its own value, replayed (buffer_values), where a
+    constant had built what the real factory does not (timm's `DropPath` blocks for a stochastic-depth rate of 0).
 
     The value only steers arithmetic, never which tensors are allocated, so a constant is safe; where a value
     decides whether the optimizer steps (GradScaler's found-inf flags) or the step goes on (clip_grad_norm_'s
@@ -137,6 +140,10 @@ def constant_item() -> Iterator[None]:
     """
 
     def item(self: FakeTensor) -> float | int | bool:
+        tracker = getattr(self.fake_mode, "constants", None)  # set while a model is built (TracingFakeMode)
+        value = tracker.item(self) if tracker is not None else None
+        if value is not None:
+            return value  # a tensor made of constants: its own value (buffer_values.ConstantTracker.item)
         if self.dtype == torch.bool:
             return False
         return 2.0 if self.dtype.is_floating_point else 2

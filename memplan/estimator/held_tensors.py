@@ -6,10 +6,12 @@ the observer with the holder, whose finalizer then tells when it let go (`held_u
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType, FunctionType, MethodType
 from typing import Any, Protocol
@@ -27,6 +29,8 @@ from memplan.estimator.leaves import tensors_in, wraps_local_tensors
 
 class HolderObserver(Protocol):
     def held_until_released(self, owner: object, tensor: torch.Tensor) -> None: ...
+
+    def recomputed_for_backward(self, tensor: torch.Tensor) -> None: ...
 
 
 @contextlib.contextmanager
@@ -79,6 +83,10 @@ def _checkpoint_input_lifetimes(eager_lifetimes: HolderObserver) -> Iterator[Non
     original = checkpoint_module._CheckpointFrame
 
     class ObservedFrame(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            _observe_recomputed(self, eager_lifetimes)
+
         def save_inputs(self, *args: Any) -> None:
             super().save_inputs(*args)
             # Called by _checkpoint_without_reentrant_generator (torch 2.13-2.14), whose parameters `fn` and
@@ -103,10 +111,34 @@ def _checkpoint_input_lifetimes(eager_lifetimes: HolderObserver) -> Iterator[Non
             held = tensors_in((inputs.get("args"), inputs.get("kwargs"))) + held_by_callable(inputs.get("fn"))
             for tensor in held:
                 eager_lifetimes.held_until_released(self, tensor)
+            _observe_recomputed(self, eager_lifetimes)
 
     observed = ObservedFrame if hasattr(original, "save_inputs") else ObservedFrameBeforeSaveInputs
     with patch.object(checkpoint_module, "_CheckpointFrame", observed):
         yield
+
+
+class _RecomputedTensors(weakref.WeakKeyDictionary):  # type: ignore[type-arg]
+    """One graph task's entries of a non-reentrant checkpoint frame's `recomputed` (torch/utils/checkpoint.py,
+    torch 2.11-2.14): `_recomputation_hook`'s pack hook stores each tensor the recomputation saves under the handle of
+    the forward's holder, and the frame's unpack hook hands it to the Node's formula and drops the handle
+    (`holder.handles[gid] = None`), which takes the entry out. From then on only the formula's locals hold it, not the
+    Node (a SavedVariable with hooks keeps the holder, not the tensor: saved_variable.cpp): it goes as the formula
+    returns, before the engine's validate_outputs sums or casts what it returned (engine.cpp, call_function)."""
+
+    def __init__(self, observer: HolderObserver) -> None:
+        super().__init__()
+        self._observer = observer
+
+    def __setitem__(self, key: object, value: torch.Tensor) -> None:
+        if isinstance(value, torch.Tensor):
+            self._observer.recomputed_for_backward(value)
+        super().__setitem__(key, value)
+
+
+def _observe_recomputed(frame: Any, observer: HolderObserver) -> None:
+    """Report to `observer` what the checkpoint frame's recomputations save for the backward (_RecomputedTensors)."""
+    frame.recomputed = collections.defaultdict(functools.partial(_RecomputedTensors, observer))
 
 
 @contextlib.contextmanager

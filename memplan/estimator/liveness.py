@@ -184,8 +184,11 @@ def liveness(traced: TracedStep) -> Liveness:
         )
         # The formula's own temporaries are what its own ops made. Not every storage born after its first op: a
         # checkpointed forward recomputed while the formula unpacks a saved tensor runs between its ops (the detach
-        # that unpacks the checkpoint's inputs is the formula's first op), and the saved tensors it recomputed are
-        # held by the formula (unpacked into its locals) until it returns, as any saved tensor is.
+        # that unpacks the checkpoint's inputs is the formula's first op). A tensor its Node saved is held until the
+        # engine releases the Node's variables, after validate_outputs (evaluate_function, engine.cpp); one a
+        # checkpoint's recomputation saved only by the formula's locals, which go as it returns, before
+        # validate_outputs' ops (held_tensors._RecomputedTensors: a recomputed Linear input, freed before its
+        # bias's gradient was summed, was held through the sum here, 256 B high).
         own = frozenset(formula)
         for index in formula:
             for source in nodes[index].all_input_nodes:
@@ -204,6 +207,8 @@ def liveness(traced: TracedStep) -> Liveness:
                             end = block_ends.named_locals[key]
                         elif key not in block_ends.results:
                             end = block_ends.end_after(last_use[key], born[key])
+                    elif block_ends is not None and key in traced.recomputed_saved:
+                        end = block_ends.ends[-1]  # the formula's own last op
                     last_use[key] = max(last_use[key], end)
     # What a Node returned is held by the engine's `outputs` (evaluate_function, torch/csrc/autograd/engine.cpp)
     # until its evaluation returns, past the additions that accumulate each into the next Node's input buffer:

@@ -81,6 +81,9 @@ class TracedStep:
     python_formulas: tuple[bool, ...] = ()
     # For each of backward_node_ops, its autograd Node's class name (manual_formulas.MANUAL_STATEMENTS)
     formula_nodes: tuple[str, ...] = ()
+    # Storages a non-reentrant checkpoint's recomputation saved for the backward: the formula that unpacks one holds it
+    # until it returns, before validate_outputs' ops; no Node does (held_tensors._RecomputedTensors)
+    recomputed_saved: frozenset[StorageWeakRef] = frozenset()
     # For each of backward_node_ops, the last graph node its Node's evaluation ran (the formula, then the additions
     # into the next Nodes' input buffers); () where not observed
     evaluation_ends: tuple[int, ...] = ()
@@ -154,6 +157,7 @@ def traced_step_from(
         python_formulas=tuple(observed.eager_lifetimes.python_formulas),
         formula_nodes=tuple(observed.eager_lifetimes.formula_nodes),
         evaluation_ends=tuple(observed.eager_lifetimes.evaluation_ends),
+        recomputed_saved=frozenset(observed.eager_lifetimes.recomputed_saved),
         seconds=time.perf_counter() - observed.started,
         optimizer_recording=recording,
         unknown_target_ops=tuple(sorted(observed.unknown_ops)),
