@@ -18,11 +18,12 @@ installed one (a row's "source_torch_differences"), with that older behaviour pu
 trace; see SOURCE_TORCH_DIFFERENCES. memplan itself models the installed torch: the first column
 is its answer, the second tells a version difference from a modelling miss.
 
-Most rows name a transformers model (a hub id, or a "config" written to a folder). The rasbt-vit-*
-and gpumemnet-* rows trace torchvision's own models as the sources' scripts build them: their "model",
-"inputs" and "loss" are import paths into benchmarks/published_models.py, given to memplan as
---model/--inputs/--loss would be. Those rows need torchvision (matching the installed torch), which
-memplan itself does not depend on: `pip install torchvision`.
+Most rows name a transformers model (a hub id, or a "config" written to a folder). The rasbt-vit-*,
+rasbt-vitft-* and gpumemnet-* rows trace torchvision's own models as the sources' scripts build them,
+the llmfs-* rows the LLMs-from-scratch book's GPT model: their "model", "inputs" and "loss" are import
+paths into benchmarks/published_models.py, given to memplan as --model/--inputs/--loss would be. The
+torchvision rows need torchvision (matching the installed torch), which memplan itself does not depend
+on: `pip install torchvision`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
+from benchmarks.published_models import TORCHVISION_FACTORIES  # noqa: E402
 from memplan.estimator.simulate import simulate  # noqa: E402
 from memplan.estimator.trace import trace_step  # noqa: E402
 from memplan.models.source import resolve_model  # noqa: E402
@@ -192,14 +194,19 @@ def predict(row: dict, folder: Path, source_torch: bool = False) -> dict[str, fl
     }
 
 
+def _needs_torchvision(row: dict) -> bool:
+    model = str(row["memplan"].get("model", ""))
+    return model.startswith(OWN_MODELS) and model.removeprefix(OWN_MODELS) in TORCHVISION_FACTORIES
+
+
 def _check_torchvision(rows: list[dict]) -> None:
     """The rows tracing torchvision's models need it importable: say so in one line, not a traceback."""
-    if not any(str(row["memplan"].get("model", "")).startswith(OWN_MODELS) for row in rows):
+    if not any(_needs_torchvision(row) for row in rows):
         return
     try:
         import torchvision  # noqa: F401
     except Exception as error:  # missing, or a build that does not load with the installed torch
-        ids = " ".join(row["id"] for row in rows if str(row["memplan"].get("model", "")).startswith(OWN_MODELS))
+        ids = " ".join(row["id"] for row in rows if _needs_torchvision(row))
         sys.exit(
             f"published.py: the rows {ids} trace torchvision's models and need torchvision matching torch "
             f"{torch.__version__} (import failed: {type(error).__name__}: {error}); pip install torchvision, "
