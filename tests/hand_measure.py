@@ -35,24 +35,25 @@ def measured_step_peak(
     return counter.peak_bytes
 
 
-def profiled_third_iteration_peak(build: Callable[[], Callable[[], None]]) -> int:
+def profiled_third_iteration_peak(build: Callable[[], Callable[[], None]], onednn: bool = False) -> int:
     """Peak bytes, by torch's CPU allocator's own allocation and free events (the profiler's, which see
     what no dispatch mode does: FSDP2's storage resizes), during the third of three iterations.
     `build()` makes the model and optimizer under the profiler and returns one iteration; the first
     two warm up; the collector is held during the third."""
-    return peak_in_window(profiled_third_iteration(build), "measured")
+    return peak_in_window(profiled_third_iteration(build, onednn), "measured")
 
 
-def profiled_third_iteration(build: Callable[[], Callable[[], None]]) -> profile:
+def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bool = False) -> profile:
     """The profiler of profiled_third_iteration_peak's run, the third iteration in record_function("measured").
 
     Run with oneDNN off: on CPUs with AVX512-FP16 or AMX (some of this project's machines), oneDNN's 16-bit
     matmuls take scratch from the CPU allocator inside the kernel (a 64×64×256 float16 product: 67,328 B beside
     its 32,768 B output), which memplan's cpu target does not model (docs/concepts.md); the reference BLAS path
-    that runs them with oneDNN off takes none, on any CPU, so the measurement is of the tensors alone."""
+    that runs them with oneDNN off takes none, on any CPU, so the measurement is of the tensors alone. `onednn=True`
+    measures a run as torch's default has it (benchmarks/cpu_onednn_convolutions.py)."""
     gc.collect()
     with (
-        torch.backends.mkldnn.flags(enabled=False),
+        torch.backends.mkldnn.flags(enabled=onednn),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
     ):
         iteration = build()

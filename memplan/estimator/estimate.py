@@ -18,7 +18,12 @@ from memplan.estimator.checkpointing import LayoutModuleMissing
 from memplan.estimator.compiled import compiled_modules_notes
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
-from memplan.estimator.notes import settings_notes, unchecked_blocks_notes, value_dependent_kernel_notes
+from memplan.estimator.notes import (
+    onednn_convolution_notes,
+    settings_notes,
+    unchecked_blocks_notes,
+    value_dependent_kernel_notes,
+)
 from memplan.estimator.optimizers import local_optimizer
 from memplan.estimator.result import Breakdown, EstimateResult
 from memplan.estimator.search import MAX_BATCH_SIZE
@@ -156,6 +161,7 @@ def _estimate(
             + settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)
             + unchecked_blocks_notes(settings, traced.checkpointed_blocks)
             + value_dependent_kernel_notes(traced.graph)
+            + onednn_convolution_notes(traced.graph, settings)
             + compiled_modules_notes(tracer.setup.state.built_model)
         ),
         timeline=main.timeline,

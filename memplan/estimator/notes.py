@@ -255,3 +255,34 @@ def value_dependent_kernel_notes(graph: Any) -> list[str]:
         "picks, 4 to 12 matrices' worth for one matrix), which memplan cannot know: the top of that range is counted; "
         "a run whose matrices have small norms peaks lower"
     ]
+
+
+def onednn_convolution_notes(graph: Any, settings: TrainingSettings) -> list[str]:
+    """On the cpu target: the step's convolutions that oneDNN runs in this process (composite_kernels.convolution's
+    mkldnn_runs, torch.backends.mkldnn's switch as memplan's process has it), whose copies inside the kernel memplan
+    does not count (docs/usage.md, "peak_bytes")."""
+    if settings.device != "cpu":
+        return []
+    from memplan.estimator.composite_kernels.convolution import mkldnn_runs
+
+    convolution = torch.ops.aten.convolution.default
+    run = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target != convolution:
+            continue
+        input, weight, _, stride, _, dilation, _, _, groups = node.args[:9]
+        input, weight = input.meta.get("val"), weight.meta.get("val")
+        if (
+            input is not None
+            and weight is not None
+            and mkldnn_runs(input, weight, list(stride), list(dilation), groups)
+        ):
+            run += 1
+    if not run:
+        return []
+    return [
+        f"oneDNN runs {run} of the step's convolutions on this CPU: what it holds inside them (their inputs, outputs "
+        "and weights reordered to its blocked layouts, its scratchpad) is not counted, and a real CPU step holds "
+        "more (a depthwise-and-pointwise conv net 23-26% more: python benchmarks/cpu_onednn_convolutions.py); with "
+        "torch.backends.mkldnn off, in the run and in memplan's process, memplan models the backends that run instead"
+    ]

@@ -29,9 +29,7 @@ def _expanded(param: Any, dims: int) -> list[int]:
     return values * dims if len(values) == 1 else values
 
 
-def _mkldnn_runs(
-    input: torch.Tensor, weight: torch.Tensor, stride: list[int], dilation: list[int], groups: int
-) -> bool:
+def mkldnn_runs(input: torch.Tensor, weight: torch.Tensor, stride: list[int], dilation: list[int], groups: int) -> bool:
     """`ConvParams::use_mkldnn` (aten/src/ATen/native/Convolution.cpp, torch 2.11-2.14; `input`, `weight` 4-D, as
     `_convolution` views a 1-D convolution before it selects its backend): 16-bit floats where the CPU has oneDNN's
     kernels for them; float32 unless it is a small one that THNN runs faster: a 1x1, unstrided, undilated kernel on
@@ -58,7 +56,7 @@ def _mkldnn_runs(
 def _slow_conv2d_backend(args: tuple[Any, ...], transposed: bool, groups: int) -> bool:
     """Whether ATen's CPU `_select_conv_backend` (aten/src/ATen/native/Convolution.cpp, torch 2.11-2.14) takes
     Slow2d (`thnn_conv2d` / `_slow_conv2d_backward`) for this convolution in this process: a 1-D or 2-D, undilated,
-    untransposed convolution that oneDNN does not run (_mkldnn_runs) and NNPACK does not either (`use_nnpack`:
+    untransposed convolution that oneDNN does not run (mkldnn_runs) and NNPACK does not either (`use_nnpack`:
     float32, kernel under 17, padding under the kernel, a batch of 16 or more; its backward runs the dilated
     kernel)."""
     input, weight = args[0], args[1]
@@ -71,7 +69,7 @@ def _slow_conv2d_backend(args: tuple[Any, ...], transposed: bool, groups: int) -
     kernel = weight.shape[2:]
     padding2d = padding if input.dim() == 4 else [0, *padding]
     kernel2d = [*kernel] if input.dim() == 4 else [1, *kernel]
-    if _mkldnn_runs(input, weight, stride, dilation, groups):
+    if mkldnn_runs(input, weight, stride, dilation, groups):
         return False
     nnpack = (
         torch.backends.nnpack.is_available()

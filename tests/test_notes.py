@@ -1,0 +1,25 @@
+"""What an estimate's notes say it leaves out, against a real CPU step (memplan.estimator.notes)."""
+
+import pytest
+import torch
+
+import memplan
+from benchmarks.cpu_onednn_convolutions import measured_step
+
+MODEL, INPUTS = "benchmarks.cpu_onednn_convolutions:model", "benchmarks.cpu_onednn_convolutions:inputs"
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_the_convolutions_onednn_runs_are_named_and_a_real_step_holds_more(monkeypatch):
+    """oneDNN's reorders and scratchpad inside its convolutions are not modelled: the cpu target's answer says so,
+    counting the convolutions oneDNN runs (ConvParams::use_mkldnn: the 7x7 depthwise one always, the two 1x1 ones only
+    on more than one thread or from batch 16), and a real step with oneDNN on holds more than the figure."""
+    monkeypatch.setattr(memplan.estimator.composite_kernels, "INTRA_OP_THREADS", 1)
+    result = memplan.estimate(MODEL, inputs=INPUTS, batch_size=4, optimizer="sgd", device="cpu")
+    (note,) = [note for note in result.notes if note.startswith("oneDNN runs")]
+    assert note.startswith("oneDNN runs 1 of the step's convolutions")
+    assert measured_step(True, 4) > result.peak_bytes
+    with torch.backends.mkldnn.flags(enabled=False):
+        off = memplan.estimate(MODEL, inputs=INPUTS, batch_size=4, optimizer="sgd", device="cpu")
+    assert not any(note.startswith("oneDNN") for note in off.notes)
+    assert off.peak_bytes == measured_step(False, 4)  # what the other backends hold is modelled
