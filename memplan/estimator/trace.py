@@ -64,6 +64,7 @@ from memplan.estimator.traced_step import (
     categorize_storages,
     traced_step_from,
 )
+from memplan.estimator.user_step import step_function
 from memplan.estimator.wrapped_numbers import wrapped_numbers_recorded
 from memplan.interrupts import deferred
 from memplan.models.source import ModelSpec, exit_in_user_code
@@ -140,6 +141,11 @@ def _untraced(state: TrainingState, spec: ModelSpec, settings: TrainingSettings)
 @deferred()
 @compiled_code_run_eagerly()
 def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
+    if settings.step is not None:
+        # Imported here, outside the fake mode: a module first imported inside it makes its module-level tensors
+        # (a noise scheduler's tables, a constant) fake for good, and the caller's process, which imports the same
+        # module object from sys.modules, then trains on fake tensors silently (memplan.estimator.user_step).
+        step_function(settings)
     fake_mode = TracingFakeMode(allow_non_fake_inputs=True)
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
         with constants_tracked(fake_mode) as constants:
