@@ -3,7 +3,10 @@ tests/hand_measure.py measures, or float64) allocates its im2col columns inside 
 `_slow_conv2d_backward`, and a grouped one each group's input (and grad_output) slices, which no dispatch mode sees.
 
 Truth: the same step run for real on the CPU with no dispatch mode active, measured by the CPU allocator's own events
-(tests/hand_measure.py). Before the rules a [2, 8, 16, 16] 3x3 convolution's step was 21,056 B (10.2%) low."""
+(tests/hand_measure.py). Before the rules a [2, 8, 16, 16] 3x3 convolution's step was 21,056 B (10.2%) low. From a
+batch of 16 a float32 one runs NNPACK (`use_nnpack`), whose backward is SlowDilated2d's with one sample's columns: the
+rules had counted nothing there (a ConvNeXt-pattern step 131,104 B low, a grouped 3x3 one 11% low) and Slow2d's
+columns for a 1-D one (42% high)."""
 
 from __future__ import annotations
 
@@ -40,19 +43,20 @@ class _Convolved(nn.Module):
         return self.conv(x).square().mean()
 
 
+@pytest.mark.parametrize("batch", [BATCH, 16])  # 16: NNPACK forward, SlowDilated2d backward (where NNPACK is built)
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_slow_cpu_convolution_holds_its_columns(case):
+def test_a_slow_cpu_convolution_holds_its_columns(case, batch):
     shape = CASES[case][1]
 
     def build():
         torch.manual_seed(0)
         model = _Convolved(case)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        return training_iteration(model, torch.randn(BATCH, *shape), lambda out, _: out, optimizer)
+        return training_iteration(model, torch.randn(batch, *shape), lambda out, _: out, optimizer)
 
-    measured = profiled_third_iteration_peak(build)  # oneDNN off: the Slow2d backend
+    measured = profiled_third_iteration_peak(build)  # oneDNN off: ATen's own backends
     spec = loss_returning_spec(f"conv-{case}", lambda: _Convolved(case), shape)
-    settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
+    settings = TrainingSettings(batch_size=batch, device="cpu", optimizer="sgd")
     with torch.backends.mkldnn.flags(enabled=False):
         assert simulate(trace_step(spec, settings)).peak_bytes == measured
         assert measure_cpu(spec, settings).peak_bytes == measured
@@ -97,3 +101,90 @@ def test_one_element_convolution_parameters_stand_for_every_dimension():
     short = (*full, [1], [1], [1], False, [0], 1)
     measured, _ = _op_scratch_measured(short)
     assert kernel_scratch_bytes(torch.ops.aten.convolution.default, short, {}, "cpu") == measured > 0
+
+
+_NNPACK = pytest.mark.skipif(
+    not (torch.backends.nnpack.is_available() and torch._C._get_nnpack_enabled()), reason="no NNPACK on this CPU"
+)
+
+
+@_NNPACK
+def test_nnpack_backward_holds_one_samples_columns_and_the_bias_sum():
+    """A batch of 16 takes NNPACK (`use_nnpack`, Convolution.cpp) and its backward `slow_conv_dilated2d_backward_cpu`
+    (NaiveDilatedConvolution.cpp): one sample's columns, [in_channels * kh * kw, oh * ow], even for a 1x1 kernel, and
+    the per-sample `grad_output_n.sum(dims)` for the bias beside them. Hand-computed for the ConvNeXt pattern's 32 to 8
+    channel 1x1 convolution over 32x32: 32 * 1024 * 4 + 8 * 4 = 131,104 B, what the CPU allocator's events show."""
+    from memplan.estimator.composite_kernels import kernel_scratch_bytes
+    from tests.hand_measure import held_beside_outputs
+
+    input, weight, bias = torch.randn(16, 32, 32, 32), torch.randn(8, 32, 1, 1), torch.randn(8)
+    geometry = ([1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    with torch.backends.mkldnn.flags(enabled=False):
+        _, ran = _op_scratch_measured((input, weight, bias, *geometry))
+        grad_output = torch.randn(16, 8, 32, 32)
+        args = (grad_output, input, weight, [8], *geometry, [True, True, True])
+        measured = held_beside_outputs(lambda: torch.ops.aten.convolution_backward.default(*args))
+        predicted = kernel_scratch_bytes(torch.ops.aten.convolution_backward.default, args, {}, "cpu")
+    assert "aten::_nnpack_spatial_convolution" in ran
+    assert predicted == measured == 32 * 1024 * 4 + 8 * 4
+
+
+# (batch, in, out, kernel, padding, dilation, groups, bias, channels-last input, 1-D, input's gradient wanted)
+_NO_GROUP_BACKENDS = {
+    "nnpack-3x3-no-bias": (16, 8, 16, 3, 1, 1, 1, False, False, False, True),
+    "nnpack-depthwise-7x7": (16, 8, 8, 7, 3, 1, 8, True, False, False, False),
+    "nnpack-grouped-channels-last": (16, 8, 16, 5, 2, 1, 2, True, True, False, True),
+    "nnpack-conv1d": (16, 8, 16, 9, 4, 1, 1, True, False, True, True),
+    "dilated-grouped": (4, 8, 16, 3, 2, 2, 2, True, False, False, True),
+    "dilated-channels-last": (4, 8, 16, 3, 2, 2, 1, True, True, False, True),
+}
+
+
+@_NNPACK
+@pytest.mark.parametrize("case", list(_NO_GROUP_BACKENDS))
+def test_nnpack_and_dilated_convolutions_hold_what_their_kernels_allocate(case):
+    """Forward and backward of NnpackSpatial (from a batch of 16) and SlowDilated2d (dilated) as the CPU allocator's
+    events show them, beside their outputs: the contiguous copies (NNPACK's in the default format), each group's
+    slices and the outputs before the cat, a zero bias NNPACK makes where there is none, the dilated backward's one
+    sample's columns and bias sum. The rules had counted 0 for all of them, and Slow2d's whole-batch columns for the
+    1-D NNPACK one."""
+    from memplan.estimator.composite_kernels import kernel_scratch_bytes
+    from tests.hand_measure import held_beside_outputs
+
+    batch, c_in, c_out, k, pad, dil, groups, has_bias, channels_last, one_d, input_grad = _NO_GROUP_BACKENDS[case]
+    dims = 1 if one_d else 2
+    torch.manual_seed(0)
+    input = torch.randn(batch, c_in, *([64] if one_d else [32, 32]))
+    if channels_last:
+        input = input.contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.randn(c_out, c_in // groups, *[k] * dims), torch.randn(c_out) if has_bias else None
+    geometry = ([1] * dims, [pad] * dims, [dil] * dims, False, [0] * dims, groups)
+    forward = (input, weight, bias, *geometry)
+    with torch.backends.mkldnn.flags(enabled=False):
+        output = torch.ops.aten.convolution.default(*forward)
+        backward = (torch.randn_like(output), input, weight, [c_out] if has_bias else None, *geometry)
+        backward += ([input_grad, True, has_bias],)
+        measured = (
+            held_beside_outputs(lambda: torch.ops.aten.convolution.default(*forward)),
+            held_beside_outputs(lambda: torch.ops.aten.convolution_backward.default(*backward)),
+        )
+        predicted = (
+            kernel_scratch_bytes(torch.ops.aten.convolution.default, forward, {}, "cpu"),
+            kernel_scratch_bytes(torch.ops.aten.convolution_backward.default, backward, {}, "cpu"),
+        )
+    assert predicted == measured
+    assert sum(measured) > 0
+
+
+@_NNPACK
+def test_the_convnext_pattern_step_at_a_batch_of_16_is_exact():
+    """benchmarks/cpu_onednn_convolutions.py's step with oneDNN off at a batch of 16, where all three convolutions take
+    NNPACK: its peak falls in the 32 to 8 channel 1x1 convolution's backward, which holds one sample's columns and
+    the bias's sum (131,104 B the rules had not counted: 9,049,240 B against a measured 9,180,344 B here)."""
+    import memplan
+    from benchmarks.cpu_onednn_convolutions import measured_step
+
+    model, inputs = "benchmarks.cpu_onednn_convolutions:model", "benchmarks.cpu_onednn_convolutions:inputs"
+    with torch.backends.mkldnn.flags(enabled=False):
+        predicted = memplan.estimate(model, inputs=inputs, batch_size=16, optimizer="sgd", device="cpu")
+    assert predicted.peak_bytes == measured_step(False, 16)

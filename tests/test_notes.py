@@ -10,16 +10,16 @@ MODEL, INPUTS = "benchmarks.cpu_onednn_convolutions:model", "benchmarks.cpu_oned
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
-def test_the_convolutions_onednn_runs_are_named_and_a_real_step_holds_more(monkeypatch):
+def test_the_convolutions_onednn_runs_are_named_and_a_real_step_holds_more():
     """oneDNN's reorders and scratchpad inside its convolutions are not modelled: the cpu target's answer says so,
-    counting the convolutions oneDNN runs (ConvParams::use_mkldnn: the 7x7 depthwise one always, the two 1x1 ones only
-    on more than one thread or from batch 16), and a real step with oneDNN on holds more than the figure."""
-    monkeypatch.setattr(memplan.estimator.composite_kernels, "INTRA_OP_THREADS", 1)
-    result = memplan.estimate(MODEL, inputs=INPUTS, batch_size=4, optimizer="sgd", device="cpu")
+    counting the convolutions oneDNN runs (ConvParams::use_mkldnn: at a batch of 16 all three, the 7x7 depthwise one
+    and the two 1x1 ones, on any number of threads), and a real step with oneDNN on holds more than the figure (25.8%
+    more on one thread, 25.9% on two)."""
+    result = memplan.estimate(MODEL, inputs=INPUTS, batch_size=16, optimizer="sgd", device="cpu")
     (note,) = [note for note in result.notes if note.startswith("oneDNN runs")]
-    assert note.startswith("oneDNN runs 1 of the step's convolutions")
-    assert measured_step(True, 4) > result.peak_bytes
+    assert note.startswith("oneDNN runs 3 of the step's convolutions")
+    assert measured_step(True, 16) > 1.2 * result.peak_bytes
     with torch.backends.mkldnn.flags(enabled=False):
-        off = memplan.estimate(MODEL, inputs=INPUTS, batch_size=4, optimizer="sgd", device="cpu")
+        off = memplan.estimate(MODEL, inputs=INPUTS, batch_size=16, optimizer="sgd", device="cpu")
     assert not any(note.startswith("oneDNN") for note in off.notes)
-    assert off.peak_bytes == measured_step(False, 4)  # what the other backends hold is modelled
+    assert off.peak_bytes == measured_step(False, 16)  # what the other backends (NNPACK's backward here) hold
