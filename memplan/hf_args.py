@@ -177,7 +177,9 @@ def _aliased(data: dict[str, Any], key: str) -> str:
     return key if known and data.get(key) is not None else key.replace("activation_", "gradient_", 1)
 
 
-def _read_checkpointing(data: dict[str, Any], path: Path, settings: dict[str, Any], notes: list[str]) -> None:
+def _read_checkpointing(
+    data: dict[str, Any], path: Path, settings: dict[str, Any], notes: list[str], device: str
+) -> None:
     """activation_checkpointing and its kwargs, as Trainer._setup_model... hands them to the model's
     activation_checkpointing_enable (trainer.py): every_n_layers and offload are popped, the rest goes to
     torch.utils.checkpoint."""
@@ -201,7 +203,7 @@ def _read_checkpointing(data: dict[str, Any], path: Path, settings: dict[str, An
             f"does not read from the file: remove {key} from it and give --checkpoint a plan file whose layout names "
             "those layers"
         )
-    if checkpointing.get("offload"):
+    if checkpointing.get("offload") and device == "cuda":
         notes.append(
             f"{kwargs_key} offload: true keeps the checkpointed layers' inputs in pinned host memory (save_on_cpu); "
             "memplan keeps them on the device, so its figure is high by them"
@@ -313,7 +315,7 @@ def read_training_args(
     grad_accum = _positive_int(data, "gradient_accumulation_steps", path)
     if grad_accum is not None:
         settings["grad_accum"] = grad_accum
-    _read_checkpointing(data, path, settings, notes)
+    _read_checkpointing(data, path, settings, notes, device)
     if _flag(data, "bf16") and _flag(data, "fp16"):
         raise HfArgsError(f"--hf-args {path} sets both bf16 and fp16; TrainingArguments refuses that too")
     # Under DeepSpeed the Trainer hands bf16 and fp16 to DeepSpeed's own (16-bit weights, float32 master weights);
@@ -370,8 +372,8 @@ def _read_trainer_loss(data: dict[str, Any], path: Path, settings: dict[str, Any
         raise HfArgsError(f"--hf-args {path}: label_smoothing_factor must be a number, 0 or more, got {factor!r}")
     if factor and runs_deepspeed:
         raise HfArgsError(
-            f"--hf-args {path} sets label_smoothing_factor under DeepSpeed, whose loop memplan traces without the "
-            "Trainer's label smoother: remove label_smoothing_factor (memplan's figure is then low by about two "
+            f"--hf-args {path} sets label_smoothing_factor under DeepSpeed, whose engine memplan does not trace with "
+            "the Trainer's label smoother: remove label_smoothing_factor (memplan's figure is then low by about two "
             "float32 logits-sized tensors)"
         )
     if factor:

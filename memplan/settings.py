@@ -200,6 +200,11 @@ class TrainingSettings:
         value = self.label_smoothing
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
             raise SettingsError(f"label smoothing is a factor of 0 or more, got {value!r}")
+        if value and (self.deepspeed_stage is not None or self.deepspeed_config is not None):
+            raise SettingsError(
+                "label smoothing is the Trainer's own loss, which memplan does not trace under DeepSpeed's engine: "
+                "leave out label smoothing (label_smoothing_factor)"
+            )
         if value and self.loop != "hf-trainer":
             raise SettingsError(
                 "label smoothing is transformers' Trainer's (label_smoothing_factor), which memplan traces in its "

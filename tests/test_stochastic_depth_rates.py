@@ -106,3 +106,26 @@ def test_a_value_read_from_no_constant_is_still_the_constant():
     spec = loss_returning_spec("random-item", _Random, (WIDTH,))
     built = build_fake_setup(spec, TrainingSettings(batch_size=2, device="cpu", optimizer="sgd")).state.model
     assert built.seen == (2.0, 0.5)
+
+
+def test_a_value_an_initialiser_wrote_is_not_read_back_as_before_it():
+    """memplan skips torch.nn.init's initialisers while building (hf_patches.no_weight_init); a tensor one wrote is
+    no longer what its constants made: `torch.zeros(1)` after `uniform_(0.5, 1.0)` had read back 0.0, a value the real
+    factory never sees; it reads as the constant again. A large `.tolist()` is read with one replay (it had replayed
+    the whole chain once per element: 200x200 values took over five minutes)."""
+
+    class _Initialised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            scale = torch.zeros(1)
+            nn.init.uniform_(scale, 0.5, 1.0)
+            grid = (torch.arange(40_000).float() / 7).reshape(200, 200)
+            self.seen = (scale.item(), grid.tolist()[-1][-1])
+            self.fc = nn.Linear(WIDTH, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).mean()
+
+    spec = loss_returning_spec("initialised-item", _Initialised, (WIDTH,))
+    built = build_fake_setup(spec, TrainingSettings(batch_size=2, device="cpu", optimizer="sgd")).state.model
+    assert built.seen == (2.0, (torch.tensor(39_999.0) / 7).item())  # float32, as the real factory reads it

@@ -56,3 +56,32 @@ def test_activation_checkpointing_is_read_as_the_trainer_reads_it(tiny_model_dir
     predicted, measured = predicted_and_measured(tiny_model_dirs["gpt2"], tmp_path, {"activation_checkpointing": True})
     assert predicted.settings.checkpoint == "all"
     assert 0 <= measured - predicted.peak_bytes <= 128, (measured, predicted.peak_bytes)
+
+
+def test_what_label_smoothing_cannot_go_with_is_one_line(tiny_model_dirs, tmp_path):
+    """A seq2seq model's decoder reads decoder_input_ids from the Trainer's collator once the labels are popped (its
+    trace had failed inside the decoder: "You must specify exactly one of input_ids or inputs_embeds"); a --loss of
+    one's own would replace the smoother (it had been ignored without a word); DeepSpeed's engine is not traced with
+    it; and a --loop flag other than the Trainer's leaves the file's smoothing out, saying so (it had been refused)."""
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+    from memplan.errors import MemplanError
+
+    with pytest.raises(MemplanError, match="seq2seq model.*DataCollatorForSeq2Seq"):
+        memplan.estimate(tiny_model_dirs["t5"], seq_len=16, batch_size=2, device="cpu", loop="hf-trainer",
+                         label_smoothing=0.1)  # fmt: skip
+    with pytest.raises(MemplanError, match="loss and label smoothing"):
+        memplan.estimate(tiny_model_dirs["gpt2"], seq_len=16, batch_size=2, device="cpu", loop="hf-trainer",
+                         label_smoothing=0.1, loss="tests.zoo_models:mean_square_loss")  # fmt: skip
+    with pytest.raises(MemplanError, match="under DeepSpeed's engine"):
+        memplan.estimate(tiny_model_dirs["gpt2"], seq_len=16, batch_size=2, device="cpu", loop="hf-trainer",
+                         label_smoothing=0.1, parallel="zero2", world_size=2)  # fmt: skip
+    arguments = tmp_path / "smoothing.json"
+    arguments.write_text(json.dumps({"per_device_train_batch_size": 2, "label_smoothing_factor": 0.1}))
+    common = [tiny_model_dirs["gpt2"], "--seq-len", "16", "--device", "cpu", "--hf-args", str(arguments), "--json"]
+    result = CliRunner().invoke(main, ["estimate", *common, "--loop", "canonical"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["settings"]["loop"] == "canonical" and answer["settings"]["label_smoothing"] == 0.0
+    assert any("label_smoothing_factor is the Trainer's loss, left out" in note for note in answer["notes"])

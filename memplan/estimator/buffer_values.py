@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -140,6 +140,12 @@ class ConstantTracker:
         decides what it builds: timm's stochastic-depth rates (`calculate_drop_path_rates`, timm/layers/drop.py:
         `torch.linspace(0, drop_path_rate, depth)` read back as floats, as the official Swin, ConvNeXt and DeiT
         code reads them) make a block's `DropPath` where the rate is above 0 and an `nn.Identity` where it is 0."""
+        return self.read(tensor, lambda value: value.item() if value.numel() == 1 else None)
+
+    def read(self, tensor: torch.Tensor, reader: Callable[[torch.Tensor], Any]) -> Any:
+        """`reader` applied to the real value of `tensor` (item's), replayed once (`.tolist()` reads a whole tensor so,
+        where a fake tensor's reads each element with its own `.item()`, each a replay of the whole chain); None where
+        there is no such value."""
         made = self.made(tensor)
         if made is None or made.elements > MOST_REPLAYED_ELEMENTS:
             return None
@@ -150,7 +156,13 @@ class ConstantTracker:
                 return None
             if not isinstance(value, torch.Tensor) or value.shape != tensor.shape or value.dtype != tensor.dtype:
                 return None
-            return value.item() if value.numel() == 1 else None
+            return reader(value)
+
+    def written(self, tensor: torch.Tensor) -> None:
+        """A write to `tensor` that no op recorded (an initialiser memplan skips while building, hf_patches'
+        no_weight_init): its value is no longer what made it, so it reads as a constant again."""
+        key = tensor.untyped_storage()._cdata
+        self._writes[key] = self._writes.get(key, 0) + 1
 
     def _keep(self, tensor: torch.Tensor, made: _Made) -> None:
         if tensor.layout != torch.strided:  # a sparse tensor has no storage of its own: never a mask

@@ -173,6 +173,10 @@ def no_weight_init() -> Iterator[None]:
     hf_originals = dict(hf_table) if isinstance(hf_table, dict) else {}
 
     def keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        # the initialiser would have written the tensor: a factory reading it back gets no stale constant value
+        tracker = getattr(getattr(tensor, "fake_mode", None), "constants", None)
+        if tracker is not None:
+            tracker.written(tensor)
         return tensor
 
     for name in originals:

@@ -281,8 +281,9 @@ def onednn_convolution_notes(graph: Any, settings: TrainingSettings) -> list[str
     if not run:
         return []
     return [
-        f"oneDNN runs {run} of the step's convolutions on this CPU: what it holds inside them (their inputs, outputs "
-        "and weights reordered to its blocked layouts, its scratchpad) is not counted, and a real CPU step holds "
-        "more (a depthwise-and-pointwise conv net 23-26% more: python benchmarks/cpu_onednn_convolutions.py); with "
-        "torch.backends.mkldnn off, in the run and in memplan's process, memplan models the backends that run instead"
+        f"oneDNN runs {run} of the step's convolution calls (recomputed ones included) on this CPU: what it holds "
+        "inside them (their inputs, outputs and weights reordered to its blocked layouts, its scratchpad) is not "
+        "counted, and a real CPU step holds more (a depthwise-and-pointwise conv net 29-35% more than the figure: "
+        "python benchmarks/cpu_onednn_convolutions.py); with torch.backends.mkldnn off, in the run and in memplan's "
+        "process, memplan models the backends that run instead"
     ]

@@ -37,6 +37,14 @@ def smooths_labels(model: nn.Module, batch: Batch, label_smoothing: float) -> bo
     if not label_smoothing or not isinstance(batch, Mapping) or "labels" not in batch:
         return False
     config = getattr(_unwrapped(model), "config", None)
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" not in batch:
+        # Without labels the decoder has no input: a seq2seq Trainer run gets decoder_input_ids from its collator
+        # (DataCollatorForSeq2Seq calls prepare_decoder_input_ids_from_labels), which memplan's batch does not make.
+        raise SettingsError(
+            "label smoothing on a seq2seq model: the Trainer's decoder then reads the decoder_input_ids that "
+            "DataCollatorForSeq2Seq makes, which memplan's batch has not; remove label_smoothing_factor (memplan's "
+            "figure is then low by about two float32 logits-sized tensors)"
+        )
     return getattr(config, "problem_type", None) != "multi_label_classification"
 
 

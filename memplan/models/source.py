@@ -62,6 +62,11 @@ def refuse_loss_with_step(loss: object, settings: TrainingSettings) -> None:
     given beside it would be ignored without a word."""
     if loss is not None and settings.step is not None:
         raise UsageError("--step runs your whole iteration, its loss included: leave out --loss")
+    if loss is not None and settings.label_smoothing:
+        # the Trainer's own compute_loss_func would replace the label smoother; memplan traces the smoother
+        raise UsageError(
+            "--loss and label smoothing (label_smoothing_factor) both name the step's loss: leave out one of them"
+        )
 
 
 def call_model(model: nn.Module, batch: Batch) -> Any:
