@@ -61,8 +61,8 @@ OPTIMS: dict[str, tuple[str, str]] = {
 DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default with torch >= 2.8
 # Keys that put the run outside one GPU holding everything, which memplan does not model.
 _SHARDING_KEYS = ("fsdp", "deepspeed")
-# Fields of transformers releases newer than the oldest memplan supports (5.17 has neither): read where the
-# installed TrainingArguments has them, and otherwise listed as not its fields, as any other unknown key.
+# Fields of transformers releases newer than the oldest memplan supports (5.17 has neither): read whether or not the
+# installed TrainingArguments has them (a file saved by a newer release is for a run on one), with a note where not.
 NEWER_READ_KEYS = frozenset({"activation_checkpointing", "activation_checkpointing_kwargs"})
 # Every TrainingArguments field this module reads.
 READ_KEYS = frozenset(
@@ -162,7 +162,7 @@ def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
     """
     fields = training_argument_fields()
     described = []
-    for key in sorted(key for key in data if key not in fields):
+    for key in sorted(key for key in data if key not in fields and key not in NEWER_READ_KEYS):
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
         if close and close[0] in READ_KEYS:
             raise HfArgsError(f"--hf-args {path}: {key!r} is not a TrainingArguments field; did you mean {close[0]!r}?")
@@ -173,8 +173,9 @@ def _unknown_keys(data: dict[str, Any], path: Path) -> list[str]:
 def _aliased(data: dict[str, Any], key: str) -> str:
     """The key TrainingArguments takes `key`'s value from: activation_checkpointing(_kwargs) where the file sets
     it, else its deprecated alias gradient_checkpointing(_kwargs) (training_args.py __post_init__)."""
-    known = key in training_argument_fields()  # transformers before the new name: the old one alone
-    return key if known and data.get(key) is not None else key.replace("activation_", "gradient_", 1)
+    # A file saved by a newer transformers than the installed one (5.17 has only the old name) names the setting of
+    # the run it is for: read as that release reads it.
+    return key if data.get(key) is not None else key.replace("activation_", "gradient_", 1)
 
 
 def _read_checkpointing(
@@ -183,6 +184,12 @@ def _read_checkpointing(
     """activation_checkpointing and its kwargs, as Trainer._setup_model... hands them to the model's
     activation_checkpointing_enable (trainer.py): every_n_layers and offload are popped, the rest goes to
     torch.utils.checkpoint."""
+    newer = sorted(key for key in NEWER_READ_KEYS if key in data and key not in training_argument_fields())
+    if newer:
+        notes.append(
+            f"{', '.join(newer)}: read as transformers 5.25 and later read them (this transformers' TrainingArguments "
+            "names them gradient_checkpointing and gradient_checkpointing_kwargs)"
+        )
     if not _flag(data, key := _aliased(data, "activation_checkpointing")):
         return
     settings["checkpoint"] = "all"

@@ -388,11 +388,22 @@ def test_python_callers_read_of_the_file_not_of_a_flag(tmp_path):
     assert shown.exit_code == 2 and f"--hf-args {path} sets both bf16 and fp16" in shown.output
 
 
-def _needs_activation_checkpointing():  # type: ignore[no-untyped-def]
-    from memplan.hf_args import training_argument_fields
+def test_a_file_of_a_newer_transformers_is_read_with_a_note(tmp_path, monkeypatch):
+    """A file saved by transformers 5.25 or later, read where TrainingArguments has only the old name (5.17, which CI's
+    second leg and the GPU machine run): its activation_checkpointing had been listed as an unknown field and dropped
+    (traced unchecked, 35-38% high) and its kwargs refused as a misspelling of gradient_checkpointing_kwargs."""
+    import memplan.hf_args as hf_args
 
-    if "activation_checkpointing" not in training_argument_fields():
-        pytest.skip("this transformers' TrainingArguments has gradient_checkpointing only")
+    fields = tuple(field for field in hf_args.training_argument_fields() if field not in hf_args.NEWER_READ_KEYS)
+    monkeypatch.setattr(hf_args, "training_argument_fields", lambda: fields)
+    read = read_training_args(
+        write(tmp_path, "args.json", {"activation_checkpointing": True, "activation_checkpointing_kwargs": {}})
+    )
+    assert read.settings["checkpoint"] == "all"
+    assert any(
+        note.startswith("activation_checkpointing, activation_checkpointing_kwargs: read as") for note in read.notes
+    )
+    assert not any("not TrainingArguments fields" in note for note in read.notes)
 
 
 @pytest.mark.parametrize(
@@ -410,14 +421,12 @@ def _needs_activation_checkpointing():  # type: ignore[no-untyped-def]
 def test_activation_checkpointing_and_its_alias_are_read_as_training_arguments_reads_them(
     tmp_path, fields, checkpointed
 ):
-    _needs_activation_checkpointing()
     settings = read_training_args(write(tmp_path, "args.json", fields)).settings
     assert (settings.get("checkpoint") == "all") is checkpointed
 
 
 def test_activation_checkpointing_kwargs_are_read_as_the_trainer_reads_them(tmp_path):
     """The Trainer pops every_n_layers and offload from them (trainer.py) and hands the rest to torch's checkpoint."""
-    _needs_activation_checkpointing()
 
     def read(kwargs):  # type: ignore[no-untyped-def]
         return read_training_args(write(tmp_path, "args.json", {"activation_checkpointing": True, **kwargs}))
@@ -438,7 +447,8 @@ def test_activation_checkpointing_kwargs_are_read_as_the_trainer_reads_them(tmp_
     assert any(
         "offload: true keeps the checkpointed layers' inputs in pinned host memory" in n for n in offloaded.notes
     )
-    assert read({"activation_checkpointing_kwargs": {"every_n_layers": 1}}).notes == ()
+    every_layer = read({"activation_checkpointing_kwargs": {"every_n_layers": 1}}).notes
+    assert [note for note in every_layer if "read as transformers 5.25" not in note] == []  # the older release's note
     with pytest.raises(HfArgsError, match="every_n_layers 2 checkpoints only some layers"):
         read({"activation_checkpointing_kwargs": {"every_n_layers": 2}})
 

@@ -51,7 +51,7 @@ def test_activation_checkpointing_is_read_as_the_trainer_reads_it(tiny_model_dir
     the alias, so a file with the new name was traced without checkpointing, 1,370,180 B (38 %) high."""
     from memplan.hf_args import training_argument_fields
 
-    if "activation_checkpointing" not in training_argument_fields():
+    if "activation_checkpointing" not in training_argument_fields():  # the truth, the Trainer itself, refuses it
         pytest.skip("this transformers' TrainingArguments has gradient_checkpointing only")
     predicted, measured = predicted_and_measured(tiny_model_dirs["gpt2"], tmp_path, {"activation_checkpointing": True})
     assert predicted.settings.checkpoint == "all"
