@@ -147,8 +147,8 @@ class ConstantTracker:
         where a fake tensor's reads each element with its own `.item()`, each a replay of the whole chain); None where
         there is no such value."""
         made = self.made(tensor)
-        if made is None or made.elements > MOST_REPLAYED_ELEMENTS:
-            return None
+        if made is None or made.elements > MOST_REPLAYED_ELEMENTS or tensor.device.type != "cpu":
+            return None  # a cuda constant's replay would run on a real GPU where there is one, starting its context
         with _disable_current_modes():  # real tensors, which no mode is to see
             try:
                 value = made.replay({})
