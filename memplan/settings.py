@@ -200,7 +200,7 @@ class TrainingSettings:
         value = self.label_smoothing
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
             raise SettingsError(f"label smoothing is a factor of 0 or more, got {value!r}")
-        if value and (self.deepspeed_stage is not None or self.deepspeed_config is not None):
+        if value and self.deepspeed_stage is not None:
             raise SettingsError(
                 "label smoothing is the Trainer's own loss, which memplan does not trace under DeepSpeed's engine: "
                 "leave out label smoothing (label_smoothing_factor)"

@@ -114,14 +114,18 @@ def checkpoint_each(blocks: torch.nn.ModuleList) -> None:
         block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
 
 
-def profiled_causal_lm_peak(model_of: Callable[[], torch.nn.Module], batch_of: Callable[[], dict]) -> int:
+def profiled_causal_lm_peak(
+    model_of: Callable[[], torch.nn.Module],
+    batch_of: Callable[[], dict],
+    optimizer_of: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
+) -> int:
     """The canonical loop's third iteration of a Hugging Face model that returns its own loss (`model(**batch).loss`),
-    AdamW over its trainable parameters, model and batch made inside the profiled window's build."""
+    `optimizer_of` (AdamW) over its trainable parameters, model and batch made inside the profiled window's build."""
 
     def build() -> Callable[[], None]:
         torch.manual_seed(0)
         model = model_of().train()
-        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad])
+        optimizer = optimizer_of([param for param in model.parameters() if param.requires_grad])
         batch = batch_of()
         build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
 

@@ -595,7 +595,7 @@ def test_a_hybrid_models_layers_of_two_classes_are_each_checkpointed_as_transfor
 
     from memplan.estimator.simulate import simulate
     from memplan.estimator.trace import trace_step
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import profiled_causal_lm_peak
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_JAMBA))
     spec = resolve_model(str(tmp_path))
@@ -604,23 +604,16 @@ def test_a_hybrid_models_layers_of_two_classes_are_each_checkpointed_as_transfor
     )
     predicted = simulate(trace_step(spec, settings)).peak_bytes
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_JAMBA, use_cache=False)).train()
+    def checkpointed_jamba():  # type: ignore[no-untyped-def]
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_JAMBA, use_cache=False))
         assert len({type(layer) for layer in model.model.layers}) == 2
         for layer in model.model.layers:
             layer.forward = lambda *a, forward=layer.forward, **k: checkpoint(forward, *a, use_reentrant=False, **k)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        return model
+
+    def tokens():  # type: ignore[no-untyped-def]
         input_ids = torch.randint(0, TINY_JAMBA["vocab_size"], (2, 16))
-        batch = {"input_ids": input_ids, "labels": input_ids.clone()}
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
 
-        def iteration() -> None:
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    measured = profiled_third_iteration_peak(build)
+    measured = profiled_causal_lm_peak(checkpointed_jamba, tokens, lambda params: torch.optim.SGD(params, lr=1e-2))
     assert abs(predicted - measured) <= 0.005 * measured, f"predicted {predicted:,} B, measured {measured:,} B"

@@ -184,8 +184,9 @@ def _with_hf_args(settings: dict[str, Any], as_json: bool) -> tuple[dict[str, An
     if settings.get("step") is not None:
         loaded.settings.pop("loop", None)  # the user's own iteration replaces the Trainer's loop the file implies
         loaded.settings.pop("label_smoothing", None)  # and its loss
-    elif typed("loop") and settings.get("loop") != "hf-trainer" and loaded.settings.pop("label_smoothing", None):
+    elif typed("loop") and settings.get("loop") != "hf-trainer" and "label_smoothing" in loaded.settings:
         # another loop than the Trainer's, given as a flag, replaces the Trainer's loss too
+        del loaded.settings["label_smoothing"]
         loaded = dataclasses.replace(
             loaded, notes=(*loaded.notes, f"--loop {settings.get('loop')}: the file's label_smoothing_factor is the "
                            "Trainer's loss, left out with its loop")

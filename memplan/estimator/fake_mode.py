@@ -148,12 +148,13 @@ def constant_item() -> Iterator[None]:
             return False
         return 2.0 if self.dtype.is_floating_point else 2
 
+    plain_tolist = torch.Tensor.tolist
+
     def tolist(self: FakeTensor) -> Any:
         tracker = getattr(self.fake_mode, "constants", None)
         value = tracker.read(self, lambda real: real.tolist()) if tracker is not None else None
         return value if value is not None else plain_tolist(self)  # each element by `item` above
 
-    plain_tolist = torch.Tensor.tolist
     # `float(loss)` reads a value as `.item()` does (logging: `running += float(loss)` had been refused as
     # data-dependent). `int()` and `bool()` stay refused: an int sizes tensors (`ids[:, :int(lengths.max())]`: a
     # constant 2 had traced a far smaller step), a bool decides a branch, which a constant would take blindly.

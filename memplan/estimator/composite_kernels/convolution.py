@@ -11,10 +11,17 @@ from typing import Any
 import torch
 
 from memplan.estimator import composite_kernels
-from memplan.estimator.composite_kernels import _nbytes, composite_kernel_scratch, contiguous_copy_bytes
+from memplan.estimator.composite_kernels import (
+    _nbytes,
+    bound_arguments,
+    composite_kernel_scratch,
+    contiguous_copy_bytes,
+)
 from memplan.estimator.memory_formats import meta_like, suggested_memory_format
 
 _SUM = torch.ops.aten.sum.dim_IntList
+_CONVOLUTION = torch.ops.aten.convolution.default
+_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 
 
 def _subtensor(tensor: torch.Tensor, dim: int, groups: int, g: int) -> torch.Tensor:
@@ -146,11 +153,11 @@ def _backend_format(backend: str, input: torch.Tensor, weight: torch.Tensor) -> 
 
 
 def _bound_2d(
-    args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[dict[str, Any], tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int], int] | None]:
     """The op's arguments by name, and its input, weight, stride, padding and dilation as `_as_2d` gives them; None for
     a 3-D convolution (Slow3d, not modelled here: 0) or a call without a strided input."""
-    bound = dict(zip(names, args, strict=False)) | kwargs
+    bound = bound_arguments(op, args, kwargs)
     input = bound["input"]
     if not isinstance(input, torch.Tensor) or input.dim() not in (3, 4):
         return bound, None
@@ -175,7 +182,7 @@ def _forward_nogroup_bytes(
     return _sample_columns_bytes(input, weight, stride, padding, dilation)
 
 
-@composite_kernel_scratch(torch.ops.aten.convolution.default)
+@composite_kernel_scratch(_CONVOLUTION)
 def slow_conv2d_forward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """A CPU convolution on a backend without groups (_cpu_backend: Slow2d, NnpackSpatial, SlowDilated2d), torch
     2.11-2.14.
@@ -190,8 +197,7 @@ def slow_conv2d_forward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     7x7 over [16, 8, 32, 32] holds its 524,288 B output's worth of group outputs during the cat."""
     if device != "cpu":
         return 0
-    names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
-    bound, as_2d = _bound_2d(args, kwargs, names)
+    bound, as_2d = _bound_2d(_CONVOLUTION, args, kwargs)
     if as_2d is None:
         return 0
     input, weight, stride, padding, dilation, held = as_2d
@@ -241,7 +247,7 @@ def _dilated_backward_bytes(
     return held + columns + bias_sum
 
 
-@composite_kernel_scratch(torch.ops.aten.convolution_backward.default)
+@composite_kernel_scratch(_CONVOLUTION_BACKWARD)
 def slow_conv2d_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> int:
     """The backward of a CPU convolution on a backend without groups (_cpu_backend), torch 2.11-2.14.
 
@@ -256,15 +262,9 @@ def slow_conv2d_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], 
     over a [2, 8, 16, 16] float32 input to 16 channels, 147,456 B beside its gradients."""
     if device != "cpu":
         return 0
-    names = (
-        "grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed",
-        "output_padding", "groups", "output_mask",
-    )  # fmt: skip
-    grad_output = (dict(zip(names, args, strict=False)) | kwargs)["grad_output"]
-    if not isinstance(grad_output, torch.Tensor):
-        return 0
-    bound, as_2d = _bound_2d(args, kwargs, names)
-    if as_2d is None:
+    bound, as_2d = _bound_2d(_CONVOLUTION_BACKWARD, args, kwargs)
+    grad_output = bound["grad_output"]
+    if not isinstance(grad_output, torch.Tensor) or as_2d is None:
         return 0
     input, weight, stride, padding, dilation, held = as_2d
     groups, mask, geometry = bound["groups"], bound["output_mask"], (stride, padding, dilation)
