@@ -11,7 +11,6 @@ pickled but the job's argument and its result.
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import multiprocessing
 import os
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from memplan.errors import SettingsError
+from memplan.estimator.collector import freeze_existing_objects
 
 _job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
 _log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _start_worker() -> None:
     # As gc.freeze's documentation advises for fork without exec: the child's collections then skip
     # (and do not copy) everything inherited (timed once: a 48-block trace in a worker, -8%). Frozen in
     # the child, where the parent's own freeze (the CLI's, memplan.estimator.collector) stays as it was.
-    gc.freeze()
+    freeze_existing_objects()
     global _in_worker
     _in_worker = True  # its cores are taken: a job here forks no children of its own (ForkedJob.can_start)
 

@@ -10,6 +10,8 @@ import functools
 import gc
 from collections.abc import Iterator
 
+from memplan.estimator.collector import freeze_existing_objects
+
 
 @contextlib.contextmanager
 def collector_held() -> Iterator[None]:
@@ -37,7 +39,7 @@ def collect_less() -> None:
     3.60 s with no collector at all; peak RSS 366, 370 and 379 MiB (`python
     benchmarks/estimate_phases.py [--collect-less | --no-collector]`, 2026-11-25). Once per process
     (the test suite runs many commands in one); a measured iteration still holds the collector itself."""
-    gc.freeze()
+    freeze_existing_objects()
     gc.set_threshold(50_000, 20, 20)
 
 

@@ -13,6 +13,7 @@ import os
 import sys
 
 from memplan.errors import MemplanError
+from memplan.estimator.collector import freeze_existing_objects
 
 
 def _import_with_the_collector_off() -> None:
@@ -33,7 +34,7 @@ def _import_with_the_collector_off() -> None:
     finally:
         if enabled:
             gc.enable()
-    gc.freeze()
+    freeze_existing_objects()
 
 
 def main() -> int:
