@@ -96,12 +96,14 @@ def test_an_encoder_config_is_pre_trained_as_a_masked_lm_and_a_decoder_one_as_a_
 
 
 def test_an_encoder_decoder_config_with_no_head_of_memplan_s_asks_for_one(tmp_path):
-    """Whisper's speech-to-text head is none of memplan's tasks: refused with the way out, not built as its decoder."""
+    """MusicGen (an encoder-decoder config, in transformers' causal-LM mapping for its decoder alone) has no head of
+    memplan's tasks: refused with the way out, not built as its decoder. (Whisper's, here before, is speech-seq2seq
+    now: tests/test_models_speech.py.)"""
     import json
 
     from memplan.models.source import resolve_model
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "whisper"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "musicgen"}))
     with pytest.raises(UsageError, match="cannot tell which head.*your own module:function"):
         resolve_model(str(tmp_path))
 
@@ -245,10 +247,10 @@ _OTHER_HEADS = {
         "image-classification (SegformerForImageClassification)",
     ),
     "clip-contrastive": ({"model_type": "clip", "architectures": ["CLIPModel"]}, "image-classification"),
-    "wav2vec2-ctc": ({"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForCTC"]}, None),
-    "whisper-speech-to-text": (
-        {"model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"], "decoder_start_token_id": 1},
-        "causal-lm (WhisperForCausalLM)",
+    # (Wav2Vec2ForCTC, WhisperForConditionalGeneration: the ctc and speech-seq2seq tasks, tests/test_models_speech.py)
+    "wav2vec2-audio-classification": (
+        {"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForSequenceClassification"]},
+        "ctc (Wav2Vec2ForCTC)",
     ),
 }
 

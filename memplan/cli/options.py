@@ -76,8 +76,20 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
     options = [
         click.argument("model", required=model_required),
         click.option("--batch-size", "-b", type=int, default=1, show_default=True, help="Micro-batch size."),
-        click.option("--seq-len", type=int, help="Sequence length for text models [default: min(512, maximum)]."),
-        click.option("--target-len", type=int, help="Decoder length for seq2seq models [default: --seq-len]."),
+        click.option(
+            "--seq-len",
+            type=int,
+            help="Sequence length for text models [default: min(512, maximum)]; speech-seq2seq: input frames "
+            "(Whisper: its one length, 2 x max_source_positions; others min(3000, maximum)); ctc: audio samples "
+            "[default: 16000, one second at 16 kHz].",
+        ),
+        click.option(
+            "--target-len",
+            type=int,
+            help="Decoder length for seq2seq models [default: --seq-len]; speech-seq2seq: label tokens [default: "
+            "min(448, max_target_positions)]; ctc: labels per sample, at most the encoder's frames [default: "
+            "min(32, frames)].",
+        ),
         click.option("--image-size", type=int, help="Image side for vision models [default: the config's, or 224]."),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
@@ -294,7 +306,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         click.option(
             "--task",
             help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
-            "image-classification.",
+            "image-classification, speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...).",
         ),
         click.option(
             "--hf-args",

@@ -21,7 +21,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.estimator.causal_masks import causal_masks_read
+from memplan.estimator.ctc_batches import full_ctc_batches
 from memplan.estimator.input_checks import input_checks_passing
+from memplan.estimator.layer_drop import layers_never_dropped
 
 
 @contextlib.contextmanager
@@ -31,8 +33,16 @@ def real_run_paths(
     """`producers` (the recorder's tensor -> the graph node that made it): where given, a padding mask the model made
     of ones is known to be one (_causal_mask_skipped_for_ones), and with `recorded` (the recorder's nodes, in order)
     torch's transformer modules read a mask made of constants as the real run reads it
-    (memplan.estimator.causal_masks). Input checks that read values pass (memplan.estimator.input_checks)."""
-    with _rope_without_frequency_updates(), input_checks_passing(), causal_masks_read(producers, recorded):
+    (memplan.estimator.causal_masks). Input checks that read values pass (memplan.estimator.input_checks), and a CTC
+    head's loss over memplan's own labels reads the values they have (memplan.estimator.ctc_batches); LayerDrop's
+    draws keep every layer (memplan.estimator.layer_drop)."""
+    with (
+        _rope_without_frequency_updates(),
+        input_checks_passing(),
+        causal_masks_read(producers, recorded),
+        layers_never_dropped(),
+        full_ctc_batches(),
+    ):
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
             yield

@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from memplan.errors import SettingsError
+from memplan.models.speech import SPEECH_TASKS, input_limit, resolve_speech_lengths, speech_batch
 from memplan.settings import TrainingSettings
 
-TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq", "image-classification")
+TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq", "image-classification", *SPEECH_TASKS)
 TEXT_TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq")
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -40,6 +41,8 @@ def max_positions(config: Any, side: str = "encoder") -> int | None:
 
 def sequence_limit(config: Any, task: str) -> int | None:
     """The longest --seq-len the task's model takes (seq2seq: its target, as long as the input unless given, too)."""
+    if task in SPEECH_TASKS:
+        return input_limit(config, task)  # input frames (Whisper: the one length it takes) or samples (ctc: none)
     if task == "causal-lm":
         return max_positions(config, "decoder")
     if task == "seq2seq":
@@ -50,6 +53,8 @@ def sequence_limit(config: Any, task: str) -> int | None:
 
 def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> TrainingSettings:
     """Fill in the sequence length / image size the batch will have and check it against the model."""
+    if task in SPEECH_TASKS:
+        return resolve_speech_lengths(config, task, settings)
     _refuse_other_shapes(task, settings)
     if task in TEXT_TASKS:
         limit = max_positions(config, "decoder" if task == "causal-lm" else "encoder")
@@ -105,6 +110,8 @@ def _refuse_other_shapes(task: str, settings: TrainingSettings) -> None:
 
 def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Full-length, unpadded batches (no attention mask), labels as a data collator makes them."""
+    if task in SPEECH_TASKS:
+        return speech_batch(config, task, settings, dtype)
     batch = settings.batch_size
     vocab = getattr(config, "vocab_size", 2)
     if task in ("causal-lm", "masked-lm"):

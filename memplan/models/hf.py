@@ -17,11 +17,15 @@ _AUTO_CLASS_BY_TASK = {
     "sequence-classification": "AutoModelForSequenceClassification",
     "seq2seq": "AutoModelForSeq2SeqLM",
     "image-classification": "AutoModelForImageClassification",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "ctc": "AutoModelForCTC",
 }
 # Mapping names in transformers.models.auto.modeling_auto, in the order a task is guessed.
 _MAPPING_BY_TASK = {
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
@@ -34,6 +38,8 @@ _ARCHITECTURE_SUFFIXES = {
     "ForPreTraining": "masked-lm",
     "ForImageClassification": "image-classification",
     "ForSequenceClassification": "sequence-classification",
+    "ForSpeechToText": "speech-seq2seq",
+    "ForCTC": "ctc",
 }
 
 
@@ -115,15 +121,15 @@ def _architecture_task(config: Any) -> str | None:
             if architecture in _classes_of(config, task):
                 return task
         for suffix, task in _ARCHITECTURE_SUFFIXES.items():
-            # Whisper's WhisperForConditionalGeneration is a speech-to-text head, in no seq2seq (text) mapping.
+            # (Whisper's WhisperForConditionalGeneration is in the speech-seq2seq mapping, found above, not seq2seq's.)
             if architecture.endswith(suffix) and _classes_of(config, task):
                 return task
     return None
 
 
 def _refuse_other_heads(config: Any, name: str) -> None:
-    """A config naming a head memplan does not train (SegformerForSemanticSegmentation, Wav2Vec2ForCTC, CLIPModel's
-    contrastive loss, WhisperForConditionalGeneration) had been built as another head of its model type (Segformer's
+    """A config naming a head memplan does not train (SegformerForSemanticSegmentation, CLIPModel's contrastive loss,
+    Wav2Vec2ForSequenceClassification) had been built as another head of its model type (Segformer's
     image classifier, CLIP's vision tower alone: 42% and 38% below the named model's measured step) or failed saying
     "fix the config": refused, saying which heads memplan can estimate instead."""
     from memplan.errors import UsageError
@@ -158,9 +164,9 @@ def _guess_task(config: Any, name: str) -> tuple[str | None, bool]:
     mapped = [task for task in _MAPPING_BY_TASK if _classes_of(config, task)]
     if getattr(config, "is_encoder_decoder", False):
         # BART, mBART, Pegasus, Marian, Whisper are in the causal-LM mapping too, for their decoder alone
-        # (BartForCausalLM): an encoder-decoder config trains both halves, or cannot be told (Whisper's
-        # speech-to-text head is no task of memplan's).
-        return ("seq2seq" if "seq2seq" in mapped else None), True
+        # (BartForCausalLM, WhisperForCausalLM): an encoder-decoder config trains both halves, text to text or
+        # speech to text, or cannot be told.
+        return next((task for task in ("seq2seq", "speech-seq2seq") if task in mapped), None), True
     if "masked-lm" in mapped and not getattr(config, "is_decoder", False):
         # An encoder family's causal-LM class (BertLMHeadModel, RobertaForCausalLM) is its decoder use, which needs
         # is_decoder=True (transformers warns "If you want to use BertLMHeadModel as a standalone, add

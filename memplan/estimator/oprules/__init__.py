@@ -105,7 +105,15 @@ fake_kernel_rule = _registrar(FAKE_KERNEL_RULES)
 
 
 def _load_families() -> None:
-    from memplan.estimator.oprules import col2im, ctc, grouped_mm, losses, norms, rnn  # noqa: F401  (registers their rules)
+    from memplan.estimator.oprules import (  # noqa: F401  (registers their rules)
+        col2im,
+        ctc,
+        grouped_mm,
+        losses,
+        masked,
+        norms,
+        rnn,
+    )
 
 
 _load_families()

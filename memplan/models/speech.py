@@ -1,0 +1,255 @@
+"""Speech models' training batches: what each family's forward takes, and the lengths it allows.
+
+Two tasks, one row per model type (transformers 5.x sources cited per row):
+
+- `speech-seq2seq` (AutoModelForSpeechSeq2Seq): audio features in, `labels` out; the model shifts the labels
+  right into its decoder's input (`shift_tokens_right` from `decoder_start_token_id`). --seq-len is the input's
+  frames where the model takes a choice of them, --target-len the label tokens (DEFAULT_TARGET_LEN, at most the
+  decoder's `max_target_positions`).
+- `ctc` (AutoModelForCTC): a raw waveform, `input_values` [batch, samples], in; --seq-len is the samples
+  (DEFAULT_SAMPLES: one second at 16 kHz), --target-len the label length (DEFAULT_CTC_LABELS), at most the frames
+  the convolutional feature encoder makes of the samples: CTC aligns each label to a frame of its own, and a
+  longer one has no alignment (the loss is inf, its gradient NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from memplan.errors import SettingsError
+from memplan.settings import TrainingSettings
+
+SPEECH_TASKS = ("speech-seq2seq", "ctc")
+DEFAULT_TARGET_LEN = 448  # Whisper's max_target_positions, the longest transcript its checkpoints train on
+DEFAULT_FRAMES = 3000  # 30 s of 10 ms feature frames: Whisper's window, for the models that take any length
+DEFAULT_SAMPLES = 16_000  # one second of 16 kHz audio, wav2vec2's sampling rate
+DEFAULT_CTC_LABELS = 32  # characters of a one-second utterance's transcript, at most the frames the audio makes
+
+
+@dataclass(frozen=True)
+class SpeechFamily:
+    """How one model type's training batch looks.
+
+    `inputs`: "mel-fixed", input_features [batch, num_mel_bins, frames] of the one length the encoder takes;
+    "filterbank", input_features [batch, frames, input_feat_per_channel * input_channels] with an attention_mask
+    of ones; "waveform", input_values [batch, samples] (float). `adapter`: the family's output lengths go through
+    its adapter's convolutions too where the config's `add_adapter` is set. `source`: where transformers says so.
+    """
+
+    inputs: str
+    source: str
+    adapter: bool = False
+
+
+# transformers/models/<family>/modeling_<family>.py, 5.17-5.25.
+FAMILIES: dict[str, dict[str, SpeechFamily]] = {
+    "speech-seq2seq": {
+        # WhisperEncoder.forward: `expected_seq_length = max_source_positions * conv1.stride[0] * conv2.stride[0]`,
+        # anything else a ValueError; WhisperForConditionalGeneration.forward: labels at most max_target_positions.
+        "whisper": SpeechFamily("mel-fixed", "whisper/modeling_whisper.py, WhisperEncoder.forward"),
+        # Speech2TextEncoder.forward: Conv1dSubsampler (num_conv_layers convolutions of stride 2), then sinusoidal
+        # positions over the subsampled frames (its table holds max_source_positions), the attention mask subsampled
+        # with it (_get_feature_vector_attention_mask).
+        "speech_to_text": SpeechFamily("filterbank", "speech_to_text/modeling_speech_to_text.py, Speech2TextEncoder"),
+    },
+    "ctc": {
+        # <Family>ForCTC.forward: input_values [batch, samples] through <Family>FeatureEncoder (conv_kernel,
+        # conv_stride), ForCTCLoss (transformers/loss/loss_ctc.py) over _get_feat_extract_output_lengths' frames.
+        "wav2vec2": SpeechFamily("waveform", "wav2vec2/modeling_wav2vec2.py", adapter=True),
+        "wav2vec2-conformer": SpeechFamily("waveform", "wav2vec2_conformer/modeling_wav2vec2_conformer.py", True),
+        "wavlm": SpeechFamily("waveform", "wavlm/modeling_wavlm.py", adapter=True),
+        "data2vec-audio": SpeechFamily("waveform", "data2vec/modeling_data2vec_audio.py", adapter=True),
+        "hubert": SpeechFamily("waveform", "hubert/modeling_hubert.py"),
+        "unispeech": SpeechFamily("waveform", "unispeech/modeling_unispeech.py"),
+        "unispeech-sat": SpeechFamily("waveform", "unispeech_sat/modeling_unispeech_sat.py"),
+        "sew": SpeechFamily("waveform", "sew/modeling_sew.py"),
+        "sew-d": SpeechFamily("waveform", "sew_d/modeling_sew_d.py"),
+    },
+}
+
+
+def family(config: Any, task: str) -> SpeechFamily:
+    """The model type's row, or one line naming the ones memplan makes batches for."""
+    row = FAMILIES[task].get(config.model_type)
+    if row is None:
+        raise SettingsError(
+            f"memplan makes {task} batches for {', '.join(FAMILIES[task])}, not {config.model_type} (whose forward "
+            "takes other inputs): give the model, its batch and loss as your own module:function (docs/usage.md)"
+        )
+    return row
+
+
+def _whisper_frames(config: Any) -> int:
+    # WhisperEncoder: conv1 has stride 1, conv2 stride 2 (modeling_whisper.py, WhisperEncoder.__init__).
+    return config.max_source_positions * 1 * 2
+
+
+def _subsampled(frames: int, config: Any) -> int:
+    # Speech2TextPreTrainedModel._get_feat_extract_output_lengths: `(length - 1) // 2 + 1` per convolution.
+    for _ in range(config.num_conv_layers):
+        frames = (frames - 1) // 2 + 1
+    return frames
+
+
+def _filterbank_frame_limit(config: Any) -> int:
+    """The most frames whose subsampled length the encoder's position table holds (max_source_positions)."""
+    return config.max_source_positions * 2**config.num_conv_layers
+
+
+def ctc_frames(samples: int, config: Any, row: SpeechFamily) -> int:
+    """The frames the feature encoder (and adapter) makes of `samples`: <Family>._get_feat_extract_output_lengths."""
+    frames = samples
+    for kernel, stride in zip(config.conv_kernel, config.conv_stride, strict=False):
+        frames = (frames - kernel) // stride + 1
+    if row.adapter and getattr(config, "add_adapter", False):
+        for _ in range(config.num_adapter_layers):
+            frames = (frames - 1) // config.adapter_stride + 1
+    return frames
+
+
+def input_limit(config: Any, task: str) -> int | None:
+    """The longest --seq-len the model takes (None: no limit known)."""
+    row = family(config, task)
+    if row.inputs == "mel-fixed":
+        return _whisper_frames(config)
+    if row.inputs == "filterbank":
+        return _filterbank_frame_limit(config)
+    return None
+
+
+def resolve_speech_lengths(config: Any, task: str, settings: TrainingSettings) -> TrainingSettings:
+    """--seq-len (input frames, or samples) and --target-len (label tokens) filled in and checked."""
+    if settings.image_size is not None:
+        raise SettingsError(
+            f"--image-size has no place in a {task} model's batch, which takes --seq-len and --target-len: "
+            "drop --image-size"
+        )
+    row = family(config, task)
+    if row.inputs == "mel-fixed":
+        frames = _whisper_frames(config)
+        if settings.seq_len is not None and settings.seq_len != frames:
+            raise SettingsError(
+                f"--seq-len {settings.seq_len}: {config.model_type}'s encoder takes exactly {frames} mel frames "
+                f"(2 x max_source_positions, {row.source}; shorter audio is padded to it): drop --seq-len"
+            )
+        return settings.replace(seq_len=frames, target_len=_target_len(config, settings))
+    if row.inputs == "filterbank":
+        limit = _filterbank_frame_limit(config)
+        frames = settings.seq_len or min(DEFAULT_FRAMES, limit)
+        if frames > limit:
+            raise SettingsError(
+                f"--seq-len {frames} frames subsample to {_subsampled(frames, config)}, more than the encoder's "
+                f"{config.max_source_positions} positions (max_source_positions): use --seq-len {limit} or less"
+            )
+        return settings.replace(seq_len=frames, target_len=_target_len(config, settings))
+    _refuse_spec_augment(config)
+    _refuse_inline_ctc_loss()
+    samples = settings.seq_len or DEFAULT_SAMPLES
+    frames = ctc_frames(samples, config, row)
+    if frames < 1:
+        raise SettingsError(
+            f"--seq-len {samples} samples are too few for {config.model_type}'s feature encoder (conv_kernel "
+            f"{list(config.conv_kernel)}, conv_stride {list(config.conv_stride)}), which makes no frame of them: "
+            "give more samples"
+        )
+    labels = settings.target_len or min(DEFAULT_CTC_LABELS, frames)
+    if labels > frames:
+        raise SettingsError(
+            f"--target-len {labels} labels are more than the {frames} frames {config.model_type}'s feature encoder "
+            f"makes of {samples} samples; CTC aligns each label to a frame (the loss would be inf): use --target-len "
+            f"{frames} or less, or more samples (--seq-len)"
+        )
+    return settings.replace(seq_len=samples, target_len=labels)
+
+
+def has_ctc_loss() -> bool:
+    """Whether the installed transformers computes a CTC head's loss with `ForCTCLoss` (transformers/loss/loss_ctc.py,
+    in LOSS_MAPPING as "ForCTC"), whose label reads memplan.estimator.ctc_batches answers for memplan's own labels."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return False
+    return "ForCTC" in LOSS_MAPPING
+
+
+def _refuse_inline_ctc_loss() -> None:
+    """Releases without ForCTCLoss (5.17: Wav2Vec2ForCTC.forward computes the loss inline) read the labels' values
+    where memplan cannot answer them: refused before the trace, in one line."""
+    if not has_ctc_loss():
+        import transformers
+
+        raise SettingsError(
+            f"memplan traces a CTC head's loss through transformers' ForCTCLoss (transformers/loss/loss_ctc.py), "
+            f"which transformers {transformers.__version__} does not have (its heads compute the loss inline, reading "
+            "the labels' values): use a transformers release with it (5.25 has it), or give the model, its batch and "
+            "its loss as your own module:function (docs/usage.md)"
+        )
+
+
+def _refuse_spec_augment(config: Any) -> None:
+    """SpecAugment in training (<Family>Model._mask_hidden_states, modeling_wav2vec2.py: `apply_spec_augment` with
+    `mask_time_prob` or `mask_feature_prob` above 0) draws its masked spans with numpy each step and writes them through
+    a boolean index (`hidden_states[mask_time_indices] = ...`), whose size no trace without values knows: refused."""
+    probabilities = {name: getattr(config, name, 0) or 0 for name in ("mask_time_prob", "mask_feature_prob")}
+    masking = {name: value for name, value in probabilities.items() if value > 0}
+    if getattr(config, "apply_spec_augment", False) and masking:
+        given = ", ".join(f"{name} {value}" for name, value in masking.items())
+        raise SettingsError(
+            f"{config.model_type}'s SpecAugment ({given}) masks random spans through a boolean index each step, which "
+            'memplan cannot size: estimate with it off ("apply_spec_augment": false in the config; its memory is a '
+            "boolean mask and an index of the masked frames, small beside the step's)"
+        )
+
+
+def _target_len(config: Any, settings: TrainingSettings) -> int:
+    limit = getattr(config, "max_target_positions", None)
+    target = settings.target_len or (min(DEFAULT_TARGET_LEN, limit) if limit else DEFAULT_TARGET_LEN)
+    if limit is not None and target > limit:
+        raise SettingsError(
+            f"--target-len {target} is longer than the model's decoder maximum of {limit} positions "
+            f"(max_target_positions); use --target-len {limit} or less"
+        )
+    return target
+
+
+def speech_batch(config: Any, task: str, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The batch a data collator hands the model: full-length audio, labels as valid ids."""
+    row = family(config, task)
+    batch, frames, vocab = settings.batch_size, settings.seq_len, config.vocab_size
+    if row.inputs == "waveform":
+        return {"input_values": torch.randn(batch, frames, dtype=dtype), "labels": _ctc_labels(config, settings)}
+    labels = torch.randint(0, vocab, (batch, settings.target_len))
+    if row.inputs == "mel-fixed":
+        return {"input_features": torch.randn(batch, config.num_mel_bins, frames, dtype=dtype), "labels": labels}
+    features = config.input_feat_per_channel * config.input_channels
+    return {
+        "input_features": torch.randn(batch, frames, features, dtype=dtype),
+        "attention_mask": torch.ones(batch, frames, dtype=torch.long),
+        "labels": labels,
+    }
+
+
+def _ctc_labels(config: Any, settings: TrainingSettings) -> torch.Tensor:
+    """Ids other than the blank (pad_token_id: ForCTCLoss masks it out), no id twice in a row (each repeat would
+    need a blank frame between: the frames would not suffice)."""
+    blank = config.pad_token_id if config.pad_token_id is not None else 0
+    others = config.vocab_size - 1
+    steps = torch.randint(1, max(others, 2), (settings.batch_size, settings.target_len))
+    labels = torch.cumsum(steps, dim=1) % max(others, 1)  # consecutive ids differ by a step in [1, others)
+    labels = labels + (labels >= blank).long()  # skip the blank
+    _FULL_CTC_LABELS[labels] = True
+    return labels
+
+
+# The CTC labels memplan made (speech_batch): every id a label, none the blank or -100, in full rows. Under fake
+# tensors their values are unknown, and ForCTCLoss reads them (memplan.estimator.ctc_batches); these are known.
+_FULL_CTC_LABELS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def is_full_ctc_labels(labels: object) -> bool:
+    """Whether `labels` are CTC labels memplan made itself (every id a label, no padding)."""
+    return isinstance(labels, torch.Tensor) and labels in _FULL_CTC_LABELS
