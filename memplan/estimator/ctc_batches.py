@@ -1,16 +1,18 @@
 """A CTC head's loss over memplan's own batch, traced as the real run computes it.
 
 transformers' CTC heads (Wav2Vec2ForCTC and its kin, AutoModelForCTC) read their labels' values twice:
-`<Family>ForCTC.forward` checks `if labels is not None and labels.max() >= self.config.vocab_size: raise ValueError`,
-and `ForCTCLoss` (transformers/loss/loss_ctc.py, 5.x) drops the padding with
+`<Family>ForCTC.forward` checks `if labels is not None and labels.max() >= self.config.vocab_size: raise
+ValueError`, and `ForCTCLoss` (transformers/loss/loss_ctc.py, 5.x) drops the padding with
 `labels.masked_select((labels != ignore_index) & (labels != blank_token_id))`, counts each row's labels
 (`labels_mask.sum(-1)`) and hands those lengths and the encoder's frame counts to `F.ctc_loss` as tensors, whose
-`log_alpha` is sized by their largest values. Under fake tensors none of these values exist, and the step was refused
-as data-dependent. For the labels memplan made itself (memplan.models.speech: full rows of ids, none the blank, no
--100; no attention mask, so every sample's frames are the logits' length) the values are known: while a step is
-traced the check reads False, as in a run that trains, and ForCTCLoss runs op by op as transformers writes it, its
-mask and its two length tensors carrying those values (a fake tensor's `constant`, which
-memplan.estimator.oprules.masked and .ctc read). Labels from anywhere else are left as they are (refused as before).
+`log_alpha` is sized by their largest values. Under fake tensors none of these values exist, and the step was
+refused as data-dependent. For the labels memplan made itself (memplan.models.speech: full rows of ids, none the
+blank, no -100; no attention mask, so every sample's frames are the logits' length) the values are known: while a
+step is traced the check reads False, as in a run that trains, and ForCTCLoss runs op by op as transformers writes
+it (a copy of its few lines, taken only for memplan's own labels: tests/test_models_speech.py measures the real runs
+with transformers' own, so a release that changes it shows there), its mask and its two length tensors carrying
+those values (a fake tensor's `constant`, which memplan.estimator.oprules.masked and .ctc read). Labels from
+anywhere else are left as they are (refused as before).
 """
 
 from __future__ import annotations
