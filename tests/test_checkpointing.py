@@ -617,3 +617,66 @@ def test_a_hybrid_models_layers_of_two_classes_are_each_checkpointed_as_transfor
 
     measured = profiled_causal_lm_peak(checkpointed_jamba, tokens, lambda params: torch.optim.SGD(params, lr=1e-2))
     assert abs(predicted - measured) <= 0.005 * measured, f"predicted {predicted:,} B, measured {measured:,} B"
+
+
+TINY_PVT = {
+    "model_type": "pvt",
+    "image_size": 32,
+    "num_encoder_blocks": 2,
+    "depths": [1, 2],
+    "sequence_reduction_ratios": [2, 1],
+    "hidden_sizes": [16, 32],
+    "patch_sizes": [4, 2],
+    "strides": [4, 2],
+    "num_attention_heads": [1, 2],
+    "mlp_ratios": [2, 2],
+    "num_labels": 10,
+    "architectures": ["PvtForImageClassification"],
+}
+
+
+def test_a_list_of_lists_of_blocks_checkpoints_its_blocks(tmp_path):
+    """PVT keeps one nn.ModuleList of layers per stage in a ModuleList (`pvt.encoder.block`, modeling_pvt.py): its
+    `--checkpoint all` named the stages' lists, never called themselves, and was refused (a helper's hunt of
+    transformers' image classifiers, 2026-12-07; PoolFormer the same). Truth: the real step with every layer (and
+    every patch embedding, the other list of repeated blocks) checkpointed,
+    non-reentrant, by the CPU allocator's events (oneDNN off, as hand_measure runs it)."""
+    import json
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers import AutoConfig, AutoModelForImageClassification
+
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from tests.hand_measure import profiled_third_iteration_peak
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_PVT))
+    spec = resolve_model(str(tmp_path))
+    settings = spec.settings_for(
+        TrainingSettings(batch_size=2, image_size=32, device="cpu", optimizer="sgd", checkpoint="all")
+    )
+    with torch.backends.mkldnn.flags(enabled=False):
+        traced = trace_step(spec, settings)
+    stages = ["pvt.encoder.block.0.0", "pvt.encoder.block.1.0", "pvt.encoder.block.1.1"]
+    assert traced.checkpointed_blocks == ["pvt.encoder.patch_embeddings.0", "pvt.encoder.patch_embeddings.1", *stages]
+    predicted = simulate(traced).peak_bytes
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = AutoModelForImageClassification.from_config(AutoConfig.for_model(**TINY_PVT)).train()
+        blocks = [*model.pvt.encoder.patch_embeddings, *(layer for stage in model.pvt.encoder.block for layer in stage)]
+        for layer in blocks:
+            layer.forward = lambda *a, forward=layer.forward, **k: checkpoint(forward, *a, use_reentrant=False, **k)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))}
+        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+
+        def iteration() -> None:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return iteration
+
+    measured = profiled_third_iteration_peak(build)
+    assert abs(predicted - measured) <= 0.005 * measured, f"predicted {predicted:,} B, measured {measured:,} B"

@@ -53,16 +53,27 @@ def repeated_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     `JambaAttentionDecoderLayer`, `ALL_DECODER_LAYER_TYPES` in modeling_jamba.py; Zamba's and Zamba2's hybrid and
     Mamba layers), all of them GradientCheckpointingLayers, which Hugging Face's gradient checkpointing wraps each:
     an 8-layer Jamba's `--checkpoint all` had checkpointed nothing, 128% above the run with every layer
-    checkpointed."""
+    checkpointed.
+
+    A list of lists (PVT's and PoolFormer's `encoder.block`, one `nn.ModuleList` of layers per stage, modeling_pvt.py
+    and modeling_poolformer.py) is never called itself, nor are its lists: their layers are the blocks, taken list by
+    list where all of them together are at least two of one class (`--checkpoint all` had named the stages' lists,
+    and was refused: "a ModuleList that is never called itself")."""
     found: list[tuple[str, nn.ModuleList]] = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+        if not isinstance(module, nn.ModuleList) or any(
+            name == outer or name.startswith(outer + ".") for outer, _ in found
+        ):
+            continue  # (a list of lists' own, or one inside a checkpointed block: already checkpointed)
+        lists = [(name, module)]
+        if len(module) and all(isinstance(block, nn.ModuleList) for block in module):
+            lists = [(f"{name}.{index}", inner) for index, inner in enumerate(module)]
+        blocks = [block for _, inner in lists for block in inner]
+        if len(blocks) < 2 or any(isinstance(block, nn.ModuleList) for block in blocks):
             continue
-        if len({type(block) for block in module}) != 1 and not all(_checkpointing_layer(block) for block in module):
+        if len({type(block) for block in blocks}) != 1 and not all(_checkpointing_layer(block) for block in blocks):
             continue
-        if any(name.startswith(outer + ".") for outer, _ in found):
-            continue  # already inside a checkpointed block
-        found.append((name, module))
+        found.extend(lists)
     return found
 
 

@@ -34,6 +34,7 @@ from memplan.estimator.recorder import GraphRecorder
 from memplan.estimator.rng_snapshots import rng_snapshots_recorded
 from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import tensors_python_holds
+from memplan.estimator.tensor_caches import cached_tensors
 from memplan.estimator.trace_errors import trace_failure
 from memplan.estimator.traced_step import Observed, TracedStep, categorize_storages, traced_step_from
 from memplan.estimator.user_step import custom_step
@@ -117,7 +118,7 @@ def trace_custom_step(
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
             step_end = recorder.node_count() - 1
             eager_lifetimes.local_lifetimes += [
-                (storage_key(tensor), step_end) for tensor in attribute_tensors(state.built_model)
+                (storage_key(tensor), step_end) for tensor in [*attribute_tensors(state.built_model), *cached_tensors()]
             ]
             eager_lifetimes.local_lifetimes += graphs.lifetimes(step_end)
             eager_lifetimes.local_lifetimes += [

@@ -56,6 +56,7 @@ from memplan.estimator.replay import OptimizerRecording
 from memplan.estimator.rng_snapshots import rng_snapshots_recorded
 from memplan.estimator.saved_tensors import SavedTensors
 from memplan.estimator.swapped_storages import SwappedStorages, parameter_data_swaps, storages_held_by_fake_tensors
+from memplan.estimator.tensor_caches import cached_tensors, caches_of_new_modules, run_with_fresh_tensor_caches
 from memplan.estimator.trace_errors import step_failure, trace_failure
 from memplan.estimator.traced_step import (
     Observed,
@@ -140,6 +141,7 @@ def _untraced(state: TrainingState, spec: ModelSpec, settings: TrainingSettings)
 
 @deferred()
 @compiled_code_run_eagerly()
+@run_with_fresh_tensor_caches
 def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     if settings.step is not None:
         # Imported here, outside the fake mode: a module first imported inside it makes its module-level tensors
@@ -150,6 +152,7 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
     with fake_mode, constant_item(), no_weight_init(), fake_friendly_conversions():
         with constants_tracked(fake_mode) as constants:
             state = prepare(spec, settings)
+        caches_of_new_modules()  # (the model's module, imported as it was built)
         keep_buffers([*state.built_model.buffers(), *attribute_tensors(state.built_model)], constants)
         if settings.step is None and state.data_parallel is None:
             _warm_up_optimizer(state)
@@ -212,6 +215,7 @@ def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSetting
 
 @deferred()
 @compiled_code_run_eagerly()
+@run_with_fresh_tensor_caches
 def trace_step(
     spec: ModelSpec,
     settings: TrainingSettings,
@@ -226,6 +230,7 @@ def trace_step(
     """
     started = time.perf_counter()
     setup = setup or build_fake_setup(spec, settings)
+    caches_of_new_modules()
     fake_mode, state = setup.fake_mode, setup.state
     state.settings = settings
     with fake_mode:
@@ -293,6 +298,8 @@ def trace_step(
             # What the model keeps on its modules lives through the step (memplan.estimator.module_attributes).
             on_modules = {storage_key(tensor) for tensor in attribute_tensors(state.built_model)}
             kept_on_modules = set(on_modules)
+            # So do the tensors it put in transformers' lru caches (memplan.estimator.tensor_caches).
+            kept_on_modules |= {storage_key(tensor) for tensor in cached_tensors()}
             # The keep-output loop's `out` lives through the step too (memplan.estimator.loop).
             kept_on_modules |= {storage_key(tensor) for tensor in tensors_held(state.kept_output)}
             # So does the loss the loop keeps bound; its graph's Nodes, and what they hold, until it goes at the step's
