@@ -680,3 +680,53 @@ def test_a_list_of_lists_of_blocks_checkpoints_its_blocks(tmp_path):
 
     measured = profiled_third_iteration_peak(build)
     assert abs(predicted - measured) <= 0.005 * measured, f"predicted {predicted:,} B, measured {measured:,} B"
+
+
+# Tiny configs (a helper's hunt of transformers' image classifiers, 2026-12-07), 64 and 32 px.
+_HF_CHECKPOINTED = {
+    "mobilevit": (
+        {
+            "image_size": 64,
+            "hidden_sizes": [16, 24, 32],
+            "neck_hidden_sizes": [8, 8, 16, 16, 24, 32, 64],
+            "num_attention_heads": 2,
+            "patch_size": 2,
+        },
+        64,
+    ),
+    "swiftformer": ({"depths": [1, 1, 1, 1], "embed_dims": [8, 16, 24, 32]}, 32),
+}
+
+
+@pytest.mark.parametrize("model_type", list(_HF_CHECKPOINTED))
+def test_checkpoint_all_is_what_hugging_face_s_gradient_checkpointing_wraps(tmp_path, model_type):
+    """`--checkpoint all` on a transformers model checkpoints its GradientCheckpointingLayers, as
+    `gradient_checkpointing_enable()` does: MobileViT's MobileViTLayers share a list with its MobileNet stages, where
+    memplan had checkpointed the transformer layers inside them (30% below the real run), and SwiftFormer's stages
+    share one with their embeddings, where it had checkpointed nothing (3.4% above). Truth: the real step with
+    Hugging Face's own gradient checkpointing, by the CPU allocator's events (oneDNN off on both sides)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForImageClassification
+
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from tests.hand_measure import profiled_causal_lm_peak
+
+    overrides, size = _HF_CHECKPOINTED[model_type]
+    config = AutoConfig.for_model(model_type, num_labels=10, **overrides)
+
+    def model_of() -> torch.nn.Module:
+        model = AutoModelForImageClassification.from_config(config)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def batch_of() -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(2, 3, size, size), "labels": torch.randint(0, 10, (2,))}
+
+    measured = profiled_causal_lm_peak(model_of, batch_of)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    spec = resolve_model(str(tmp_path), task="image-classification")
+    settings = spec.settings_for(TrainingSettings(batch_size=2, image_size=size, device="cpu", checkpoint="all"))
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert simulate(trace_step(spec, settings)).peak_bytes == measured
