@@ -58,3 +58,27 @@ def test_a_layerdrop_step_is_traced_with_every_layer_run(tmp_path):
     spec = resolve_model(str(tmp_path))
     settings = spec.settings_for(TrainingSettings(batch_size=BATCH, seq_len=SEQ_LEN, device="cpu", optimizer="adamw"))
     assert simulate(trace_step(spec, settings)).peak_bytes == measured
+
+
+class _CoinFlip(torch.nn.Module):
+    """A draw whose `<` means "keep" here: not transformers' LayerDrop, so not answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.rand([]) < 0.5:
+            x = self.linear(x)
+        return x.square().mean()
+
+
+def test_a_draw_compared_outside_transformers_modelling_code_is_still_refused():
+    import pytest
+
+    from memplan.errors import TraceError
+    from tests.module_specs import loss_returning_spec
+
+    spec = loss_returning_spec("coin-flip", _CoinFlip, (4,))
+    with pytest.raises(TraceError, match="depends on tensor values"):
+        trace_step(spec, TrainingSettings(batch_size=2, device="cpu"))
