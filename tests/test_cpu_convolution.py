@@ -318,13 +318,44 @@ def test_transposed_and_3d_columns_are_the_hand_computed_ones():
         1,
     )
     backward_1x1 = (torch.randn(2, 8, 8, 8, 8), conv3d_1x1[0], conv3d_1x1[1], [8], *conv3d_1x1[3:], [True, True, True])
+    grouped_1x1 = (
+        torch.randn(3, 6, 8, 8, 8),
+        torch.randn(6, 3, 1, 1, 1),
+        None,
+        [1] * 3,
+        [0] * 3,
+        [1] * 3,
+        False,
+        [0] * 3,
+        2,
+    )
     expected = {
         "transposed 1x1": (convolution, transposed_1x1, 2 * 16 * 1 * 256 * 4),
         "transposed 3-D": (convolution, transposed_3d, 8 * 27 * 512 * 4 + 512 * 4),
         # fgrad_input [2, 4, 512] beside the input's gradient alone: less the weight's 128 B and the bias's 32 B
         "3-D backward 1x1x1": (backward, backward_1x1, 2 * 4 * 512 * 4 - 8 * 4 * 4 - 8 * 4),
+        # two groups: no view of the input, whole-batch columns over all 6 channels (a reviewer's find)
+        "3-D grouped 1x1x1": (convolution, grouped_1x1, 3 * 6 * 1 * 512 * 4),
     }
     with torch.backends.mkldnn.flags(enabled=False):
         for name, (op, args, hand_computed) in expected.items():
             measured = held_beside_outputs(lambda op=op, args=args: op(*args))
             assert (kernel_scratch_bytes(op, args, {}, "cpu"), measured) == (hand_computed, hand_computed), name
+
+
+def test_a_one_channel_group_of_a_channels_last_tensor_is_read_as_channels_last():
+    """`thnn_conv_use_channels_last` reads `suggest_memory_format()`, the strides' order: a group's one-channel slice
+    of a channels-last input, contiguous both ways, is channels-last there, and its grad_output slice is not copied
+    (memplan had counted a copy, 576 B over on this [2, 2, 6, 6] input's two-group backward; a reviewer's find)."""
+    from memplan.estimator.composite_kernels import kernel_scratch_bytes
+    from tests.hand_measure import held_beside_outputs
+
+    backward = torch.ops.aten.convolution_backward.default
+    input = torch.randn(2, 2, 6, 6).contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(4, 1, 3, 3)
+    geometry = ([1, 1], [1, 1], [1, 1], False, [0, 0], 2)
+    with torch.backends.mkldnn.flags(enabled=False):
+        grad_output = torch.randn_like(torch.ops.aten.convolution.default(input, weight, None, *geometry))
+        args = (grad_output, input, weight, [4], *geometry, [True, True, True])
+        measured = held_beside_outputs(lambda: backward(*args))
+        assert kernel_scratch_bytes(backward, args, {}, "cpu") == measured

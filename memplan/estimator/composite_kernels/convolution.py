@@ -36,7 +36,7 @@ from memplan.estimator.composite_kernels.convolution_backends import (
     output_bytes,
     transposed_or_3d_backward_bytes,
 )
-from memplan.estimator.memory_formats import meta_like, suggested_memory_format
+from memplan.estimator.memory_formats import meta_like, prims_suggest_memory_format, suggested_memory_format
 
 _SUM = torch.ops.aten.sum.dim_IntList
 _CONVOLUTION = torch.ops.aten.convolution.default
@@ -140,9 +140,13 @@ def _as_spatial(
 
 
 def _thnn_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
-    """`thnn_conv_use_channels_last` (ConvUtils.h): channels-last where the input's or the weight's suggested
-    format is."""
-    channels_last = torch.channels_last in (suggested_memory_format(input), suggested_memory_format(weight))
+    """`thnn_conv_use_channels_last` (ConvUtils.h): channels-last where the input's or the weight's
+    `suggest_memory_format()` is, which reads the strides' order (torch._prims_common.suggest_memory_format, its
+    Python twin), not contiguity: a group's slice of a channels-last tensor with one channel per group, contiguous
+    both ways, is channels-last there (measured: a two-group channels-last SlowTranspose2d backward holds no copy of
+    its grad_output; memplan had counted one)."""
+    formats = (prims_suggest_memory_format(input), prims_suggest_memory_format(weight))
+    channels_last = torch.channels_last in formats
     return torch.channels_last if channels_last else torch.contiguous_format
 
 

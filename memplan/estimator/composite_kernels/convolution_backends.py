@@ -85,9 +85,9 @@ def _sample_columns_bytes(input: torch.Tensor, weight: torch.Tensor, geometry: G
 def batch_columns_bytes(input: torch.Tensor, weight: torch.Tensor, geometry: Geometry) -> int:
     """`compute_columns2d` (ConvolutionMM2d.cpp) and `compute_columns3d` (ConvolutionMM3d.cpp): the whole batch's
     columns, `at::empty({batch, channels * kernel area, output area})` in either memory format (3-D: all the input's
-    channels, whatever the groups), except a pointwise kernel's, whose columns are a view of the input."""
-    if geometry.pointwise(weight):
-        return 0
+    channels, whatever the groups), except a pointwise kernel's with one group, whose columns view the input."""
+    if geometry.pointwise(weight) and input.shape[1] == weight.shape[1]:
+        return 0  # (one group: Slow3d's grouped calls make columns even for a pointwise kernel, measured)
     area = math.prod(output_spatial(input, weight, geometry))
     return input.shape[0] * input.shape[1] * _kernel_area(weight) * area * input.element_size()
 
