@@ -730,3 +730,27 @@ def test_checkpoint_all_is_what_hugging_face_s_gradient_checkpointing_wraps(tmp_
     settings = spec.settings_for(TrainingSettings(batch_size=2, image_size=size, device="cpu", checkpoint="all"))
     with torch.backends.mkldnn.flags(enabled=False):
         assert simulate(trace_step(spec, settings)).peak_bytes == measured
+
+
+def test_a_module_of_the_user_s_holding_a_transformers_model_keeps_its_own_blocks_checkpointed():
+    """Hugging Face's rule (its GradientCheckpointingLayers) is for a transformers model, peft's wrapper included; a
+    module of the user's that holds one beside blocks of its own keeps every repeated block checkpointed, its own too
+    (the rule had dropped them: a reviewer's find)."""
+    import transformers
+    from torch import nn
+
+    from memplan.estimator.checkpointing import all_blocks_layout
+
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = transformers.BertModel(config)
+            self.head = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)])
+
+    bert_layers = ("bert.encoder.layer.0", "bert.encoder.layer.1")
+    assert all_blocks_layout(Holder()).modules == (*bert_layers, "head.0", "head.1", "head.2")
+    assert all_blocks_layout(transformers.BertForMaskedLM(config)).modules == bert_layers

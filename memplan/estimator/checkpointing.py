@@ -421,10 +421,22 @@ def transformers_checkpointed_layers(model: nn.Module) -> list[str]:
     return names
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether the model is one of transformers' (a `PreTrainedModel`, peft's wrapper's base model included), whose
+    `gradient_checkpointing_enable()` a user would call; not a module of the user's that holds one among its own
+    blocks. Told by the class's name and module, as _checkpointing_layer tells its layers."""
+    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__ == "transformers.modeling_utils"
+        for cls in type(root).__mro__
+    )
+
+
 def all_blocks_layout(model: nn.Module, policy: str = "full") -> CheckpointLayout:
     """`--checkpoint all` / `selective`: a transformers model's layers as Hugging Face's gradient checkpointing
-    wraps them (transformers_checkpointed_layers), any other model's repeated blocks (block_names)."""
-    names = transformers_checkpointed_layers(model) or block_names(model)
+    wraps them (transformers_checkpointed_layers), any other model's repeated blocks (block_names), a module of the
+    user's that holds a transformers model among its blocks included."""
+    names = (transformers_checkpointed_layers(model) if _is_transformers_model(model) else []) or block_names(model)
     return CheckpointLayout(segments=tuple((name,) for name in names), policies=(policy,) * len(names))
 
 
