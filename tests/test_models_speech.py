@@ -305,3 +305,15 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_speech
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
         print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+
+
+def test_the_longest_input_that_fits_is_searched_over_the_lengths_the_model_takes(tmp_path):
+    """`--maximize seq-len` searched shorter mel lengths for Whisper, whose encoder takes one, and failed inside
+    transformers ("Whisper expects the mel input features to be of length 64", a reviewer's find): a length the model
+    refuses fits no budget. Its one length fits a large budget, and with a budget below it nothing fits."""
+    import memplan
+
+    (tmp_path / "config.json").write_text(json.dumps(WHISPER))
+    options = {"batch_size": 2, "target_len": 16, "device": "cpu", "maximize": "seq-len"}
+    assert memplan.estimate(str(tmp_path), budget="1GiB", **options).max_seq_len == 64
+    assert not memplan.estimate(str(tmp_path), budget="1MiB", **options).max_seq_len

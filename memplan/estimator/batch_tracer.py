@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memplan.choices import MAX_COUNT
-from memplan.errors import TraceError
+from memplan.errors import SettingsError, TraceError
 from memplan.estimator.interpolate import BatchLines, phase_fit_bytes, same_requests
 from memplan.estimator.interpolate import fits as timeline_fits
 from memplan.estimator.search import find_max_batch_size, largest_fitting, last_fitting_from
@@ -275,10 +275,17 @@ def longest_seq_len(tracer: BatchTracer, budget_bytes: int) -> tuple[int, bool, 
     def fits(seq_len: int) -> bool:
         if seq_len not in fit:
             raise_if_interrupted()
+            try:
+                # A length the model does not take fits no budget (Whisper's encoder takes one mel length; a CTC
+                # head's labels need as many frames): refused as a --seq-len of it would be, not traced.
+                candidate = tracer.spec.settings_for(settings.replace(seq_len=seq_len))
+            except SettingsError:
+                fit[seq_len] = False
+                return False
             tracer.report(f"tracing sequence length {seq_len} (trace {len(tracer.simulations) + len(fit)})")
             # The sequence length cannot change the optimizer step: replay it (memplan.estimator.replay).
             replay = tracer.first.optimizer_recording if tracer.first else None
-            traced = trace_step(tracer.spec, settings.replace(seq_len=seq_len), tracer.setup, replay)
+            traced = trace_step(tracer.spec, candidate, tracer.setup, replay)
             fit[seq_len] = simulate(traced).fits_within(budget_bytes)
         return fit[seq_len]
 
