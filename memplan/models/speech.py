@@ -142,8 +142,10 @@ def resolve_speech_lengths(config: Any, task: str, settings: TrainingSettings) -
         frames = settings.seq_len or min(DEFAULT_FRAMES, limit)
         if frames > limit:
             raise SettingsError(
-                f"--seq-len {frames} frames subsample to {_subsampled(frames, config)}, more than the encoder's "
-                f"{config.max_source_positions} positions (max_source_positions): use --seq-len {limit} or less"
+                f"--seq-len {frames} frames subsample to {_subsampled(frames, config)}, more than the "
+                f"{config.max_source_positions} positions the config's max_source_positions gives (transformers "
+                "regrows the encoder's sinusoidal table past it; memplan estimates up to it, the length the model "
+                f"was made for): use --seq-len {limit} or less"
             )
         return settings.replace(seq_len=frames, target_len=_target_len(config, settings))
     _refuse_spec_augment(config)
