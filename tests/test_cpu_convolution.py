@@ -230,6 +230,15 @@ _TRANSPOSED_AND_3D = {
         2,
         torch.float32,
     ),
+    # the output kept in the input-sized storage it is made in (empty_like(input), then resize_; a reviewer's find)
+    "transposed3d-narrowing": (lambda: nn.ConvTranspose3d(8, 2, 1), (8, 8, 8, 8), None, 2, torch.float32),
+    "transposed3d-narrowing-grouped": (
+        lambda: nn.ConvTranspose3d(8, 4, 1, groups=2),
+        (8, 8, 8, 8),
+        None,
+        2,
+        torch.float32,
+    ),
     "transposed3d-grouped-no-bias": (
         lambda: nn.ConvTranspose3d(4, 8, 3, padding=1, groups=2, bias=False),
         (4, 8, 8, 8),
@@ -318,6 +327,10 @@ def test_transposed_and_3d_columns_are_the_hand_computed_ones():
         1,
     )
     backward_1x1 = (torch.randn(2, 8, 8, 8, 8), conv3d_1x1[0], conv3d_1x1[1], [8], *conv3d_1x1[3:], [True, True, True])
+    transposed_grown = (
+        torch.randn(2, 3, 8, 8, 8, dtype=torch.float64), torch.randn(3, 1, 1, 1, 1, dtype=torch.float64),
+        torch.randn(1, dtype=torch.float64), [2] * 3, [1] * 3, [1] * 3, True, [0] * 3, 1,
+    )  # fmt: skip
     grouped_1x1 = (
         torch.randn(3, 6, 8, 8, 8),
         torch.randn(6, 3, 1, 1, 1),
@@ -334,6 +347,8 @@ def test_transposed_and_3d_columns_are_the_hand_computed_ones():
         "transposed 3-D": (convolution, transposed_3d, 8 * 27 * 512 * 4 + 512 * 4),
         # fgrad_input [2, 4, 512] beside the input's gradient alone: less the weight's 128 B and the bias's 32 B
         "3-D backward 1x1x1": (backward, backward_1x1, 2 * 4 * 512 * 4 - 8 * 4 * 4 - 8 * 4),
+        # the output grows out of the input-sized storage it is made in: that storage beside it as it is resized
+        "transposed 3-D grown": (convolution, transposed_grown, 2 * 3 * 512 * 8),
         # two groups: no view of the input, whole-batch columns over all 6 channels (a reviewer's find)
         "3-D grouped 1x1x1": (convolution, grouped_1x1, 3 * 6 * 1 * 512 * 4),
     }

@@ -34,9 +34,11 @@ from memplan.estimator.composite_kernels.convolution_backends import (
     dilated_backward_bytes,
     forward_bytes,
     output_bytes,
+    output_storage_bytes,
     transposed_or_3d_backward_bytes,
 )
 from memplan.estimator.memory_formats import meta_like, prims_suggest_memory_format, suggested_memory_format
+from memplan.estimator.oprules import output_bytes_rule
 
 _SUM = torch.ops.aten.sum.dim_IntList
 _CONVOLUTION = torch.ops.aten.convolution.default
@@ -207,8 +209,11 @@ def slow_conv_forward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], dev
     input_g = input_g.contiguous(memory_format=suggested_memory_format(input))
     weight_g = weight_g.contiguous(memory_format=suggested_memory_format(weight))
     inner = forward_bytes(backend, input_g, weight_g, has_bias, geometry)
-    # the last group: the groups' outputs (the output's bytes in all) and its copies and scratch; then the cat
-    return held + max(copies + inner, output_bytes(input, weight, geometry, groups))
+    # the last group: the groups' outputs (their storages: the output's bytes in all, or more where each is made in
+    # an input-sized storage, output_storage_bytes) and its copies and scratch; then the cat beside them
+    group_outputs = groups * output_storage_bytes(backend, input_g, weight_g, geometry)
+    excess = group_outputs - output_bytes(input, weight, geometry, groups)
+    return held + max(copies + inner + excess, group_outputs)
 
 
 def _nogroup_backward_bytes(
@@ -292,3 +297,19 @@ def slow_conv_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], de
         + (grad_output.shape[1] * grad_output.element_size() if mask[2] else 0)
     )
     return held + max(copies + group, gradients)
+
+
+@output_bytes_rule(_CONVOLUTION)
+def convolution_output_bytes(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> list[int]:
+    """The output's storage: on the CPU's SlowTranspose3d with one group, `at::empty_like(input)` resized to the
+    output (NaiveConvolutionTranspose3d.cpp), never smaller than the input's (output_storage_bytes); otherwise its
+    own size."""
+    bound, spatial = _bound_spatial(_CONVOLUTION, args, kwargs)
+    if spatial is None:
+        output = torch.ops.aten.convolution.default(*(meta_like(a) if isinstance(a, torch.Tensor) else a for a in args))
+        return [_nbytes(output)]
+    input, weight, geometry, _ = spatial
+    backend = _cpu_backend(input, weight, geometry, bound["groups"]) if device == "cpu" else None
+    if backend == SLOW_TRANSPOSE3D and bound["groups"] == 1:
+        return [output_storage_bytes(backend, input.contiguous(), weight.contiguous(), geometry)]
+    return [output_bytes(input, weight, geometry, bound["groups"])]

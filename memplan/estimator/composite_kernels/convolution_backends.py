@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from memplan.estimator import composite_kernels
-from memplan.estimator.composite_kernels import contiguous_copy_bytes
+from memplan.estimator.composite_kernels import _nbytes, contiguous_copy_bytes
 
 SLOW2D, NNPACK, SLOW_DILATED2D = "Slow2d", "NnpackSpatial", "SlowDilated2d"
 SLOW_TRANSPOSE2D, SLOW_TRANSPOSE3D = "SlowTranspose2d", "SlowTranspose3d"
@@ -110,7 +110,9 @@ def forward_bytes(backend: str, input: torch.Tensor, weight: torch.Tensor, has_b
     - SlowTranspose2d, `slow_conv_transpose2d_out_cpu_template`: the whole batch's columns, a pointwise kernel's too
       (measured: [2, 8, 16, 16] into 16 channels, 3x3, holds 294,912 B beside its output; 1x1, 32,768 B);
     - SlowTranspose3d, `slow_conv_transpose3d_out_cpu_template`: one sample's columns, and with a bias its `ones`
-      over the output's area (measured: [2, 4, 8, 8, 8] into 8 channels, 3x3x3 with a bias, 444,416 B)."""
+      over the output's area (measured: [2, 4, 8, 8, 8] into 8 channels, 3x3x3 with a bias, 444,416 B); or, where
+      the output outgrows the input-sized storage it is made in (output_storage_bytes), that storage as it is
+      resized, if more (a reviewer's find: a float64 [2, 3, 8, 8, 8] pointwise at stride 2 holds 24,576 B)."""
     if backend in (SLOW2D, SLOW3D):
         return batch_columns_bytes(input, weight, geometry)
     if backend == NNPACK:
@@ -119,8 +121,18 @@ def forward_bytes(backend: str, input: torch.Tensor, weight: torch.Tensor, has_b
         return _transposed_columns_bytes(input, weight, input.shape[0])
     if backend == SLOW_TRANSPOSE3D:
         ones = math.prod(output_spatial(input, weight, geometry)) * input.element_size() if has_bias else 0
-        return _transposed_columns_bytes(input, weight, 1) + ones
+        # its output is `empty_like(input)` resized: grown, the input-sized storage is held a moment beside the new
+        grown = _nbytes(input) if output_bytes(input, weight, geometry, 1) > _nbytes(input) else 0
+        return max(grown, _transposed_columns_bytes(input, weight, 1) + ones)
     return _sample_columns_bytes(input, weight, geometry)
+
+
+def output_storage_bytes(backend: str, input: torch.Tensor, weight: torch.Tensor, geometry: Geometry) -> int:
+    """The storage of one group's output: SlowTranspose3d makes it `at::empty_like(input)` and `resize_`s it (measured:
+    a [2, 8, 8, 8, 8] input into 2 channels, 1x1x1, keeps its 32,768 B storage under an 8,192 B output), a storage
+    never smaller than the input's; the others an output of its own size."""
+    output = output_bytes(input, weight, geometry, 1)
+    return max(output, _nbytes(input)) if backend == SLOW_TRANSPOSE3D else output
 
 
 def _bias_sum_bytes(grad_output: torch.Tensor, dims: list[int], device: str) -> int:
