@@ -131,6 +131,70 @@ def test_a_variable_whose_tensor_gets_another_storage_lets_the_old_one_go():
     assert (storage_key(rows[1]), 9) in lifetimes and (storage_key(x), 9) in lifetimes
 
 
+def test_a_list_that_loses_an_item_lets_it_go():
+    """`skips.pop()` (a U-Net's skip connections): the list stops holding the popped tensor as it shrinks, and what it
+    still holds it holds until the variable lets it go. It had held everything it ever held until then."""
+    import sys
+
+    from memplan.estimator.leaves import storage_key
+    from memplan.estimator.python_locals import LocalBindings
+
+    bindings, lifetimes = LocalBindings(), []
+    skips = [torch.zeros(8), torch.zeros(16)]
+    first, second = storage_key(skips[0]), storage_key(skips[1])
+    bindings.read(sys._getframe(), 3, lifetimes)
+    popped = skips.pop()
+    bindings.read(sys._getframe(), 4, lifetimes)
+    assert (second, 4) in lifetimes and (first, 4) not in lifetimes
+    bindings.release(9, lifetimes)
+    assert (first, 9) in lifetimes and (second, 9) in lifetimes  # `popped` holds it now
+    assert popped.numel() == 16
+
+
+class PopsItsSkips(torch.nn.Module):
+    """A U-Net's skip list over rows: each skip a copy that nothing saves for the backward (`repeat`), popped into a
+    `torch.cat` that saves nothing either, so freed as the cat returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(2)])
+        self.up = torch.nn.ModuleList([torch.nn.Linear(64 + 512, 64) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for layer in self.down:
+            x = layer(x)
+            skips.append(x.repeat(1, 1, 8))
+        for layer in self.up:
+            x = layer(torch.cat([x, skips.pop()], -1))
+        # a 2 MiB copy that nothing saves, made after the skips were popped: where the step's peak falls
+        spread = x.unsqueeze(-1).expand(-1, -1, -1, 64).contiguous()
+        return x.square().mean() + spread.sum()
+
+
+def test_a_skip_popped_from_a_list_is_freed_after_its_last_use():
+    """The popped [8, 16, 512] float32 skips (256 KiB each) are gone when the forward's last copy is made: the list
+    had kept them counted until the forward returned, and the step came out 262,144 B (8.3%) high. Truth: the step
+    run for real, measured by the CPU allocator's events (3,146,768 B here). Met first in a 3-D U-Net with
+    checkpointed blocks under amp-bf16 (0.8% high), whose skips only the list held."""
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from memplan.settings import TrainingSettings
+    from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+    from tests.module_specs import loss_returning_spec
+
+    def build():
+        torch.manual_seed(0)
+        model = PopsItsSkips()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        return training_iteration(model, torch.randn(8, 16, 64), lambda out, _: out, optimizer)
+
+    measured = profiled_third_iteration_peak(build)
+    spec = loss_returning_spec("pops-its-skips", PopsItsSkips, (16, 64))
+    settings = TrainingSettings(batch_size=8, device="cpu", optimizer="sgd")
+    assert simulate(trace_step(spec, settings)).peak_bytes == measured
+
+
 class _FailsInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
