@@ -291,6 +291,17 @@ def test_ctc_without_transformers_loss_function_is_refused_in_one_line(tmp_path,
         resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
 
 
+def test_an_adapter_dropping_its_layers_at_random_is_refused_in_one_line(tmp_path):
+    """wav2vec2's adapter draws its LayerDrop with numpy: the traced step would be a random draw of its own."""
+    config = {**WAV2VEC2, "add_adapter": True, "num_adapter_layers": 2, "adapter_stride": 2, "layerdrop": 0.1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = resolve_model(str(tmp_path))
+    with pytest.raises(SettingsError, match='adapter drops each of its layers at random.*"layerdrop": 0.0'):
+        spec.settings_for(TrainingSettings(batch_size=1, device="cpu"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "layerdrop": 0.0}))
+    assert resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu")).seq_len == 16_000
+
+
 def test_spec_augment_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**WAV2VEC2, "mask_time_prob": 0.05}))
     with pytest.raises(SettingsError, match="SpecAugment \\(mask_time_prob 0.05\\).*apply_spec_augment"):

@@ -149,6 +149,7 @@ def resolve_speech_lengths(config: Any, task: str, settings: TrainingSettings) -
             )
         return settings.replace(seq_len=frames, target_len=_target_len(config, settings))
     _refuse_spec_augment(config)
+    _refuse_random_adapter_layers(config, row)
     _refuse_inline_ctc_loss()
     samples = settings.seq_len or DEFAULT_SAMPLES
     frames = ctc_frames(samples, config, row)
@@ -189,6 +190,20 @@ def _refuse_inline_ctc_loss() -> None:
             f"which transformers {transformers.__version__} does not have (its heads compute the loss inline, reading "
             "the labels' values): use a transformers release with it (5.25 has it), or give the model, its batch and "
             "its loss as your own module:function (docs/usage.md)"
+        )
+
+
+def _refuse_random_adapter_layers(config: Any, row: SpeechFamily) -> None:
+    """An adapter's LayerDrop draws with numpy (modeling_wav2vec2.py, Wav2Vec2Adapter.forward: `layerdrop_prob =
+    np.random.random()`, a layer run where it is above `layerdrop`): a real number in the trace too, so the layers the
+    estimate ran would be a random draw of its own (a reviewer's find). Refused; with `layerdrop` 0 every layer runs,
+    the step that holds the most, as the encoder's own LayerDrop is traced (memplan.estimator.layer_drop)."""
+    layerdrop = getattr(config, "layerdrop", 0) or 0
+    if row.adapter and getattr(config, "add_adapter", False) and layerdrop > 0:
+        raise SettingsError(
+            f"{config.model_type}'s adapter drops each of its layers at random (layerdrop {layerdrop}, drawn with "
+            'numpy), which would make the estimate a random draw: estimate with "layerdrop": 0.0 in the config, '
+            "every layer run (the step that holds the most)"
         )
 
 
