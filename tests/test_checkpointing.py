@@ -648,7 +648,7 @@ def test_a_list_of_lists_of_blocks_checkpoints_its_blocks(tmp_path):
 
     from memplan.estimator.simulate import simulate
     from memplan.estimator.trace import trace_step
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import profiled_causal_lm_peak
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_PVT))
     spec = resolve_model(str(tmp_path))
@@ -661,24 +661,17 @@ def test_a_list_of_lists_of_blocks_checkpoints_its_blocks(tmp_path):
     assert traced.checkpointed_blocks == ["pvt.encoder.patch_embeddings.0", "pvt.encoder.patch_embeddings.1", *stages]
     predicted = simulate(traced).peak_bytes
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        model = AutoModelForImageClassification.from_config(AutoConfig.for_model(**TINY_PVT)).train()
+    def model_of() -> torch.nn.Module:
+        model = AutoModelForImageClassification.from_config(AutoConfig.for_model(**TINY_PVT))
         blocks = [*model.pvt.encoder.patch_embeddings, *(layer for stage in model.pvt.encoder.block for layer in stage)]
         for layer in blocks:
             layer.forward = lambda *a, forward=layer.forward, **k: checkpoint(forward, *a, use_reentrant=False, **k)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-        batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))}
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+        return model
 
-        def iteration() -> None:
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def batch_of() -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))}
 
-        return iteration
-
-    measured = profiled_third_iteration_peak(build)
+    measured = profiled_causal_lm_peak(model_of, batch_of, optimizer_of=torch.optim.SGD)
     assert abs(predicted - measured) <= 0.005 * measured, f"predicted {predicted:,} B, measured {measured:,} B"
 
 

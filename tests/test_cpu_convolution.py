@@ -293,55 +293,20 @@ def test_transposed_and_3d_columns_are_the_hand_computed_ones():
     from tests.hand_measure import held_beside_outputs
 
     convolution, backward = torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default
-    transposed_1x1 = (
-        torch.randn(2, 8, 16, 16),
-        torch.randn(8, 16, 1, 1),
-        None,
-        [1, 1],
-        [0, 0],
-        [1, 1],
-        True,
-        [0, 0],
-        1,
-    )
-    transposed_3d = (
-        torch.randn(2, 4, 8, 8, 8),
-        torch.randn(4, 8, 3, 3, 3),
-        torch.randn(8),
-        [1] * 3,
-        [1] * 3,
-        [1] * 3,
-        True,
-        [0] * 3,
-        1,
-    )
-    conv3d_1x1 = (
-        torch.randn(2, 4, 8, 8, 8),
-        torch.randn(8, 4, 1, 1, 1),
-        None,
-        [1] * 3,
-        [0] * 3,
-        [1] * 3,
-        False,
-        [0] * 3,
-        1,
-    )
+
+    def conv_args(input: tuple, weight: tuple, bias: int | None, stride: int, padding: int, transposed: bool,
+                  groups: int = 1, dtype: torch.dtype = torch.float32) -> tuple:  # fmt: skip
+        dims = len(input) - 2
+        bias_tensor = torch.randn(bias, dtype=dtype) if bias else None
+        geometry = ([stride] * dims, [padding] * dims, [1] * dims, transposed, [0] * dims, groups)
+        return (torch.randn(*input, dtype=dtype), torch.randn(*weight, dtype=dtype), bias_tensor, *geometry)
+
+    transposed_1x1 = conv_args((2, 8, 16, 16), (8, 16, 1, 1), None, 1, 0, True)
+    transposed_3d = conv_args((2, 4, 8, 8, 8), (4, 8, 3, 3, 3), 8, 1, 1, True)
+    conv3d_1x1 = conv_args((2, 4, 8, 8, 8), (8, 4, 1, 1, 1), None, 1, 0, False)
     backward_1x1 = (torch.randn(2, 8, 8, 8, 8), conv3d_1x1[0], conv3d_1x1[1], [8], *conv3d_1x1[3:], [True, True, True])
-    transposed_grown = (
-        torch.randn(2, 3, 8, 8, 8, dtype=torch.float64), torch.randn(3, 1, 1, 1, 1, dtype=torch.float64),
-        torch.randn(1, dtype=torch.float64), [2] * 3, [1] * 3, [1] * 3, True, [0] * 3, 1,
-    )  # fmt: skip
-    grouped_1x1 = (
-        torch.randn(3, 6, 8, 8, 8),
-        torch.randn(6, 3, 1, 1, 1),
-        None,
-        [1] * 3,
-        [0] * 3,
-        [1] * 3,
-        False,
-        [0] * 3,
-        2,
-    )
+    transposed_grown = conv_args((2, 3, 8, 8, 8), (3, 1, 1, 1, 1), 1, 2, 1, True, dtype=torch.float64)
+    grouped_1x1 = conv_args((3, 6, 8, 8, 8), (6, 3, 1, 1, 1), None, 1, 0, False, groups=2)
     expected = {
         "transposed 1x1": (convolution, transposed_1x1, 2 * 16 * 1 * 256 * 4),
         "transposed 3-D": (convolution, transposed_3d, 8 * 27 * 512 * 4 + 512 * 4),

@@ -16,7 +16,7 @@ from memplan.estimator.tensor_caches import fresh_tensor_caches
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
-from tests.hand_measure import profiled_third_iteration_peak
+from tests.hand_measure import profiled_causal_lm_peak
 
 # BEiT's relative position bias indexes its table with generate_relative_position_index((4, 4)), an lru-cached
 # [17, 17] int64 tensor (2,312 B) shared by every layer and every later step (modeling_beit.py).
@@ -68,23 +68,16 @@ def test_what_a_step_caches_is_held_through_the_optimizer_step(tmp_path):
     the trace had freed it after the backward's last read: 2,308 B low (-0.50%)."""
     predicted = _predicted(tmp_path, optimizer="adamw", checkpoint="all")
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
+    def model_of() -> torch.nn.Module:
         model = _real_beit()
         for layer in model.beit.layers:  # non-reentrant, as --checkpoint all and Hugging Face's own checkpointing
             layer.forward = lambda *a, forward=layer.forward, **k: checkpoint(forward, *a, use_reentrant=False, **k)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))}
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+        return model
 
-        def iteration() -> None:
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def batch_of() -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))}
 
-        return iteration
-
-    measured = profiled_third_iteration_peak(build)  # its first iteration makes the index, as in a fresh process
+    measured = profiled_causal_lm_peak(model_of, batch_of)  # its first iteration makes the index, as in a fresh process
     assert abs(predicted - measured) <= 16, f"predicted {predicted:,} B, measured {measured:,} B"
 
 
