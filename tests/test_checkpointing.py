@@ -215,17 +215,115 @@ def rows(batch_size: int) -> torch.Tensor:
     return torch.randn(batch_size, 8)
 
 
-def test_checkpoint_all_on_a_model_without_repeated_block_lists_says_nothing_is_checkpointed():
-    """The header said "checkpoint all blocks" over an unchanged step, without a word: a Sequential's blocks are
-    not taken as repeated blocks (`plan --candidates` names them)."""
+class _LayerSequential(nn.Module):
+    """Layers in an nn.Sequential, none of them a block of its own (VGG's `features`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).sum()
+
+
+def layer_sequential() -> nn.Module:
+    return _LayerSequential()
+
+
+def test_checkpoint_all_on_a_model_without_repeated_blocks_says_nothing_is_checkpointed():
+    """The header said "checkpoint all blocks" over an unchanged step, without a word: a Sequential of layers holds
+    no blocks."""
     import memplan
 
     source = {"inputs": "tests.test_checkpointing:rows", "batch_size": 4, "device": "cpu"}
-    plain = memplan.estimate("tests.test_checkpointing:sequential_stack", **source)
-    result = memplan.estimate("tests.test_checkpointing:sequential_stack", **source, checkpoint="all")
+    plain = memplan.estimate("tests.test_checkpointing:layer_sequential", **source)
+    result = memplan.estimate("tests.test_checkpointing:layer_sequential", **source, checkpoint="all")
     assert result.checkpointed_blocks == () and result.peak_bytes == plain.peak_bytes
-    assert any("found no nn.ModuleList of two or more repeated blocks" in note for note in result.notes)
+    assert any("found no repeated blocks in this model" in note for note in result.notes)
     assert not any("repeated blocks" in note for note in plain.notes)
+
+
+class _Bottleneck(nn.Module):
+    """torchvision's ResNet Bottleneck in small: 1x1, 3x3, 1x1 convolutions with batch norms, a downsampling
+    Sequential (a convolution and its norm: layers, no blocks) on the first block of a stage."""
+
+    def __init__(self, channels: int, downsample: bool) -> None:
+        super().__init__()
+        inner = channels // 2
+        self.conv1, self.bn1 = nn.Conv2d(channels, inner, 1, bias=False), nn.BatchNorm2d(inner)
+        self.conv2, self.bn2 = nn.Conv2d(inner, inner, 3, padding=1, bias=False), nn.BatchNorm2d(inner)
+        self.conv3, self.bn3 = nn.Conv2d(inner, channels, 1, bias=False), nn.BatchNorm2d(channels)
+        shortcut = nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels))
+        self.downsample = shortcut if downsample else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return torch.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+class _SequentialResNet(nn.Module):
+    """Stages as torchvision's ResNet keeps them: `layer1`, `layer2`, each an nn.Sequential of Bottlenecks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.layer1 = nn.Sequential(_Bottleneck(16, True), _Bottleneck(16, False), _Bottleneck(16, False))
+        self.layer2 = nn.Sequential(_Bottleneck(16, True), _Bottleneck(16, False))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.layer2(self.layer1(torch.relu(self.stem(x))))
+        return self.head(features.mean((2, 3))).square().mean()
+
+
+def test_checkpoint_all_checkpoints_each_block_of_a_sequential_as_torch_does():
+    """`--checkpoint all` over torchvision-style stages (blocks in nn.Sequentials) checkpointed nothing, a note
+    saying so: the step stayed the plain one. Now each Bottleneck is a block, the downsampling Sequential inside it
+    (a convolution and its norm) not. Truth: the same step run plainly, torch's own non-reentrant checkpoint around
+    each Bottleneck, measured by the CPU allocator's events."""
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from tests.hand_measure import checkpoint_each, profiled_third_iteration_peak, training_iteration
+    from tests.module_specs import loss_returning_spec
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = _SequentialResNet()
+        checkpoint_each([*model.layer1, *model.layer2])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = torch.randn(4, 3, 32, 32)
+        build.kept = (model, optimizer, batch)
+        return training_iteration(model, batch, lambda loss, _: loss, optimizer)
+
+    measured = profiled_third_iteration_peak(build)  # oneDNN off: Slow2d's columns, which memplan counts
+    spec = loss_returning_spec("sequential-resnet", _SequentialResNet, (3, 32, 32))
+    settings = TrainingSettings(batch_size=4, device="cpu", optimizer="sgd")
+    with torch.backends.mkldnn.flags(enabled=False):
+        traced = trace_step(spec, settings.replace(checkpoint="all"))
+        predicted = simulate(traced).peak_bytes
+        plain = simulate(trace_step(spec, settings)).peak_bytes
+    assert traced.checkpointed_blocks == ["layer1.0", "layer1.1", "layer1.2", "layer2.0", "layer2.1"]
+    assert predicted == measured
+    assert plain > 2 * measured  # the plain step: what had been predicted
+
+
+def test_a_sequential_s_blocks_are_its_composite_children_whose_class_repeats():
+    """MobileNetV2's `features`: a Conv2dNormActivation, InvertedResiduals, a Conv2dNormActivation; a Sequential's
+    single composite child (a head) and its layers are no blocks; a model that is itself the Sequential names its
+    blocks by index."""
+    model = nn.Module()
+    model.features = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU()),
+        _Bottleneck(4, False),
+        _Bottleneck(4, False),
+        nn.ReLU(),
+        nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU()),
+    )
+    model.head = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    assert block_names(model) == ["features.0", "features.1", "features.2", "features.4"]
+    assert block_names(nn.Sequential(_Bottleneck(4, False), _Bottleneck(4, False))) == ["0", "1"]
 
 
 def test_a_segment_passes_non_tensor_arguments_to_its_recomputation_and_checkpoints_every_iteration():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +47,10 @@ def _checkpointing_layer(block: nn.Module) -> bool:
     )
 
 
-def repeated_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """Outermost `nn.ModuleList`s holding at least two blocks, all of the same class or all transformers' layers.
+def repeated_block_lists(model: nn.Module) -> list[tuple[str, list[int]]]:
+    """The containers of repeated blocks, outermost first, each with the indices of its blocks: `nn.ModuleList`s
+    holding at least two blocks, all of the same class or all transformers' layers, and `nn.Sequential`s' composite
+    children (modules holding modules of their own) whose class repeats there.
 
     Hybrid models keep layers of several classes in one list (Jamba's `JambaMambaDecoderLayer` and
     `JambaAttentionDecoderLayer`, `ALL_DECODER_LAYER_TYPES` in modeling_jamba.py; Zamba's and Zamba2's hybrid and
@@ -58,32 +61,57 @@ def repeated_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     A list of lists (PVT's and PoolFormer's `encoder.block`, one `nn.ModuleList` of layers per stage, modeling_pvt.py
     and modeling_poolformer.py) is never called itself, nor are its lists: their layers are the blocks, taken list by
     list where all of them together are at least two of one class (`--checkpoint all` had named the stages' lists,
-    and was refused: "a ModuleList that is never called itself")."""
-    found: list[tuple[str, nn.ModuleList]] = []
+    and was refused: "a ModuleList that is never called itself").
+
+    torchvision and timm keep their blocks in `nn.Sequential`s (torchvision's ResNet `layer1`..`layer4` of
+    Bottlenecks, MobileNetV2's `features` of InvertedResiduals between two Conv2dNormActivations; timm's ViT
+    `blocks`, whose own `set_grad_checkpointing` checkpoints each of them with `checkpoint_seq`, timm/models/
+    _manipulate.py): `--checkpoint all` had checkpointed nothing there. A Sequential of layers (VGG's `features`:
+    Conv2d, ReLU, MaxPool2d) has no composite children and no blocks."""
+    found: list[tuple[str, list[int]]] = []
+    taken: list[str] = []  # the lists found and the blocks picked: what lies in them is checkpointed with them
+
+    def inside_taken(name: str) -> bool:
+        return any(name == outer or name.startswith(outer + ".") for outer in taken)
+
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or any(
-            name == outer or name.startswith(outer + ".") for outer, _ in found
-        ):
-            continue  # (a list of lists' own, or one inside a checkpointed block: already checkpointed)
+        if inside_taken(name):
+            continue
+        if isinstance(module, nn.Sequential):
+            picked = _repeated_children(module)
+            if picked:
+                found.append((name, picked))
+                taken.extend(_child_name(name, index) for index in picked)
+            continue
+        if not isinstance(module, nn.ModuleList):
+            continue
         lists = [(name, module)]
         if len(module) and all(isinstance(block, nn.ModuleList) for block in module):
-            lists = [(f"{name}.{index}", inner) for index, inner in enumerate(module)]
+            lists = [(_child_name(name, index), inner) for index, inner in enumerate(module)]
         blocks = [block for _, inner in lists for block in inner]
         if len(blocks) < 2 or any(isinstance(block, nn.ModuleList) for block in blocks):
             continue
         if len({type(block) for block in blocks}) != 1 and not all(_checkpointing_layer(block) for block in blocks):
             continue
-        found.extend(lists)
+        found.extend((list_name, list(range(len(inner)))) for list_name, inner in lists)
+        taken.extend(list_name for list_name, _ in lists)
     return found
 
 
+def _repeated_children(sequential: nn.Sequential) -> list[int]:
+    """The indices of a Sequential's composite children whose class occurs there at least twice."""
+    composite = [(index, type(child)) for index, child in enumerate(sequential) if next(child.children(), None)]
+    counts = Counter(cls for _, cls in composite)
+    return [index for index, cls in composite if counts[cls] >= 2]
+
+
+def _child_name(parent: str, index: int) -> str:
+    return f"{parent}.{index}" if parent else str(index)
+
+
 def block_names(model: nn.Module) -> list[str]:
-    """Qualified names of every block of every repeated-block list, in module order."""
-    return [
-        f"{list_name}.{index}" if list_name else str(index)
-        for list_name, blocks in repeated_block_lists(model)
-        for index in range(len(blocks))
-    ]
+    """Qualified names of every block of every repeated-block container, in module order."""
+    return [_child_name(name, index) for name, indices in repeated_block_lists(model) for index in indices]
 
 
 _recomputing = 0  # recomputations running now (the backward replaying a checkpointed forward)

@@ -238,8 +238,9 @@ def unchecked_blocks_notes(settings: TrainingSettings, checkpointed_blocks: list
     if settings.checkpoint not in ("all", "selective") or checkpointed_blocks:
         return []
     return [
-        f"--checkpoint {settings.checkpoint} found no nn.ModuleList of two or more repeated blocks in this model, so "
-        "nothing is checkpointed (blocks in an nn.Sequential are named with `memplan plan --candidates REGEX`)"
+        f"--checkpoint {settings.checkpoint} found no repeated blocks in this model (two or more of one class in an "
+        "nn.ModuleList, or composite ones in an nn.Sequential), so nothing is checkpointed (name other modules with "
+        "`memplan plan --candidates REGEX`)"
     ]
 
 
