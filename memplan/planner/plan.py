@@ -153,8 +153,9 @@ def make_plan(
     )
     if not names:
         raise SettingsError(
-            f"{spec.name} has no repeated blocks (an nn.ModuleList of same-class modules or of transformers' layers) "
-            "to checkpoint; name candidate modules with --candidates REGEX"
+            f"{spec.name} has no repeated blocks (an nn.ModuleList of same-class modules or of transformers' layers, "
+            "an nn.Sequential's composite children of one class) to checkpoint; name candidate modules with "
+            "--candidates REGEX"
         )
     tracer = LayoutTracer(spec, settings, setup, report, available_cores() if jobs is None else jobs)
     report("tracing without checkpointing")
