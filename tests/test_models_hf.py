@@ -246,12 +246,9 @@ _OTHER_HEADS = {
         {"model_type": "segformer", "architectures": ["SegformerForSemanticSegmentation"]},
         "image-classification (SegformerForImageClassification)",
     ),
-    "clip-contrastive": ({"model_type": "clip", "architectures": ["CLIPModel"]}, "image-classification"),
-    # (Wav2Vec2ForCTC, WhisperForConditionalGeneration: the ctc and speech-seq2seq tasks, tests/test_models_speech.py)
-    "wav2vec2-audio-classification": (
-        {"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForSequenceClassification"]},
-        "ctc (Wav2Vec2ForCTC)",
-    ),
+    # (Wav2Vec2ForCTC, WhisperForConditionalGeneration: the ctc and speech-seq2seq tasks, tests/test_models_speech.py;
+    # CLIPModel, Wav2Vec2ForSequenceClassification: zero-shot-image-classification and audio-classification,
+    # tests/test_models_contrastive.py and tests/test_models_audio_classification.py)
 }
 
 

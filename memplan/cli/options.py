@@ -80,8 +80,10 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "--seq-len",
             type=int,
             help="Sequence length for text models [default: min(512, maximum)]; speech-seq2seq: input frames "
-            "(Whisper: its one length, 2 x max_source_positions; others min(3000, maximum)); ctc: audio samples "
-            "[default: 16000, one second at 16 kHz].",
+            "(Whisper: its one length, 2 x max_source_positions; others min(3000, maximum)); ctc, "
+            "audio-classification: audio samples [default: 16000, one second at 16 kHz] (Whisper's, AST's: the one "
+            "frame count their encoders take); zero-shot-image-classification: caption tokens [default: min(77, the "
+            "text tower's maximum)].",
         ),
         click.option(
             "--target-len",
@@ -90,7 +92,12 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "min(448, max_target_positions)]; ctc: labels per sample, at most the encoder's frames [default: "
             "min(32, frames)].",
         ),
-        click.option("--image-size", type=int, help="Image side for vision models [default: the config's, or 224]."),
+        click.option(
+            "--image-size",
+            type=int,
+            help="Image side for vision models [default: the config's, or 224]; zero-shot-image-classification: "
+            "the vision tower's one size.",
+        ),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
         click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True),
@@ -306,7 +313,9 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         click.option(
             "--task",
             help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
-            "image-classification, speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...).",
+            "image-classification, speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...), "
+            "audio-classification (wav2vec2, HuBERT, WavLM, Whisper, AST, ...), zero-shot-image-classification "
+            "(CLIP, SigLIP: their contrastive loss, return_loss=True).",
         ),
         click.option(
             "--hf-args",

@@ -7,10 +7,19 @@ from typing import Any
 import torch
 
 from memplan.errors import SettingsError
+from memplan.models.contrastive import CONTRASTIVE_TASK, contrastive_batch, resolve_contrastive_lengths, text_limit
 from memplan.models.speech import SPEECH_TASKS, input_limit, resolve_speech_lengths, speech_batch
 from memplan.settings import TrainingSettings
 
-TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq", "image-classification", *SPEECH_TASKS)
+TASKS = (
+    "causal-lm",
+    "masked-lm",
+    "sequence-classification",
+    "seq2seq",
+    "image-classification",
+    *SPEECH_TASKS,
+    CONTRASTIVE_TASK,
+)
 TEXT_TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq")
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -43,6 +52,8 @@ def sequence_limit(config: Any, task: str) -> int | None:
     """The longest --seq-len the task's model takes (seq2seq: its target, as long as the input unless given, too)."""
     if task in SPEECH_TASKS:
         return input_limit(config, task)  # input frames (Whisper: the one length it takes) or samples (ctc: none)
+    if task == CONTRASTIVE_TASK:
+        return text_limit(config)  # the captions' tokens
     if task == "causal-lm":
         return max_positions(config, "decoder")
     if task == "seq2seq":
@@ -55,6 +66,8 @@ def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> Train
     """Fill in the sequence length / image size the batch will have and check it against the model."""
     if task in SPEECH_TASKS:
         return resolve_speech_lengths(config, task, settings)
+    if task == CONTRASTIVE_TASK:
+        return resolve_contrastive_lengths(config, settings)
     _refuse_other_shapes(task, settings)
     if task in TEXT_TASKS:
         limit = max_positions(config, "decoder" if task == "causal-lm" else "encoder")
@@ -108,10 +121,12 @@ def _refuse_other_shapes(task: str, settings: TrainingSettings) -> None:
         )
 
 
-def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, Any]:
     """Full-length, unpadded batches (no attention mask), labels as a data collator makes them."""
     if task in SPEECH_TASKS:
         return speech_batch(config, task, settings, dtype)
+    if task == CONTRASTIVE_TASK:
+        return contrastive_batch(config, settings, dtype)
     batch = settings.batch_size
     vocab = getattr(config, "vocab_size", 2)
     if task in ("causal-lm", "masked-lm"):

@@ -19,6 +19,8 @@ _AUTO_CLASS_BY_TASK = {
     "image-classification": "AutoModelForImageClassification",
     "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
     "ctc": "AutoModelForCTC",
+    "audio-classification": "AutoModelForAudioClassification",
+    "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
 }
 # Mapping names in transformers.models.auto.modeling_auto, in the order a task is guessed.
 _MAPPING_BY_TASK = {
@@ -26,8 +28,10 @@ _MAPPING_BY_TASK = {
     "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
     "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+    "audio-classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "zero-shot-image-classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
 }
 _ARCHITECTURE_SUFFIXES = {
@@ -40,6 +44,7 @@ _ARCHITECTURE_SUFFIXES = {
     "ForSequenceClassification": "sequence-classification",
     "ForSpeechToText": "speech-seq2seq",
     "ForCTC": "ctc",
+    "ForAudioClassification": "audio-classification",
 }
 
 
@@ -131,7 +136,8 @@ def _refuse_other_heads(config: Any, name: str) -> None:
     """A config naming a head memplan does not train (SegformerForSemanticSegmentation, CLIPModel's contrastive loss,
     Wav2Vec2ForSequenceClassification) had been built as another head of its model type (Segformer's
     image classifier, CLIP's vision tower alone: 42% and 38% below the named model's measured step) or failed saying
-    "fix the config": refused, saying which heads memplan can estimate instead."""
+    "fix the config": refused, saying which heads memplan can estimate instead. (CLIPModel and
+    Wav2Vec2ForSequenceClassification are tasks since: zero-shot-image-classification, audio-classification.)"""
     from memplan.errors import UsageError
 
     heads = [

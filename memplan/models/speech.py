@@ -10,6 +10,9 @@ Two tasks, one row per model type (transformers 5.x sources cited per row):
   (DEFAULT_SAMPLES: one second at 16 kHz), --target-len the label length (DEFAULT_CTC_LABELS), at most the frames
   the convolutional feature encoder makes of the samples: CTC aligns each label to a frame of its own, and a
   longer one has no alignment (the loss is inf, its gradient NaN).
+- `audio-classification` (AutoModelForAudioClassification): the families' encoder input as above (a waveform, or
+  Whisper's mel frames), or AST's spectrogram `input_values` [batch, max_length, num_mel_bins]; `labels` [batch], a
+  class each. --seq-len is the samples (or the one frame count Whisper's and AST's encoders take); no --target-len.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from memplan.errors import SettingsError
 from memplan.settings import TrainingSettings
 
-SPEECH_TASKS = ("speech-seq2seq", "ctc")
+SPEECH_TASKS = ("speech-seq2seq", "ctc", "audio-classification")
 DEFAULT_TARGET_LEN = 448  # Whisper's max_target_positions, the longest transcript its checkpoints train on
 DEFAULT_FRAMES = 3000  # 30 s of 10 ms feature frames: Whisper's window, for the models that take any length
 DEFAULT_SAMPLES = 16_000  # one second of 16 kHz audio, wav2vec2's sampling rate
@@ -35,6 +38,7 @@ class SpeechFamily:
     """How one model type's training batch looks.
 
     `inputs`: "mel-fixed", input_features [batch, num_mel_bins, frames] of the one length the encoder takes;
+    "spectrogram-fixed", input_values [batch, max_length, num_mel_bins] of the one length the patch grid holds;
     "filterbank", input_features [batch, frames, input_feat_per_channel * input_channels] with an attention_mask
     of ones; "waveform", input_values [batch, samples] (float). `adapter`: the family's output lengths go through
     its adapter's convolutions too where the config's `add_adapter` is set. `source`: where transformers says so.
@@ -68,6 +72,26 @@ FAMILIES: dict[str, dict[str, SpeechFamily]] = {
         "unispeech-sat": SpeechFamily("waveform", "unispeech_sat/modeling_unispeech_sat.py"),
         "sew": SpeechFamily("waveform", "sew/modeling_sew.py"),
         "sew-d": SpeechFamily("waveform", "sew_d/modeling_sew_d.py"),
+    },
+    "audio-classification": {
+        # <Family>ForSequenceClassification.forward: the same feature encoder over input_values [batch, samples],
+        # the projector's output averaged over the frames (no attention_mask), CrossEntropyLoss over (batch,) labels.
+        "wav2vec2": SpeechFamily("waveform", "wav2vec2/modeling_wav2vec2.py"),
+        "wav2vec2-conformer": SpeechFamily("waveform", "wav2vec2_conformer/modeling_wav2vec2_conformer.py"),
+        "wavlm": SpeechFamily("waveform", "wavlm/modeling_wavlm.py"),
+        "data2vec-audio": SpeechFamily("waveform", "data2vec/modeling_data2vec_audio.py"),
+        "hubert": SpeechFamily("waveform", "hubert/modeling_hubert.py"),
+        "unispeech": SpeechFamily("waveform", "unispeech/modeling_unispeech.py"),
+        "unispeech-sat": SpeechFamily("waveform", "unispeech_sat/modeling_unispeech_sat.py"),
+        "sew": SpeechFamily("waveform", "sew/modeling_sew.py"),
+        "sew-d": SpeechFamily("waveform", "sew_d/modeling_sew_d.py"),
+        # WhisperForAudioClassification.forward: WhisperEncoder (its one input length, as above), mean over frames.
+        "whisper": SpeechFamily("mel-fixed", "whisper/modeling_whisper.py, WhisperEncoder.forward"),
+        # ASTEmbeddings.get_shape: the patch grid (and its position embeddings) from num_mel_bins and max_length.
+        "audio-spectrogram-transformer": SpeechFamily(
+            "spectrogram-fixed",
+            "audio_spectrogram_transformer/modeling_audio_spectrogram_transformer.py, ASTEmbeddings.get_shape",
+        ),
     },
 }
 
@@ -118,17 +142,22 @@ def input_limit(config: Any, task: str) -> int | None:
         return _whisper_frames(config)
     if row.inputs == "filterbank":
         return _filterbank_frame_limit(config)
+    if row.inputs == "spectrogram-fixed":
+        return config.max_length
     return None
 
 
 def resolve_speech_lengths(config: Any, task: str, settings: TrainingSettings) -> TrainingSettings:
     """--seq-len (input frames, or samples) and --target-len (label tokens) filled in and checked."""
     if settings.image_size is not None:
+        takes = "--seq-len" if task == "audio-classification" else "--seq-len and --target-len"
         raise SettingsError(
-            f"--image-size has no place in a {task} model's batch, which takes --seq-len and --target-len: "
-            "drop --image-size"
+            f"--image-size has no place in {'an' if task[0] in 'aeiou' else 'a'} {task} model's batch, which takes "
+            f"{takes}: drop --image-size"
         )
     row = family(config, task)
+    if task == "audio-classification":
+        return _classifier_lengths(config, row, settings)
     if row.inputs == "mel-fixed":
         frames = _whisper_frames(config)
         if settings.seq_len is not None and settings.seq_len != frames:
@@ -167,6 +196,34 @@ def resolve_speech_lengths(config: Any, task: str, settings: TrainingSettings) -
             f"{frames} or less, or more samples (--seq-len)"
         )
     return settings.replace(seq_len=samples, target_len=labels)
+
+
+def _classifier_lengths(config: Any, row: SpeechFamily, settings: TrainingSettings) -> TrainingSettings:
+    """An audio classifier's --seq-len (samples, or the one frame count its encoder takes); its labels are one class
+    per sample, so --target-len has no place."""
+    if settings.target_len is not None:
+        raise SettingsError(
+            "--target-len has no place in an audio-classification model's batch (one label per sample), which takes "
+            "--seq-len: drop --target-len"
+        )
+    if row.inputs in ("mel-fixed", "spectrogram-fixed"):
+        frames = input_limit(config, "audio-classification")
+        if settings.seq_len is not None and settings.seq_len != frames:
+            field = "2 x max_source_positions" if row.inputs == "mel-fixed" else "max_length"
+            raise SettingsError(
+                f"--seq-len {settings.seq_len}: {config.model_type}'s encoder takes exactly {frames} frames ({field}, "
+                f"{row.source}; shorter audio is padded to it): drop --seq-len"
+            )
+        return settings.replace(seq_len=frames)
+    _refuse_spec_augment(config)
+    samples = settings.seq_len or DEFAULT_SAMPLES
+    if ctc_frames(samples, config, row) < 1:
+        raise SettingsError(
+            f"--seq-len {samples} samples are too few for {config.model_type}'s feature encoder (conv_kernel "
+            f"{list(config.conv_kernel)}, conv_stride {list(config.conv_stride)}), which makes no frame of them: "
+            "give more samples"
+        )
+    return settings.replace(seq_len=samples)
 
 
 def has_ctc_loss() -> bool:
@@ -236,6 +293,8 @@ def _target_len(config: Any, settings: TrainingSettings) -> int:
 def speech_batch(config: Any, task: str, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The batch a data collator hands the model: full-length audio, labels as valid ids."""
     row = family(config, task)
+    if task == "audio-classification":
+        return _classifier_batch(config, row, settings, dtype)
     batch, frames, vocab = settings.batch_size, settings.seq_len, config.vocab_size
     if row.inputs == "waveform":
         return {"input_values": torch.randn(batch, frames, dtype=dtype), "labels": _ctc_labels(config, settings)}
@@ -248,6 +307,19 @@ def speech_batch(config: Any, task: str, settings: TrainingSettings, dtype: torc
         "attention_mask": torch.ones(batch, frames, dtype=torch.long),
         "labels": labels,
     }
+
+
+def _classifier_batch(
+    config: Any, row: SpeechFamily, settings: TrainingSettings, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The encoder's input, as its feature extractor makes it, and a class per sample in [0, num_labels)."""
+    batch, frames = settings.batch_size, settings.seq_len
+    labels = torch.randint(0, config.num_labels, (batch,))
+    if row.inputs == "mel-fixed":
+        return {"input_features": torch.randn(batch, config.num_mel_bins, frames, dtype=dtype), "labels": labels}
+    if row.inputs == "spectrogram-fixed":
+        return {"input_values": torch.randn(batch, frames, config.num_mel_bins, dtype=dtype), "labels": labels}
+    return {"input_values": torch.randn(batch, frames, dtype=dtype), "labels": labels}
 
 
 def _ctc_labels(config: Any, settings: TrainingSettings) -> torch.Tensor:

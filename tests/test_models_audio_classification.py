@@ -1,0 +1,253 @@
+"""Audio classifiers as a task (`audio-classification`: wav2vec2's, HuBERT's, WavLM's sequence classifiers, Whisper's
+encoder classifier, AST), each estimate against the same model trained for real on the CPU, measured by the CPU
+allocator's events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from memplan.errors import SettingsError
+from memplan.estimator.simulate import simulate
+from memplan.estimator.trace import trace_step
+from memplan.models.source import resolve_model
+from memplan.settings import TrainingSettings
+
+TOLERANCE = 0.005
+BATCH = 2
+NUM_LABELS = 5
+
+# Tiny configs, structurally the real thing.
+WAV2VEC2 = {
+    "model_type": "wav2vec2",
+    "architectures": ["Wav2Vec2ForSequenceClassification"],
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "conv_dim": [32, 32, 32],
+    "conv_stride": [5, 2, 2],
+    "conv_kernel": [10, 3, 3],
+    "num_conv_pos_embeddings": 16,
+    "num_conv_pos_embedding_groups": 4,
+    "layerdrop": 0.0,
+    "mask_time_prob": 0.0,
+    "classifier_proj_size": 16,
+    "num_labels": NUM_LABELS,
+}
+# Whisper's encoder takes 2 x max_source_positions mel frames: 64 here.
+WHISPER = {
+    "model_type": "whisper",
+    "architectures": ["WhisperForAudioClassification"],
+    "d_model": 32,
+    "encoder_layers": 2,
+    "decoder_layers": 1,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "num_mel_bins": 16,
+    "max_source_positions": 32,
+    "max_target_positions": 32,
+    "vocab_size": 64,
+    "classifier_proj_size": 16,
+    "num_labels": NUM_LABELS,
+}
+# AST's patch grid (and position table) is sized by max_length frames x num_mel_bins.
+AST = {
+    "model_type": "audio-spectrogram-transformer",
+    "architectures": ["ASTForAudioClassification"],
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "patch_size": 16,
+    "frequency_stride": 10,
+    "time_stride": 10,
+    "max_length": 128,
+    "num_mel_bins": 32,
+    "num_labels": NUM_LABELS,
+}
+CONFIGS = {
+    "wav2vec2": WAV2VEC2,
+    "hubert": {**WAV2VEC2, "model_type": "hubert", "architectures": ["HubertForSequenceClassification"]},
+    "wavlm": {**WAV2VEC2, "model_type": "wavlm", "architectures": ["WavLMForSequenceClassification"]},
+    "whisper": WHISPER,
+    "ast": AST,
+}
+# The input length: samples of the waveform families; the one frame count Whisper's and AST's encoders take.
+LENGTHS = {"wav2vec2": 1600, "hubert": 1600, "wavlm": 1600, "whisper": 64, "ast": 128}
+
+
+def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The batch written out by hand from the model's forward signature (what its feature extractor makes)."""
+    config, length = CONFIGS[family], LENGTHS[family]
+    labels = torch.randint(0, NUM_LABELS, (BATCH,))
+    if family == "whisper":
+        return {"input_features": torch.randn(BATCH, config["num_mel_bins"], length, dtype=dtype), "labels": labels}
+    if family == "ast":
+        return {"input_values": torch.randn(BATCH, length, config["num_mel_bins"], dtype=dtype), "labels": labels}
+    return {"input_values": torch.randn(BATCH, length, dtype=dtype), "labels": labels}
+
+
+def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:
+    """The canonical loop, written plainly: AutoModelForAudioClassification, AdamW, `model(**batch).loss.backward()`,
+    step, zero_grad(set_to_none=True); Hugging Face's own gradient checkpointing (non-reentrant); the third
+    iteration's peak by the CPU allocator's events (tests/hand_measure.py)."""
+    from transformers import AutoConfig, AutoModelForAudioClassification
+
+    from tests.hand_measure import profiled_third_iteration_peak
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def build() -> Callable[[], None]:
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(**CONFIGS[family])
+        model = AutoModelForAudioClassification.from_config(config, attn_implementation=attn_impl).to(dtype).train()
+        if checkpoint:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        optimizer = torch.optim.AdamW(model.parameters())
+        batch = _batch(family, dtype)
+        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+
+        def iteration() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
+                loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return iteration
+
+    return profiled_third_iteration_peak(build)
+
+
+def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
+    spec = resolve_model(str(tmp_path))  # the task from the config's architectures
+    settings = TrainingSettings(
+        batch_size=BATCH,
+        seq_len=LENGTHS[family],
+        device="cpu",
+        precision=precision,
+        checkpoint="all" if checkpoint else "none",
+        attn_impl=attn_impl,
+    )
+    simulation = simulate(trace_step(spec, spec.settings_for(settings)))
+    assert simulation.unsupported_ops == ()
+    return simulation.peak_bytes
+
+
+CASES = [
+    ("wav2vec2", "fp32", False, "sdpa"),
+    ("wav2vec2", "fp32", False, "eager"),
+    ("wav2vec2", "bf16", False, "sdpa"),
+    ("wav2vec2", "amp-bf16", False, "sdpa"),
+    ("wav2vec2", "fp32", True, "sdpa"),
+    ("wav2vec2", "amp-bf16", True, "eager"),
+    ("hubert", "fp32", False, "sdpa"),
+    ("wavlm", "fp32", True, "eager"),
+    ("whisper", "fp32", False, "sdpa"),
+    ("whisper", "bf16", False, "eager"),
+    ("whisper", "amp-bf16", True, "sdpa"),
+    ("ast", "fp32", False, "sdpa"),
+    ("ast", "amp-bf16", False, "eager"),
+    ("ast", "fp32", True, "sdpa"),
+]
+
+
+def _case_id(case: tuple[str, str, bool, str]) -> str:
+    family, precision, checkpoint, attn_impl = case
+    return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
+
+
+# Found by this task's hunt, not fixed: AST's fp32 steps peak in the backward of its patch embedding (a 16x16 Conv2d of
+# stride 10 over the transposed spectrogram, oneDNN off), where the CPU allocator's events show scratch memplan's cpu
+# target leaves out (-1.5%; -4.7% checkpointed, where that backward is the step's peak). amp-bf16 is exact.
+AST_CONV_SCRATCH = pytest.mark.xfail(strict=True, reason="AST's patch-embedding convolution backward scratch (cpu)")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(case, marks=AST_CONV_SCRATCH if case[:2] == ("ast", "fp32") else ()) for case in CASES],
+    ids=[_case_id(case) for case in CASES],
+)
+def test_an_audio_classifiers_step_is_predicted_as_measured(tmp_path, case):
+    """A config naming Wav2Vec2ForSequenceClassification had been refused ("a head none of memplan's tasks
+    builds"): now the audio-classification task, the batch its family's forward takes and a class per sample,
+    within 0.5% of the real CPU run."""
+    predicted = predicted_peak(tmp_path, *case)
+    measured = measured_peak(*case)
+    error = (predicted - measured) / measured
+    said = f"{_case_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    assert abs(error) <= TOLERANCE, said
+
+
+@pytest.mark.parametrize(
+    ("family", "flags", "said"),
+    [
+        ("whisper", ["--seq-len", "100"], "--seq-len 100: whisper's encoder takes exactly 64 frames"),
+        ("ast", ["--seq-len", "100"], "--seq-len 100: audio-spectrogram-transformer's encoder takes exactly 128"),
+        ("wav2vec2", ["--target-len", "3"], "--target-len has no place in an audio-classification model's batch"),
+        ("wav2vec2", ["--seq-len", "20"], "--seq-len 20 samples are too few for wav2vec2's feature encoder"),
+        (
+            "wav2vec2",
+            ["--image-size", "32"],
+            "--image-size has no place in an audio-classification model's batch, which takes --seq-len:",
+        ),
+    ],
+)
+def test_a_length_the_classifier_cannot_take_is_one_line(tmp_path, family, flags, said):
+    from memplan.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
+    result = CliRunner().invoke(main, ["estimate", str(tmp_path), *flags, "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_the_one_length_and_the_default_samples_are_filled_in(tmp_path):
+    lengths = {}
+    for family in ("whisper", "ast", "wav2vec2"):
+        (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
+        settings = resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
+        lengths[family] = (settings.seq_len, settings.target_len)
+    assert lengths == {"whisper": (64, None), "ast": (128, None), "wav2vec2": (16_000, None)}
+
+
+def test_spec_augment_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**WAV2VEC2, "mask_time_prob": 0.05}))
+    with pytest.raises(SettingsError, match="SpecAugment \\(mask_time_prob 0.05\\).*apply_spec_augment"):
+        resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
+
+
+@pytest.mark.parametrize(
+    ("config", "task", "guessed"),
+    [
+        ({"model_type": "audio-spectrogram-transformer"}, "audio-classification", "ASTForAudioClassification"),
+        ({"model_type": "wav2vec2"}, "ctc", "Wav2Vec2ForCTC"),  # its guess is unchanged
+        ({"model_type": "whisper", "architectures": ["WhisperForAudioClassification"]}, "audio-classification", None),
+    ],
+)
+def test_the_task_is_read_from_the_config_or_guessed(tmp_path, config, task, guessed):
+    from memplan.models.hf import resolve_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = resolve_hf(str(tmp_path), None)
+    assert (source.task, source.guessed_class) == (task, guessed)
+
+
+if __name__ == "__main__":  # the table: python -m tests.test_models_audio_classification
+    import tempfile
+
+    for case in CASES:
+        with tempfile.TemporaryDirectory() as folder:
+            predicted = predicted_peak(Path(folder), *case)
+        measured = measured_peak(*case)
+        print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
