@@ -315,7 +315,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
             "image-classification, speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...), "
             "audio-classification (wav2vec2, HuBERT, WavLM, Whisper, AST, ...), zero-shot-image-classification "
-            "(CLIP, SigLIP: their contrastive loss, return_loss=True).",
+            "(CLIP, SigLIP: their contrastive loss, return_loss=True), token-classification, question-answering, "
+            "multiple-choice (4 choices of --seq-len tokens each).",
         ),
         click.option(
             "--hf-args",

@@ -24,6 +24,7 @@ from memplan.estimator.causal_masks import causal_masks_read
 from memplan.estimator.ctc_batches import full_ctc_batches
 from memplan.estimator.input_checks import input_checks_passing
 from memplan.estimator.layer_drop import layers_never_dropped
+from memplan.estimator.scalar_constants import one_element_fills_known
 
 
 @contextlib.contextmanager
@@ -35,13 +36,15 @@ def real_run_paths(
     torch's transformer modules read a mask made of constants as the real run reads it
     (memplan.estimator.causal_masks). Input checks that read values pass (memplan.estimator.input_checks), and a CTC
     head's loss over memplan's own labels reads the values they have (memplan.estimator.ctc_batches); LayerDrop's
-    draws keep every layer (memplan.estimator.layer_drop)."""
+    draws keep every layer (memplan.estimator.layer_drop); a one-element `torch.full` keeps its value
+    (memplan.estimator.scalar_constants)."""
     with (
         _rope_without_frequency_updates(),
         input_checks_passing(),
         causal_masks_read(producers, recorded),
         layers_never_dropped(),
         full_ctc_batches(),
+        one_element_fills_known(),
     ):
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None or not hasattr(masking, "find_packed_sequence_indices"):

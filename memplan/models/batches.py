@@ -9,6 +9,7 @@ import torch
 from memplan.errors import SettingsError
 from memplan.models.contrastive import CONTRASTIVE_TASK, contrastive_batch, resolve_contrastive_lengths, text_limit
 from memplan.models.speech import SPEECH_TASKS, input_limit, resolve_speech_lengths, speech_batch
+from memplan.models.text_heads import TEXT_HEAD_TASKS, text_head_batch
 from memplan.settings import TrainingSettings
 
 TASKS = (
@@ -19,8 +20,9 @@ TASKS = (
     "image-classification",
     *SPEECH_TASKS,
     CONTRASTIVE_TASK,
+    *TEXT_HEAD_TASKS,
 )
-TEXT_TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq")
+TEXT_TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq", *TEXT_HEAD_TASKS)
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
 
@@ -127,6 +129,8 @@ def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: 
         return speech_batch(config, task, settings, dtype)
     if task == CONTRASTIVE_TASK:
         return contrastive_batch(config, settings, dtype)
+    if task in TEXT_HEAD_TASKS:
+        return text_head_batch(config, task, settings)
     batch = settings.batch_size
     vocab = getattr(config, "vocab_size", 2)
     if task in ("causal-lm", "masked-lm"):

@@ -9,6 +9,7 @@ from typing import Any
 
 from memplan.models.batches import TASKS
 from memplan.models.presets import get_preset, preset_for_hub_id
+from memplan.models.text_heads import ARCHITECTURE_SUFFIXES, AUTO_CLASSES, MAPPINGS
 
 # Which transformers auto class builds each task head.
 _AUTO_CLASS_BY_TASK = {
@@ -21,6 +22,7 @@ _AUTO_CLASS_BY_TASK = {
     "ctc": "AutoModelForCTC",
     "audio-classification": "AutoModelForAudioClassification",
     "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
+    **AUTO_CLASSES,  # token-classification, question-answering, multiple-choice (memplan.models.text_heads)
 }
 # Mapping names in transformers.models.auto.modeling_auto, in the order a task is guessed.
 _MAPPING_BY_TASK = {
@@ -33,6 +35,7 @@ _MAPPING_BY_TASK = {
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "zero-shot-image-classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    **MAPPINGS,  # last: a config naming no head is guessed one of the tasks above
 }
 _ARCHITECTURE_SUFFIXES = {
     "ForCausalLM": "causal-lm",
@@ -45,6 +48,7 @@ _ARCHITECTURE_SUFFIXES = {
     "ForSpeechToText": "speech-seq2seq",
     "ForCTC": "ctc",
     "ForAudioClassification": "audio-classification",
+    **ARCHITECTURE_SUFFIXES,
 }
 
 
@@ -320,7 +324,9 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
             'from: add it to the config (T5\'s checkpoints use "decoder_start_token_id": 0, the pad id), or use a '
             "preset (memplan presets)"
         )
-    if chosen in ("sequence-classification", "image-classification") and not getattr(config, "num_labels", None):
+    if chosen in ("sequence-classification", "image-classification", "token-classification") and not getattr(
+        config, "num_labels", None
+    ):
         config.num_labels = 2
     _check_sizes(config, name)
     return HFSource(
