@@ -118,9 +118,11 @@ def profiled_causal_lm_peak(
     model_of: Callable[[], torch.nn.Module],
     batch_of: Callable[[], dict],
     optimizer_of: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
+    autocast_dtype: torch.dtype | None = None,
 ) -> int:
-    """The canonical loop's third iteration of a Hugging Face model that returns its own loss (`model(**batch).loss`),
-    `optimizer_of` (AdamW) over its trainable parameters, model and batch made inside the profiled window's build."""
+    """The canonical loop's third iteration of a Hugging Face model that returns its own loss (`model(**batch).loss`,
+    any head), `optimizer_of` (AdamW) over its trainable parameters, model and batch made inside the profiled
+    window's build; the forward under CPU autocast to `autocast_dtype` where one is given (memplan's amp-bf16)."""
 
     def build() -> Callable[[], None]:
         torch.manual_seed(0)
@@ -130,13 +132,20 @@ def profiled_causal_lm_peak(
         build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
 
         def iteration() -> None:
-            model(**batch).loss.backward()
+            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                loss = model(**batch).loss
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         return iteration
 
     return profiled_third_iteration_peak(build)
+
+
+def autocast_of(precision: str) -> torch.dtype | None:
+    """The dtype memplan's precision runs the forward's autocast in on the cpu target (amp-bf16), or None."""
+    return torch.bfloat16 if precision == "amp-bf16" else None
 
 
 def held_beside_outputs(call: Callable[[], object]) -> int:

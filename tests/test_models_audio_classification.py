@@ -5,7 +5,6 @@ allocator's events."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -101,30 +100,18 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str)
     iteration's peak by the CPU allocator's events (tests/hand_measure.py)."""
     from transformers import AutoConfig, AutoModelForAudioClassification
 
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import autocast_of, profiled_causal_lm_peak
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    def build() -> Callable[[], None]:
-        torch.manual_seed(0)
+    def model_of() -> torch.nn.Module:
         config = AutoConfig.for_model(**CONFIGS[family])
-        model = AutoModelForAudioClassification.from_config(config, attn_implementation=attn_impl).to(dtype).train()
+        model = AutoModelForAudioClassification.from_config(config, attn_implementation=attn_impl).to(dtype)
         if checkpoint:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW(model.parameters())
-        batch = _batch(family, dtype)
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+        return model
 
-        def iteration() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    return profiled_third_iteration_peak(build)
+    return profiled_causal_lm_peak(model_of, lambda: _batch(family, dtype), autocast_dtype=autocast_of(precision))
 
 
 def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:

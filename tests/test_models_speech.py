@@ -4,7 +4,6 @@ against the same model trained for real on the CPU, measured by the CPU allocato
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,31 +128,19 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str)
     allocator's events (tests/hand_measure.py)."""
     from transformers import AutoConfig, AutoModelForCTC, AutoModelForSpeechSeq2Seq
 
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import autocast_of, profiled_causal_lm_peak
 
     auto = AutoModelForSpeechSeq2Seq if family in ("whisper", "speech_to_text") else AutoModelForCTC
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    def build() -> Callable[[], None]:
-        torch.manual_seed(0)
+    def model_of() -> torch.nn.Module:
         config = AutoConfig.for_model(**CONFIGS[family], use_cache=False)
-        model = auto.from_config(config, attn_implementation=attn_impl).to(dtype).train()
+        model = auto.from_config(config, attn_implementation=attn_impl).to(dtype)
         if checkpoint:
             _checkpointed(model, family)
-        optimizer = torch.optim.AdamW(model.parameters())
-        batch = _batch(family, dtype)
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+        return model
 
-        def iteration() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    return profiled_third_iteration_peak(build)
+    return profiled_causal_lm_peak(model_of, lambda: _batch(family, dtype), autocast_dtype=autocast_of(precision))
 
 
 def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:
@@ -169,7 +156,8 @@ def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool
         checkpoint="all" if checkpoint else "none",
         attn_impl=attn_impl,
     )
-    simulation = simulate(trace_step(spec, spec.settings_for(settings)))
+    with torch.backends.mkldnn.flags(enabled=False):  # as measured (tests/hand_measure.py): no oneDNN kernels
+        simulation = simulate(trace_step(spec, spec.settings_for(settings)))
     assert simulation.unsupported_ops == ()
     return simulation.peak_bytes
 

@@ -5,7 +5,6 @@ CPU allocator's events."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,31 +85,21 @@ def measured_peak(family: str, task: str, precision: str, checkpoint: bool, attn
     import transformers
     from transformers import AutoConfig
 
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import autocast_of, profiled_causal_lm_peak
 
     auto = getattr(transformers, AUTO_CLASSES[task])
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    config = AutoConfig.for_model(**_config(family, task))
 
-    def build() -> Callable[[], None]:
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(**_config(family, task))
-        model = auto.from_config(config, attn_implementation=attn_impl).to(dtype).train()
+    def model_of() -> torch.nn.Module:
+        model = auto.from_config(config, attn_implementation=attn_impl).to(dtype)
         if checkpoint:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW(model.parameters())
-        batch = _batch(task, config.vocab_size)
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+        return model
 
-        def iteration() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    return profiled_third_iteration_peak(build)
+    return profiled_causal_lm_peak(
+        model_of, lambda: _batch(task, config.vocab_size), autocast_dtype=autocast_of(precision)
+    )
 
 
 def predicted_peak(
