@@ -33,6 +33,8 @@ def _input(shape: tuple[int, ...], layout: str, dtype: torch.dtype) -> torch.Ten
     x = torch.randn(*shape).to(dtype)
     if layout == "channels_last":
         return x.contiguous(memory_format=torch.channels_last)
+    if layout == "pooled_channels_last":  # [N, C, 1, 1] with channels-last strides: contiguous both ways
+        return torch.empty(shape, dtype=dtype, memory_format=torch.channels_last).normal_()
     if layout == "moved":  # (N, L, C) moved to (N, C, L): contiguous in no format
         return torch.randn(shape[0], *shape[2:], shape[1]).to(dtype).movedim(-1, 1)
     return x
@@ -43,6 +45,9 @@ CASES = [
     for shape, layout in [
         ((4, C, 5, 5), "contiguous"),
         ((4, C, 5, 5), "channels_last"),
+        # a pooled map after a channels-last backbone: its strides' order says channels-last where its contiguity says
+        # both (the forward's output, and so the gradient, comes back in the default format's strides)
+        ((4, C, 1, 1), "pooled_channels_last"),
         ((4, C), "contiguous"),
         ((4, C, 7), "contiguous"),
         ((4, C, 7), "moved"),

@@ -242,9 +242,10 @@ def test_transformers_models_is_imported_without_scanning_the_model_folders_agai
 
 _OTHER_HEADS = {
     # (config.json, the head memplan offers instead with --task, or None)
-    "segformer-semantic-segmentation": (
-        {"model_type": "segformer", "architectures": ["SegformerForSemanticSegmentation"]},
-        "image-classification (SegformerForImageClassification)",
+    # (SegformerForSemanticSegmentation: the semantic-segmentation task, tests/test_models_segmentation.py)
+    "dpt-depth-estimation": (
+        {"model_type": "dpt", "architectures": ["DPTForDepthEstimation"]},
+        "semantic-segmentation (DPTForSemanticSegmentation)",
     ),
     # (Wav2Vec2ForCTC, WhisperForConditionalGeneration: the ctc and speech-seq2seq tasks, tests/test_models_speech.py;
     # CLIPModel, Wav2Vec2ForSequenceClassification: zero-shot-image-classification and audio-classification,

@@ -227,7 +227,10 @@ def test_a_batch_norm_of_a_moved_input_lays_its_output_out_as_the_cpu_kernel_doe
 def test_the_batch_norm_rules_give_the_cpu_kernel_s_layouts(op, input_at):
     """The rule's layout against the CPU kernel's own, for a moved (N, C, L) input, a transposed (N, C, W, H) one, a
     channels-last one, and channels-last ones (2-D and 3-D) sliced along their width, neither contiguous in a format
-    (the kernel reads their strides' order: channels-last), with a gradient of the other layout."""
+    (the kernel reads their strides' order: channels-last), with a gradient of the other layout; and a [N, C, 1, 1]
+    one with channels-last strides, contiguous in both formats, whose output the kernel makes with the default
+    format's strides (the rule's layout had been kept where the fake one was contiguous in it, size-1 dimensions'
+    strides aside)."""
     from memplan.estimator.oprules import real_kernel_outputs
 
     weight, running = torch.ones(8), torch.zeros(8)
@@ -237,15 +240,77 @@ def test_the_batch_norm_rules_give_the_cpu_kernel_s_layouts(op, input_at):
         torch.randn(2, 3, 4, 8).permute(0, 3, 1, 2),
         torch.randn(2, 3, 8, 8).permute(0, 3, 1, 2)[..., ::2],
         torch.randn(2, 3, 4, 8, 8).permute(0, 4, 1, 2, 3)[..., ::2],
+        # a pooled [N, C, 1, 1] map with channels-last strides, contiguous in both formats: the kernel's output is
+        # the default format's, strides (C, 1, 1, 1) (its format is read from the strides' order downstream)
+        torch.empty(2, 8, 1, 1, memory_format=torch.channels_last).normal_(),
+        torch.empty(2, 8, 1, 1, 1, memory_format=torch.channels_last_3d).normal_(),
     ]
+    backward = op == torch.ops.aten.native_batch_norm_backward.default
     for x in inputs:
-        if op == torch.ops.aten.native_batch_norm_backward.default:
-            _, mean, invstd = BATCH_NORM(x, weight, weight, running, running + 1, True, 0.1, 1e-5)
-            grad = torch.randn(x.shape)
-            arguments = (grad, x, weight, running, running + 1, mean, invstd, True, 1e-5, [True, True, True])
-        else:
-            arguments = (x, weight, weight, running, running + 1, True, 0.1, 1e-5)
-        real = op(*arguments)
-        faked = (torch.empty_strided(x.shape, (x if input_at == 0 else arguments[0]).stride()), *real[1:])
-        ruled = real_kernel_outputs(op, arguments, {}, faked, "cpu")
-        assert ruled[0].shape == real[0].shape and ruled[0].stride() == real[0].stride()
+        # the backward's gradient: the default layout, and the input's own (randn_like keeps a dense one's strides)
+        for grad in (torch.randn(x.shape), torch.randn_like(x)) if backward else (None,):
+            if backward:
+                _, mean, invstd = BATCH_NORM(x, weight, weight, running, running + 1, True, 0.1, 1e-5)
+                arguments = (grad, x, weight, running, running + 1, mean, invstd, True, 1e-5, [True, True, True])
+            else:
+                arguments = (x, weight, weight, running, running + 1, True, 0.1, 1e-5)
+            real = op(*arguments)
+            faked = (torch.empty_strided(x.shape, (x if input_at == 0 else arguments[0]).stride()), *real[1:])
+            ruled = real_kernel_outputs(op, arguments, {}, faked, "cpu")
+            assert ruled[0].shape == real[0].shape and ruled[0].stride() == real[0].stride()
+
+
+class _PooledBranch(torch.nn.Module):
+    """A pyramid pooling branch as UperNet's and BEiT's segmentation heads run one (transformers' upernet/
+    modeling_upernet.py, UperNetPyramidPoolingModule) over a backbone's map with channels-last strides (ConvNeXt's
+    channels-last LayerNorm, a ViT's tokens reshaped): the map pooled to 1x1, a 1x1 convolution, BatchNorm2d and ReLU,
+    upsampled back and concatenated with the map for a 3x3 convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.channels_norm = torch.nn.LayerNorm(8)
+        self.branch = torch.nn.Conv2d(8, 8, 1, bias=False)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.bottleneck = torch.nn.Conv2d(16, 8, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.channels_norm(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        pooled = torch.relu(self.norm(self.branch(torch.nn.functional.adaptive_avg_pool2d(h, 1))))
+        up = torch.nn.functional.interpolate(pooled, size=h.shape[2:], mode="bilinear", align_corners=False)
+        return self.bottleneck(torch.cat([h, up], dim=1)).square().mean()
+
+
+def feature_maps(batch_size: int) -> torch.Tensor:
+    return torch.randn(batch_size, 8, 12, 12)
+
+
+def pooled_branch() -> torch.nn.Module:
+    return _PooledBranch()
+
+
+def test_a_batch_norm_over_a_pooled_map_lays_its_output_out_as_the_cpu_kernel_does():
+    """The 1x1 convolution's [N, C, 1, 1] output has channels-last strides in the fake run, contiguous in both
+    formats; the CPU batch norm makes its output with the default format's strides, which the rule had left as the fake
+    kernel's: the upsampling after it read channels-last from them, and so did the concatenation and the bottleneck
+    convolution, whose weight gradient was then copied to the parameter's layout in the trace (a UperNet step 36,864 B,
+    a BEiT segmentation step 147,456 B high; here 2,304 B). Truth: the step run for real, no dispatch mode active,
+    measured by the CPU allocator's events (oneDNN off)."""
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+    from tests.hand_measure import profiled_third_iteration_peak, training_iteration
+
+    def build():
+        torch.manual_seed(0)
+        model = _PooledBranch()
+        optimizer = torch.optim.AdamW(model.parameters())
+        build.kept = (model, optimizer)
+        return training_iteration(model, feature_maps(2), lambda out, _: out, optimizer)
+
+    measured = profiled_third_iteration_peak(build)
+    spec = resolve_model("tests.test_oprules_norms:pooled_branch", inputs="tests.test_oprules_norms:feature_maps")
+    settings = spec.settings_for(TrainingSettings(batch_size=2, device="cpu"))
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert simulate(trace_step(spec, settings)).peak_bytes == measured

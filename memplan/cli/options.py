@@ -313,7 +313,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
         click.option(
             "--task",
             help="Head for transformers models: causal-lm, masked-lm, sequence-classification, seq2seq, "
-            "image-classification, speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...), "
+            "image-classification, semantic-segmentation (SegFormer, BEiT, DPT, MobileViT, UperNet; --image-size), "
+            "speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...), "
             "audio-classification (wav2vec2, HuBERT, WavLM, Whisper, AST, ...), zero-shot-image-classification "
             "(CLIP, SigLIP: their contrastive loss, return_loss=True), token-classification, question-answering, "
             "multiple-choice (4 choices of --seq-len tokens each).",

@@ -11,7 +11,8 @@ aten/src/ATen/native/Loss.cpp (torch 2.11-2.14) that calls many ops; memplan see
 - Under autocast, an op on autocast's float32 list is called with its arguments cast to float32
   (autocast_mode.h, `WrapFunction_<CastPolicy::fp32, ...>`: `cached_cast(...)` in the call's argument list),
   temporaries that live until the op returns; for a composite that is after all its ops. `kl_div` is one:
-  `at::xlogy(target, target) - target * input`, after which the cast input had been freed at its last read.
+  `at::xlogy(target, target) - target * input`, after which the cast input had been freed at its last read;
+  `cross_entropy` another: its log_softmax reads the cast, its nll_loss runs with it held.
 - `triplet_margin_loss`: the two distances are variables and its last statement's temporaries live with it.
 memplan had freed each at its last read: a hinge embedding loss was 21% low, a margin ranking loss 11% and
 `kl_div` under CPU autocast 11.5%, a triplet margin loss under it 19% against their real CPU runs (a helper's bug hunt;
@@ -103,6 +104,11 @@ WATCHED_LOSSES: dict[str, HeldRule] = {
     "hinge_embedding_loss": _held_by_hinge_embedding,
     "margin_ranking_loss": _held_by_margin_ranking,
     "kl_div": _held_by_casts,
+    # `cross_entropy_loss` (Loss.cpp: `at::nll_loss_nd(at::log_softmax(self, ...), ...)`) is on autocast's float32
+    # list (autocast_mode.cpp, CPU's and CUDA's): 16-bit logits' float32 copy lives through the nll_loss, where memplan
+    # had freed it after the log_softmax (a segmentation head's amp-bf16 step 8 B low, its peak at the nll_loss;
+    # tests/test_composite_losses.py). A causal LM's loss casts its logits itself first (`logits.float()`): no cast.
+    "cross_entropy": _held_by_casts,
     "triplet_margin_loss": _held_by_triplet_margin,
 }
 

@@ -8,6 +8,7 @@ import torch
 
 from memplan.errors import SettingsError
 from memplan.models.contrastive import CONTRASTIVE_TASK, contrastive_batch, resolve_contrastive_lengths, text_limit
+from memplan.models.segmentation import SEGMENTATION_TASK, check_segmentation, segmentation_batch
 from memplan.models.speech import SPEECH_TASKS, input_limit, resolve_speech_lengths, speech_batch
 from memplan.models.text_heads import TEXT_HEAD_TASKS, text_head_batch
 from memplan.settings import TrainingSettings
@@ -18,10 +19,12 @@ TASKS = (
     "sequence-classification",
     "seq2seq",
     "image-classification",
+    SEGMENTATION_TASK,
     *SPEECH_TASKS,
     CONTRASTIVE_TASK,
     *TEXT_HEAD_TASKS,
 )
+IMAGE_TASKS = ("image-classification", SEGMENTATION_TASK)
 TEXT_TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq", *TEXT_HEAD_TASKS)
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -89,14 +92,17 @@ def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> Train
                 f"use --target-len {target_limit} or less"
             )
         return settings.replace(seq_len=seq_len, target_len=target_len)
+    if task == SEGMENTATION_TASK:
+        check_segmentation(config)
     image_size = settings.image_size or _configured_image_size(config) or DEFAULT_IMAGE_SIZE
     return settings.replace(image_size=int(image_size))
 
 
 def _configured_image_size(config: Any) -> int | None:
     """The image size the config names: its own, or its vision tower's (CLIP, SigLIP and other two-tower
-    configs keep it in `vision_config`, where the position embeddings are sized by it)."""
-    for source in (config, getattr(config, "vision_config", None)):
+    configs keep it in `vision_config`, where the position embeddings are sized by it), or its backbone's (UperNet
+    builds its backbone from `backbone_config`)."""
+    for source in (config, getattr(config, "vision_config", None), getattr(config, "backbone_config", None)):
         size = getattr(source, "image_size", None)
         if isinstance(size, list | tuple) and size:  # (height, width): the batch is square
             size = size[0]
@@ -117,6 +123,7 @@ def _refuse_other_shapes(task: str, settings: TrainingSettings) -> None:
         takes = {
             "seq2seq": "--seq-len and --target-len",
             "image-classification": "--image-size",
+            SEGMENTATION_TASK: "--image-size",
         }.get(task, "--seq-len")
         raise SettingsError(
             f"{', '.join(given)} has no place in a {task} model's batch, which takes {takes}: drop {', '.join(given)}"
@@ -146,6 +153,8 @@ def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: 
             "input_ids": torch.randint(0, vocab, (batch, settings.seq_len)),
             "labels": torch.randint(0, vocab, (batch, settings.target_len)),
         }
+    if task == SEGMENTATION_TASK:
+        return segmentation_batch(config, settings, dtype)
     if task == "image-classification":
         channels = getattr(config, "num_channels", 3)
         size = settings.image_size

@@ -18,6 +18,7 @@ _AUTO_CLASS_BY_TASK = {
     "sequence-classification": "AutoModelForSequenceClassification",
     "seq2seq": "AutoModelForSeq2SeqLM",
     "image-classification": "AutoModelForImageClassification",
+    "semantic-segmentation": "AutoModelForSemanticSegmentation",
     "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
     "ctc": "AutoModelForCTC",
     "audio-classification": "AutoModelForAudioClassification",
@@ -34,6 +35,7 @@ _MAPPING_BY_TASK = {
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "zero-shot-image-classification": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "semantic-segmentation": "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
     **MAPPINGS,  # last: a config naming no head is guessed one of the tasks above
 }
@@ -44,6 +46,7 @@ _ARCHITECTURE_SUFFIXES = {
     "ForMaskedLM": "masked-lm",
     "ForPreTraining": "masked-lm",
     "ForImageClassification": "image-classification",
+    "ForSemanticSegmentation": "semantic-segmentation",
     "ForSequenceClassification": "sequence-classification",
     "ForSpeechToText": "speech-seq2seq",
     "ForCTC": "ctc",
@@ -137,11 +140,10 @@ def _architecture_task(config: Any) -> str | None:
 
 
 def _refuse_other_heads(config: Any, name: str) -> None:
-    """A config naming a head memplan does not train (SegformerForSemanticSegmentation, CLIPModel's contrastive loss,
-    Wav2Vec2ForSequenceClassification) had been built as another head of its model type (Segformer's
-    image classifier, CLIP's vision tower alone: 42% and 38% below the named model's measured step) or failed saying
-    "fix the config": refused, saying which heads memplan can estimate instead. (CLIPModel and
-    Wav2Vec2ForSequenceClassification are tasks since: zero-shot-image-classification, audio-classification.)"""
+    """A config naming a head memplan does not train (DPTForDepthEstimation, DETR's detection) had been built as
+    another head of its model type (SegformerForSemanticSegmentation as Segformer's image classifier, CLIPModel as
+    CLIP's vision tower alone, before each was a task: 42% and 38% below the named model's measured step) or failed
+    saying "fix the config": refused, saying which heads memplan can estimate instead."""
     from memplan.errors import UsageError
 
     heads = [
@@ -324,9 +326,12 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
             'from: add it to the config (T5\'s checkpoints use "decoder_start_token_id": 0, the pad id), or use a '
             "preset (memplan presets)"
         )
-    if chosen in ("sequence-classification", "image-classification", "token-classification") and not getattr(
-        config, "num_labels", None
-    ):
+    if chosen in (
+        "sequence-classification",
+        "image-classification",
+        "token-classification",
+        "semantic-segmentation",
+    ) and not getattr(config, "num_labels", None):
         config.num_labels = 2
     _check_sizes(config, name)
     return HFSource(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from memplan.errors import InputsError, LossError, MemplanError, UnknownModelError, UsageError, UserCodeError
-from memplan.models.batches import TASKS, resolve_lengths, sequence_limit, synthesize_batch
+from memplan.models.batches import IMAGE_TASKS, TASKS, resolve_lengths, sequence_limit, synthesize_batch
 from memplan.models.hf import HFSource, build_hf_model, model_types, resolve_hf
 from memplan.models.imports import import_object, is_import_path
 from memplan.models.presets import all_presets
@@ -349,7 +349,7 @@ def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
         make_batch=make_batch,
         loss_of=loss_of,
         settings_for=settings_for,
-        max_seq_len=sequence_limit(source.config, source.task) if source.task != "image-classification" else None,
+        max_seq_len=sequence_limit(source.config, source.task) if source.task not in IMAGE_TASKS else None,
         notes=_guessed_head_notes(source, name),
     )
 

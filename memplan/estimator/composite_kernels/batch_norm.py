@@ -25,7 +25,7 @@ from memplan.estimator.composite_kernels import (
     mean_input_cast,
     opmath_dtype,
 )
-from memplan.estimator.memory_formats import contiguous_in_a_format, suggested_memory_format
+from memplan.estimator.memory_formats import contiguous_in_a_format, prims_suggest_memory_format
 
 
 def _mixed(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
@@ -152,11 +152,15 @@ def batch_norm_backward_scratch(args: tuple[Any, ...], kwargs: dict[str, Any], d
     grad_out, input = bound["grad_out"], bound["input"]
     if not isinstance(grad_out, torch.Tensor) or input.numel() == 0:
         return 0
-    # `is_contiguous` of aten/src/ATen/native/batch_norm.h: contiguous in the default or a channels-last format
+    # `is_contiguous` of aten/src/ATen/native/batch_norm.h: contiguous in the default or a channels-last format; and
+    # `input.suggest_memory_format() == grad_out_.suggest_memory_format()`, the formats their strides' order suggests
+    # (c10's, torch._prims_common's twin): a [N, C, 1, 1] input with channels-last strides, contiguous both ways, and
+    # a gradient with the default strides are not all_contiguous (measured: the sum's one element a channel, no second
+    # grad_input; tests/test_batch_norm_scratch.py)
     all_contiguous = (
         contiguous_in_a_format(input)
         and contiguous_in_a_format(grad_out)
-        and suggested_memory_format(input) == suggested_memory_format(grad_out)
+        and prims_suggest_memory_format(input) == prims_suggest_memory_format(grad_out)
     )
     if not all_contiguous:  # the sum's output and what that sum holds inside itself
         dims = [0, *range(2, input.dim())]

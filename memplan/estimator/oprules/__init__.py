@@ -80,15 +80,29 @@ def real_kernel_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     for index, (tensor, dtype, memory_format) in enumerate(zip(outputs, dtypes, formats, strict=False)):
         if not isinstance(tensor, torch.Tensor):
             continue
-        if index in contiguous and not tensor.is_contiguous():
+        if index in contiguous and not _laid_out_in(tensor, torch.contiguous_format):
             outputs[index] = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device)
-        elif memory_format is not None and not tensor.is_contiguous(memory_format=memory_format):
+        elif memory_format is not None and not _laid_out_in(tensor, memory_format):
             outputs[index] = torch.empty(
                 tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device, memory_format=memory_format
             )
         elif dtype is not None and tensor.dtype != dtype:
             outputs[index] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=tensor.device)
     return tuple(outputs) if isinstance(out, tuple) else outputs[0]
+
+
+def _laid_out_in(tensor: torch.Tensor, memory_format: torch.memory_format) -> bool:
+    """Whether `tensor` has the strides the real kernel's `at::empty_like(input, memory_format)` gives its output:
+    exactly a fresh tensor's in that format. `is_contiguous(memory_format)` skips the strides of size-1 dimensions,
+    so a [N, C, 1, 1] tensor with channels-last strides, (C, 1, C, C), passes as contiguous, where the real
+    kernel's is (C, 1, 1, 1); the next op that reads the format from the strides' order (`suggest_memory_format`:
+    upsample_bilinear2d, the CPU convolutions) took the fake one as channels-last and laid out every tensor after it
+    so (a UperNet head's pyramid pooling, BatchNorm2d over its 1x1 pooled map: channels-last through the whole FPN
+    where the real run is contiguous, a weight gradient copied to the parameter's layout on each convolution)."""
+    if tensor.dim() not in (4, 5) and memory_format != torch.contiguous_format:
+        return tensor.is_contiguous(memory_format=memory_format)
+    fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta", memory_format=memory_format)
+    return tensor.stride() == fresh.stride()
 
 
 # The output of each op whose fake kernel refuses arguments the real kernel runs, or lays its output out otherwise:

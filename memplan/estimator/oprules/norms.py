@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
-from memplan.estimator.memory_formats import empty_like_format
+from memplan.estimator.memory_formats import (
+    contiguous_in_a_format,
+    empty_like_format,
+    prims_suggest_memory_format,
+    suggested_memory_format,
+)
 from memplan.estimator.oprules import CONTIGUOUS_OUTPUTS, output_bytes_rule, output_dtypes_rule, output_formats_rule
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -118,10 +123,19 @@ def batch_norm_output_format(args: tuple[Any, ...], kwargs: dict[str, Any], devi
 
 @output_formats_rule(torch.ops.aten.native_batch_norm_backward.default)
 def batch_norm_backward_format(args: tuple[Any, ...], kwargs: dict[str, Any], device: str) -> tuple[Any, ...]:
-    """The input's gradient, `at::empty_like(input, input.suggest_memory_format())` (Normalization.cpp,
-    batch_norm_backward_cpu_template; `suggest_memory_format_contig(input)` where input and gradient are both
-    contiguous in one format): laid out in the input's suggested format, where torch's fake kernel follows the
-    incoming gradient's strides."""
+    """The input's gradient, `at::empty_like(input, all_contiguous ? suggest_memory_format_contig(input) :
+    input.suggest_memory_format())` (Normalization.cpp, batch_norm_backward_cpu_template, torch 2.11-2.14), where
+    `all_contiguous` is input and incoming gradient each contiguous in a format and suggesting the same one: a
+    [N, C, 1, 1] input with channels-last strides (contiguous both ways, its strides' order channels-last) and a
+    gradient with the default strides suggest two formats, and the gradient comes out channels-last. torch's fake
+    kernel follows the incoming gradient's strides. Checked against the kernel for every pair of layouts in
+    tests/test_oprules_norms.py."""
     if device != "cpu":
         return (None, None, None)
-    return (empty_like_format(args[1]), None, None)
+    grad_output, input = args[0], args[1]
+    all_contiguous = (
+        contiguous_in_a_format(input)
+        and contiguous_in_a_format(grad_output)
+        and prims_suggest_memory_format(input) == prims_suggest_memory_format(grad_output)
+    )
+    return (suggested_memory_format(input) if all_contiguous else prims_suggest_memory_format(input), None, None)
