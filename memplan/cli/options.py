@@ -83,7 +83,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "(Whisper: its one length, 2 x max_source_positions; others min(3000, maximum)); ctc, "
             "audio-classification: audio samples [default: 16000, one second at 16 kHz] (Whisper's, AST's: the one "
             "frame count their encoders take); zero-shot-image-classification: caption tokens [default: min(77, the "
-            "text tower's maximum)].",
+            "text tower's maximum)]; image-text-to-text: all the tokens, the image's placeholders included [default: "
+            "min(512, maximum)].",
         ),
         click.option(
             "--target-len",
@@ -96,7 +97,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "--image-size",
             type=int,
             help="Image side for vision models [default: the config's, or 224]; zero-shot-image-classification: "
-            "the vision tower's one size.",
+            "the vision tower's one size; image-text-to-text: the side the vision tower takes (LLaVA, PaliGemma: "
+            "vision_config's only; Qwen2-VL: a multiple of 28, default 224).",
         ),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
@@ -317,7 +319,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...), "
             "audio-classification (wav2vec2, HuBERT, WavLM, Whisper, AST, ...), zero-shot-image-classification "
             "(CLIP, SigLIP: their contrastive loss, return_loss=True), token-classification, question-answering, "
-            "multiple-choice (4 choices of --seq-len tokens each).",
+            "multiple-choice (4 choices of --seq-len tokens each), image-text-to-text (LLaVA, Qwen2-VL, PaliGemma).",
         ),
         click.option(
             "--hf-args",

@@ -25,7 +25,10 @@ from unittest.mock import patch
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
+from torch.utils._mode_utils import no_dispatch
 
+from memplan.estimator.buffer_values import MOST_REPLAYED_ELEMENTS
+from memplan.estimator.known_values import VALUE_FACTORIES
 from memplan.estimator.oprules import FAKE_KERNEL_RULES
 
 
@@ -68,6 +71,9 @@ class TracingFakeMode(FakeTensorMode):
 
     # While a model is built: how each tensor made of constants was made (memplan.estimator.buffer_values).
     constants: Any = None
+    # Whether the mode keeps the values of what is made of values (memplan.estimator.known_values): set by a batch
+    # that carries some.
+    keeps_values: bool = False
 
     def dispatch(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
         out = self._dispatched(func, types, args, kwargs)
@@ -76,6 +82,10 @@ class TracingFakeMode(FakeTensorMode):
         return out
 
     def _dispatched(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
+        if self.keeps_values and func in VALUE_FACTORIES:
+            made = self._made_with_values(func, args, kwargs or {})
+            if made is not None:
+                return made
         rule = FAKE_KERNEL_RULES.get(func)
         if rule is None:
             return super().dispatch(func, types, args, kwargs)
@@ -89,6 +99,33 @@ class TracingFakeMode(FakeTensorMode):
             for sizes, strides, dtype in ((layouts,) if single else layouts)
         )
         return outputs[0] if single else outputs
+
+    def _made_with_values(self, func: Any, args: Sequence[object], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """A factory's output with its values (memplan.estimator.known_values), made for real on the CPU; None where
+        it would not stay a constant (may_turn_const) or is asked for on another device."""
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return None
+        if any(isinstance(leaf, torch.Tensor) for leaf in (*args, *kwargs.values())):
+            return None
+        with no_dispatch():
+            out = func(*args, **kwargs)
+        if not self.may_turn_const(out):
+            return None
+        return self.fake_tensor_converter.from_real_tensor(self, out, make_constant=True)
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        """Whether an op's real result over values the mode has (a fake tensor's `constant`) stays a constant: torch
+        keeps one-element results only (fake_tensor.py, CONSTANT_NUMEL_LIMIT); where the mode keeps values
+        (memplan.estimator.known_values), memplan keeps any up to the elements it replays elsewhere
+        (buffer_values.MOST_REPLAYED_ELEMENTS)."""
+        return super().may_turn_const(t) or (
+            self.keeps_values
+            and t.numel() <= MOST_REPLAYED_ELEMENTS
+            and t.layout == torch.strided
+            and t.device.type == "cpu"
+            and not self.is_our_fake(t)
+        )
 
     def _make_cache_entry(self, state: Any, key: Any, func: Any, args: Any, kwargs: Any, output: Any) -> Any:
         if isinstance(output, tuple) and _shares_storage(output):
@@ -140,6 +177,8 @@ def constant_item() -> Iterator[None]:
     """
 
     def item(self: FakeTensor) -> float | int | bool:
+        if self.constant is not None and getattr(self.fake_mode, "keeps_values", False):
+            return self.constant.item()  # values the mode keeps (memplan.estimator.known_values): as torch answers
         tracker = getattr(self.fake_mode, "constants", None)  # set while a model is built (TracingFakeMode)
         value = tracker.item(self) if tracker is not None else None
         if value is not None:
@@ -151,6 +190,8 @@ def constant_item() -> Iterator[None]:
     plain_tolist = torch.Tensor.tolist
 
     def tolist(self: FakeTensor) -> Any:
+        if self.constant is not None and getattr(self.fake_mode, "keeps_values", False):
+            return self.constant.tolist()
         tracker = getattr(self.fake_mode, "constants", None)
         value = tracker.read(self, lambda real: real.tolist()) if tracker is not None else None
         return value if value is not None else plain_tolist(self)  # each element by `item` above

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memplan.estimator.causal_masks import causal_masks_read
 from memplan.estimator.ctc_batches import full_ctc_batches
 from memplan.estimator.input_checks import input_checks_passing
+from memplan.estimator.known_values import tensors_of_values
 from memplan.estimator.layer_drop import layers_never_dropped
 from memplan.estimator.scalar_constants import one_element_fills_known
 
@@ -37,7 +38,8 @@ def real_run_paths(
     (memplan.estimator.causal_masks). Input checks that read values pass (memplan.estimator.input_checks), and a CTC
     head's loss over memplan's own labels reads the values they have (memplan.estimator.ctc_batches); LayerDrop's
     draws keep every layer (memplan.estimator.layer_drop); a one-element `torch.full` keeps its value
-    (memplan.estimator.scalar_constants)."""
+    (memplan.estimator.scalar_constants); `torch.tensor` of fake tensors that carry values is made of them
+    (memplan.estimator.known_values)."""
     with (
         _rope_without_frequency_updates(),
         input_checks_passing(),
@@ -45,6 +47,7 @@ def real_run_paths(
         layers_never_dropped(),
         full_ctc_batches(),
         one_element_fills_known(),
+        tensors_of_values(),
     ):
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None or not hasattr(masking, "find_packed_sequence_indices"):

@@ -11,6 +11,11 @@ from memplan.models.contrastive import CONTRASTIVE_TASK, contrastive_batch, reso
 from memplan.models.segmentation import SEGMENTATION_TASK, check_segmentation, segmentation_batch
 from memplan.models.speech import SPEECH_TASKS, input_limit, resolve_speech_lengths, speech_batch
 from memplan.models.text_heads import TEXT_HEAD_TASKS, text_head_batch
+from memplan.models.vision_language import (
+    VISION_LANGUAGE_TASK,
+    resolve_vision_language_lengths,
+    vision_language_batch,
+)
 from memplan.settings import TrainingSettings
 
 TASKS = (
@@ -23,6 +28,7 @@ TASKS = (
     *SPEECH_TASKS,
     CONTRASTIVE_TASK,
     *TEXT_HEAD_TASKS,
+    VISION_LANGUAGE_TASK,
 )
 IMAGE_TASKS = ("image-classification", SEGMENTATION_TASK)
 TEXT_TASKS = ("causal-lm", "masked-lm", "sequence-classification", "seq2seq", *TEXT_HEAD_TASKS)
@@ -59,6 +65,8 @@ def sequence_limit(config: Any, task: str) -> int | None:
         return input_limit(config, task)  # input frames (Whisper: the one length it takes) or samples (ctc: none)
     if task == CONTRASTIVE_TASK:
         return text_limit(config)  # the captions' tokens
+    if task == VISION_LANGUAGE_TASK:
+        return max_positions(config.text_config, "decoder")  # all the tokens, the image's placeholders included
     if task == "causal-lm":
         return max_positions(config, "decoder")
     if task == "seq2seq":
@@ -73,6 +81,8 @@ def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> Train
         return resolve_speech_lengths(config, task, settings)
     if task == CONTRASTIVE_TASK:
         return resolve_contrastive_lengths(config, settings)
+    if task == VISION_LANGUAGE_TASK:
+        return resolve_vision_language_lengths(config, settings)
     _refuse_other_shapes(task, settings)
     if task in TEXT_TASKS:
         limit = max_positions(config, "decoder" if task == "causal-lm" else "encoder")
@@ -138,6 +148,8 @@ def synthesize_batch(config: Any, task: str, settings: TrainingSettings, dtype: 
         return contrastive_batch(config, settings, dtype)
     if task in TEXT_HEAD_TASKS:
         return text_head_batch(config, task, settings)
+    if task == VISION_LANGUAGE_TASK:
+        return vision_language_batch(config, settings, dtype)
     batch = settings.batch_size
     vocab = getattr(config, "vocab_size", 2)
     if task in ("causal-lm", "masked-lm"):

@@ -24,6 +24,7 @@ _AUTO_CLASS_BY_TASK = {
     "audio-classification": "AutoModelForAudioClassification",
     "zero-shot-image-classification": "AutoModelForZeroShotImageClassification",
     **AUTO_CLASSES,  # token-classification, question-answering, multiple-choice (memplan.models.text_heads)
+    "image-text-to-text": "AutoModelForImageTextToText",
 }
 # Mapping names in transformers.models.auto.modeling_auto, in the order a task is guessed.
 _MAPPING_BY_TASK = {
@@ -38,6 +39,7 @@ _MAPPING_BY_TASK = {
     "semantic-segmentation": "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
     **MAPPINGS,  # last: a config naming no head is guessed one of the tasks above
+    "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",  # (after them too)
 }
 _ARCHITECTURE_SUFFIXES = {
     "ForCausalLM": "causal-lm",
@@ -395,8 +397,11 @@ def build_hf_model(source: HFSource, attn_impl: str = "sdpa") -> Any:
     import_transformers_models()
     auto_class = getattr(transformers, _AUTO_CLASS_BY_TASK[source.task])
     config = source.config
-    if hasattr(config, "use_cache"):
-        config.use_cache = False
+    # (a vision-language config's language model reads its own: text_config.use_cache, True by default, had its
+    # forward keep a KV cache, and a checkpointed layer's recomputation append to it)
+    for part in (config, getattr(config, "text_config", None)):
+        if hasattr(part, "use_cache"):
+            part.use_cache = False
     unset_problem = hasattr(config, "problem_type") and config.problem_type is None
     if source.task == "sequence-classification" and unset_problem and config.num_labels > 1:
         # The batch's labels are class indices (batches.synthesize_batch), which a head's first forward reads

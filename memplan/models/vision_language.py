@@ -1,0 +1,193 @@
+"""Vision-language models' training batches (`image-text-to-text`, AutoModelForImageTextToText): what each family's
+processor and a training collator hand the model, and the lengths it allows.
+
+One image a sample, its placeholder tokens first in the sequence, then the text: `input_ids` [batch, seq-len] hold
+`config.image_token_id` once for each feature the vision tower makes of the image (as the processor expands its
+image token), `labels` are `input_ids` with those placeholders set to -100 (what TRL's SFT collators do), and the
+pixels are laid out as the family's image processor makes them. --seq-len is the whole sequence, placeholders
+included (what the language model runs over: its memory grows with it), at least one text token more than the
+image's; --image-size the side of the square image the vision tower takes (its config's where the tower takes one
+size only).
+
+The models read the placeholders' *values*: `get_placeholder_mask` checks that their count matches the features
+(`torch_compilable_check(n_image_tokens * hidden == image_features.numel())`), `masked_scatter` writes the features
+at them and its backward selects their gradients (`masked_select`, sized by the mask's trues); Qwen2-VL's M-RoPE
+positions are computed from the token types and the image grid (`get_rope_index`, `.tolist()` and `.item()` of
+them). The batch memplan makes is its own: its token ids, token types and image grids are made from Python numbers
+(`torch.tensor`), and under memplan's fake tensors keep their values (memplan.estimator.fake_mode's
+TracingFakeMode: values made from Python numbers, and what ops over them alone compute, are kept), so these reads
+answer as in the real run. Pixels are random values, never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memplan.errors import SettingsError
+from memplan.settings import TrainingSettings
+
+VISION_LANGUAGE_TASK = "image-text-to-text"
+DEFAULT_SEQ_LEN = 512
+DEFAULT_FREE_IMAGE_SIZE = 224  # a tower that takes any size (Qwen2-VL's): 224 x 224 pixels, 64 placeholders
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """How one model type's batch looks.
+
+    `pixels`: "image", `pixel_values` [batch, channels, size, size] of the one size the tower's position embeddings
+    hold (`vision_config.image_size`); "patches", Qwen2-VL's flattened patches [batch * patches, channels *
+    temporal_patch_size * patch_size**2] with `image_grid_thw` [batch, 3] (1, size / patch_size, size / patch_size)
+    and `mm_token_type_ids` (1 at the placeholders), any size a multiple of patch_size * spatial_merge_size.
+    `token_types`: the batch carries `token_type_ids` (PaliGemma's prefix: 0 for the image and prompt, 1 for the
+    suffix the loss is over; all 1 past the image here). `source`: where transformers says so.
+    """
+
+    pixels: str
+    source: str
+    token_types: bool = False
+
+
+# transformers/models/<family>/modeling_<family>.py, 5.17-5.25.
+FAMILIES: dict[str, VisionFamily] = {
+    # LlavaModel.get_image_features: the CLIP tower's hidden states at vision_feature_layer, the CLS position dropped
+    # where vision_feature_select_strategy is "default" ("full" keeps it), projected: one feature a patch.
+    "llava": VisionFamily("image", "llava/modeling_llava.py, LlavaModel.get_image_features"),
+    # Qwen2VLModel.get_image_features: the patches merged spatial_merge_size**2 to one feature
+    # (`image_grid_thw.prod(-1) // spatial_merge_size**2`); get_rope_index needs mm_token_type_ids.
+    "qwen2_vl": VisionFamily("patches", "qwen2_vl/modeling_qwen2_vl.py, Qwen2VLModel.get_image_features"),
+    # PaliGemmaModel.get_image_features: the SigLIP tower's last hidden state, one feature a patch, projected.
+    "paligemma": VisionFamily(
+        "image", "paligemma/modeling_paligemma.py, PaliGemmaModel.get_image_features", token_types=True
+    ),
+}
+
+
+def family(config: Any) -> VisionFamily:
+    """The model type's row, or one line naming the ones memplan makes batches for."""
+    row = FAMILIES.get(config.model_type)
+    if row is None:
+        raise SettingsError(
+            f"memplan makes {VISION_LANGUAGE_TASK} batches for {', '.join(FAMILIES)}, not {config.model_type} (whose "
+            "processor lays out its images and placeholder tokens otherwise): give the model, its batch and loss as "
+            "your own module:function (docs/usage.md)"
+        )
+    return row
+
+
+def _patches_a_side(config: Any, size: int) -> int:
+    return size // config.vision_config.patch_size
+
+
+def image_tokens(config: Any, size: int) -> int:
+    """The placeholders the processor writes for one image of `size` x `size` pixels: the features the model makes."""
+    row = family(config)
+    patches = _patches_a_side(config, size) ** 2
+    if row.pixels == "patches":
+        return patches // config.vision_config.spatial_merge_size**2
+    if config.model_type == "llava" and config.vision_feature_select_strategy == "full":
+        return patches + 1  # the CLS position kept
+    return patches
+
+
+def _image_size(config: Any, row: VisionFamily, settings: TrainingSettings) -> int:
+    vision = config.vision_config
+    if row.pixels == "patches":
+        step = vision.patch_size * vision.spatial_merge_size
+        size = settings.image_size or DEFAULT_FREE_IMAGE_SIZE
+        if size % step:
+            raise SettingsError(
+                f"--image-size {size}: {config.model_type}'s processor resizes images to a multiple of {step} pixels "
+                f"(patch_size {vision.patch_size} x spatial_merge_size {vision.spatial_merge_size}): use "
+                f"--image-size {max(step, size // step * step)} or {(size // step + 1) * step}"
+            )
+        return size
+    size = vision.image_size
+    if settings.image_size is not None and settings.image_size != size:
+        raise SettingsError(
+            f"--image-size {settings.image_size}: {config.model_type}'s vision tower takes {size} x {size} images "
+            f"only (vision_config.image_size, its position embeddings; the processor resizes to it): drop --image-size"
+        )
+    return size
+
+
+def _max_positions(config: Any) -> int | None:
+    value = getattr(config.text_config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def resolve_vision_language_lengths(config: Any, settings: TrainingSettings) -> TrainingSettings:
+    """--image-size (the tower's) and --seq-len (all the tokens, the image's placeholders included) filled in and
+    checked."""
+    if settings.target_len is not None:
+        raise SettingsError(
+            f"--target-len has no place in an {VISION_LANGUAGE_TASK} model's batch, which takes --seq-len and "
+            "--image-size: drop --target-len"
+        )
+    row = family(config)
+    size = _image_size(config, row, settings)
+    placeholders = image_tokens(config, size)
+    limit = _max_positions(config)
+    seq_len = settings.seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)
+    if seq_len <= placeholders:
+        given = f"--seq-len {seq_len}" if settings.seq_len else f"the default --seq-len {seq_len}"
+        raise SettingsError(
+            f"{given} leaves no text beside the image's {placeholders} placeholder tokens ({size} x {size} pixels; "
+            f"--seq-len counts them): use --seq-len {placeholders + 1} or more, or a smaller --image-size"
+        )
+    if limit is not None and seq_len > limit:
+        raise SettingsError(
+            f"--seq-len {seq_len} is longer than the language model's maximum of {limit} positions "
+            f"(text_config.max_position_embeddings); use --seq-len {limit} or less"
+        )
+    return settings.replace(seq_len=seq_len, image_size=size)
+
+
+def _image_token_id(config: Any) -> int:
+    value = getattr(config, "image_token_id", None)
+    return value if value is not None else config.image_token_index
+
+
+def _text_ids(config: Any, count: int, image_token: int) -> list[int]:
+    """`count` text ids, none a special token the model reads (the image placeholder, a vision start or video id)."""
+    vocab = config.text_config.vocab_size
+    special = {
+        image_token,
+        *(getattr(config, name, None) for name in ("video_token_id", "vision_start_token_id", "vision_end_token_id")),
+    }
+    ids = [token for token in range(min(vocab, count + len(special))) if token not in special]
+    return [ids[index % len(ids)] for index in range(count)]
+
+
+def vision_language_batch(config: Any, settings: TrainingSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The batch a processor and a training collator hand the model (module docstring)."""
+    from memplan.estimator.known_values import keep_values
+
+    keep_values()  # (under memplan's fake tensors: the values below stay known through the model's reads)
+    row = family(config)
+    batch, seq_len, size = settings.batch_size, settings.seq_len, settings.image_size
+    image_token = _image_token_id(config)
+    placeholders = image_tokens(config, size)
+    text = seq_len - placeholders
+    row_ids = [image_token] * placeholders + _text_ids(config, text, image_token)
+    row_labels = [-100] * placeholders + row_ids[placeholders:]
+    # torch.tensor of Python numbers: values a fake tensor keeps (module docstring)
+    out = {
+        "input_ids": torch.tensor([row_ids] * batch, dtype=torch.long),
+        "labels": torch.tensor([row_labels] * batch, dtype=torch.long),
+    }
+    vision = config.vision_config
+    if row.pixels == "image":
+        out["pixel_values"] = torch.randn(batch, getattr(vision, "num_channels", 3), size, size, dtype=dtype)
+    else:
+        side = _patches_a_side(config, size)
+        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        out["pixel_values"] = torch.randn(batch * side * side, patch, dtype=dtype)
+        out["image_grid_thw"] = torch.tensor([[1, side, side]] * batch, dtype=torch.long)
+        out["mm_token_type_ids"] = torch.tensor([[1] * placeholders + [0] * text] * batch, dtype=torch.int)
+    if row.token_types:
+        out["token_type_ids"] = torch.tensor([[0] * placeholders + [1] * text] * batch, dtype=torch.long)
+    return out
