@@ -251,6 +251,7 @@ def _load_families() -> None:
         pooling,
         reductions,
         safe_softmax,
+        scatter_gather,
     )
 
 
