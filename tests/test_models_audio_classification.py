@@ -16,6 +16,7 @@ from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
+from tests.case_sets import with_extended
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -157,7 +158,18 @@ def _case_id(case: tuple[str, str, bool, str]) -> str:
     return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(case) for case in CASES])
+EXTENDED = {
+    ("wav2vec2", "fp32", False, "eager"),
+    ("wav2vec2", "bf16", False, "sdpa"),
+    ("wav2vec2", "amp-bf16", False, "sdpa"),
+    ("wav2vec2", "fp32", True, "sdpa"),
+    ("whisper", "fp32", False, "sdpa"),
+    ("ast", "amp-bf16", False, "eager"),
+    ("ast", "fp32", False, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
 def test_an_audio_classifiers_step_is_predicted_as_measured(tmp_path, case):
     """A config naming Wav2Vec2ForSequenceClassification had been refused ("a head none of memplan's tasks
     builds"): now the audio-classification task, the batch its family's forward takes and a class per sample,

@@ -17,6 +17,7 @@ from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
+from tests.case_sets import with_extended
 
 TOLERANCE = 0.005
 BATCH = 4
@@ -133,7 +134,17 @@ def _case_id(case: tuple[str, str, bool, str]) -> str:
     return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(case) for case in CASES])
+EXTENDED = {
+    ("clip", "fp32", False, "eager"),
+    ("clip", "bf16", False, "sdpa"),
+    ("clip", "amp-bf16", False, "sdpa"),
+    ("clip", "fp32", True, "sdpa"),
+    ("siglip", "fp32", False, "sdpa"),
+    ("siglip", "amp-bf16", True, "eager"),
+}
+
+
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
 def test_a_two_tower_models_contrastive_step_is_predicted_as_measured(tmp_path, case):
     """A config naming CLIPModel had been refused ("a head none of memplan's tasks builds"; before that, estimated as
     CLIP's vision tower alone, 38% low): now the zero-shot-image-classification task, both towers and the loss over

@@ -15,6 +15,7 @@ from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
+from tests.case_sets import with_extended
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -165,7 +166,21 @@ def _case_id(case: tuple[str, str, str, bool, str]) -> str:
     return f"{family}-{task}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(case) for case in CASES])
+EXTENDED = {
+    ("bert", "question-answering", "amp-bf16", False, "sdpa"),
+    ("roberta", "question-answering", "bf16", False, "sdpa"),
+    ("distilbert", "multiple-choice", "bf16", False, "sdpa"),
+    ("deberta-v2", "question-answering", "fp32", False, "eager"),
+    ("electra", "multiple-choice", "fp32", False, "eager"),
+    ("modernbert", "token-classification", "fp32", False, "sdpa"),
+    ("modernbert", "question-answering", "bf16", True, "eager"),
+    ("gpt2", "question-answering", "bf16", False, "eager"),
+    ("llama", "token-classification", "amp-bf16", True, "eager"),
+    ("llama", "question-answering", "fp32", False, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
 def test_a_text_heads_step_is_predicted_as_measured(tmp_path, case):
     """BertForTokenClassification, ...ForQuestionAnswering and ...ForMultipleChoice configs had been refused ("a head
     none of memplan's tasks builds"): now estimated with the batch their collators make, within 0.5% of the real run

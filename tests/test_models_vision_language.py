@@ -17,6 +17,7 @@ from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
+from tests.case_sets import with_extended
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -223,7 +224,18 @@ def _case_id(case: tuple[str, str, bool, str, str | None]) -> str:
     return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}{'-lora' if lora else ''}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(case) for case in CASES])
+EXTENDED = {
+    ("llava", "fp32", False, "eager", None),
+    ("llava", "bf16", False, "sdpa", None),
+    ("llava", "amp-bf16", False, "sdpa", None),
+    ("qwen2_vl", "fp32", False, "eager", None),
+    ("qwen2_vl", "fp32", True, "sdpa", None),
+    ("qwen2_vl", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("paligemma", "fp32", False, "sdpa", None),
+}
+
+
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
 def test_a_vision_language_models_step_is_predicted_as_measured(tmp_path, case):
     """LLaVA, Qwen2-VL and PaliGemma configs had been refused ("a head none of memplan's tasks builds"), and their
     forward reads the placeholder tokens' values (their count against the features', masked_scatter, Qwen2-VL's
