@@ -15,11 +15,7 @@ from memplan.errors import SettingsError
 from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
-from memplan.models.speech import has_ctc_loss
 from memplan.settings import TrainingSettings
-
-# transformers releases before ForCTCLoss (5.17) refuse the ctc task in one line (the refusal is tested below)
-NEEDS_CTC_LOSS = pytest.mark.skipif(not has_ctc_loss(), reason="this transformers computes the CTC loss inline")
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -188,7 +184,7 @@ def _case_id(case: tuple[str, str, bool, str]) -> str:
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(case, marks=NEEDS_CTC_LOSS if case[0] in ("wav2vec2", "hubert") else ()) for case in CASES],
+    CASES,
     ids=[_case_id(case) for case in CASES],
 )
 def test_a_speech_models_step_is_predicted_as_measured(tmp_path, case):
@@ -218,7 +214,6 @@ def test_whisper_takes_one_input_length_and_says_so(tmp_path):
     assert len(result.output.strip().splitlines()) == 1
 
 
-@NEEDS_CTC_LOSS
 def test_ctc_labels_longer_than_the_frames_are_refused(tmp_path):
     """CTC aligns each label to a frame of the encoder's output: 1600 samples make 79 frames here (conv strides 5, 2,
     2), and 80 labels have no alignment (the real loss is inf)."""
@@ -255,7 +250,6 @@ def test_a_speech_family_memplan_makes_no_batch_for_is_refused_in_one_line(tmp_p
         resolve_model(str(tmp_path), task="ctc")
 
 
-@NEEDS_CTC_LOSS
 def test_layerdrop_is_traced_with_every_layer_run(tmp_path):
     """wav2vec2's LayerDrop skips a layer where `torch.rand([]) < layerdrop` (a draw a trace cannot read: refused as
     data-dependent before); traced with every layer run, the step that holds the most: the real run without LayerDrop
@@ -266,17 +260,6 @@ def test_layerdrop_is_traced_with_every_layer_run(tmp_path):
     predicted = simulate(trace_step(spec, settings)).peak_bytes
     measured = measured_peak("wav2vec2", "fp32", False, "sdpa")  # layerdrop 0.0
     assert abs(predicted - measured) <= TOLERANCE * measured
-
-
-def test_ctc_without_transformers_loss_function_is_refused_in_one_line(tmp_path, monkeypatch):
-    """A transformers whose CTC heads compute the loss inline (5.17) reads the labels' values where the trace cannot:
-    the task is refused before tracing, saying why, not with a trace error inside transformers."""
-    from transformers.loss import loss_utils
-
-    monkeypatch.delitem(loss_utils.LOSS_MAPPING, "ForCTC", raising=False)
-    (tmp_path / "config.json").write_text(json.dumps(WAV2VEC2))
-    with pytest.raises(SettingsError, match="through transformers' ForCTCLoss.*own module:function"):
-        resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
 
 
 def test_an_adapter_dropping_its_layers_at_random_is_refused_in_one_line(tmp_path):

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDis
 from torch.utils._mode_utils import no_dispatch
 
 from memplan.estimator.buffer_values import MOST_REPLAYED_ELEMENTS
-from memplan.estimator.known_values import VALUE_FACTORIES
+from memplan.estimator.known_values import SHAPED_VALUE_FACTORIES, VALUE_FACTORIES
 from memplan.estimator.oprules import FAKE_KERNEL_RULES
 
 
@@ -86,6 +86,8 @@ class TracingFakeMode(FakeTensorMode):
             made = self._made_with_values(func, args, kwargs or {})
             if made is not None:
                 return made
+        if self.keeps_values and func in SHAPED_VALUE_FACTORIES:
+            return self._filled_like(func, types, args, kwargs or {})
         rule = FAKE_KERNEL_RULES.get(func)
         if rule is None:
             return super().dispatch(func, types, args, kwargs)
@@ -113,6 +115,24 @@ class TracingFakeMode(FakeTensorMode):
         if not self.may_turn_const(out):
             return None
         return self.fake_tensor_converter.from_real_tensor(self, out, make_constant=True)
+
+    def _filled_like(self, func: Any, types: Sequence[type], args: Sequence[object], kwargs: dict[str, Any]) -> Any:
+        """ones_like, zeros_like, full_like (SHAPED_VALUE_FACTORIES) of integers or booleans: the fake output, laid
+        out as the real one, its values one number at every element (beyond the elements a constant is kept for, a
+        0-d tensor expanded to its sizes: the mask a CTC head counts frames over, [batch, samples], outgrows that
+        bound at the batch sizes the largest-batch search tries)."""
+        out = super().dispatch(func, types, args, kwargs)
+        fill = {torch.ops.aten.ones_like.default: 1, torch.ops.aten.zeros_like.default: 0}.get(func)
+        fill = args[1] if fill is None else fill
+        if not isinstance(out, FakeTensor) or out.dtype.is_floating_point or out.dtype.is_complex:
+            return out  # (masks and counts are what is read: a gradient's zeros_like keeps no copy of its size)
+        if isinstance(fill, bool | int):
+            with no_dispatch():
+                filled = torch.full((), fill, dtype=out.dtype).expand(out.shape)
+                # in place on an expanded tensor is refused ("more than one element ... refers to a single memory
+                # location"): a copy of its own where one is kept at all, the expansion only beyond
+                out.constant = filled.clone() if out.numel() <= MOST_REPLAYED_ELEMENTS else filled
+        return out
 
     def may_turn_const(self, t: torch.Tensor) -> bool:
         """Whether an op's real result over values the mode has (a fake tensor's `constant`) stays a constant: torch

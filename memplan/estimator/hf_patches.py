@@ -21,7 +21,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.estimator.causal_masks import causal_masks_read
-from memplan.estimator.ctc_batches import full_ctc_batches
 from memplan.estimator.input_checks import input_checks_passing
 from memplan.estimator.known_values import tensors_of_values
 from memplan.estimator.layer_drop import layers_never_dropped
@@ -36,7 +35,8 @@ def real_run_paths(
     of ones is known to be one (_causal_mask_skipped_for_ones), and with `recorded` (the recorder's nodes, in order)
     torch's transformer modules read a mask made of constants as the real run reads it
     (memplan.estimator.causal_masks). Input checks that read values pass (memplan.estimator.input_checks), and a CTC
-    head's loss over memplan's own labels reads the values they have (memplan.estimator.ctc_batches); LayerDrop's
+    head's loss reads the values memplan's own labels have (memplan.estimator.known_values, as torch.tensor of
+    fake tensors with values does); LayerDrop's
     draws keep every layer (memplan.estimator.layer_drop); a one-element `torch.full` keeps its value
     (memplan.estimator.scalar_constants); `torch.tensor` of fake tensors that carry values is made of them
     (memplan.estimator.known_values)."""
@@ -45,7 +45,6 @@ def real_run_paths(
         input_checks_passing(),
         causal_masks_read(producers, recorded),
         layers_never_dropped(),
-        full_ctc_batches(),
         one_element_fills_known(),
         tensors_of_values(),
     ):

@@ -5,13 +5,16 @@ keeps one kind (fake_tensor.py, `_dispatch_impl`): a tensor made from Python num
 carries its real values as its `constant`, and an op whose fake arguments all carry theirs runs for real on them, its
 result a constant in turn, where it has one element (CONSTANT_NUMEL_LIMIT); reads of one (`bool()`, `int()`,
 `_local_scalar_dense`) answer its value. A batch memplan made of values it knows asks for more (`keep_values`):
+memplan.models.speech's CTC labels (which the heads check against the vocabulary, mask, count and hand
+`F.ctc_loss` as lengths, with the frames counted from `torch.ones_like(input_values)`), and
 memplan.models.vision_language's token ids, token types and image grids, which an image-text model reads to place
 the image's features (`input_ids == image_token_id`, its count checked against the features', `masked_scatter`,
 whose backward's `masked_select` is sized by the mask: memplan.estimator.oprules.masked) and to compute positions
 (Qwen2-VL's `get_rope_index`: `.tolist()`, `.item()`, `torch.arange`, `torch.tensor` of them). From then on the
 TracingFakeMode keeps (a) results of up to MOST_REPLAYED_ELEMENTS elements (memplan.estimator.buffer_values' bound
 on real values made in this process), (b) the outputs of factories of values (VALUE_FACTORIES: what they make is
-known from their arguments), and (c) `torch.tensor` of a list of fake tensors that carry values is made of them
+known from their arguments; SHAPED_VALUE_FACTORIES, from their tensor's sizes), and (c) `torch.tensor` of a list of
+fake tensors that carry values is made of them
 (`tensors_of_values`). A tensor made otherwise (a parameter, random pixels, anything computed from one) has no
 values, as before: the model's arithmetic is traced as ever, and only reads of the batch's layout are answered.
 """
@@ -38,6 +41,11 @@ VALUE_FACTORIES = frozenset(
         torch.ops.aten.full.default,
         torch.ops.aten.scalar_tensor.default,
     }
+)
+# Factories of values shaped like a tensor: what they make is known from its sizes, strides and dtype, not its values
+# (a CTC head's `torch.ones_like(input_values, dtype=torch.long)`, whose row sums are the frames it counts).
+SHAPED_VALUE_FACTORIES = frozenset(
+    {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.full_like.default}
 )
 
 

@@ -6,7 +6,7 @@ mask is given: `cls_mask = torch.full((), 0, dtype=torch.long, ...)` then `last_
 a 0-d integer index's value (`.item()`, torch/csrc/autograd/python_variable_indexing.cpp, applySlicing) and selects
 with it; under fake tensors that value did not exist, and the step was refused as data-dependent. Its value is the
 fill the call names: given to the fake tensor as FakeTensorMode's `constant` (a real tensor of the same values, as
-memplan.estimator.ctc_batches gives its own), which torch's fake mode reads where an op needs it (`.item()`) and
+memplan.estimator.known_values keeps a batch's), which torch's fake mode reads where an op needs it (`.item()`) and
 drops where an op writes the tensor (FakeTensorMode.invalidate_written_to_constants). Only one-element fills: their
 values cost nothing to keep, and no other is read this way.
 """

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from memplan.errors import SettingsError
 from memplan.settings import TrainingSettings
@@ -179,7 +178,6 @@ def resolve_speech_lengths(config: Any, task: str, settings: TrainingSettings) -
         return settings.replace(seq_len=frames, target_len=_target_len(config, settings))
     _refuse_spec_augment(config)
     _refuse_random_adapter_layers(config, row)
-    _refuse_inline_ctc_loss()
     samples = settings.seq_len or DEFAULT_SAMPLES
     frames = ctc_frames(samples, config, row)
     if frames < 1:
@@ -224,30 +222,6 @@ def _classifier_lengths(config: Any, row: SpeechFamily, settings: TrainingSettin
             "give more samples"
         )
     return settings.replace(seq_len=samples)
-
-
-def has_ctc_loss() -> bool:
-    """Whether the installed transformers computes a CTC head's loss with `ForCTCLoss` (transformers/loss/loss_ctc.py,
-    in LOSS_MAPPING as "ForCTC"), whose label reads memplan.estimator.ctc_batches answers for memplan's own labels."""
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING
-    except ImportError:
-        return False
-    return "ForCTC" in LOSS_MAPPING
-
-
-def _refuse_inline_ctc_loss() -> None:
-    """Releases without ForCTCLoss (5.17: Wav2Vec2ForCTC.forward computes the loss inline) read the labels' values
-    where memplan cannot answer them: refused before the trace, in one line."""
-    if not has_ctc_loss():
-        import transformers
-
-        raise SettingsError(
-            f"memplan traces a CTC head's loss through transformers' ForCTCLoss (transformers/loss/loss_ctc.py), "
-            f"which transformers {transformers.__version__} does not have (its heads compute the loss inline, reading "
-            "the labels' values): use a transformers release with it (5.25 has it), or give the model, its batch and "
-            "its loss as your own module:function (docs/usage.md)"
-        )
 
 
 def _refuse_random_adapter_layers(config: Any, row: SpeechFamily) -> None:
@@ -323,22 +297,24 @@ def _classifier_batch(
 
 
 def _ctc_labels(config: Any, settings: TrainingSettings) -> torch.Tensor:
-    """Ids other than the blank (pad_token_id: ForCTCLoss masks it out), no id twice in a row (each repeat would
-    need a blank frame between: the frames would not suffice)."""
+    """Full rows of ids other than the blank (pad_token_id: the loss masks it out), no id twice in a row (each repeat
+    would need a blank frame between: the frames would not suffice), no -100.
+
+    The CTC heads read these values: `labels.max() >= vocab_size` in `<Family>ForCTC.forward`, then the loss
+    (ForCTCLoss in transformers/loss/loss_ctc.py, or the head's own lines before it) masks the padding out
+    (`masked_select`), counts each row's labels and hands those lengths, with the encoder's frame counts from
+    `torch.ones_like(input_values).sum(-1)`, to `F.ctc_loss`, whose `log_alpha` is sized by their largest values.
+    Made of Python numbers and kept by the fake mode (memplan.estimator.known_values), they answer each of those reads
+    as in a run that trains, through transformers' own code."""
+    from memplan.estimator.known_values import keep_values
+
     blank = config.pad_token_id if config.pad_token_id is not None else 0
-    others = config.vocab_size - 1
-    steps = torch.randint(1, max(others, 2), (settings.batch_size, settings.target_len))
-    labels = torch.cumsum(steps, dim=1) % max(others, 1)  # consecutive ids differ by a step in [1, others)
-    labels = labels + (labels >= blank).long()  # skip the blank
-    _FULL_CTC_LABELS[labels] = True
-    return labels
+    others = max(config.vocab_size - 1, 1)  # the ids that are not the blank, taken in turn
 
+    def label(position: int) -> int:
+        nth = position % others
+        return nth if nth < blank else nth + 1
 
-# The CTC labels memplan made (speech_batch): every id a label, none the blank or -100, in full rows. Under fake
-# tensors their values are unknown, and ForCTCLoss reads them (memplan.estimator.ctc_batches); these are known.
-_FULL_CTC_LABELS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-def is_full_ctc_labels(labels: object) -> bool:
-    """Whether `labels` are CTC labels memplan made itself (every id a label, no padding)."""
-    return isinstance(labels, torch.Tensor) and labels in _FULL_CTC_LABELS
+    keep_values()
+    row = [label(position) for position in range(settings.target_len)]
+    return torch.tensor([row] * settings.batch_size, dtype=torch.long)

@@ -3,8 +3,8 @@
 aten/src/ATen/native/TensorAdvancedIndexing.cpp (torch 2.11-2.14), `masked_select_cpu` / `masked_select_out_impl_cpu`:
 the mask and the input broadcast to one shape, the output a 1-D tensor of the input's dtype, as long as the mask has
 trues. The op carries the `dynamic_output_shape` tag, so a fake tensor mode refuses it; a mask whose values memplan
-knows (a fake tensor's `constant`: memplan.estimator.ctc_batches gives the padding mask of memplan's own CTC labels
-one, all true) gets its output here; any other mask is refused as before.
+knows (a fake tensor's `constant`: memplan.estimator.known_values keeps the padding mask of memplan's own CTC labels,
+all true, and an image-text batch's placeholder mask) gets its output here; any other mask is refused as before.
 """
 
 from __future__ import annotations
