@@ -273,6 +273,19 @@ def test_an_adapter_dropping_its_layers_at_random_is_refused_in_one_line(tmp_pat
     assert resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu")).seq_len == 16_000
 
 
+def test_the_largest_ctc_batch_on_a_gpu_keeps_the_frame_counts_values(tmp_path):
+    """The head counts each sample's frames from `torch.ones_like(input_values).sum(-1)` and F.ctc_loss sizes its
+    work by them: at the batch sizes the largest-batch search tries on an H100 (thousands of one-second samples),
+    that mask outgrows the elements a kept value may have, and the trace was refused ("ctc_loss with input_lengths
+    as a tensor computed from the batch"). The answer: the batch sizes around it traced, the largest one fitting."""
+    import memplan
+
+    (tmp_path / "config.json").write_text(json.dumps(WAV2VEC2))
+    result = memplan.estimate(str(tmp_path), batch_size=2, gpu="H100")
+    assert result.max_batch_size is not None and result.max_batch_size > 1_000
+    assert result.max_batch_size * 16_000 > 16_777_216  # (buffer_values.MOST_REPLAYED_ELEMENTS)
+
+
 def test_spec_augment_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**WAV2VEC2, "mask_time_prob": 0.05}))
     with pytest.raises(SettingsError, match="SpecAugment \\(mask_time_prob 0.05\\).*apply_spec_augment"):
