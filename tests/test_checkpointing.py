@@ -326,6 +326,34 @@ def test_a_sequential_s_blocks_are_its_composite_children_whose_class_repeats():
     assert block_names(nn.Sequential(_Bottleneck(4, False), _Bottleneck(4, False))) == ["0", "1"]
 
 
+def test_a_sequential_s_blocks_keep_their_names_and_its_stages_give_way_to_their_blocks():
+    """A Sequential built from an OrderedDict names its children by words (torchvision's ViT `encoder_layer_0`):
+    the blocks had been named by position, "layers.0", which the model does not have (--checkpoint all refused, FSDP's
+    wrapping an internal error). Plain Sequential stages of repeated blocks (torchvision's EfficientNet) had been
+    checkpointed whole: their blocks are taken. A segment of named blocks is consecutive by position."""
+    from collections import OrderedDict
+
+    model = nn.Module()
+    model.layers = nn.Sequential(OrderedDict((f"encoder_layer_{i}", _Bottleneck(4, False)) for i in range(3)))
+    model.stages = nn.Sequential(
+        nn.Sequential(_Bottleneck(4, False), _Bottleneck(4, False)),
+        nn.Sequential(_Bottleneck(4, False)),  # a stage of one block: no repeated blocks of its own, itself a block
+        nn.Sequential(_Bottleneck(4, False), _Bottleneck(4, False)),
+    )
+    assert block_names(model) == [
+        *(f"layers.encoder_layer_{i}" for i in range(3)),
+        "stages.0.0",
+        "stages.0.1",
+        "stages.1",
+        "stages.2.0",
+        "stages.2.1",
+    ]
+    undo = apply_layout(model, CheckpointLayout(segments=(("layers.encoder_layer_0", "layers.encoder_layer_1"),)))
+    undo()
+    with pytest.raises(SettingsError, match="not a run of consecutive blocks"):
+        apply_layout(model, CheckpointLayout(segments=(("layers.encoder_layer_0", "layers.encoder_layer_2"),)))
+
+
 def test_a_segment_passes_non_tensor_arguments_to_its_recomputation_and_checkpoints_every_iteration():
     """Truth: the gradients without checkpointing, and each block's forward running once in the
     forward and once more in the backward (its recomputation), in every iteration."""
