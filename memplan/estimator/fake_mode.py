@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,6 +31,23 @@ from torch.utils._mode_utils import no_dispatch
 from memplan.estimator.buffer_values import MOST_REPLAYED_ELEMENTS
 from memplan.estimator.known_values import SHAPED_VALUE_FACTORIES, VALUE_FACTORIES
 from memplan.estimator.oprules import FAKE_KERNEL_RULES
+
+
+def _factory_elements(func: Any, args: Sequence[object]) -> int | None:
+    """How many elements a factory of values (known_values.VALUE_FACTORIES) makes, from its arguments; None where
+    they are not plain numbers."""
+    if func is torch.ops.aten.scalar_tensor.default:
+        return 1
+    if func in (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step):
+        bounds = [*args[:3]]
+        if not all(isinstance(bound, int | float) and not isinstance(bound, bool) for bound in bounds):
+            return None
+        start, end, step = (0, bounds[0], 1) if len(bounds) == 1 else (*bounds[:2], bounds[2] if len(bounds) > 2 else 1)
+        return max(0, math.ceil((end - start) / step)) if step else None
+    size = args[0] if args else None
+    if not isinstance(size, list | tuple) or not all(isinstance(n, int) and not isinstance(n, bool) for n in size):
+        return None
+    return math.prod(size)
 
 
 def _shares_storage(outputs: tuple) -> bool:
@@ -110,6 +128,9 @@ class TracingFakeMode(FakeTensorMode):
             return None
         if any(isinstance(leaf, torch.Tensor) for leaf in (*args, *kwargs.values())):
             return None
+        elements = _factory_elements(func, args)
+        if elements is None or elements > MOST_REPLAYED_ELEMENTS:
+            return None  # (not made for real only to be dropped: may_turn_const would refuse it)
         with no_dispatch():
             out = func(*args, **kwargs)
         if not self.may_turn_const(out):

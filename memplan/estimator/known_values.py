@@ -86,6 +86,25 @@ def _tensor_of_values(plain: Any) -> Any:
 
 @contextlib.contextmanager
 def tensors_of_values() -> Iterator[None]:
-    """While a step is traced: `torch.tensor` of fake tensors that carry values (_tensor_of_values)."""
-    with patch.object(torch, "tensor", _tensor_of_values(torch.tensor)):
+    """While a step is traced: `torch.tensor` of fake tensors that carry values (_tensor_of_values), and their
+    `.tolist()` answered from those values (_listed_values)."""
+    with (
+        patch.object(torch, "tensor", _tensor_of_values(torch.tensor)),
+        patch.object(FakeTensor, "tolist", _listed_values(FakeTensor.tolist)),
+    ):
         yield
+
+
+def _listed_values(plain: Any) -> Any:
+    """`.tolist()` of a fake tensor whose values the mode keeps: its values, as the real run's. torch's own
+    (FakeTensor.tolist, fake_tensor.py) unbinds the tensor and reads each element with `.item()`, one fake tensor and
+    one recorded op per element: Qwen2-VL's get_rope_index lists each row's token types, and at 8,192 tokens the
+    graph had 35,060 nodes and took 26 s to simulate, 2,233 nodes and under 5 s with the values listed (a reviewer's
+    measurement)."""
+
+    def tolist(self: FakeTensor) -> Any:
+        if self.constant is not None and getattr(self.fake_mode, "keeps_values", False):
+            return self.constant.tolist()
+        return plain(self)
+
+    return tolist

@@ -26,9 +26,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 def _one_element_fills_known(plain: Any) -> Any:
     def full(size: Any, fill_value: Any, *args: Any, **kwargs: Any) -> Any:
         out = plain(size, fill_value, *args, **kwargs)
-        if isinstance(out, FakeTensor) and out.numel() == 1 and isinstance(fill_value, bool | int | float):
-            with _disable_current_modes():
-                out.constant = plain(tuple(out.shape), fill_value, dtype=out.dtype)
+        fresh = "out" not in kwargs  # (`out=` fills a tensor made elsewhere, perhaps a view: no value of its own)
+        if fresh and isinstance(out, FakeTensor) and out.numel() == 1 and isinstance(fill_value, bool | int | float):
+            if out.constant is None:  # (a mode that keeps values made it with them: memplan.estimator.known_values)
+                with _disable_current_modes():
+                    out.constant = plain(tuple(out.shape), fill_value, dtype=out.dtype)
+                # registered as torch registers its own constants, so that an op writing the tensor drops the value
+                # (FakeTensorConverter.invalidate_constant_aliases reads this map)
+                out.fake_mode.fake_tensor_converter.add_constant_storage_mapping(out)
         return out
 
     return full
