@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.estimator.fake_mode import TracingFakeMode
 from memplan.estimator.known_values import keep_values, tensors_of_values
 from memplan.estimator.scalar_constants import one_element_fills_known
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+from tests.test_held_tensors import _OpCounter
 
 
 def test_a_kept_tensor_is_listed_from_its_values_without_an_op_per_element():
@@ -28,7 +18,7 @@ def test_a_kept_tensor_is_listed_from_its_values_without_an_op_per_element():
     with TracingFakeMode(allow_non_fake_inputs=True), tensors_of_values():
         keep_values()
         tokens = torch.tensor(values, dtype=torch.int)
-        with _Ops() as ops:
+        with _OpCounter() as ops:
             listed = tokens.tolist()
     assert listed == values
     assert ops.count == 0
