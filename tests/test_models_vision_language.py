@@ -303,6 +303,21 @@ def test_lengths_the_model_cannot_take_are_one_line(tmp_path):
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_the_default_length_leaves_text_beside_a_large_image(tmp_path):
+    """LLaVA-1.5's 336-pixel tower (patch 14) makes 576 placeholders: a default --seq-len of 512 in all left no text,
+    and `memplan estimate llava-hf/llava-1.5-7b-hf` was refused (a reviewer's find). The default is 512 text tokens
+    beside them, within the language model's positions."""
+    vision = {**LLAVA["vision_config"], "image_size": 336, "patch_size": 14}
+    text = {**LLAVA["text_config"], "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps({**LLAVA, "vision_config": vision, "text_config": text}))
+    settings = resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
+    assert settings.seq_len == 576 + 512
+    (tmp_path / "config.json").write_text(
+        json.dumps({**LLAVA, "vision_config": vision, "text_config": {**text, "max_position_embeddings": 1024}})
+    )
+    assert resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu")).seq_len == 1024
+
+
 def test_a_family_memplan_makes_no_batch_for_is_refused_in_one_line(tmp_path):
     """Idefics3 (SmolVLM) drops padding images by their pixels' values (`pixel_values[real_images_inds]`,
     modeling_idefics3.py), which random pixels do not have: no row in memplan.models.vision_language's table."""

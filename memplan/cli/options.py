@@ -84,7 +84,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "audio-classification: audio samples [default: 16000, one second at 16 kHz] (Whisper's, AST's: the one "
             "frame count their encoders take); zero-shot-image-classification: caption tokens [default: min(77, the "
             "text tower's maximum)]; image-text-to-text: all the tokens, the image's placeholders included [default: "
-            "min(512, maximum)].",
+            "512, or 512 beside placeholders of 512 or more; at most the maximum].",
         ),
         click.option(
             "--target-len",

@@ -131,7 +131,11 @@ def resolve_vision_language_lengths(config: Any, settings: TrainingSettings) -> 
     size = _image_size(config, row, settings)
     placeholders = image_tokens(config, size)
     limit = _max_positions(config)
-    seq_len = settings.seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)
+    # The default: DEFAULT_SEQ_LEN text tokens beside the image's placeholders where that is more than
+    # DEFAULT_SEQ_LEN in all (LLaVA-1.5's 336-pixel tower makes 576, PaliGemma-448's 1,024: a default of 512 in all
+    # left no text and was refused), within the language model's positions.
+    wanted = placeholders + DEFAULT_SEQ_LEN if placeholders >= DEFAULT_SEQ_LEN else DEFAULT_SEQ_LEN
+    seq_len = settings.seq_len or (min(wanted, limit) if limit else wanted)
     if seq_len <= placeholders:
         given = f"--seq-len {seq_len}" if settings.seq_len else f"the default --seq-len {seq_len}"
         raise SettingsError(
