@@ -266,6 +266,12 @@ def test_a_length_the_head_cannot_take_is_one_line(tmp_path):
         assert result.exit_code == 2, result.output
         assert said in result.output
         assert len(result.output.strip().splitlines()) == 1
+    # A question-answering head with other than two outputs fails in the real run ("too many values to unpack"):
+    # it had failed inside transformers' forward, exit 1 (a reviewer's find).
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS["bert"], "num_labels": 3}))
+    result = CliRunner().invoke(main, ["estimate", str(tmp_path), "--device", "cpu", "--task", "question-answering"])
+    assert result.exit_code == 2, result.output
+    assert "scores a start and an end (num_labels 2); this config has num_labels 3: set it to 2" in result.output
 
 
 @pytest.mark.parametrize("task", list(AUTO_CLASSES))

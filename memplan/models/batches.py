@@ -10,7 +10,7 @@ from memplan.errors import SettingsError
 from memplan.models.contrastive import CONTRASTIVE_TASK, contrastive_batch, resolve_contrastive_lengths, text_limit
 from memplan.models.segmentation import SEGMENTATION_TASK, check_segmentation, segmentation_batch
 from memplan.models.speech import SPEECH_TASKS, input_limit, resolve_speech_lengths, speech_batch
-from memplan.models.text_heads import TEXT_HEAD_TASKS, text_head_batch
+from memplan.models.text_heads import TEXT_HEAD_TASKS, check_text_head, text_head_batch
 from memplan.models.vision_language import (
     VISION_LANGUAGE_TASK,
     resolve_vision_language_lengths,
@@ -84,6 +84,8 @@ def resolve_lengths(config: Any, task: str, settings: TrainingSettings) -> Train
     if task == VISION_LANGUAGE_TASK:
         return resolve_vision_language_lengths(config, settings)
     _refuse_other_shapes(task, settings)
+    if task in TEXT_HEAD_TASKS:
+        check_text_head(config, task)
     if task in TEXT_TASKS:
         limit = max_positions(config, "decoder" if task == "causal-lm" else "encoder")
         seq_len = settings.seq_len or (min(DEFAULT_SEQ_LEN, limit) if limit else DEFAULT_SEQ_LEN)

@@ -333,6 +333,7 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
         "image-classification",
         "token-classification",
         "semantic-segmentation",
+        "audio-classification",
     ) and not getattr(config, "num_labels", None):
         config.num_labels = 2
     _check_sizes(config, name)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from memplan.errors import SettingsError
 from memplan.settings import TrainingSettings
 
 TEXT_HEAD_TASKS = ("token-classification", "question-answering", "multiple-choice")
@@ -50,6 +51,17 @@ ARCHITECTURE_SUFFIXES = {
 # `ending_names = [f"ending{i}" for i in range(4)]`), the multiple-choice benchmark transformers' own recipe trains;
 # memplan has no setting for it (the step is the encoder's over batch x choices sequences).
 DEFAULT_NUM_CHOICES = 4
+
+
+def check_text_head(config: Any, task: str) -> None:
+    """A question-answering head scores each token as an answer's start and end: its `qa_outputs` has num_labels
+    outputs, split in two (`logits.split(1, dim=-1)`, BertForQuestionAnswering.forward), and any other count fails in
+    the real run ("too many values to unpack"): refused in one line."""
+    if task == "question-answering" and getattr(config, "num_labels", 2) != 2:
+        raise SettingsError(
+            f"a question-answering head scores a start and an end (num_labels 2); this config has num_labels "
+            f"{config.num_labels}: set it to 2"
+        )
 
 
 def text_head_batch(config: Any, task: str, settings: TrainingSettings) -> dict[str, torch.Tensor]:
