@@ -298,6 +298,29 @@ def test_the_cuda_target_traces_a_segmentation_step(tmp_path, family):
     assert result.peak_bytes > 0
 
 
+def test_checkpoint_all_says_where_hugging_face_cannot_checkpoint_the_model(tmp_path):
+    """UperNet's class does not support Hugging Face's gradient checkpointing (its own gradient_checkpointing_enable()
+    raises, below): --checkpoint all checkpointed memplan's blocks without a word, a step the user's Trainer would
+    refuse to run. A note says so; a model Hugging Face checkpoints (SegFormer) has none."""
+    from transformers import AutoConfig, AutoModelForSemanticSegmentation
+
+    import memplan
+    from memplan.estimator.checkpointing import block_names, unsupported_checkpointing_notes
+
+    config = dict(CONFIGS["upernet"])
+    model = AutoModelForSemanticSegmentation.from_config(AutoConfig.for_model(**config))
+    with pytest.raises(ValueError, match="does not support"):
+        model.gradient_checkpointing_enable()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = memplan.estimate(str(tmp_path), batch_size=BATCH, image_size=32, device="cpu", checkpoint="all")
+    notes = [note for note in result.notes if "gradient checkpointing" in note]
+    assert len(notes) == 1
+    assert notes[0].startswith("UperNetForSemanticSegmentation does not support Hugging Face's")
+    segformer = AutoModelForSemanticSegmentation.from_config(AutoConfig.for_model(**CONFIGS["segformer"]))
+    segformer.gradient_checkpointing_enable()  # (supported)
+    assert unsupported_checkpointing_notes(segformer, "all", block_names(segformer)) == []
+
+
 if __name__ == "__main__":  # the table: python -m tests.test_models_segmentation
     import tempfile
 

@@ -485,6 +485,24 @@ def _is_transformers_model(model: nn.Module) -> bool:
     )
 
 
+def unsupported_checkpointing_notes(model: nn.Module, checkpointing: object, checkpointed: list[str]) -> list[str]:
+    """`--checkpoint all` / `selective` over a transformers model whose class says it cannot be checkpointed
+    (`supports_gradient_checkpointing` False: UperNet's, MobileNetV2's; `gradient_checkpointing_enable()` raises
+    "does not support activation checkpointing", modeling_utils.py, and so does a Trainer with
+    gradient_checkpointing=True): memplan checkpointed its own blocks, a step the user has to make themselves."""
+    if checkpointing not in ("all", "selective") or not checkpointed or not _is_transformers_model(model):
+        return []
+    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if getattr(root, "supports_gradient_checkpointing", True):
+        return []
+    return [
+        f"{type(root).__name__} does not support Hugging Face's gradient checkpointing "
+        "(gradient_checkpointing_enable() and a Trainer with gradient_checkpointing=True raise on it): "
+        f"--checkpoint {checkpointing} checkpointed memplan's repeated blocks instead ({len(checkpointed)} modules, "
+        f"{checkpointed[0]} first), which you would checkpoint yourself (torch.utils.checkpoint)"
+    ]
+
+
 def all_blocks_layout(model: nn.Module, policy: str = "full") -> CheckpointLayout:
     """`--checkpoint all` / `selective`: a transformers model's layers as Hugging Face's gradient checkpointing
     wraps them (transformers_checkpointed_layers), any other model's repeated blocks (block_names), a module of the

@@ -14,7 +14,7 @@ from memplan.estimator.batch_tracer import (
     longest_seq_len,
     second_batch_size,
 )
-from memplan.estimator.checkpointing import LayoutModuleMissing
+from memplan.estimator.checkpointing import LayoutModuleMissing, unsupported_checkpointing_notes
 from memplan.estimator.compiled import compiled_modules_notes
 from memplan.estimator.cuda.roofline import step_seconds
 from memplan.estimator.flops import node_flops
@@ -160,6 +160,9 @@ def _estimate(
             list(spec.notes)
             + settings_notes(settings, main.conv_workspace_free_peak_bytes is not None, paged)
             + unchecked_blocks_notes(settings, traced.checkpointed_blocks)
+            + unsupported_checkpointing_notes(
+                tracer.setup.state.built_model, settings.checkpoint, list(traced.checkpointed_blocks)
+            )
             + value_dependent_kernel_notes(traced.graph)
             + onednn_convolution_notes(traced.graph, settings)
             + compiled_modules_notes(tracer.setup.state.built_model)
