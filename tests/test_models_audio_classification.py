@@ -12,11 +12,10 @@ import torch
 from click.testing import CliRunner
 
 from memplan.errors import SettingsError
-from memplan.estimator.simulate import simulate
-from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
+from tests.task_steps import case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -116,23 +115,10 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str)
 
 
 def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
-    spec = resolve_model(str(tmp_path))  # the task from the config's architectures
-    settings = TrainingSettings(
-        batch_size=BATCH,
-        seq_len=LENGTHS[family],
-        device="cpu",
-        precision=precision,
-        checkpoint="all" if checkpoint else "none",
+    return predicted_config_peak(
+        tmp_path, CONFIGS[family], checkpoint, batch_size=BATCH, seq_len=LENGTHS[family], precision=precision,
         attn_impl=attn_impl,
-    )
-    # oneDNN off, as measured_peak's run has it (tests/hand_measure.py): memplan models the backends that run then
-    # (Slow2d for AST's patch embedding: its im2col columns and contiguous copies), where it counts nothing for a
-    # convolution oneDNN runs (composite_kernels.convolution.mkldnn_runs)
-    with torch.backends.mkldnn.flags(enabled=False):
-        simulation = simulate(trace_step(spec, spec.settings_for(settings)))
-    assert simulation.unsupported_ops == ()
-    return simulation.peak_bytes
+    )  # fmt: skip
 
 
 CASES = [
@@ -153,11 +139,6 @@ CASES = [
 ]
 
 
-def _case_id(case: tuple[str, str, bool, str]) -> str:
-    family, precision, checkpoint, attn_impl = case
-    return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
-
-
 EXTENDED = {
     ("wav2vec2", "fp32", False, "eager"),
     ("wav2vec2", "bf16", False, "sdpa"),
@@ -169,7 +150,7 @@ EXTENDED = {
 }
 
 
-@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[case_id(*case) for case in CASES])
 def test_an_audio_classifiers_step_is_predicted_as_measured(tmp_path, case):
     """A config naming Wav2Vec2ForSequenceClassification had been refused ("a head none of memplan's tasks
     builds"): now the audio-classification task, the batch its family's forward takes and a class per sample,
@@ -177,7 +158,7 @@ def test_an_audio_classifiers_step_is_predicted_as_measured(tmp_path, case):
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
-    said = f"{_case_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
     assert abs(error) <= TOLERANCE, said
 
 
@@ -243,4 +224,4 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_audio_class
         with tempfile.TemporaryDirectory() as folder:
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
-        print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+        print(f"| {case_id(*case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")

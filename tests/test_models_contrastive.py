@@ -13,11 +13,10 @@ import torch
 from click.testing import CliRunner
 
 from memplan.errors import SettingsError
-from memplan.estimator.simulate import simulate
-from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
+from tests.task_steps import case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 4
@@ -98,20 +97,10 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str)
 
 
 def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
-    spec = resolve_model(str(tmp_path))  # the task from the config's architectures
-    settings = TrainingSettings(
-        batch_size=BATCH,
-        seq_len=SEQ_LEN,
-        device="cpu",
-        precision=precision,
-        checkpoint="all" if checkpoint else "none",
+    return predicted_config_peak(
+        tmp_path, CONFIGS[family], checkpoint, batch_size=BATCH, seq_len=SEQ_LEN, precision=precision,
         attn_impl=attn_impl,
-    )
-    with torch.backends.mkldnn.flags(enabled=False):  # as measured (tests/hand_measure.py): no oneDNN kernels
-        simulation = simulate(trace_step(spec, spec.settings_for(settings)))
-    assert simulation.unsupported_ops == ()
-    return simulation.peak_bytes
+    )  # fmt: skip
 
 
 CASES = [
@@ -129,11 +118,6 @@ CASES = [
 ]
 
 
-def _case_id(case: tuple[str, str, bool, str]) -> str:
-    family, precision, checkpoint, attn_impl = case
-    return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
-
-
 EXTENDED = {
     ("clip", "fp32", False, "eager"),
     ("clip", "bf16", False, "sdpa"),
@@ -144,7 +128,7 @@ EXTENDED = {
 }
 
 
-@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[case_id(*case) for case in CASES])
 def test_a_two_tower_models_contrastive_step_is_predicted_as_measured(tmp_path, case):
     """A config naming CLIPModel had been refused ("a head none of memplan's tasks builds"; before that, estimated as
     CLIP's vision tower alone, 38% low): now the zero-shot-image-classification task, both towers and the loss over
@@ -152,7 +136,7 @@ def test_a_two_tower_models_contrastive_step_is_predicted_as_measured(tmp_path, 
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
-    said = f"{_case_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
     assert abs(error) <= TOLERANCE, said
 
 
@@ -213,4 +197,4 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_contrastive
         with tempfile.TemporaryDirectory() as folder:
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
-        print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+        print(f"| {case_id(*case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")

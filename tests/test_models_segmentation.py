@@ -6,7 +6,6 @@ memplan models)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,10 @@ import torch
 from click.testing import CliRunner
 
 from memplan.errors import SettingsError
-from memplan.estimator.simulate import simulate
-from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
+from tests.task_steps import case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -131,53 +129,32 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str)
     iteration's peak by the CPU allocator's events (tests/hand_measure.py, oneDNN off)."""
     from transformers import AutoConfig, AutoModelForSemanticSegmentation
 
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import autocast_of, profiled_causal_lm_peak
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    fields = dict(CONFIGS[family])
-    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(**CONFIGS[family])
 
-    def build() -> Callable[[], None]:
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(model_type, **fields)
+    def model_of() -> torch.nn.Module:
         chosen = {} if attn_impl == "sdpa" else {"attn_implementation": attn_impl}  # sdpa: transformers' default
-        model = AutoModelForSemanticSegmentation.from_config(config, **chosen).to(dtype).train()
+        model = AutoModelForSemanticSegmentation.from_config(config, **chosen).to(dtype)
         if checkpoint:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW(model.parameters())
-        batch = {
+        return model
+
+    def batch_of() -> dict[str, torch.Tensor]:
+        return {
             "pixel_values": torch.randn(BATCH, 3, SIZE, SIZE, dtype=dtype),
             "labels": torch.randint(0, max(config.num_labels, 1), (BATCH, SIZE, SIZE)),
         }
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
 
-        def iteration() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    return profiled_third_iteration_peak(build)
+    return profiled_causal_lm_peak(model_of, batch_of, autocast_dtype=autocast_of(precision))
 
 
 def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
-    spec = resolve_model(str(tmp_path))  # the task from the config's architectures
-    settings = TrainingSettings(
-        batch_size=BATCH,
-        image_size=SIZE,
-        device="cpu",
-        precision=precision,
-        checkpoint="all" if checkpoint else "none",
+    return predicted_config_peak(
+        tmp_path, CONFIGS[family], checkpoint, batch_size=BATCH, image_size=SIZE, precision=precision,
         attn_impl=attn_impl,
-    )
-    with torch.backends.mkldnn.flags(enabled=False):  # as measured
-        simulation = simulate(trace_step(spec, spec.settings_for(settings)))
-    assert simulation.unsupported_ops == ()
-    return simulation.peak_bytes
+    )  # fmt: skip
 
 
 CASES = [
@@ -201,11 +178,6 @@ CASES = [
 ]
 
 
-def _case_id(case: tuple[str, str, bool, str]) -> str:
-    family, precision, checkpoint, attn_impl = case
-    return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
-
-
 EXTENDED = {
     ("segformer", "amp-bf16", False, "sdpa"),
     ("beit", "fp32", False, "sdpa"),
@@ -219,7 +191,7 @@ EXTENDED = {
 }
 
 
-@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[case_id(*case) for case in CASES])
 def test_a_segmentation_models_step_is_predicted_as_measured(tmp_path, case):
     """SegformerForSemanticSegmentation and the other segmentation heads had been refused ("a head none of memplan's
     tasks builds"): now estimated with the batch their forward takes, logits upsampled to the labels and the cross
@@ -227,7 +199,7 @@ def test_a_segmentation_models_step_is_predicted_as_measured(tmp_path, case):
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
-    said = f"{_case_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
     assert abs(error) <= TOLERANCE, said
 
 
@@ -328,4 +300,4 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_segmentatio
         with tempfile.TemporaryDirectory() as folder:
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
-        print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+        print(f"| {case_id(*case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")

@@ -16,6 +16,7 @@ from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
+from tests.task_steps import case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -140,22 +141,11 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str)
 
 
 def predicted_peak(tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str) -> int:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
-    spec = resolve_model(str(tmp_path))  # the task from the config's architectures
     length, labels = LENGTHS[family]
-    settings = TrainingSettings(
-        batch_size=BATCH,
-        seq_len=length,
-        target_len=labels,
-        device="cpu",
-        precision=precision,
-        checkpoint="all" if checkpoint else "none",
-        attn_impl=attn_impl,
-    )
-    with torch.backends.mkldnn.flags(enabled=False):  # as measured (tests/hand_measure.py): no oneDNN kernels
-        simulation = simulate(trace_step(spec, spec.settings_for(settings)))
-    assert simulation.unsupported_ops == ()
-    return simulation.peak_bytes
+    return predicted_config_peak(
+        tmp_path, CONFIGS[family], checkpoint, batch_size=BATCH, seq_len=length, target_len=labels,
+        precision=precision, attn_impl=attn_impl,
+    )  # fmt: skip
 
 
 CASES = [
@@ -177,15 +167,10 @@ CASES = [
 ]
 
 
-def _case_id(case: tuple[str, str, bool, str]) -> str:
-    family, precision, checkpoint, attn_impl = case
-    return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
-
-
 @pytest.mark.parametrize(
     "case",
     CASES,
-    ids=[_case_id(case) for case in CASES],
+    ids=[case_id(*case) for case in CASES],
 )
 def test_a_speech_models_step_is_predicted_as_measured(tmp_path, case):
     """Whisper and wav2vec2 configs had been refused ("a head none of memplan's tasks builds"): now estimated as
@@ -193,7 +178,7 @@ def test_a_speech_models_step_is_predicted_as_measured(tmp_path, case):
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
-    said = f"{_case_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
     assert abs(error) <= TOLERANCE, said
 
 
@@ -299,7 +284,7 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_speech
         with tempfile.TemporaryDirectory() as folder:
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
-        print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+        print(f"| {case_id(*case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
 
 
 def test_the_longest_input_that_fits_is_searched_over_the_lengths_the_model_takes(tmp_path):

@@ -11,11 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from memplan.estimator.simulate import simulate
-from memplan.estimator.trace import trace_step
-from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
+from tests.task_steps import case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -118,20 +116,10 @@ def predicted_peak(
     if named:
         head = getattr(modeling_auto, MAPPINGS[task])[config["model_type"]]
         config = {**config, "architectures": [head]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = resolve_model(str(tmp_path), task=None if named else task)
-    settings = TrainingSettings(
-        batch_size=BATCH,
-        seq_len=SEQ,
-        device="cpu",
-        precision=precision,
-        checkpoint="all" if checkpoint else "none",
-        attn_impl=attn_impl,
-    )
-    with torch.backends.mkldnn.flags(enabled=False):
-        simulation = simulate(trace_step(spec, spec.settings_for(settings)))
-    assert simulation.unsupported_ops == ()
-    return simulation.peak_bytes
+    return predicted_config_peak(
+        tmp_path, config, checkpoint, task=None if named else task, batch_size=BATCH, seq_len=SEQ,
+        precision=precision, attn_impl=attn_impl,
+    )  # fmt: skip
 
 
 CASES = [
@@ -161,9 +149,9 @@ CASES = [
 ]
 
 
-def _case_id(case: tuple[str, str, str, bool, str]) -> str:
-    family, task, precision, checkpoint, attn_impl = case
-    return f"{family}-{task}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}"
+def _id(case: tuple[str, str, str, bool, str]) -> str:
+    family, task, *rest = case
+    return case_id(f"{family}-{task}", *rest)
 
 
 EXTENDED = {
@@ -180,7 +168,7 @@ EXTENDED = {
 }
 
 
-@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_id(case) for case in CASES])
 def test_a_text_heads_step_is_predicted_as_measured(tmp_path, case):
     """BertForTokenClassification, ...ForQuestionAnswering and ...ForMultipleChoice configs had been refused ("a head
     none of memplan's tasks builds"): now estimated with the batch their collators make, within 0.5% of the real run
@@ -188,9 +176,7 @@ def test_a_text_heads_step_is_predicted_as_measured(tmp_path, case):
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
-    assert abs(error) <= TOLERANCE, (
-        f"{_case_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
-    )
+    assert abs(error) <= TOLERANCE, f"{_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
 
 
 def test_modernbert_s_multiple_choice_head_reads_the_cls_index_it_made(tmp_path):
@@ -290,4 +276,4 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_text_heads
         with tempfile.TemporaryDirectory() as folder:
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
-        print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+        print(f"| {_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")

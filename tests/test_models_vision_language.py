@@ -5,7 +5,6 @@ processor and TRL's SFT collator make it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
+from tests.task_steps import case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -144,15 +144,14 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str,
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import autocast_of, profiled_causal_lm_peak
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    def build() -> Callable[[], None]:
-        torch.manual_seed(0)
+    def model_of() -> torch.nn.Module:
         config = AutoConfig.for_model(**CONFIGS[family])
         config.text_config.use_cache = False
-        model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn_impl).to(dtype).train()
+        model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn_impl).to(dtype)
         if checkpoint:
             for layer in [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]:
                 layer.forward = lambda *a, f=layer.forward, **k: checkpointed(f, *a, use_reentrant=False, **k)
@@ -160,20 +159,9 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str,
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=8, target_modules=lora.split(","), lora_dropout=0.0))
-        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad])
-        batch = _batch(family, dtype)
-        build.kept = (model, optimizer, batch)  # type: ignore[attr-defined]
+        return model
 
-        def iteration() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return iteration
-
-    return profiled_third_iteration_peak(build)
+    return profiled_causal_lm_peak(model_of, lambda: _batch(family, dtype), autocast_dtype=autocast_of(precision))
 
 
 def _settings(tmp_path: Path, family: str, **options: object) -> tuple[object, TrainingSettings]:
@@ -186,19 +174,10 @@ def predicted_peak(
     tmp_path: Path, family: str, precision: str, checkpoint: bool, attn_impl: str, lora: str | None = None
 ) -> int:
     lora_options = {"lora_rank": 8, "lora_targets": lora} if lora else {}
-    spec, settings = _settings(
-        tmp_path,
-        family,
-        device="cpu",
-        precision=precision,
-        checkpoint="all" if checkpoint else "none",
-        attn_impl=attn_impl,
-        **lora_options,
-    )
-    with torch.backends.mkldnn.flags(enabled=False):  # as measured: the CPU backends that run then (Conv3d's columns)
-        simulation = simulate(trace_step(spec, settings))
-    assert simulation.unsupported_ops == ()
-    return simulation.peak_bytes
+    return predicted_config_peak(
+        tmp_path, CONFIGS[family], checkpoint, batch_size=BATCH, seq_len=SEQ_LEN[family], precision=precision,
+        attn_impl=attn_impl, **lora_options,
+    )  # fmt: skip
 
 
 CASES = [
@@ -219,11 +198,6 @@ CASES = [
 ]
 
 
-def _case_id(case: tuple[str, str, bool, str, str | None]) -> str:
-    family, precision, checkpoint, attn_impl, lora = case
-    return f"{family}-{precision}{'-ckpt' if checkpoint else ''}-{attn_impl}{'-lora' if lora else ''}"
-
-
 EXTENDED = {
     ("llava", "fp32", False, "eager", None),
     ("llava", "bf16", False, "sdpa", None),
@@ -235,7 +209,7 @@ EXTENDED = {
 }
 
 
-@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_case_id(case) for case in CASES])
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[case_id(*case) for case in CASES])
 def test_a_vision_language_models_step_is_predicted_as_measured(tmp_path, case):
     """LLaVA, Qwen2-VL and PaliGemma configs had been refused ("a head none of memplan's tasks builds"), and their
     forward reads the placeholder tokens' values (their count against the features', masked_scatter, Qwen2-VL's
@@ -246,7 +220,7 @@ def test_a_vision_language_models_step_is_predicted_as_measured(tmp_path, case):
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
-    said = f"{_case_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
     assert abs(error) <= TOLERANCE, said
 
 
@@ -342,4 +316,4 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_vision_lang
         with tempfile.TemporaryDirectory() as folder:
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
-        print(f"| {_case_id(case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+        print(f"| {case_id(*case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
