@@ -1,4 +1,4 @@
-"""Values a traced step keeps (memplan.estimator.known_values, memplan.estimator.scalar_constants)."""
+"""Values a traced step keeps (memplan.estimator.known_values, memplan.estimator.fake_mode)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import torch
 
 from memplan.estimator.fake_mode import TracingFakeMode
 from memplan.estimator.known_values import keep_values, tensors_of_values
-from memplan.estimator.scalar_constants import one_element_fills_known
 from tests.test_held_tensors import _OpCounter
 
 
@@ -28,7 +27,7 @@ def test_a_one_element_fill_keeps_its_value_until_an_op_writes_it():
     """The value of a one-element torch.full is answered (ModernBERT's <cls> index); written in place with values the
     trace does not have, it is dropped as torch drops its own constants, not answered stale (a reviewer's find: the
     constant was not registered with the converter, and `add_` left 0 where the real tensor held 1 to 4)."""
-    with TracingFakeMode(allow_non_fake_inputs=True), one_element_fills_known():
+    with TracingFakeMode(allow_non_fake_inputs=True):
         index = torch.full((), 3, dtype=torch.long)
         assert int(index) == 3
         count = torch.full((), 0, dtype=torch.long)

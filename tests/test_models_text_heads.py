@@ -181,7 +181,8 @@ def test_a_text_heads_step_is_predicted_as_measured(tmp_path, case):
 
 def test_modernbert_s_multiple_choice_head_reads_the_cls_index_it_made(tmp_path):
     """ModernBertForMultipleChoice picks each choice's <cls> token with `torch.full((), 0)` as an index, whose value
-    torch's indexing reads (`.item()`): refused as data-dependent before memplan.estimator.scalar_constants; traced, as
+    torch's indexing reads (`.item()`): refused as data-dependent before one-element
+    factories kept their values (memplan.estimator.fake_mode); traced, as
     the --task door (no `architectures`), as the real run."""
     case = ("modernbert", "multiple-choice", "amp-bf16", True, "eager")
     predicted, measured = predicted_peak(tmp_path, *case, named=False), measured_peak(*case)

@@ -100,7 +100,9 @@ class TracingFakeMode(FakeTensorMode):
         return out
 
     def _dispatched(self, func: Any, types: Sequence[type], args: Sequence[object] = (), kwargs: Any = None) -> object:
-        if self.keeps_values and func in VALUE_FACTORIES:
+        # A one-element factory of values keeps them in every trace (ModernBERT's multiple-choice head indexes with
+        # `torch.full((), 0)`, which torch's indexing reads with `.item()`); any size where the mode keeps values.
+        if func in VALUE_FACTORIES and (self.keeps_values or _factory_elements(func, args) == 1):
             made = self._made_with_values(func, args, kwargs or {})
             if made is not None:
                 return made

@@ -24,7 +24,6 @@ from memplan.estimator.causal_masks import causal_masks_read
 from memplan.estimator.input_checks import input_checks_passing
 from memplan.estimator.known_values import tensors_of_values
 from memplan.estimator.layer_drop import layers_never_dropped
-from memplan.estimator.scalar_constants import one_element_fills_known
 
 
 @contextlib.contextmanager
@@ -37,15 +36,13 @@ def real_run_paths(
     (memplan.estimator.causal_masks). Input checks that read values pass (memplan.estimator.input_checks), and a CTC
     head's loss reads the values memplan's own labels have (memplan.estimator.known_values, as torch.tensor of
     fake tensors with values does); LayerDrop's
-    draws keep every layer (memplan.estimator.layer_drop); a one-element `torch.full` keeps its value
-    (memplan.estimator.scalar_constants); `torch.tensor` of fake tensors that carry values is made of them
-    (memplan.estimator.known_values)."""
+    draws keep every layer (memplan.estimator.layer_drop); `torch.tensor` of fake tensors that carry values is
+    made of them (memplan.estimator.known_values)."""
     with (
         _rope_without_frequency_updates(),
         input_checks_passing(),
         causal_masks_read(producers, recorded),
         layers_never_dropped(),
-        one_element_fills_known(),
         tensors_of_values(),
     ):
         masking = sys.modules.get("transformers.masking_utils")
