@@ -49,6 +49,19 @@ def tiny_model_dirs(tmp_path_factory):
 
 
 @pytest.fixture
+def no_fallback_kernel(monkeypatch):
+    """A trace in which FakeTensorMode runs no op's real kernel over zero-filled tensors (`run_fallback_kernel`, for
+    an op with no fake kernel): the fallback's output is right, but it costs the real op's time at the traced sizes
+    (the CTC backward: 22 s at the batches a largest-batch search tries)."""
+    from torch._subclasses import fake_tensor
+
+    def refused(fake_mode, func, *args, **kwargs):
+        raise AssertionError(f"{func} ran its real kernel under the fake mode (no fake kernel, no memplan rule)")
+
+    monkeypatch.setattr(fake_tensor, "run_fallback_kernel", refused)
+
+
+@pytest.fixture
 def measure_in_this_process(monkeypatch):
     """validate's real measurement (memplan.validate.measure, what its worker process runs) made in the
     test's own process: the worker's start-up (torch, torch._dynamo for the optimizer, transformers:

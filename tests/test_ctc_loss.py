@@ -61,7 +61,7 @@ def _spec(**options):
 
 
 @pytest.mark.parametrize("concatenated", [False, True], ids=["padded-targets", "concatenated-targets"])
-def test_a_ctc_step_with_int_lengths_matches_a_plain_run(concatenated):
+def test_a_ctc_step_with_int_lengths_matches_a_plain_run(concatenated, no_fallback_kernel):
     settings = TrainingSettings(batch_size=BATCH, device="cpu", optimizer="sgd")
     spec = _spec(concatenated=concatenated)
 
@@ -83,7 +83,7 @@ def test_ctc_lengths_computed_as_tensors_are_refused_saying_why():
 
 
 @pytest.mark.parametrize("zero_infinity", [False, True], ids=["plain", "zero-infinity"])
-def test_a_mean_ctc_loss_traces_and_matches_a_plain_run(zero_infinity):
+def test_a_mean_ctc_loss_traces_and_matches_a_plain_run(zero_infinity, no_fallback_kernel):
     """nn.CTCLoss's default reduction, 'mean', divides by `at::tensor(target_lengths, ...)`, an `empty` whose data
     ATen's C++ writes directly, which a fake tensor has none of: tracing had failed ("data is not allocated yet");
     memplan.estimator.composite_losses runs that mean op for op in Python while a step is traced."""

@@ -12,6 +12,12 @@ lengths): log_alpha's size is a function of the lengths, which the IntArrayRef o
 The Tensor-lengths overload (`ctc_loss_tensor`) reads the lengths' values (`.to(kCPU, kLong)`) and calls the other:
 memplan has those values only for lengths made from Python numbers in the traced code (a fake tensor's `constant`);
 lengths computed from the batch are refused with a message saying so.
+
+`_ctc_loss_backward` has no fake kernel: FakeTensorMode ran the real CPU kernel over zero-filled tensors for it
+(`run_fallback_kernel`), the whole CTC recursion at the traced batch: 22 s of a 37 s largest-batch search on an H100
+for a tiny wav2vec2, whose search tries batches of thousands. Its output is `ctc_loss_backward_cpu_template`'s and
+`ctc_loss_backward_gpu_template`'s (LossCTC.cpp, cuda/LossCTC.cu) `grad = at::full_like(log_probs, neginf,
+LEGACY_CONTIGUOUS_MEMORY_FORMAT)`: log_probs' sizes and dtype, contiguous.
 """
 
 from __future__ import annotations
@@ -108,3 +114,10 @@ def ctc_loss_tensor_lengths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tu
     log_probs, targets, input_lengths, target_lengths, blank, _ = _bound(args, kwargs)
     inputs = known_lengths(input_lengths, "input_lengths")
     return ctc_loss_outputs(log_probs, targets, inputs, known_lengths(target_lengths, "target_lengths"), blank)
+
+
+@fake_kernel_rule(torch.ops.aten._ctc_loss_backward.default, torch.ops.aten._ctc_loss_backward.Tensor)
+def ctc_loss_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> OutputLayout:
+    log_probs = args[1] if len(args) > 1 else kwargs["log_probs"]
+    sizes = list(log_probs.shape)
+    return sizes, _contiguous(sizes), log_probs.dtype
