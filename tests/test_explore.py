@@ -112,6 +112,9 @@ def test_compare_rows_match_estimates_and_recompute_is_the_blocks_forward():
     for row in result.rows:
         s = row.estimate.settings
         assert row.effective_batch_size == s.batch_size * s.grad_accum * 2 == 8
+        # one trace a row, at its batch size: a row shows no per-sample slope, which an estimate traces a second
+        # batch size for
+        assert row.estimate.traces == 1 and row.estimate.per_sample_activation_bytes is None
     for name in ("as given", "grad accumulation ×4", "pure bf16"):
         settings = rows[name].estimate.settings.to_dict()
         assert rows[name].estimate.peak_bytes == estimate("tiny-gpt2", **settings).peak_bytes

@@ -60,8 +60,10 @@ def run_estimate(
     progress: Progress | None = None,
     plan_fingerprint: str | None = None,
     maximize_seq_len: bool = False,
+    per_sample: bool = True,
 ) -> EstimateResult:
-    """`maximize_seq_len` (with a budget): also the longest sequence that fits at the batch size."""
+    """`maximize_seq_len` (with a budget): also the longest sequence that fits at the batch size. `per_sample=False`
+    (without a budget): one trace, at the batch size, and no per-sample slope, for callers that show none."""
     started = time.perf_counter()
     settings = spec.settings_for(settings)
     if maximize_seq_len and budget_bytes is None:
@@ -79,7 +81,10 @@ def run_estimate(
             "this model with `memplan plan`"
         ) from None
     try:
-        return _estimate(tracer, spec, settings, budget_bytes, plan_fingerprint, maximize_seq_len, started)
+        return _estimate(
+            tracer, spec, settings, budget_bytes, plan_fingerprint, maximize_seq_len, started,
+            per_sample or budget_bytes is not None,
+        )  # fmt: skip
     finally:
         tracer.close()
 
@@ -92,21 +97,25 @@ def _estimate(
     plan_fingerprint: str | None,
     maximize_seq_len: bool,
     started: float,
+    per_sample: bool,
 ) -> EstimateResult:
     if plan_fingerprint is not None:
         check_fingerprint(plan_fingerprint, "another model", tracer.setup.state.built_model, spec.name)
     simulations = tracer.simulations
     batch_size = settings.batch_size
     # The slope's batch size beside the first trace; a budget's search reads its least device memory too.
-    tracer.trace_aside(second_batch_size(batch_size), device_fit=budget_bytes is not None)
+    if per_sample:
+        tracer.trace_aside(second_batch_size(batch_size), device_fit=budget_bytes is not None)
     if budget_bytes is not None and (confirming := confirming_batch_size(batch_size)) is not None:
         tracer.confirm_aside(confirming)  # the search's lines confirmed beside the first trace, not after it
     main = tracer.simulate(batch_size)
     traced = tracer.first
     assert traced is not None
     _ = main.smallest_device_bytes  # the result's, found while the forked trace may still run, not after it
-    other = tracer.slope_batch_size()
-    slope = (main.peak_bytes - tracer.simulate(other).phase_peak_bytes[main.phase]) // (batch_size - other)
+    slope = None
+    if per_sample:
+        other = tracer.slope_batch_size()
+        slope = (main.peak_bytes - tracer.simulate(other).phase_peak_bytes[main.phase]) // (batch_size - other)
     max_batch = fits = None
     if budget_bytes is not None:
         fits = tracer.fits(settings.batch_size, budget_bytes)
@@ -138,7 +147,7 @@ def _estimate(
         communicator_bytes=band[1] if band is not None else None,
         smallest_device_bytes=main.smallest_device_bytes,
         per_sample_activation_bytes=slope,
-        fixed_bytes=main.peak_bytes - slope * batch_size,
+        fixed_bytes=main.peak_bytes - slope * batch_size if slope is not None else None,
         parameter_count=traced.parameter_count,
         trainable_parameter_count=traced.trainable_parameter_count,
         checkpointed_blocks=tuple(traced.checkpointed_blocks),

@@ -38,8 +38,10 @@ class EstimateResult:
     peak_op: str
     peak_module: str | None  # None in the backward pass and the optimizer step
     phase_peak_bytes: dict[str, int]
-    per_sample_activation_bytes: int  # slope of the peak phase's peak, bytes per extra sample
-    fixed_bytes: int  # peak_bytes minus per_sample_activation_bytes × batch_size
+    # The slope of the peak phase's peak, bytes per extra sample, and peak_bytes minus it × batch_size: None where the
+    # estimate traced one batch size only (compare's rows, which show neither).
+    per_sample_activation_bytes: int | None
+    fixed_bytes: int | None
     parameter_count: int
     trainable_parameter_count: int
     checkpointed_blocks: tuple[str, ...]

@@ -199,7 +199,7 @@ def _row_estimate(
     assert isinstance(settings, TrainingSettings)
     try:
         progress = (lambda message: report(f"{label}: {message}")) if report is not None else None
-        return run_estimate(spec, settings, progress=progress)
+        return run_estimate(spec, settings, progress=progress, per_sample=False)  # (a row shows no slope)
     except (SettingsError, UsageError, TraceError) as error:
         if not technique.changes:
             raise  # the configuration as given is the user's to fix
@@ -271,7 +271,7 @@ def run_compare(
             if variant.checkpoint == "all" and settings.checkpoint == "none":
                 same = result.settings.replace(checkpoint="none")
                 twin = next((r for r in results.values() if r.settings == same), None)
-                twin = twin or run_estimate(spec, variant.replace(checkpoint="none"))
+                twin = twin or run_estimate(spec, variant.replace(checkpoint="none"), per_sample=False)
                 recompute = result.step_flops - twin.step_flops
             results[technique.name] = result
             effective = variant.batch_size * variant.grad_accum * gpus

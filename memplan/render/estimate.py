@@ -179,10 +179,11 @@ def render_estimate(result: EstimateResult, console: Console) -> None:
     console.print(f"peak in the {result.phase} pass at {where}")
     phases = ", ".join(f"{phase} {format_bytes(value)}" for phase, value in result.phase_peak_bytes.items())
     console.print(f"peak by phase: {phases}")
-    console.print(
-        f"per sample: {format_bytes(result.per_sample_activation_bytes)}; "
-        f"fixed part: {format_bytes(result.fixed_bytes)}"
-    )
+    if result.per_sample_activation_bytes is not None and result.fixed_bytes is not None:
+        console.print(
+            f"per sample: {format_bytes(result.per_sample_activation_bytes)}; "
+            f"fixed part: {format_bytes(result.fixed_bytes)}"
+        )
     if result.roofline_step_seconds is not None:
         console.print(
             f"step: {format_flops(result.step_flops)}; roofline time {format_seconds(result.roofline_step_seconds)} "
