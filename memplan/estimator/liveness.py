@@ -53,15 +53,20 @@ def _node_storages(node: OpNode, unsupported: dict[str, None], device: str) -> l
         return []
     rule = OUTPUT_BYTES_RULES.get(node.target) if node.op == "call_function" else None
     true_bytes = rule(*fake_args(node), device) if rule is not None else None
-    storages = []
+    # One entry a storage: an op returning many views of one storage (`unbind` or `split` over the batch: a
+    # vision-language model's image features, one tensor a sample) gave one entry a view, and every loop over a
+    # reader's inputs walked them all: at the batch sizes a largest-batch search tries (thousands), 57 million
+    # lookups a liveness pass, 157 s for a tiny LLaVA's search on an H100.
+    storages: dict[StorageWeakRef, int] = {}
     for position, tensor in enumerate(tensors_in(value)):
         if tensor.layout != torch.strided:
             unsupported[f"{op_name(node)} ({tensor.layout})"] = None
             continue
         storage = tensor.untyped_storage()
         nbytes = true_bytes[position] if true_bytes is not None else storage.nbytes()
-        storages.append((StorageWeakRef(storage), nbytes))
-    return storages
+        key = StorageWeakRef(storage)
+        storages[key] = max(storages.get(key, 0), nbytes)
+    return list(storages.items())
 
 
 def fake_args(node: OpNode) -> tuple[tuple, dict]:
