@@ -136,13 +136,12 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str, lora: str | None = None) -> int:
     """The canonical loop, written plainly: the model from AutoModelForImageTextToText, the language model without a
-    KV cache (as training runs it), each transformers layer under torch's non-reentrant checkpoint where asked (what
-    `--checkpoint all` checkpoints), peft's LoRA on `lora`'s layers where given, AdamW,
-    `model(**batch).loss.backward()`, step, zero_grad(set_to_none=True); the third iteration's peak by the CPU
+    KV cache (as training runs it), transformers' own non-reentrant gradient checkpointing where asked (what
+    `--checkpoint all` stands for, as a Trainer or TRL's SFTTrainer enables it before peft's adapters: each layer
+    checkpointed, and the input embeddings' output made to require grad), peft's LoRA on `lora`'s layers where given,
+    AdamW, `model(**batch).loss.backward()`, step, zero_grad(set_to_none=True); the third iteration's peak by the CPU
     allocator's events."""
-    from torch.utils.checkpoint import checkpoint as checkpointed
     from transformers import AutoConfig, AutoModelForImageTextToText
-    from transformers.modeling_layers import GradientCheckpointingLayer
 
     from tests.hand_measure import autocast_of, profiled_causal_lm_peak
 
@@ -153,8 +152,7 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str,
         config.text_config.use_cache = False
         model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn_impl).to(dtype)
         if checkpoint:
-            for layer in [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]:
-                layer.forward = lambda *a, f=layer.forward, **k: checkpointed(f, *a, use_reentrant=False, **k)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora:
             from peft import LoraConfig, get_peft_model
 
@@ -187,6 +185,7 @@ CASES = [
     ("llava", "amp-bf16", False, "sdpa", None),
     ("llava", "fp32", True, "sdpa", None),
     ("llava", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("llava", "fp32", True, "sdpa", "q_proj,v_proj"),
     ("qwen2_vl", "fp32", False, "sdpa", None),
     ("qwen2_vl", "fp32", False, "eager", None),
     ("qwen2_vl", "bf16", False, "sdpa", None),
@@ -195,6 +194,7 @@ CASES = [
     ("paligemma", "fp32", False, "sdpa", None),
     ("paligemma", "amp-bf16", False, "sdpa", None),
     ("paligemma", "bf16", True, "sdpa", None),
+    ("paligemma", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
 ]
 
 
@@ -206,6 +206,7 @@ EXTENDED = {
     ("qwen2_vl", "fp32", True, "sdpa", None),
     ("qwen2_vl", "fp32", False, "sdpa", "q_proj,v_proj"),
     ("paligemma", "fp32", False, "sdpa", None),
+    ("paligemma", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
 }
 
 

@@ -522,4 +522,30 @@ def apply_checkpointing(model: nn.Module, checkpointing: str | CheckpointLayout)
     apply_layout(model, layout)
     if layout.segments:
         key_value_cache_off(model)
+        if checkpointing in ("all", "selective"):
+            embeddings_output_requires_grad(model)
     return list(layout.modules)
+
+
+def embeddings_output_requires_grad(model: nn.Module) -> None:
+    """What Hugging Face's gradient checkpointing does beside checkpointing the layers, done where it does it: the
+    model's own `enable_input_require_grads()`, a forward hook on the input embeddings of every `PreTrainedModel` in
+    it (a vision-language model's vision tower included) that makes their output require grad. transformers calls it
+    from `gradient_checkpointing_enable()` for a model whose main input is `input_ids`, or one with adapters loaded
+    through its own peft integration (modeling_utils.py, `PreTrainedModel._activation_checkpointing_enable`, 5.17 on);
+    peft calls it from `get_peft_model` for a model checkpointed before (peft_model.py, `PeftModel.__init__`,
+    `_prepare_model_for_gradient_checkpointing`): either order of the two, the hook is there.
+
+    Where the embeddings train, their output requires grad anyway. Where they are frozen (LoRA), it becomes a leaf
+    that requires grad, held by its AccumulateGrad node as long as the graph lives (memplan.estimator.eager_lifetimes),
+    and the ops between it and the first checkpointed layer save what they save for a backward (CLIP's pre-layernorm
+    in LLaVA's tower). A text model's embeddings' output is its first checkpoint's input, which the checkpoint holds
+    anyway; a vision-language model's goes into masked_scatter and had been freed: LLaVA and PaliGemma with LoRA and
+    --checkpoint all were 2.0-2.4% below the step gradient_checkpointing_enable() trains."""
+    if not _is_transformers_model(model):
+        return
+    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not getattr(root, "supports_gradient_checkpointing", True):
+        return  # gradient_checkpointing_enable() raises: memplan checkpointed its own blocks (the notes say so)
+    if root.main_input_name == "input_ids" or getattr(root, "_hf_peft_config_loaded", False):
+        root.enable_input_require_grads()
