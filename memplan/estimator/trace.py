@@ -117,10 +117,13 @@ def _bound_across_micro_batches(state: TrainingState, settings: TrainingSettings
 
 @dataclass
 class FakeSetup:
-    """A model, optimizer and state built once under fake tensors, reusable across batch sizes."""
+    """A model, optimizer and state built once under fake tensors, reusable across batch sizes. `forward_run`:
+    whether the model's forward has run on it (an untraced iteration or micro-batch, or a trace), as a steady-state
+    iteration's has."""
 
     fake_mode: FakeTensorMode
     state: TrainingState
+    forward_run: bool = False
 
 
 @contextlib.contextmanager
@@ -171,7 +174,8 @@ def build_fake_setup(spec: ModelSpec, settings: TrainingSettings) -> FakeSetup:
                     # Now, not at the traced step's first forward: that would trace the old buckets
                     # freed and the new ones made (where the warm-up ran one forward, it has not yet).
                     state.data_parallel.after_warm_up()
-    return FakeSetup(fake_mode=fake_mode, state=state)
+    forward_run = settings.step is not None or state.data_parallel is not None or state.reached is not None
+    return FakeSetup(fake_mode=fake_mode, state=state, forward_run=forward_run)
 
 
 def _unreached_state(state: TrainingState, settings: TrainingSettings) -> set[StorageWeakRef]:
@@ -213,9 +217,12 @@ def _gradients_as_ddp_makes_them(state: TrainingState, settings: TrainingSetting
     state.micro_batches_done = settings.grad_accum - 1
 
 
-@deferred()
-@compiled_code_run_eagerly()
-@run_with_fresh_tensor_caches
+def _module_held_storages(state: TrainingState) -> set[StorageWeakRef]:
+    """The storages the model holds on its modules: its buffers and tensor attributes (not its parameters)."""
+    model = state.built_model
+    return {storage_key(tensor) for tensor in [*model.buffers(), *attribute_tensors(model)]}
+
+
 def trace_step(
     spec: ModelSpec,
     settings: TrainingSettings,
@@ -227,9 +234,39 @@ def trace_step(
     `setup` (from `build_fake_setup` with the same settings but any batch size) skips rebuilding the model.
     `optimizer_replay`: an earlier trace's `optimizer_recording` on the same setup, replayed instead of
     tracing the optimizer step again when the new gradients match it (memplan.estimator.replay).
+
+    A model whose first forward lets go of a buffer or tensor attribute it was built with, binding another in its
+    place, holds the new one from the second iteration on, and the one it was built with no longer: wav2vec2-
+    conformer's relative positions `self.pe = self.extend_pe(hidden_states, self.pe)` swap its float32 table for a
+    copy in the hidden states' dtype, bfloat16 under autocast, once (transformers' modeling_wav2vec2_conformer.py,
+    Wav2Vec2ConformerRelPositionalEmbedding.extend_pe returns `pe` itself once its dtype matches). The trace of
+    the setup's first forward held both (the table it read as a constant of the whole step): the step is traced
+    again from the state it left, as the measured iteration starts from the state the earlier ones left.
     """
     started = time.perf_counter()
     setup = setup or build_fake_setup(spec, settings)
+    if setup.forward_run:
+        return _traced_once(spec, settings, setup, optimizer_replay, started)
+    built_with = _module_held_storages(setup.state)
+    traced = _traced_once(spec, settings, setup, optimizer_replay, started)
+    setup.forward_run = True
+    if built_with - _module_held_storages(setup.state):
+        traced = _traced_once(spec, settings, setup, optimizer_replay, started)
+    return traced
+
+
+@deferred()
+@compiled_code_run_eagerly()
+@run_with_fresh_tensor_caches
+def _traced_once(
+    spec: ModelSpec,
+    settings: TrainingSettings,
+    setup: FakeSetup,
+    optimizer_replay: OptimizerRecording | None,
+    started: float,
+) -> TracedStep:
+    """One trace of trace_step's step on `setup`, from the state the setup is in (`started`: when trace_step was
+    called, which the trace's seconds count from)."""
     caches_of_new_modules()
     fake_mode, state = setup.fake_mode, setup.state
     state.settings = settings
