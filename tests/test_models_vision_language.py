@@ -1,6 +1,6 @@
-"""Vision-language models as a task, `image-text-to-text` (LLaVA, Qwen2-VL, PaliGemma): each estimate against the same
-model trained for real on the CPU, measured by the CPU allocator's events, the batch written out by hand as a
-processor and TRL's SFT collator make it."""
+"""Vision-language models as a task, `image-text-to-text` (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, PaliGemma, Gemma 3):
+each estimate against the same model trained for real on the CPU, measured by the CPU allocator's events, the batch
+written out by hand as a processor and TRL's SFT collator make it."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ IMAGE_TOKEN = 500
 
 # Tiny configs, structurally the real thing: 2-layer vision and text towers. LLaVA's CLIP tower and PaliGemma's
 # SigLIP take 32 x 32 images in 8 x 8 patches: 16 placeholders an image; Qwen2-VL's takes 224 x 224 (memplan's
-# default for a tower of any size) in 14 x 14 patches, merged 2 x 2: 64.
+# default for a tower of any size) in 14 x 14 patches, merged 2 x 2: 64 (Qwen2.5-VL's too, Qwen3-VL's 16 x 16: 49).
 LLAVA = {
     "model_type": "llava",
     "architectures": ["LlavaForConditionalGeneration"],
@@ -110,27 +110,151 @@ PALIGEMMA = {
         "max_position_embeddings": 256,
     },
 }
-CONFIGS = {"llava": LLAVA, "qwen2_vl": QWEN2_VL, "paligemma": PALIGEMMA}
-SEQ_LEN = {"llava": 64, "qwen2_vl": 96, "paligemma": 64}  # all the tokens, placeholders included
-PLACEHOLDERS = {"llava": 16, "qwen2_vl": 64, "paligemma": 16}
+# Qwen2.5-VL: Qwen2-VL's batch; its vision tower attends within windows of 56 pixels (2 x 2 merged patches) but in
+# its last block (fullatt_block_indexes), which a 224-pixel image splits into 4 x 4 windows.
+QWEN2_5_VL = {
+    "model_type": "qwen2_5_vl",
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "image_token_id": IMAGE_TOKEN,
+    "video_token_id": 501,
+    "vision_start_token_id": 502,
+    "vision_end_token_id": 503,
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    },
+    "text_config": {
+        "model_type": "qwen2_5_vl_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    },
+}
+# Gemma 3: a SigLIP tower over 64 x 64 images in 8 x 8 patches, pooled 2 x 2 to 16 placeholders, framed by
+# begin- and end-of-image tokens; the language model's first layer attends within a sliding window of 16 tokens.
+GEMMA3 = {
+    "model_type": "gemma3",
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "image_token_index": IMAGE_TOKEN,
+    "boi_token_index": 504,
+    "eoi_token_index": 505,
+    "mm_tokens_per_image": 16,
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 64,
+        "patch_size": 8,
+    },
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+}
+# Qwen3-VL: patches of 16 pixels merged 2 x 2 (a 224-pixel image: 14 x 14 patches, 49 placeholders), position
+# embeddings interpolated to the grid, the first block's features added into the language model's first layer
+# (deepstack).
+QWEN3_VL = {
+    "model_type": "qwen3_vl",
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "image_token_id": IMAGE_TOKEN,
+    "video_token_id": 501,
+    "vision_start_token_id": 502,
+    "vision_end_token_id": 503,
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 4,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0],
+    },
+    "text_config": {
+        "model_type": "qwen3_vl_text",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+            "rope_theta": 10000.0,
+        },
+    },
+}
+CONFIGS = {
+    "llava": LLAVA,
+    "qwen2_vl": QWEN2_VL,
+    "paligemma": PALIGEMMA,
+    "qwen2_5_vl": QWEN2_5_VL,
+    "qwen3_vl": QWEN3_VL,
+    "gemma3": GEMMA3,
+}
+SEQ_LEN = {"llava": 64, "qwen2_vl": 96, "paligemma": 64, "qwen2_5_vl": 96, "qwen3_vl": 96, "gemma3": 64}  # all tokens
+PLACEHOLDERS = {"llava": 16, "qwen2_vl": 64, "paligemma": 16, "qwen2_5_vl": 64, "qwen3_vl": 49, "gemma3": 16}
+# Gemma3ForConditionalGeneration is in transformers' causal-LM mapping too (AutoModelForCausalLM builds it, to train on
+# text alone), which memplan's guess takes first: its images need --task.
+TASK = {"gemma3": "image-text-to-text"}
 
 
 def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The batch written out by hand from the model's forward signature: one image a sample, its placeholders first,
     then text; labels the ids with the placeholders -100 (TRL's SFT collators)."""
-    placeholders, text = PLACEHOLDERS[family], SEQ_LEN[family] - PLACEHOLDERS[family]
-    ids = torch.cat([torch.full((BATCH, placeholders), IMAGE_TOKEN), torch.randint(3, 500, (BATCH, text))], dim=1)
+    image = torch.full((BATCH, PLACEHOLDERS[family]), IMAGE_TOKEN)
+    if family == "gemma3":  # the processor's "<boi>", the placeholders, "<eoi>"
+        image = torch.cat([torch.full((BATCH, 1), 504), image, torch.full((BATCH, 1), 505)], dim=1)
+    ids = torch.cat([image, torch.randint(3, 500, (BATCH, SEQ_LEN[family] - image.shape[1]))], dim=1)
     labels = ids.clone()
-    labels[:, :placeholders] = -100
+    labels[:, : image.shape[1]] = -100
     batch = {"input_ids": ids, "labels": labels}
-    if family == "qwen2_vl":  # the processor's flattened patches: 16 x 16 of them an image, 3 x 2 x 14 x 14 values each
-        batch["pixel_values"] = torch.randn(BATCH * 16 * 16, 3 * 2 * 14 * 14, dtype=dtype)
-        batch["image_grid_thw"] = torch.tensor([[1, 16, 16]] * BATCH)
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):  # the processor's flattened patches, 3 x 2 x patch**2 each
+        patch = CONFIGS[family]["vision_config"]["patch_size"]
+        side = 224 // patch
+        batch["pixel_values"] = torch.randn(BATCH * side * side, 3 * 2 * patch * patch, dtype=dtype)
+        batch["image_grid_thw"] = torch.tensor([[1, side, side]] * BATCH)
         batch["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
     else:
-        batch["pixel_values"] = torch.randn(BATCH, 3, 32, 32, dtype=dtype)
+        size = CONFIGS[family]["vision_config"]["image_size"]
+        batch["pixel_values"] = torch.randn(BATCH, 3, size, size, dtype=dtype)
     if family == "paligemma":  # the prefix (the image) 0, the suffix the loss is over 1
         batch["token_type_ids"] = (ids != IMAGE_TOKEN).long()
+    if family == "gemma3":  # the image's placeholders 1 (its bidirectional block), the rest 0
+        batch["token_type_ids"] = (ids == IMAGE_TOKEN).long()
     return batch
 
 
@@ -164,7 +288,7 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str,
 
 def _settings(tmp_path: Path, family: str, **options: object) -> tuple[object, TrainingSettings]:
     (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
-    spec = resolve_model(str(tmp_path))  # the task from the config's architectures
+    spec = resolve_model(str(tmp_path), task=TASK.get(family))  # the task from the config's architectures
     return spec, spec.settings_for(TrainingSettings(batch_size=BATCH, seq_len=SEQ_LEN[family], **options))
 
 
@@ -173,8 +297,8 @@ def predicted_peak(
 ) -> int:
     lora_options = {"lora_rank": 8, "lora_targets": lora} if lora else {}
     return predicted_config_peak(
-        tmp_path, CONFIGS[family], checkpoint, batch_size=BATCH, seq_len=SEQ_LEN[family], precision=precision,
-        attn_impl=attn_impl, **lora_options,
+        tmp_path, CONFIGS[family], checkpoint, TASK.get(family), batch_size=BATCH, seq_len=SEQ_LEN[family],
+        precision=precision, attn_impl=attn_impl, **lora_options,
     )  # fmt: skip
 
 
@@ -195,6 +319,30 @@ CASES = [
     ("paligemma", "amp-bf16", False, "sdpa", None),
     ("paligemma", "bf16", True, "sdpa", None),
     ("paligemma", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("qwen2_5_vl", "fp32", False, "sdpa", None),
+    ("qwen2_5_vl", "fp32", False, "eager", None),
+    ("qwen2_5_vl", "bf16", False, "sdpa", None),
+    ("qwen2_5_vl", "amp-bf16", False, "sdpa", None),
+    ("qwen2_5_vl", "fp32", True, "sdpa", None),
+    ("qwen2_5_vl", "bf16", True, "eager", None),
+    ("qwen2_5_vl", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("qwen2_5_vl", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("qwen3_vl", "fp32", False, "sdpa", None),
+    ("qwen3_vl", "fp32", False, "eager", None),
+    ("qwen3_vl", "bf16", False, "sdpa", None),
+    ("qwen3_vl", "amp-bf16", False, "sdpa", None),
+    ("qwen3_vl", "fp32", True, "sdpa", None),
+    ("qwen3_vl", "bf16", True, "eager", None),
+    ("qwen3_vl", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("qwen3_vl", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("gemma3", "fp32", False, "sdpa", None),
+    ("gemma3", "fp32", False, "eager", None),
+    ("gemma3", "bf16", False, "sdpa", None),
+    ("gemma3", "amp-bf16", False, "sdpa", None),
+    ("gemma3", "fp32", True, "sdpa", None),
+    ("gemma3", "bf16", True, "eager", None),
+    ("gemma3", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("gemma3", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
 ]
 
 
@@ -207,6 +355,24 @@ EXTENDED = {
     ("qwen2_vl", "fp32", False, "sdpa", "q_proj,v_proj"),
     ("paligemma", "fp32", False, "sdpa", None),
     ("paligemma", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("qwen2_5_vl", "fp32", False, "eager", None),
+    ("qwen2_5_vl", "bf16", False, "sdpa", None),
+    ("qwen2_5_vl", "amp-bf16", False, "sdpa", None),
+    ("qwen2_5_vl", "fp32", True, "sdpa", None),
+    ("qwen2_5_vl", "bf16", True, "eager", None),
+    ("qwen2_5_vl", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("qwen3_vl", "fp32", False, "eager", None),
+    ("qwen3_vl", "bf16", False, "sdpa", None),
+    ("qwen3_vl", "amp-bf16", False, "sdpa", None),
+    ("qwen3_vl", "fp32", True, "sdpa", None),
+    ("qwen3_vl", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("qwen3_vl", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("gemma3", "fp32", False, "eager", None),
+    ("gemma3", "bf16", False, "sdpa", None),
+    ("gemma3", "amp-bf16", False, "sdpa", None),
+    ("gemma3", "fp32", True, "sdpa", None),
+    ("gemma3", "fp32", False, "sdpa", "q_proj,v_proj"),
+    ("gemma3", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
 }
 
 
@@ -255,6 +421,20 @@ def test_the_batch_is_what_the_processor_and_collator_make(tmp_path):
     assert not (batch["input_ids"][:, 16:] == IMAGE_TOKEN).any()
 
 
+def test_gemma3s_batch_frames_its_image_and_marks_it(tmp_path):
+    """Gemma 3's processor writes begin-of-image, the pooled placeholders (8 x 8 patches pooled 2 x 2: 16) and
+    end-of-image; token_type_ids are 1 at the placeholders alone (the image's bidirectional block); --seq-len counts all
+    18."""
+    spec, settings = _settings(tmp_path, "gemma3", device="cpu")
+    batch = spec.make_batch(settings, torch.float32)
+    assert batch["input_ids"][0, :18].tolist() == [504] + [IMAGE_TOKEN] * 16 + [505]
+    assert batch["token_type_ids"][0].tolist() == [0] + [1] * 16 + [0] * 47
+    assert (batch["labels"][0] == -100).sum() == 18 and batch["pixel_values"].shape == (BATCH, 3, 64, 64)
+    with pytest.raises(SettingsError, match="leaves no text beside the image's 18 placeholder tokens"):
+        spec.settings_for(TrainingSettings(batch_size=1, seq_len=18, device="cpu"))
+    assert spec.settings_for(TrainingSettings(batch_size=1, seq_len=19, device="cpu")).seq_len == 19
+
+
 def test_lengths_the_model_cannot_take_are_one_line(tmp_path):
     """--seq-len counts the placeholders and must leave text; LLaVA's tower takes one image size; Qwen2-VL's takes
     multiples of 28 pixels; --target-len has no place. Each a SettingsError, and from the CLI one line, exit 2."""
@@ -297,7 +477,10 @@ def test_a_family_memplan_makes_no_batch_for_is_refused_in_one_line(tmp_path):
     """Idefics3 (SmolVLM) drops padding images by their pixels' values (`pixel_values[real_images_inds]`,
     modeling_idefics3.py), which random pixels do not have: no row in memplan.models.vision_language's table."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "idefics3"}))
-    with pytest.raises(SettingsError, match="makes image-text-to-text batches for llava, qwen2_vl, paligemma, not"):
+    with pytest.raises(
+        SettingsError,
+        match="makes image-text-to-text batches for llava, qwen2_vl, paligemma, qwen2_5_vl, qwen3_vl, gemma3, not",
+    ):
         resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
 
 

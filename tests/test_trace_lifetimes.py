@@ -266,3 +266,40 @@ def test_the_loss_s_gradient_lives_until_the_backward_returns():
     simulation = simulate(trace_step(spec, settings))
     assert simulation.phase == "backward"
     assert simulation.peak_bytes == measure_cpu(spec, settings).peak_bytes
+
+
+class VmapsItsMask(torch.nn.Module):
+    """Attention over rows with a band mask made by `torch.vmap` over the query and key positions, as transformers'
+    masking_utils.sdpa_mask makes a mask from mask functions (Gemma 3's image block and sliding window): the mask
+    function's variables hold vmap's BatchedTensors while it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1])
+
+        def within_band(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            distance = (q - k).abs()  # a BatchedTensor, one level of vmap a dimension
+            return distance <= 4
+
+        mask = torch.vmap(torch.vmap(within_band, in_dims=(None, 0)), in_dims=(0, None))(positions, positions)
+        h = self.proj(x)
+        scores = (h @ h.transpose(-1, -2)).masked_fill(~mask, 0.0)
+        return scores.square().mean()
+
+
+def test_a_vmapped_function_s_variables_are_read_as_the_tensors_they_wrap():
+    """A BatchedTensor has no storage of its own ("Cannot access storage of BatchedTensorImpl"): reading the mask
+    function's variables failed the trace, and a tiny Gemma 3 with its images (token_type_ids) could not be
+    estimated. Read as the tensor it wraps; truth: the step run for real on the CPU."""
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import trace_step
+    from memplan.measure.cpu import measure_cpu
+    from memplan.settings import TrainingSettings
+    from tests.module_specs import loss_returning_spec
+
+    spec = loss_returning_spec("vmaps-its-mask", VmapsItsMask, (16, 64))
+    settings = TrainingSettings(batch_size=8, device="cpu", optimizer="sgd")
+    assert simulate(trace_step(spec, settings)).peak_bytes == measure_cpu(spec, settings).peak_bytes

@@ -97,8 +97,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "--image-size",
             type=int,
             help="Image side for vision models [default: the config's, or 224]; zero-shot-image-classification: "
-            "the vision tower's one size; image-text-to-text: the side the vision tower takes (LLaVA, PaliGemma: "
-            "vision_config's only; Qwen2-VL: a multiple of 28, default 224).",
+            "the vision tower's one size; image-text-to-text: the side the vision tower takes (LLaVA, PaliGemma, "
+            "Gemma 3: vision_config's only; Qwen2-VL, Qwen2.5-VL: a multiple of 28, Qwen3-VL: of 32, default 224).",
         ),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
@@ -319,7 +319,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "speech-seq2seq (Whisper, Speech2Text), ctc (wav2vec2, HuBERT, WavLM, ...), "
             "audio-classification (wav2vec2, HuBERT, WavLM, Whisper, AST, ...), zero-shot-image-classification "
             "(CLIP, SigLIP: their contrastive loss, return_loss=True), token-classification, question-answering, "
-            "multiple-choice (4 choices of --seq-len tokens each), image-text-to-text (LLaVA, Qwen2-VL, PaliGemma).",
+            "multiple-choice (4 choices of --seq-len tokens each), image-text-to-text (LLaVA, Qwen2-VL, Qwen2.5-VL, "
+            "Qwen3-VL, PaliGemma, Gemma 3: its checkpoints train on text alone without this --task).",
         ),
         click.option(
             "--hf-args",

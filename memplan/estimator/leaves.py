@@ -44,8 +44,16 @@ def wraps_local_tensors(types: object) -> bool:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds the memory: a wrapper subclass's local tensor, else the tensor itself."""
-    return tensor._local_tensor if type(tensor) in WRAPPER_SUBCLASSES else tensor  # type: ignore[attr-defined]
+    """The tensor that holds the memory: a wrapper subclass's local tensor, a vmap BatchedTensor's unwrapped one (one
+    level of `torch.vmap` each: functorch's BatchedTensorImpl has no storage, "Cannot access storage of
+    BatchedTensorImpl", and holds the tensor its batching rules run on; a model frame's variable holds one while
+    transformers builds an attention mask from mask functions, masking_utils.sdpa_mask's `_vmap_expansion_sdpa`), else
+    the tensor itself."""
+    if type(tensor) in WRAPPER_SUBCLASSES:
+        return tensor._local_tensor  # type: ignore[attr-defined]
+    while torch._C._functorch.is_batchedtensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
 SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)

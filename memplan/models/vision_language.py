@@ -1,22 +1,23 @@
 """Vision-language models' training batches (`image-text-to-text`, AutoModelForImageTextToText): what each family's
 processor and a training collator hand the model, and the lengths it allows.
 
-One image a sample, its placeholder tokens first in the sequence, then the text: `input_ids` [batch, seq-len] hold
-`config.image_token_id` once for each feature the vision tower makes of the image (as the processor expands its
-image token), `labels` are `input_ids` with those placeholders set to -100 (what TRL's SFT collators do), and the
-pixels are laid out as the family's image processor makes them. --seq-len is the whole sequence, placeholders
-included (what the language model runs over: its memory grows with it), at least one text token more than the
-image's; --image-size the side of the square image the vision tower takes (its config's where the tower takes one
-size only).
+One image a sample, its placeholder tokens first in the sequence (Gemma 3's between the begin- and end-of-image
+tokens its processor writes around them), then the text: `input_ids` [batch, seq-len] hold `config.image_token_id`
+once for each feature the vision tower makes of the image (as the processor expands its image token), `labels` are
+`input_ids` with the image's tokens set to -100 (what TRL's SFT collators do), and the pixels are laid out as the
+family's image processor makes them. --seq-len is the whole sequence, placeholders included (what the language model
+runs over: its memory grows with it), at least one text token more than the image's; --image-size the side of the
+square image the vision tower takes (its config's where the tower takes one size only).
 
 The models read the placeholders' *values*: `get_placeholder_mask` checks that their count matches the features
 (`torch_compilable_check(n_image_tokens * hidden == image_features.numel())`), `masked_scatter` writes the features
 at them and its backward selects their gradients (`masked_select`, sized by the mask's trues); Qwen2-VL's M-RoPE
 positions are computed from the token types and the image grid (`get_rope_index`, `.tolist()` and `.item()` of
-them). The batch memplan makes is its own: its token ids, token types and image grids are made from Python numbers
-(`torch.tensor`), and under memplan's fake tensors keep their values (memplan.estimator.fake_mode's
-TracingFakeMode: values made from Python numbers, and what ops over them alone compute, are kept), so these reads
-answer as in the real run. Pixels are random values, never read.
+them), and Qwen2.5-VL's attention windows from the grid; Gemma 3's attention masks hold the image's placeholders in
+one bidirectional block, found from its token types. The batch memplan makes is its own: its token ids, token types
+and image grids are made from Python numbers (`torch.tensor`), and under memplan's fake tensors keep their values
+(memplan.estimator.fake_mode's TracingFakeMode: values made from Python numbers, and what ops over them alone
+compute, are kept), so these reads answer as in the real run. Pixels are random values, never read.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class VisionFamily:
     temporal_patch_size * patch_size**2] with `image_grid_thw` [batch, 3] (1, size / patch_size, size / patch_size)
     and `mm_token_type_ids` (1 at the placeholders), any size a multiple of patch_size * spatial_merge_size.
     `token_types`: the batch carries `token_type_ids` (PaliGemma's prefix: 0 for the image and prompt, 1 for the
-    suffix the loss is over; all 1 past the image here). `source`: where transformers says so.
+    suffix the loss is over; all 1 past the image here; Gemma 3's, 1 at the placeholders, are _gemma3_token_types').
+    `source`: where transformers says so.
     """
 
     pixels: str
@@ -63,6 +65,16 @@ FAMILIES: dict[str, VisionFamily] = {
     "paligemma": VisionFamily(
         "image", "paligemma/modeling_paligemma.py, PaliGemmaModel.get_image_features", token_types=True
     ),
+    # Qwen2_5_VLModel.get_image_features: as Qwen2-VL's (its vision tower attends within windows,
+    # `get_vision_window_index` of the grid, transformers/vision_utils.py); the same inputs.
+    "qwen2_5_vl": VisionFamily("patches", "qwen2_5_vl/modeling_qwen2_5_vl.py, Qwen2_5_VLModel.get_image_features"),
+    # Qwen3VLModel.get_image_features: as Qwen2-VL's (the tower's position embeddings interpolated bilinearly to the
+    # grid; the merged features of its deepstack_visual_indexes blocks added at the placeholders in the first language
+    # layers, Qwen3VLTextModel._deepstack_process's `hidden_states[visual_pos_masks, :]`); the same inputs.
+    "qwen3_vl": VisionFamily("patches", "qwen3_vl/modeling_qwen3_vl.py, Qwen3VLModel.get_image_features"),
+    # Gemma3Model.get_image_features: the SigLIP tower's last hidden state average-pooled to mm_tokens_per_image
+    # features (Gemma3MultiModalProjector); its processor frames them and marks them (_gemma3_framing).
+    "gemma3": VisionFamily("image", "gemma3/modeling_gemma3.py, Gemma3Model.get_image_features"),
 }
 
 
@@ -85,12 +97,37 @@ def _patches_a_side(config: Any, size: int) -> int:
 def image_tokens(config: Any, size: int) -> int:
     """The placeholders the processor writes for one image of `size` x `size` pixels: the features the model makes."""
     row = family(config)
+    if config.model_type == "gemma3":
+        return _gemma3_image_tokens(config, size)
     patches = _patches_a_side(config, size) ** 2
     if row.pixels == "patches":
         return patches // config.vision_config.spatial_merge_size**2
     if config.model_type == "llava" and config.vision_feature_select_strategy == "full":
         return patches + 1  # the CLS position kept
     return patches
+
+
+def _gemma3_image_tokens(config: Any, size: int) -> int:
+    """Gemma 3's features an image: Gemma3MultiModalProjector average-pools the tower's patches_per_image x
+    patches_per_image patches with a kernel (and stride) of patches_per_image // int(mm_tokens_per_image ** 0.5)
+    (nn.AvgPool2d, which drops a remainder): mm_tokens_per_image where that divides, as in Google's configs (64 x 64
+    patches to 16 x 16, 256). The processor writes its image_seq_length (the same number) placeholders."""
+    patches = _patches_a_side(config, size)
+    kernel = patches // int(config.mm_tokens_per_image**0.5)
+    return (patches // kernel) ** 2
+
+
+def _gemma3_framing(config: Any) -> tuple[list[int], list[int]]:
+    """The tokens Gemma 3's processor writes around an image's placeholders (processing_gemma3.py,
+    `full_image_sequence`: "\\n\\n<boi>", the placeholders, "<eoi>\\n\\n"): begin- and end-of-image, which the
+    model embeds as any text token (its token type 0, outside the image's bidirectional block); the newlines are
+    text."""
+    return [config.boi_token_id], [config.eoi_token_id]
+
+
+def _framing(config: Any) -> tuple[list[int], list[int]]:
+    """The tokens a family's processor writes before and after an image's placeholders (none for most)."""
+    return _gemma3_framing(config) if config.model_type == "gemma3" else ([], [])
 
 
 def _image_size(config: Any, row: VisionFamily, settings: TrainingSettings) -> int:
@@ -129,7 +166,8 @@ def resolve_vision_language_lengths(config: Any, settings: TrainingSettings) -> 
         )
     row = family(config)
     size = _image_size(config, row, settings)
-    placeholders = image_tokens(config, size)
+    before, after = _framing(config)
+    placeholders = image_tokens(config, size) + len(before) + len(after)  # (with the tokens framing them)
     limit = _max_positions(config)
     # The default: DEFAULT_SEQ_LEN text tokens beside the image's placeholders where that is more than
     # DEFAULT_SEQ_LEN in all (LLaVA-1.5's 336-pixel tower makes 576, PaliGemma-448's 1,024: a default of 512 in all
@@ -175,9 +213,11 @@ def vision_language_batch(config: Any, settings: TrainingSettings, dtype: torch.
     batch, seq_len, size = settings.batch_size, settings.seq_len, settings.image_size
     image_token = _image_token_id(config)
     placeholders = image_tokens(config, size)
-    text = seq_len - placeholders
-    row_ids = [image_token] * placeholders + _text_ids(config, text, image_token)
-    row_labels = [-100] * placeholders + row_ids[placeholders:]
+    before, after = _framing(config)
+    image = before + [image_token] * placeholders + after
+    text = seq_len - len(image)
+    row_ids = image + _text_ids(config, text, image_token)
+    row_labels = [-100] * len(image) + row_ids[len(image) :]
     # torch.tensor of Python numbers: values a fake tensor keeps (module docstring)
     out = {
         "input_ids": torch.tensor([row_ids] * batch, dtype=torch.long),
@@ -194,4 +234,13 @@ def vision_language_batch(config: Any, settings: TrainingSettings, dtype: torch.
         out["mm_token_type_ids"] = torch.tensor([[1] * placeholders + [0] * text] * batch, dtype=torch.int)
     if row.token_types:
         out["token_type_ids"] = torch.tensor([[0] * placeholders + [1] * text] * batch, dtype=torch.long)
+    if config.model_type == "gemma3":
+        out["token_type_ids"] = _gemma3_token_types(row_ids, image_token, batch)
     return out
+
+
+def _gemma3_token_types(row_ids: list[int], image_token: int, batch: int) -> torch.Tensor:
+    """Gemma 3's `token_type_ids`: 1 at the image's placeholders, 0 elsewhere (ProcessorMixin.create_mm_token_type_ids
+    over Gemma3Processor.image_token_ids, renamed from mm_token_type_ids in Gemma3Processor.__call__), from which
+    Gemma3Model makes the image's bidirectional block in the attention masks (get_block_sequence_ids_for_mask)."""
+    return torch.tensor([[int(token == image_token) for token in row_ids]] * batch, dtype=torch.long)
