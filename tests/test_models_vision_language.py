@@ -501,3 +501,17 @@ if __name__ == "__main__":  # the table: python -m tests.test_models_vision_lang
             predicted = predicted_peak(Path(folder), *case)
         measured = measured_peak(*case)
         print(f"| {case_id(*case)} | {measured:,} | {predicted:,} | {(predicted - measured) / measured:+.4%} |")
+
+
+def test_a_config_whose_class_trains_for_two_tasks_says_which_one_is_estimated(tmp_path):
+    """transformers lists Gemma3ForConditionalGeneration under causal-lm and image-text-to-text: a gemma-3 config
+    without --task was estimated as text training (no image through the tower, 17% below the step with images on
+    this config) and said nothing of it. The note names the other task; LLaVA's class is listed under one task only."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["gemma3"]))
+    (note,) = [note for note in resolve_model(str(tmp_path)).notes if "transformers lists" in note]
+    assert "Gemma3ForConditionalGeneration under causal-lm and image-text-to-text" in note
+    assert note.endswith("--task image-text-to-text estimates the other")
+    llava = tmp_path / "llava"
+    llava.mkdir()
+    (llava / "config.json").write_text(json.dumps(CONFIGS["llava"]))
+    assert not [note for note in resolve_model(str(llava)).notes if "transformers lists" in note]

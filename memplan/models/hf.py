@@ -65,6 +65,10 @@ class HFSource:
     # Where memplan chose the head itself (no --task, no preset, no architecture in the config): the class it builds,
     # said in the answer's notes; None where the head was named.
     guessed_class: str | None = None
+    # Where the config's architecture chose the task and transformers lists that class under other tasks too
+    # (Gemma3ForConditionalGeneration: causal-lm, trained on text, and image-text-to-text): those tasks, said in the
+    # notes.
+    other_tasks: tuple[str, ...] = ()
 
 
 def import_transformers_models() -> None:
@@ -165,6 +169,20 @@ def _refuse_other_heads(config: Any, name: str) -> None:
         f"{name!r} names {heads[0]}, a head none of memplan's tasks builds ({', '.join(TASKS)}): "
         f"{instead}{'or give' if offered else 'give'} the model, its batch and loss as your own module:function "
         "(docs/usage.md, custom models)"
+    )
+
+
+def _other_tasks_of_architecture(config: Any, chosen: str) -> tuple[str, ...]:
+    """The other tasks whose auto classes hold the architecture the config names for `chosen`."""
+    named = [
+        architecture
+        for architecture in getattr(config, "architectures", None) or []
+        if architecture in _classes_of(config, chosen)
+    ]
+    return tuple(
+        task
+        for task in _MAPPING_BY_TASK
+        if task != chosen and any(architecture in _classes_of(config, task) for architecture in named)
     )
 
 
@@ -307,6 +325,7 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
     preset = get_preset(name) or preset_for_hub_id(name)
     guessed = False
     chosen = task or (preset.task if preset else None)
+    from_config = chosen is None
     if chosen is None:
         chosen, guessed = _guess_task(config, name)
     if chosen is None:
@@ -338,7 +357,11 @@ def resolve_hf(name: str, task: str | None) -> HFSource | None:
         config.num_labels = 2
     _check_sizes(config, name)
     return HFSource(
-        name=name, config=config, task=chosen, guessed_class=_classes_of(config, chosen)[0] if guessed else None
+        name=name,
+        config=config,
+        task=chosen,
+        guessed_class=_classes_of(config, chosen)[0] if guessed else None,
+        other_tasks=_other_tasks_of_architecture(config, chosen) if from_config and not guessed else (),
     )
 
 

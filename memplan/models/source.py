@@ -355,10 +355,22 @@ def _hf_spec(name: str, loss: str | None, task: str | None) -> ModelSpec:
 
 
 def _guessed_head_notes(source: HFSource, name: str) -> tuple[str, ...]:
-    """Where the config names no head (no --task, no preset, no `architectures`), which one memplan trains."""
+    """Where the config names no head (no --task, no preset, no `architectures`), which one memplan trains; where its
+    architecture trains for several tasks, which one memplan took."""
+    if source.other_tasks:
+        others = " or ".join(f"--task {task}" for task in source.other_tasks)
+        return (
+            f"transformers lists {name}'s {_architecture_name(source)} under {source.task} and "
+            f"{', '.join(source.other_tasks)}: this is its {source.task} step; {others} estimates the other",
+        )
     if source.guessed_class is None:
         return ()
     return (
         f"{name} names no head, so memplan trains {source.guessed_class} ({source.task}); --task picks another "
         f"({', '.join(TASKS)})",
     )
+
+
+def _architecture_name(source: HFSource) -> str:
+    """The architecture the config names (its first), for the notes."""
+    return next(iter(getattr(source.config, "architectures", None) or []), source.config.model_type)
