@@ -1,4 +1,5 @@
-"""Vision-language models as a task, `image-text-to-text` (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, PaliGemma, Gemma 3):
+"""Vision-language models as a task, `image-text-to-text` (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, PaliGemma,
+Gemma 3, LLaVA-NeXT, Idefics3, SmolVLM):
 each estimate against the same model trained for real on the CPU, measured by the CPU allocator's events, the batch
 written out by hand as a processor and TRL's SFT collator make it."""
 
@@ -217,6 +218,31 @@ QWEN3_VL = {
         },
     },
 }
+# LLaVA-NeXT: a 64 x 64 image (the default, the largest pinpoint's side) goes to the 32 x 64 grid (the first of the two
+# that fit it as well), 2 crops of 32 x 32 and the whole image: 3 crops of 4 x 4 patches; the grid's 4 x 8 patches
+# unpadded to 4 x 4 (the square image's padding taken off), one newline a row, and the base crop's 16: 36.
+LLAVA_NEXT = {
+    **LLAVA,
+    "model_type": "llava_next",
+    "architectures": ["LlavaNextForConditionalGeneration"],
+    "image_grid_pinpoints": [[32, 64], [64, 32]],
+}
+# Idefics3 / SmolVLM: one 64 x 64 tile (no splitting) of 8 x 8 patches, shuffled 2 x 2 to one feature: 16
+# placeholders, between <fake_token_around_image><global-img> and <fake_token_around_image>.
+IDEFICS3 = {
+    "model_type": "idefics3",
+    "architectures": ["Idefics3ForConditionalGeneration"],
+    "image_token_id": IMAGE_TOKEN,
+    "scale_factor": 2,
+    "vision_config": {**LLAVA["vision_config"], "model_type": "idefics3_vision", "image_size": 64},
+    "text_config": LLAVA["text_config"],
+}
+SMOLVLM = {
+    **IDEFICS3,
+    "model_type": "smolvlm",
+    "architectures": ["SmolVLMForConditionalGeneration"],
+    "vision_config": {**IDEFICS3["vision_config"], "model_type": "smolvlm_vision"},
+}
 CONFIGS = {
     "llava": LLAVA,
     "qwen2_vl": QWEN2_VL,
@@ -224,9 +250,19 @@ CONFIGS = {
     "qwen2_5_vl": QWEN2_5_VL,
     "qwen3_vl": QWEN3_VL,
     "gemma3": GEMMA3,
+    "llava_next": LLAVA_NEXT,
+    "idefics3": IDEFICS3,
+    "smolvlm": SMOLVLM,
 }
-SEQ_LEN = {"llava": 64, "qwen2_vl": 96, "paligemma": 64, "qwen2_5_vl": 96, "qwen3_vl": 96, "gemma3": 64}  # all tokens
-PLACEHOLDERS = {"llava": 16, "qwen2_vl": 64, "paligemma": 16, "qwen2_5_vl": 64, "qwen3_vl": 49, "gemma3": 16}
+SEQ_LEN = {
+    "llava": 64, "qwen2_vl": 96, "paligemma": 64, "qwen2_5_vl": 96, "qwen3_vl": 96, "gemma3": 64, "llava_next": 80,
+    "idefics3": 64, "smolvlm": 64,
+}  # all the tokens, placeholders included  # fmt: skip
+PLACEHOLDERS = {
+    "llava": 16, "qwen2_vl": 64, "paligemma": 16, "qwen2_5_vl": 64, "qwen3_vl": 49, "gemma3": 16, "llava_next": 36,
+    "idefics3": 16, "smolvlm": 16,
+}  # fmt: skip
+TILED = ("idefics3", "smolvlm")
 # Gemma3ForConditionalGeneration is in transformers' causal-LM mapping too (AutoModelForCausalLM builds it, to train on
 # text alone), which memplan's guess takes first: its images need --task.
 TASK = {"gemma3": "image-text-to-text"}
@@ -238,10 +274,24 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     image = torch.full((BATCH, PLACEHOLDERS[family]), IMAGE_TOKEN)
     if family == "gemma3":  # the processor's "<boi>", the placeholders, "<eoi>"
         image = torch.cat([torch.full((BATCH, 1), 504), image, torch.full((BATCH, 1), 505)], dim=1)
-    ids = torch.cat([image, torch.randint(3, 500, (BATCH, SEQ_LEN[family] - image.shape[1]))], dim=1)
+    text = SEQ_LEN[family] - image.shape[1]
+    if family in TILED:  # the processor's <fake_token_around_image><global-img> ... <fake_token_around_image>
+        image, text = torch.cat([torch.tensor([[3, 4]] * BATCH), image, torch.tensor([[3]] * BATCH)], dim=1), text - 3
+    ids = torch.cat([image, torch.randint(3, 500, (BATCH, text))], dim=1)
     labels = ids.clone()
-    labels[:, : image.shape[1]] = -100
+    if family in TILED:
+        labels[ids == IMAGE_TOKEN] = -100
+    else:
+        labels[:, : image.shape[1]] = -100
     batch = {"input_ids": ids, "labels": labels}
+    if family == "llava_next":  # the 64 x 64 image's 3 crops, and its original size
+        batch["pixel_values"] = torch.randn(BATCH, 3, 3, 32, 32, dtype=dtype)
+        batch["image_sizes"] = torch.tensor([[64, 64]] * BATCH)
+        return batch
+    if family in TILED:  # one image of one tile, and the processor's padding mask (int64, all ones)
+        batch["pixel_values"] = torch.randn(BATCH, 1, 3, 64, 64, dtype=dtype)
+        batch["pixel_attention_mask"] = torch.ones(BATCH, 1, 64, 64, dtype=torch.long)
+        return batch
     if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):  # the processor's flattened patches, 3 x 2 x patch**2 each
         patch = CONFIGS[family]["vision_config"]["patch_size"]
         side = 224 // patch
@@ -343,6 +393,20 @@ CASES = [
     ("gemma3", "bf16", True, "eager", None),
     ("gemma3", "fp32", False, "sdpa", "q_proj,v_proj"),
     ("gemma3", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("llava_next", "fp32", False, "sdpa", None),
+    ("llava_next", "fp32", False, "eager", None),
+    ("llava_next", "bf16", False, "sdpa", None),
+    ("llava_next", "amp-bf16", False, "sdpa", None),
+    ("llava_next", "fp32", True, "sdpa", None),
+    ("llava_next", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("idefics3", "fp32", False, "sdpa", None),
+    ("idefics3", "fp32", False, "eager", None),
+    ("idefics3", "bf16", False, "sdpa", None),
+    ("idefics3", "amp-bf16", False, "sdpa", None),
+    ("idefics3", "fp32", True, "sdpa", None),
+    ("smolvlm", "fp32", False, "sdpa", None),
+    ("smolvlm", "bf16", True, "sdpa", None),
+    ("smolvlm", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
 ]
 
 
@@ -373,6 +437,16 @@ EXTENDED = {
     ("gemma3", "fp32", True, "sdpa", None),
     ("gemma3", "fp32", False, "sdpa", "q_proj,v_proj"),
     ("gemma3", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("llava_next", "fp32", False, "eager", None),
+    ("llava_next", "bf16", False, "sdpa", None),
+    ("llava_next", "amp-bf16", False, "sdpa", None),
+    ("llava_next", "fp32", True, "sdpa", None),
+    ("idefics3", "fp32", False, "eager", None),
+    ("idefics3", "bf16", False, "sdpa", None),
+    ("idefics3", "amp-bf16", False, "sdpa", None),
+    ("idefics3", "fp32", True, "sdpa", None),
+    ("smolvlm", "fp32", False, "sdpa", None),
+    ("smolvlm", "bf16", True, "sdpa", None),
 }
 
 
@@ -474,14 +548,43 @@ def test_the_default_length_leaves_text_beside_a_large_image(tmp_path):
 
 
 def test_a_family_memplan_makes_no_batch_for_is_refused_in_one_line(tmp_path):
-    """Idefics3 (SmolVLM) drops padding images by their pixels' values (`pixel_values[real_images_inds]`,
-    modeling_idefics3.py), which random pixels do not have: no row in memplan.models.vision_language's table."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "idefics3"}))
-    with pytest.raises(
-        SettingsError,
-        match="makes image-text-to-text batches for llava, qwen2_vl, paligemma, qwen2_5_vl, qwen3_vl, gemma3, not",
-    ):
+    """LLaVA-OneVision packs its anyres crops otherwise than LLaVA-NeXT (its own grid pinpoints, a pooled base image and
+    a maximum feature count): no row in memplan.models.vision_language's table."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
+    with pytest.raises(SettingsError, match="makes image-text-to-text batches for llava, qwen2_vl, paligemma.* not"):
         resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
+
+
+def test_llava_next_and_idefics3_batches_are_what_their_processors_make(tmp_path):
+    """LLaVA-NeXT: the 64 x 64 image's 3 crops and 36 placeholders (LlavaNextProcessor._get_number_of_features), its
+    original size in image_sizes; llava-v1.6's 336-pixel tower and pinpoints at 1008 pixels: 5 crops, 2,928
+    placeholders. Idefics3: one tile, its padding mask, 16 placeholders between the three tokens around them; any
+    other --image-size is one line."""
+    from transformers import AutoConfig
+
+    from memplan.models.vision_language_tiles import llava_next_crops, llava_next_placeholders
+
+    spec, settings = _settings(tmp_path, "llava_next", device="cpu")
+    assert settings.image_size == 64
+    batch = spec.make_batch(settings, torch.float32)
+    assert batch["pixel_values"].shape == (BATCH, 3, 3, 32, 32) and batch["image_sizes"].tolist() == [[64, 64]] * 2
+    assert (batch["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [36, 36]
+    assert (batch["labels"] == -100).sum(dim=1).tolist() == [36, 36]
+    v16 = {**LLAVA_NEXT, "vision_config": {**LLAVA["vision_config"], "image_size": 336, "patch_size": 14}}
+    v16["image_grid_pinpoints"] = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    config = AutoConfig.for_model(**v16)
+    assert (llava_next_crops(config, 1008), llava_next_placeholders(config, 1008)) == (5, 2928)
+    spec, settings = _settings(tmp_path, "idefics3", device="cpu")
+    batch = spec.make_batch(settings, torch.float32)
+    assert batch["pixel_values"].shape == (BATCH, 1, 3, 64, 64)
+    assert batch["pixel_attention_mask"].shape == (BATCH, 1, 64, 64) and batch["pixel_attention_mask"].all()
+    assert (batch["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [16, 16]
+    assert not (batch["input_ids"][:, [0, 1, 18]] == IMAGE_TOKEN).any()
+    assert (batch["input_ids"][:, 2:18] == IMAGE_TOKEN).all()
+    with pytest.raises(SettingsError, match="one tile of its vision tower's 64 x 64"):
+        spec.settings_for(TrainingSettings(batch_size=1, image_size=128, device="cpu"))
+    with pytest.raises(SettingsError, match="beside the image's 19 placeholder tokens"):
+        spec.settings_for(TrainingSettings(batch_size=1, seq_len=19, device="cpu"))
 
 
 def test_lora_without_targets_is_refused_naming_the_layers(tmp_path):

@@ -24,6 +24,7 @@ from memplan.estimator.causal_masks import causal_masks_read
 from memplan.estimator.input_checks import input_checks_passing
 from memplan.estimator.known_values import tensors_of_values
 from memplan.estimator.layer_drop import layers_never_dropped
+from memplan.estimator.padding_images import no_padding_images
 
 
 @contextlib.contextmanager
@@ -37,13 +38,15 @@ def real_run_paths(
     head's loss reads the values memplan's own labels have (memplan.estimator.known_values, as torch.tensor of
     fake tensors with values does); LayerDrop's
     draws keep every layer (memplan.estimator.layer_drop); `torch.tensor` of fake tensors that carry values is
-    made of them (memplan.estimator.known_values)."""
+    made of them (memplan.estimator.known_values); Idefics3's padding images are none, as in memplan's batch
+    (memplan.estimator.padding_images)."""
     with (
         _rope_without_frequency_updates(),
         input_checks_passing(),
         causal_masks_read(producers, recorded),
         layers_never_dropped(),
         tensors_of_values(),
+        no_padding_images(),
     ):
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
@@ -86,22 +89,47 @@ def _causal_mask_skipped_for_ones(masking: Any, producers: Mapping[torch.Tensor,
     builds the mask. BART's decoder (and mBART's, Pegasus', Marian's) makes its padding mask itself, `torch.ones`,
     where none is given: a real run skips the mask, the trace built a float [batch, 1, target, target] one per layer
     and kept it (+0.5-0.8% on a tiny BART against its real CPU run, a helper's bug hunt). A padding mask the graph
-    made of ones is read as none."""
-    original = getattr(masking, "_ignore_causal_mask_sdpa", None)
-    if original is None or producers is None:
+    made of ones is read as none; so is one whose values the trace keeps (memplan.estimator.known_values), all true.
+    The same for the bidirectional mask (`_ignore_bidirectional_mask_sdpa`, 5.17-5.25): Idefics3's and SmolVLM's
+    vision tower is given the patches' mask, all true in memplan's batch (memplan.models.vision_language_tiles), which
+    a real run skips and the trace had built, a float [images, 1, patches, patches] mask, +1.4% on a tiny Idefics3."""
+    originals = {
+        name: getattr(masking, name, None) for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+    }
+    if producers is None:
         yield
         return
 
-    def ignore_causal_mask(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(padding_mask, FakeTensor) and made_of_ones(padding_mask, producers):
-            padding_mask = None
-        return original(padding_mask, *args, **kwargs)
+    def ignoring(original: Any) -> Any:
+        def ignore_mask(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(padding_mask, FakeTensor) and (
+                made_of_ones(padding_mask, producers) or _kept_all_true(padding_mask)
+            ):
+                padding_mask = None
+            return original(padding_mask, *args, **kwargs)
 
-    masking._ignore_causal_mask_sdpa = ignore_causal_mask
+        return ignore_mask
+
+    for name, original in originals.items():
+        if original is not None:
+            setattr(masking, name, ignoring(original))
     try:
         yield
     finally:
-        masking._ignore_causal_mask_sdpa = original
+        for name, original in originals.items():
+            if original is not None:
+                setattr(masking, name, original)
+
+
+def _kept_all_true(mask: FakeTensor) -> bool:
+    """Whether the trace keeps `mask`'s values (memplan.estimator.known_values) and all are true (or non-zero)."""
+    values = mask.constant
+    return (
+        getattr(mask.fake_mode, "keeps_values", False)
+        and isinstance(values, torch.Tensor)
+        and values.shape == mask.shape
+        and bool(values.all())
+    )
 
 
 @contextlib.contextmanager

@@ -28,6 +28,14 @@ from typing import Any
 import torch
 
 from memplan.errors import SettingsError
+from memplan.models.vision_language_tiles import (
+    CROPS,
+    TILED_PIXELS,
+    TILES,
+    tiled_batch,
+    tiled_image_size,
+    tiled_image_tokens,
+)
 from memplan.settings import TrainingSettings
 
 VISION_LANGUAGE_TASK = "image-text-to-text"
@@ -45,7 +53,8 @@ class VisionFamily:
     and `mm_token_type_ids` (1 at the placeholders), any size a multiple of patch_size * spatial_merge_size.
     `token_types`: the batch carries `token_type_ids` (PaliGemma's prefix: 0 for the image and prompt, 1 for the
     suffix the loss is over; all 1 past the image here; Gemma 3's, 1 at the placeholders, are _gemma3_token_types').
-    `source`: where transformers says so.
+    `source`: where transformers says so. "crops" (LLaVA-NeXT) and "tiles" (Idefics3, SmolVLM): an image cut into
+    several tower-sized ones, memplan.models.vision_language_tiles.
     """
 
     pixels: str
@@ -75,6 +84,10 @@ FAMILIES: dict[str, VisionFamily] = {
     # Gemma3Model.get_image_features: the SigLIP tower's last hidden state average-pooled to mm_tokens_per_image
     # features (Gemma3MultiModalProjector); its processor frames them and marks them (_gemma3_framing).
     "gemma3": VisionFamily("image", "gemma3/modeling_gemma3.py, Gemma3Model.get_image_features"),
+    # LLaVA-NeXT's anyres crops and Idefics3 / SmolVLM's tiles: memplan.models.vision_language_tiles.
+    "llava_next": VisionFamily(CROPS, "llava_next/modeling_llava_next.py, LlavaNextModel.get_image_features"),
+    "idefics3": VisionFamily(TILES, "idefics3/modeling_idefics3.py, Idefics3Model.get_image_features"),
+    "smolvlm": VisionFamily(TILES, "smolvlm/modeling_smolvlm.py, SmolVLMModel.get_image_features"),
 }
 
 
@@ -99,6 +112,8 @@ def image_tokens(config: Any, size: int) -> int:
     row = family(config)
     if config.model_type == "gemma3":
         return _gemma3_image_tokens(config, size)
+    if row.pixels in TILED_PIXELS:
+        return tiled_image_tokens(config, row.pixels, size)
     patches = _patches_a_side(config, size) ** 2
     if row.pixels == "patches":
         return patches // config.vision_config.spatial_merge_size**2
@@ -131,6 +146,8 @@ def _framing(config: Any) -> tuple[list[int], list[int]]:
 
 
 def _image_size(config: Any, row: VisionFamily, settings: TrainingSettings) -> int:
+    if row.pixels in TILED_PIXELS:
+        return tiled_image_size(config, row.pixels, settings)
     vision = config.vision_config
     if row.pixels == "patches":
         step = vision.patch_size * vision.spatial_merge_size
@@ -216,6 +233,8 @@ def vision_language_batch(config: Any, settings: TrainingSettings, dtype: torch.
     before, after = _framing(config)
     image = before + [image_token] * placeholders + after
     text = seq_len - len(image)
+    if row.pixels in TILED_PIXELS:
+        return tiled_batch(config, row.pixels, settings, dtype, image_token, _text_ids(config, text, image_token))
     row_ids = image + _text_ids(config, text, image_token)
     row_labels = [-100] * len(image) + row_ids[len(image) :]
     # torch.tensor of Python numbers: values a fake tensor keeps (module docstring)

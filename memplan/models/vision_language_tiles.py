@@ -1,0 +1,139 @@
+"""Vision-language families whose processor cuts an image into several tower-sized images (`image-text-to-text`):
+LLaVA-NeXT's anyres crops, and Idefics3 / SmolVLM's tiles. memplan.models.vision_language's table names them
+("crops", "tiles"); what their batches look like is here.
+
+LLaVA-NeXT (model type "llava_next"; transformers/models/llava_next/): --image-size is the side of the original
+(square) image. LlavaNextImageProcessor resizes it to the grid pinpoint `select_best_resolution` picks
+(config.image_grid_pinpoints), cuts that into crops of the tower's size (vision_config.image_size) and adds the whole
+image resized to one crop: `pixel_values` [batch, crops + 1, channels, size, size] (`image_size_to_num_patches`),
+`image_sizes` [batch, 2] the original (height, width), which the model reads (`.tolist()`) to split the crops and unpad
+their features. The placeholders are LlavaNextProcessor._get_number_of_features's count: the base crop's patches, and
+the grid's patches with the padding the resize added taken off (`_get_unpadded_features`, as the model's
+`unpad_image`), plus one `image_newline` a row.
+
+Idefics3 and SmolVLM (model types "idefics3", "smolvlm"): one image a sample, not split (the processor's
+`do_image_splitting=False`: the image resized to the tower's size, vision_config.image_size, the one size memplan
+takes): `pixel_values` [batch, 1, channels, size, size] and the padding mask the processor pads with,
+`pixel_attention_mask` [batch, 1, size, size] int64, all ones. The tower's patches are shuffled `scale_factor`**2 to
+one feature (Idefics3Connector.pixel_shuffle): `image_seq_len` = (size / patch_size)**2 / scale_factor**2
+placeholders (Idefics3Model.__init__), which the processor writes as `_prompt_single_image` does
+(processing_idefics3.py, processing_smolvlm.py): `<fake_token_around_image><global-img>` + `<image>` * image_seq_len +
+`<fake_token_around_image>`: three text tokens around them, counted in --seq-len. The model drops padding images
+(all-zero pixels) by their values; memplan's batch holds none (memplan.estimator.padding_images).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memplan.errors import SettingsError
+from memplan.settings import TrainingSettings
+
+# The pixel layouts of memplan.models.vision_language.FAMILIES that this module makes.
+CROPS = "crops"  # LLaVA-NeXT
+TILES = "tiles"  # Idefics3, SmolVLM
+TILED_PIXELS = frozenset({CROPS, TILES})
+
+# processing_idefics3.py / processing_smolvlm.py, `_prompt_single_image`: <fake_token_around_image><global-img> before
+# the image's placeholders, <fake_token_around_image> after them.
+TOKENS_AROUND_A_TILE = 3
+
+
+def _best_resolution(config: Any, size: int) -> tuple[int, int]:
+    """The grid pinpoint LLaVA-NeXT's processor resizes a `size` x `size` image to (height, width)."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    height, width = select_best_resolution((size, size), config.image_grid_pinpoints)
+    return int(height), int(width)
+
+
+def llava_next_crops(config: Any, size: int) -> int:
+    """The tower-sized images LLaVA-NeXT's processor makes of one image: the grid's crops and the whole image
+    (modeling_llava_next.py, `image_size_to_num_patches`)."""
+    tower = config.vision_config.image_size
+    height, width = _best_resolution(config, size)
+    return (height // tower) * (width // tower) + 1
+
+
+def llava_next_placeholders(config: Any, size: int) -> int:
+    """LlavaNextProcessor._get_number_of_features (processing_llava_next.py) for a `size` x `size` image, less the CLS
+    position its `num_additional_image_tokens` adds and the "default" feature strategy takes off."""
+    vision = config.vision_config
+    tower, patch = vision.image_size, vision.patch_size
+    best_height, best_width = _best_resolution(config, size)
+    side = tower // patch  # patches a side of one crop
+    current_height, current_width = side * (best_height // tower), side * (best_width // tower)
+    # _get_unpadded_features with a square original: its aspect ratio 1 against the grid's
+    if 1 > current_width / current_height:
+        new_height = int(round(size * (current_width / size), 7))
+        current_height -= (current_height - new_height) // 2 * 2
+    else:
+        new_width = int(round(size * (current_height / size), 7))
+        current_width -= (current_width - new_width) // 2 * 2
+    return current_height * current_width + current_height + side * side
+
+
+def idefics3_placeholders(config: Any) -> int:
+    """Idefics3Model.__init__'s `image_seq_len`: the tower's patches, `scale_factor`**2 shuffled to one feature."""
+    vision = config.vision_config
+    return int(((vision.image_size // vision.patch_size) ** 2) / (config.scale_factor**2))
+
+
+def tiled_image_tokens(config: Any, pixels: str, size: int) -> int:
+    """The tokens the processor writes for one image: LLaVA-NeXT's placeholders; Idefics3's and the three around."""
+    if pixels == CROPS:
+        return llava_next_placeholders(config, size)
+    return idefics3_placeholders(config) + TOKENS_AROUND_A_TILE
+
+
+def tiled_image_size(config: Any, pixels: str, settings: TrainingSettings) -> int:
+    """LLaVA-NeXT: the original image's side, any (default: the largest grid pinpoint's longer side, an image as large
+    as the largest grid, as photos are). Idefics3: the tower's size, the one memplan lays out (module docstring)."""
+    vision = config.vision_config
+    if pixels == CROPS:
+        if config.vision_feature_select_strategy != "default":
+            raise SettingsError(
+                f"llava_next with vision_feature_select_strategy {config.vision_feature_select_strategy!r}: its "
+                "model packs a crop's features as patches only (pack_image_features refuses the CLS position): "
+                "memplan makes llava_next batches for the 'default' strategy"
+            )
+        return settings.image_size or max(max(point) for point in config.image_grid_pinpoints)
+    size = vision.image_size
+    if settings.image_size is not None and settings.image_size != size:
+        raise SettingsError(
+            f"--image-size {settings.image_size}: memplan lays out {config.model_type}'s image as one tile of its "
+            f"vision tower's {size} x {size} (vision_config.image_size; the processor's do_image_splitting=False): "
+            "drop --image-size"
+        )
+    return size
+
+
+def tiled_batch(
+    config: Any, pixels: str, settings: TrainingSettings, dtype: torch.dtype, image_token: int, text_ids: list[int]
+) -> dict[str, torch.Tensor]:
+    """The batch a processor and a training collator hand the model (module docstring): the image's tokens first,
+    then `text_ids`; labels the ids with the image placeholders -100. Made of Python numbers where the model reads
+    the values (memplan.models.vision_language)."""
+    batch, size = settings.batch_size, settings.image_size
+    vision = config.vision_config
+    channels, tower = getattr(vision, "num_channels", 3), vision.image_size
+    if pixels == CROPS:
+        image = [image_token] * llava_next_placeholders(config, size)
+    else:
+        around = text_ids[: TOKENS_AROUND_A_TILE - 1]  # ordinary tokens to the model: <fake_token_around_image>...
+        image = [around[0], around[-1], *[image_token] * idefics3_placeholders(config), around[0]]
+    row_ids = image + text_ids
+    row_labels = [-100 if token == image_token else token for token in row_ids]
+    out = {
+        "input_ids": torch.tensor([row_ids] * batch, dtype=torch.long),
+        "labels": torch.tensor([row_labels] * batch, dtype=torch.long),
+    }
+    if pixels == CROPS:
+        out["pixel_values"] = torch.randn(batch, llava_next_crops(config, size), channels, tower, tower, dtype=dtype)
+        out["image_sizes"] = torch.tensor([[size, size]] * batch, dtype=torch.long)
+    else:
+        out["pixel_values"] = torch.randn(batch, 1, channels, tower, tower, dtype=dtype)
+        out["pixel_attention_mask"] = torch.ones(batch, 1, tower, tower, dtype=torch.long)
+    return out
