@@ -173,7 +173,9 @@ def _refuse_other_heads(config: Any, name: str) -> None:
 
 
 def _other_tasks_of_architecture(config: Any, chosen: str) -> tuple[str, ...]:
-    """The other tasks whose auto classes hold the architecture the config names for `chosen`."""
+    """The other tasks whose auto classes hold the architecture the config names for `chosen`; not masked-lm, where
+    transformers lists a text model's generation class for its pre-training too (BART's, XLM's): the note would point
+    at the same text step."""
     named = [
         architecture
         for architecture in getattr(config, "architectures", None) or []
@@ -182,7 +184,8 @@ def _other_tasks_of_architecture(config: Any, chosen: str) -> tuple[str, ...]:
     return tuple(
         task
         for task in _MAPPING_BY_TASK
-        if task != chosen and any(architecture in _classes_of(config, task) for architecture in named)
+        if task not in (chosen, "masked-lm")
+        and any(architecture in _classes_of(config, task) for architecture in named)
     )
 
 

@@ -108,7 +108,10 @@ def _patches_a_side(config: Any, size: int) -> int:
 
 
 def image_tokens(config: Any, size: int) -> int:
-    """The placeholders the processor writes for one image of `size` x `size` pixels: the features the model makes."""
+    """The placeholders the processor writes for one image of `size` x `size` pixels: the features the model makes;
+    for Idefics3 / SmolVLM, with the three tokens around them (vision_language_tiles.tiled_image_tokens), which their
+    batch writes as text tokens (labels kept), where Gemma 3's framing tokens are _framing's (labels -100, as the
+    image's)."""
     row = family(config)
     if config.model_type == "gemma3":
         return _gemma3_image_tokens(config, size)
