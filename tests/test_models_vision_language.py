@@ -639,3 +639,29 @@ def test_idefics3_s_patch_mask_is_all_true_beyond_the_values_memplan_keeps(tmp_p
     case = ("idefics3", "fp32", False, "sdpa")
     predicted, measured = predicted_peak(tmp_path, *case), measured_peak(*case)
     assert abs(predicted - measured) / measured <= TOLERANCE, (predicted, measured)
+
+
+@pytest.mark.parametrize("side", [64, 200, 336, 500, 777, 1008, 1500])
+def test_llava_next_s_placeholders_are_its_processor_s_count(side):
+    """memplan's LLaVA-NeXT placeholder count against transformers' own LlavaNextProcessor._get_number_of_features
+    (called on a stand-in for the processor: its image processor's pinpoints, the tower's patch size, the CLS
+    position it counts and then drops for the "default" feature strategy) for llava-v1.6's tower and pinpoints."""
+    import functools
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
+
+    from memplan.models.vision_language_tiles import llava_next_placeholders
+
+    v16 = {**LLAVA_NEXT, "vision_config": {**LLAVA["vision_config"], "image_size": 336, "patch_size": 14}}
+    v16["image_grid_pinpoints"] = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    config = AutoConfig.for_model(**v16)
+    processor = SimpleNamespace(
+        image_processor=SimpleNamespace(image_grid_pinpoints=v16["image_grid_pinpoints"]),
+        patch_size=14,
+        num_additional_image_tokens=1,
+    )
+    processor._get_unpadded_features = functools.partial(LlavaNextProcessor._get_unpadded_features, processor)
+    counted = LlavaNextProcessor._get_number_of_features(processor, side, side, 336, 336) - 1  # (CLS dropped)
+    assert llava_next_placeholders(config, side) == counted
