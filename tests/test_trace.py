@@ -199,7 +199,7 @@ def test_a_buffer_the_first_forward_casts_is_held_only_in_its_cast_dtype_as_in_t
     """The first trace of a setup held both tables (the float32 one read as a constant of the whole step): 1 MiB too
     many here, wav2vec2-conformer's amp-bf16 steps 2.7% high (tests/test_models_speech.py). The real run's third
     iteration, by the CPU allocator's events, holds the bfloat16 table only."""
-    from tests.hand_measure import profiled_third_iteration_peak
+    from tests.hand_measure import profiled_third_iteration_peak, training_iteration
 
     predicted = memplan.estimate(CastsItsTable(), inputs=positions, batch_size=4, device="cpu", precision="amp-bf16")
 
@@ -210,14 +210,11 @@ def test_a_buffer_the_first_forward_casts_is_held_only_in_its_cast_dtype_as_in_t
         batch = positions(4)
         build.kept = (model, optimizer, batch)
 
-        def iteration() -> None:
+        def loss_under_autocast(inputs: torch.Tensor) -> torch.Tensor:  # (the model returns its loss)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                return model(inputs)
 
-        return iteration
+        return training_iteration(loss_under_autocast, batch, lambda loss, _: loss, optimizer)
 
     measured = profiled_third_iteration_peak(build)
     assert predicted.peak_bytes == pytest.approx(measured, rel=0, abs=16), (predicted.peak_bytes, measured)

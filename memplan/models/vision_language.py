@@ -233,11 +233,12 @@ def vision_language_batch(config: Any, settings: TrainingSettings, dtype: torch.
     batch, seq_len, size = settings.batch_size, settings.seq_len, settings.image_size
     image_token = _image_token_id(config)
     placeholders = image_tokens(config, size)
+    if row.pixels in TILED_PIXELS:  # (`placeholders` counts the tokens around the image, which tiled_batch writes)
+        text_ids = _text_ids(config, seq_len - placeholders, image_token)
+        return tiled_batch(config, row.pixels, settings, dtype, image_token, text_ids)
     before, after = _framing(config)
     image = before + [image_token] * placeholders + after
     text = seq_len - len(image)
-    if row.pixels in TILED_PIXELS:
-        return tiled_batch(config, row.pixels, settings, dtype, image_token, _text_ids(config, text, image_token))
     row_ids = image + _text_ids(config, text, image_token)
     row_labels = [-100] * len(image) + row_ids[len(image) :]
     # torch.tensor of Python numbers: values a fake tensor keeps (module docstring)
