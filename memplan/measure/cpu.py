@@ -294,10 +294,13 @@ def measure_cpu(
     """Run `warmup_iterations` real iterations, then measure one steady-state iteration."""
     torch.manual_seed(seed)
     if settings.deepspeed_stage is not None and settings.lora_rank is not None:
-        # peft's import, and bitsandbytes' through it, make module-level tensors (4-bit quantization tables, default
-        # arguments: 144 B) that the count below would take for the run's own; imported first, they are the process's.
+        # peft's import and bitsandbytes' make module-level tensors (4-bit quantization tables, default arguments:
+        # 144 B) that the count below would take for the run's own; imported first, they are the process's.
+        # bitsandbytes by name: peft 0.22 imports it only as it wraps the model (CI measured 128 B over with it).
         with contextlib.suppress(ImportError):  # without peft, prepare() says how to install it
             import peft  # noqa: F401
+        with contextlib.suppress(ImportError):  # optional beside LoRA: only QLoRA needs it
+            import bitsandbytes  # noqa: F401
     # The process's own tensors before the run (kept referenced, so that no id is another's later).
     # Under a step of the user's own, also: what the step itself keeps from one call to the next (optimizers it made,
     # tensors it leaves in globals or on the model) lives as the measured call starts.
