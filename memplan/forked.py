@@ -29,6 +29,9 @@ from memplan.estimator.collector import freeze_existing_objects
 _job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
 _log = logging.getLogger(__name__)
 _fork_breaks_autograd = False
+_fork_keeps_autograd = (
+    False  # a probe found autograd working in a forked child, and no device (_autograd_works_after_fork)
+)
 _in_worker = False  # this process is a worker of imap_forked
 
 
@@ -69,7 +72,10 @@ def can_fork() -> bool:
         _log.debug("tracing in one process: another thread of this program is running")
         return False
     global _fork_breaks_autograd
-    if _fork_breaks_autograd or not _autograd_works_after_fork():
+    if _fork_keeps_autograd:
+        return True
+    works = not _fork_breaks_autograd and _autograd_works_after_fork()
+    if not works:
         _fork_breaks_autograd = True  # nothing mends it later in this process
         _log.debug(
             "planning in one process: autograd fails in a forked child of this process "
@@ -79,17 +85,30 @@ def can_fork() -> bool:
     return True
 
 
+_WORKS_AND_NO_ACCELERATOR, _WORKS = 0, 2  # the probe child's exit statuses (any other: autograd failed)
+
+
 def _autograd_works_after_fork() -> bool:
+    """Ask a forked child. Where it also sees no accelerator, the answer holds for the rest of the process
+    (_fork_keeps_autograd): the engine arms its fork handler only as it starts device threads, which it does
+    once and for no device at all (engine.cpp, start_device_threads returns before track_bad_autograd_forks
+    when num_devices == 0), and the child is asked so that this process touches no device library itself."""
+    global _fork_keeps_autograd
     pid = os.fork()
     if pid == 0:  # the child: nothing but the probe, then leave without running Python's exit code
         status = 1
         try:
             torch.ones(1, requires_grad=True).sum().backward()
-            status = 0
+            status = _WORKS
+            accelerator = getattr(torch, "accelerator", None)
+            if accelerator is not None and accelerator.device_count() == 0:  # a CUDA build may see none
+                status = _WORKS_AND_NO_ACCELERATOR
         finally:
             os._exit(status)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
+    code = os.waitstatus_to_exitcode(status)
+    _fork_keeps_autograd = code == _WORKS_AND_NO_ACCELERATOR
+    return code in (_WORKS, _WORKS_AND_NO_ACCELERATOR)
 
 
 def _note_fork_breaks_autograd(message: str) -> None:
