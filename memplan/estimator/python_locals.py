@@ -41,17 +41,29 @@ def holds_python_locals(filename: str) -> bool:
 
 
 def tensors_held(value: object) -> list[torch.Tensor]:
-    """The tensors a variable holding `value` keeps alive: itself, or those in it, one level of containers deep (a
-    model's output dict, ModelOutput among them, held in a variable keeps its logits alive), and the keys and values
-    of a Hugging Face key/value cache in it (a causal LM's output holds one where its config has `use_cache` on:
-    transformers fills it in training too, with copies made by `torch.cat`, cache_utils.DynamicLayer.update)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    items = value if isinstance(value, tuple | list) else value.values() if isinstance(value, dict) else ()
-    held = []
-    for item in items:
+    """The tensors a variable holding `value` keeps alive: itself, or those in it, through containers (tuples, lists,
+    dicts, ModelOutput among them) at any depth, and the keys and values of a Hugging Face key/value cache in one (a
+    causal LM's output holds one where its config has `use_cache` on: transformers fills it in training too, with
+    copies made by `torch.cat`, cache_utils.DynamicLayer.update).
+
+    A model's output dict held in a variable keeps its logits alive; one holding another model's output keeps that
+    one's tensors: LLaVA-NeXT's vision tower output (a BaseModelOutputWithPooling: its hidden states in a tuple, the
+    packed image features in a list as its pooler_output) is held in a dict (`mm_encoder_outputs["image"]`,
+    LlavaNextModel.forward) and in the model's outputs (`image_outputs`) until the loss is computed
+    (modeling_llava_next.py, transformers 5.25; 5.17 keeps only the features, and lets them go as
+    get_image_features returns). Read one level deep, the tower's last hidden state and the image features had been
+    let go as the features were concatenated (an amp-bf16 step, whose peak is in the forward, 22,256 B low)."""
+    held: list[torch.Tensor] = []
+    pending: list[object] = [value]
+    seen: set[int] = set()
+    while pending:
+        item = pending.pop()
         if isinstance(item, torch.Tensor):
             held.append(item)
+        elif isinstance(item, tuple | list | dict):
+            if id(item) not in seen:  # (a container reached twice, or holding itself)
+                seen.add(id(item))
+                pending.extend(reversed(list(item.values() if isinstance(item, dict) else item)))
         else:
             held += _key_value_cache_tensors(item)
     return held
@@ -79,7 +91,7 @@ def _gained(container: object, known: int) -> list[StorageWeakRef]:
     loop appends, read once: DeepSpeed's ZeRO-3 appends a view per rank, a thousand on a large job), a dict's
     values again. What it lost is LocalBindings.read's (_kept)."""
     if isinstance(container, list) and len(container) > known:
-        return [storage_key(item) for item in container[known:] if isinstance(item, torch.Tensor)]
+        return [storage_key(tensor) for item in container[known:] for tensor in tensors_held(item)]
     if isinstance(container, dict):
         return [storage_key(tensor) for tensor in tensors_held(container)]
     return []
