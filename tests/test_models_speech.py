@@ -16,6 +16,7 @@ from memplan.estimator.simulate import simulate
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
+from tests.case_sets import with_extended
 from tests.task_steps import case_id, predicted_config_peak
 
 TOLERANCE = 0.005
@@ -191,11 +192,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "case",
-    CASES,
-    ids=[case_id(*case) for case in CASES],
-)
+EXTENDED = {
+    ("whisper", "fp32", False, "sdpa"),
+    ("whisper", "fp32", False, "eager"),
+    ("whisper", "bf16", False, "sdpa"),
+    ("speech_to_text", "fp32", False, "eager"),
+    ("wav2vec2", "fp32", False, "sdpa"),
+    ("wav2vec2", "bf16", False, "sdpa"),
+    ("wav2vec2", "amp-bf16", False, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[case_id(*case) for case in CASES])
 def test_a_speech_models_step_is_predicted_as_measured(tmp_path, case, no_fallback_kernel):
     """Whisper and wav2vec2 configs had been refused ("a head none of memplan's tasks builds"): now estimated as
     speech-seq2seq and ctc models, the batch their forward takes, within 0.5% of the real CPU run; traced with no

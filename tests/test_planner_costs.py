@@ -52,7 +52,15 @@ SAVING_TOLERANCE = 0.05
 LAYERS_KEY = {"gpt2": "n_layer", "llama": "num_hidden_layers", "bert": "num_hidden_layers", "t5": "num_layers"}
 
 
-@pytest.mark.parametrize(("model", "device"), [("gpt2", "cpu"), ("llama", "cuda"), ("bert", "cpu"), ("t5", "cpu")])
+@pytest.mark.parametrize(
+    ("model", "device"),
+    [
+        pytest.param("gpt2", "cpu", marks=pytest.mark.extended),
+        ("llama", "cuda"),
+        pytest.param("bert", "cpu", marks=pytest.mark.extended),
+        ("t5", "cpu"),
+    ],
+)
 def test_the_cost_model_predicts_each_layouts_traced_peak(model, device, tmp_path):
     (tmp_path / model).mkdir()
     config = {**TINY_HF_CONFIGS[model], LAYERS_KEY[model]: 6}
