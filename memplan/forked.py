@@ -29,9 +29,8 @@ from memplan.estimator.collector import freeze_existing_objects
 _job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
 _log = logging.getLogger(__name__)
 _fork_breaks_autograd = False
-_fork_keeps_autograd = (
-    False  # a probe found autograd working in a forked child, and no device (_autograd_works_after_fork)
-)
+# A probe found autograd working in a forked child that saw no device (_autograd_works_after_fork).
+_fork_keeps_autograd = False
 _in_worker = False  # this process is a worker of imap_forked
 
 
@@ -72,7 +71,7 @@ def can_fork() -> bool:
         _log.debug("tracing in one process: another thread of this program is running")
         return False
     global _fork_breaks_autograd
-    if _fork_keeps_autograd:
+    if _fork_keeps_autograd and not _fork_breaks_autograd:
         return True
     works = not _fork_breaks_autograd and _autograd_works_after_fork()
     if not works:
@@ -113,9 +112,10 @@ def _autograd_works_after_fork() -> bool:
 
 def _note_fork_breaks_autograd(message: str) -> None:
     """A forked child's error that says autograd cannot run after fork (Engine's fork handler): no more forks."""
-    global _fork_breaks_autograd
+    global _fork_breaks_autograd, _fork_keeps_autograd
     if "autograd's threading" in message:
         _fork_breaks_autograd = True
+        _fork_keeps_autograd = False  # (a device the probe's child did not see)
         _log.debug("tracing in one process from now on: autograd fails in a forked child of this process")
 
 

@@ -110,6 +110,16 @@ def test_without_a_device_one_probe_answers_for_the_process(monkeypatch):
     monkeypatch.setattr(os, "fork", counted_fork)
     assert forked.can_fork() and forked.can_fork() and forked.can_fork()
     assert len(forks) == 1
+    # a child that sees a device answers for itself only (the patch carries into the forked child)
+    monkeypatch.setattr(forked, "_fork_keeps_autograd", False)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    assert forked.can_fork() and forked.can_fork() and forked.can_fork()
+    assert len(forks) == 4
+    # a forked job that found autograd's fork handler armed overrules an earlier probe's answer
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
+    assert forked.can_fork() and forked._fork_keeps_autograd
+    forked._note_fork_breaks_autograd("Unable to handle autograd's threading in combination with fork-based ...")
+    assert not forked.can_fork()
 
 
 # An estimate's second trace (the per-sample slope's batch size) in a forked child: ForkedJob.

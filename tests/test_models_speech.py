@@ -198,7 +198,6 @@ EXTENDED = {
     ("whisper", "bf16", False, "sdpa"),
     ("speech_to_text", "fp32", False, "eager"),
     ("wav2vec2", "fp32", False, "sdpa"),
-    ("wav2vec2", "bf16", False, "sdpa"),
     ("wav2vec2", "amp-bf16", False, "sdpa"),
 }
 

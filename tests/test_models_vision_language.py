@@ -418,7 +418,6 @@ EXTENDED = {
     ("qwen2_vl", "bf16", False, "sdpa", None),
     ("qwen2_5_vl", "fp32", False, "sdpa", None),
     ("qwen3_vl", "bf16", True, "eager", None),
-    ("gemma3", "fp32", False, "sdpa", None),
     ("llava_next", "amp-bf16", True, "sdpa", None),
     ("llava", "bf16", False, "sdpa", None),
     ("llava", "amp-bf16", False, "sdpa", None),

@@ -353,3 +353,52 @@ def _sgd_step_predicted_and_measured(name: str, module_class: type[torch.nn.Modu
     spec = loss_returning_spec(name, module_class, (16, 64))
     settings = TrainingSettings(batch_size=8, device="cpu", optimizer="sgd")
     return simulate(trace_step(spec, settings)).peak_bytes, measured
+
+
+class AppendsPairs(torch.nn.Module):
+    """A loop that appends (copy, scalar) tuples to a list, concatenates the copies, then lets the list go before the
+    forward's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+        self.head = torch.nn.Linear(64 * 4, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pairs = []
+        for layer in self.down:
+            x = layer(x).relu()
+            pairs.append((x.repeat(1, 1, 1), x.sum()))  # a copy only the list holds, in a tuple
+        merged = torch.cat([x] + [pair[0] for pair in pairs], dim=-1)
+        x = self.head(merged)
+        spread = x.unsqueeze(-1).expand(-1, -1, -1, 64).contiguous().sum()
+        del pairs, merged
+        return x.square().mean() + spread * 0
+
+
+def test_what_a_list_gains_inside_tuples_is_held_until_the_list_is_let_go():
+    """A list read again as it grows reads the tensors inside the items it gained, not only items that are tensors:
+    the three copies appended inside tuples were never counted as the list's, and freed at the cat, before the
+    forward's peak (3.77% low; a review's find). Truth: the real run's CPU allocator events; memplan is 8 B under
+    them here, a difference not yet explained, far below what the test guards."""
+    predicted, measured = _sgd_step_predicted_and_measured("appends-pairs", AppendsPairs)
+    assert abs(predicted - measured) <= 8, f"predicted {predicted:,} B, measured {measured:,} B"
+
+
+def test_a_large_dataset_held_in_a_variable_is_read_in_bounded_work():
+    """A script's tokenized dataset held as nested lists (a frame under the trace, read as it begins): walked to the
+    bottom, a tiny GPT-2's estimate took 41.6 s instead of 2.8 s with 20,000 samples (a review's measurement). The
+    variable's own items are all read; the containers nested in them only up to _NESTED_ITEMS_READ items."""
+    from memplan.estimator import python_locals
+
+    iterated = []
+
+    class CountedList(list):
+        def __iter__(self):
+            iterated.append(len(self))
+            return super().__iter__()
+
+    dataset = [{"input_ids": CountedList(range(512)), "mask": CountedList([1] * 512)} for _ in range(2000)]
+    deep = torch.zeros(1)
+    assert python_locals.tensors_held([dataset, deep])[-1] is deep  # found past the skipped samples
+    assert sum(iterated) <= python_locals._NESTED_ITEMS_READ

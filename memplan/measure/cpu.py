@@ -294,9 +294,9 @@ def measure_cpu(
     """Run `warmup_iterations` real iterations, then measure one steady-state iteration."""
     torch.manual_seed(seed)
     if settings.deepspeed_stage is not None and settings.lora_rank is not None:
-        # peft's import and bitsandbytes' make module-level tensors (4-bit quantization tables, default arguments:
-        # 144 B) that the count below would take for the run's own; imported first, they are the process's.
-        # bitsandbytes by name: peft 0.22 imports it only as it wraps the model (CI measured 128 B over with it).
+        # peft's import and bitsandbytes' make module-level tensors (4-bit quantization tables, default arguments)
+        # that the count below would take for the run's own (144 B over under peft 0.21); imported first, they are
+        # the process's. bitsandbytes by name: peft 0.22 imports it only as it wraps the model (128 B over in CI).
         with contextlib.suppress(ImportError):  # without peft, prepare() says how to install it
             import peft  # noqa: F401
         with contextlib.suppress(ImportError):  # optional beside LoRA: only QLoRA needs it
