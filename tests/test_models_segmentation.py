@@ -17,9 +17,8 @@ from memplan.errors import SettingsError
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
-from tests.task_steps import case_id, predicted_config_peak
+from tests.task_steps import assert_not_under_and_close, case_id, predicted_config_peak
 
-TOLERANCE = 0.005
 BATCH = 2
 SIZE = 64  # the images' side: --image-size
 
@@ -196,12 +195,13 @@ EXTENDED = {
 def test_a_segmentation_models_step_is_predicted_as_measured(tmp_path, case):
     """SegformerForSemanticSegmentation and the other segmentation heads had been refused ("a head none of memplan's
     tasks builds"): now estimated with the batch their forward takes, logits upsampled to the labels and the cross
-    entropy over every pixel, within 0.5% of the real CPU run (all of them exact to the byte when written)."""
+    entropy over every pixel, never under the real CPU run and at most 0.5% over it (all of them exact to the byte
+    when written)."""
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
     said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
-    assert abs(error) <= TOLERANCE, said
+    assert_not_under_and_close(said, predicted, measured)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
-from tests.task_steps import case_id, predicted_config_peak
+from tests.task_steps import assert_not_under_and_close, case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -205,13 +205,13 @@ EXTENDED = {
 @pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[case_id(*case) for case in CASES])
 def test_a_speech_models_step_is_predicted_as_measured(tmp_path, case, no_fallback_kernel):
     """Whisper and wav2vec2 configs had been refused ("a head none of memplan's tasks builds"): now estimated as
-    speech-seq2seq and ctc models, the batch their forward takes, within 0.5% of the real CPU run; traced with no
-    op's real kernel run (the CTC backward's output laid out by memplan.estimator.oprules.ctc)."""
+    speech-seq2seq and ctc models, the batch their forward takes, never under the real CPU run and at most 0.5% over
+    it; traced with no op's real kernel run (the CTC backward's output laid out by memplan.estimator.oprules.ctc)."""
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
     said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
-    assert abs(error) <= TOLERANCE, said
+    assert_not_under_and_close(said, predicted, measured)
 
 
 def test_whisper_takes_one_input_length_and_says_so(tmp_path):

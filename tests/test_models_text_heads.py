@@ -13,7 +13,7 @@ import torch
 
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
-from tests.task_steps import case_id, predicted_config_peak
+from tests.task_steps import assert_not_under_and_close, case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -171,12 +171,13 @@ EXTENDED = {
 @pytest.mark.parametrize("case", with_extended(CASES, EXTENDED), ids=[_id(case) for case in CASES])
 def test_a_text_heads_step_is_predicted_as_measured(tmp_path, case):
     """BertForTokenClassification, ...ForQuestionAnswering and ...ForMultipleChoice configs had been refused ("a head
-    none of memplan's tasks builds"): now estimated with the batch their collators make, within 0.5% of the real run
-    (exact to the byte on these)."""
+    none of memplan's tasks builds"): now estimated with the batch their collators make, never under the real run and
+    at most 0.5% over it (exact to the byte on these)."""
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
-    assert abs(error) <= TOLERANCE, f"{_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    said = f"{_id(case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
+    assert_not_under_and_close(said, predicted, measured)
 
 
 def test_modernbert_s_multiple_choice_head_reads_the_cls_index_it_made(tmp_path):

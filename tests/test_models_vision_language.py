@@ -18,7 +18,7 @@ from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
 from memplan.settings import TrainingSettings
 from tests.case_sets import with_extended
-from tests.task_steps import case_id, predicted_config_peak
+from tests.task_steps import assert_not_under_and_close, case_id, predicted_config_peak
 
 TOLERANCE = 0.005
 BATCH = 2
@@ -462,14 +462,14 @@ def test_a_vision_language_models_step_is_predicted_as_measured(tmp_path, case):
     """LLaVA, Qwen2-VL and PaliGemma configs had been refused ("a head none of memplan's tasks builds"), and their
     forward reads the placeholder tokens' values (their count against the features', masked_scatter, Qwen2-VL's
     M-RoPE positions), which fake tensors have none of: estimated now over memplan's own batch, whose values the trace
-    keeps (memplan.estimator.known_values), within 0.5% of the real CPU run."""
+    keeps (memplan.estimator.known_values), never under the real CPU run and at most 0.5% over it."""
     if case[4]:
         pytest.importorskip("peft")
     predicted = predicted_peak(tmp_path, *case)
     measured = measured_peak(*case)
     error = (predicted - measured) / measured
     said = f"{case_id(*case)}: predicted {predicted:,} B, measured {measured:,} B ({error:+.3%})"
-    assert abs(error) <= TOLERANCE, said
+    assert_not_under_and_close(said, predicted, measured)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
