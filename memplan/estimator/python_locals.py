@@ -132,12 +132,12 @@ def _kept(container: object, keys: list[StorageWeakRef]) -> tuple[list[StorageWe
 class LocalBindings:
     """What one frame's variables held when last read, until each variable is bound to something else.
 
-        `x = f(x)` keeps the old `x` alive while `f` runs, and anything the frame calls meanwhile: the variable lets go
-        only when it is assigned. Reading the variables at every op of the frame (and as it calls others) tells when
-        each value was bound last; the storages of one that is gone live through the op before (`release`). A value
-        is known by identity: a weak reference to a tensor (none kept alive by this) and the storage it has (`.data =`
-        gives it another), the id of a container and its length (what it gains or loses is read as its length changes: a
-        list a loop appends to, one it pops from; one whose items are replaced in place is read as it was). Containers
+    `x = f(x)` keeps the old `x` alive while `f` runs, and anything the frame calls meanwhile: the variable lets go
+    only when it is assigned. Reading the variables at every op of the frame (and as it calls others) tells when
+    each value was bound last; the storages of one that is gone live through the op before (`release`). A value
+    is known by identity: a weak reference to a tensor (none kept alive by this) and the storage it has (`.data =`
+    gives it another), the id of a container and its length (what it gains or loses is read as its length changes: a
+    list a loop appends to, one it pops from; one whose items are replaced in place is read as it was). Containers
     nested in one are read with it, as it is bound and as its own length changes: a tensor an inner list lets go is
     counted until then (an inner `pop` feeding a `cat` left a step 4% high, a review's example), one an inner list
     gains after that is not counted as the variable's."""
