@@ -1,5 +1,5 @@
 """Vision-language models as a task, `image-text-to-text` (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, PaliGemma,
-Gemma 3, LLaVA-NeXT, Idefics3, SmolVLM):
+Gemma 3, LLaVA-NeXT, LLaVA-OneVision, Idefics2, Idefics3, SmolVLM):
 each estimate against the same model trained for real on the CPU, measured by the CPU allocator's events, the batch
 written out by hand as a processor and TRL's SFT collator make it."""
 
@@ -243,6 +243,39 @@ SMOLVLM = {
     "architectures": ["SmolVLMForConditionalGeneration"],
     "vision_config": {**IDEFICS3["vision_config"], "model_type": "smolvlm_vision"},
 }
+# LLaVA-OneVision: a SigLIP tower over 32 x 32 crops of 4 x 4 patches (all kept: the "full" strategy), a Qwen2 language
+# model. A 64 x 64 image (the default, the largest pinpoint's side) goes to the 64 x 64 grid: 4 crops and the whole
+# image; the grid's 8 x 8 patches are 2 x the side "anyres_max_1" allows (one crop's 16), interpolated to 4 x 4, one
+# newline a row, and the base crop's 16: 36.
+LLAVA_ONEVISION = {
+    "model_type": "llava_onevision",
+    "architectures": ["LlavaOnevisionForConditionalGeneration"],
+    "image_token_id": IMAGE_TOKEN,
+    "video_token_id": 501,
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full",
+    "vision_aspect_ratio": "anyres_max_1",
+    "image_grid_pinpoints": [[32, 64], [64, 32], [64, 64]],
+    "vision_config": {**PALIGEMMA["vision_config"], "vision_use_head": False},
+    "text_config": {**LLAVA["text_config"], "model_type": "qwen2"},
+}
+# Idefics2: one 64 x 64 tile (no splitting) of 8 x 8 patches, resampled by a 1-layer perceiver to 8 latents: 8
+# placeholders between two <fake_token_around_image>.
+IDEFICS2 = {
+    "model_type": "idefics2",
+    "architectures": ["Idefics2ForConditionalGeneration"],
+    "image_token_id": IMAGE_TOKEN,
+    "vision_config": {**IDEFICS3["vision_config"], "model_type": "idefics2_vision"},
+    "perceiver_config": {
+        "hidden_size": 64,
+        "resampler_n_latents": 8,
+        "resampler_depth": 1,
+        "resampler_n_heads": 4,
+        "resampler_head_dim": 16,
+        "num_key_value_heads": 2,
+    },
+    "text_config": {**LLAVA["text_config"], "model_type": "mistral"},
+}
 CONFIGS = {
     "llava": LLAVA,
     "qwen2_vl": QWEN2_VL,
@@ -253,16 +286,19 @@ CONFIGS = {
     "llava_next": LLAVA_NEXT,
     "idefics3": IDEFICS3,
     "smolvlm": SMOLVLM,
+    "llava_onevision": LLAVA_ONEVISION,
+    "idefics2": IDEFICS2,
 }
 SEQ_LEN = {
     "llava": 64, "qwen2_vl": 96, "paligemma": 64, "qwen2_5_vl": 96, "qwen3_vl": 96, "gemma3": 64, "llava_next": 80,
-    "idefics3": 64, "smolvlm": 64,
+    "idefics3": 64, "smolvlm": 64, "llava_onevision": 80, "idefics2": 48,
 }  # all the tokens, placeholders included  # fmt: skip
 PLACEHOLDERS = {
     "llava": 16, "qwen2_vl": 64, "paligemma": 16, "qwen2_5_vl": 64, "qwen3_vl": 49, "gemma3": 16, "llava_next": 36,
-    "idefics3": 16, "smolvlm": 16,
+    "idefics3": 16, "smolvlm": 16, "llava_onevision": 36, "idefics2": 8,
 }  # fmt: skip
-TILED = ("idefics3", "smolvlm")
+TILED = ("idefics3", "smolvlm", "idefics2")
+CROPPED = ("llava_next", "llava_onevision")
 # Gemma3ForConditionalGeneration is in transformers' causal-LM mapping too (AutoModelForCausalLM builds it, to train on
 # text alone), which memplan's guess takes first: its images need --task.
 TASK = {"gemma3": "image-text-to-text"}
@@ -276,7 +312,9 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         image = torch.cat([torch.full((BATCH, 1), 504), image, torch.full((BATCH, 1), 505)], dim=1)
     text = SEQ_LEN[family] - image.shape[1]
     if family in TILED:  # the processor's <fake_token_around_image><global-img> ... <fake_token_around_image>
-        image, text = torch.cat([torch.tensor([[3, 4]] * BATCH), image, torch.tensor([[3]] * BATCH)], dim=1), text - 3
+        before = [3] if family == "idefics2" else [3, 4]  # (Idefics2's: <fake_token_around_image> alone)
+        image = torch.cat([torch.tensor([before] * BATCH), image, torch.tensor([[3]] * BATCH)], dim=1)
+        text -= len(before) + 1
     ids = torch.cat([image, torch.randint(3, 500, (BATCH, text))], dim=1)
     labels = ids.clone()
     if family in TILED:
@@ -284,9 +322,11 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     else:
         labels[:, : image.shape[1]] = -100
     batch = {"input_ids": ids, "labels": labels}
-    if family == "llava_next":  # the 64 x 64 image's 3 crops, and its original size
-        batch["pixel_values"] = torch.randn(BATCH, 3, 3, 32, 32, dtype=dtype)
+    if family in CROPPED:  # the 64 x 64 image's 3 crops (LLaVA-OneVision's 5), and its original size
+        batch["pixel_values"] = torch.randn(BATCH, 3 if family == "llava_next" else 5, 3, 32, 32, dtype=dtype)
         batch["image_sizes"] = torch.tensor([[64, 64]] * BATCH)
+        if family == "llava_onevision":  # its image processor's images a sample
+            batch["batch_num_images"] = torch.tensor([1] * BATCH)
         return batch
     if family in TILED:  # one image of one tile, and the processor's padding mask (int64, all ones)
         batch["pixel_values"] = torch.randn(BATCH, 1, 3, 64, 64, dtype=dtype)
@@ -408,6 +448,18 @@ CASES = [
     ("smolvlm", "fp32", False, "sdpa", None),
     ("smolvlm", "bf16", True, "sdpa", None),
     ("smolvlm", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("llava_onevision", "fp32", False, "sdpa", None),
+    ("llava_onevision", "fp32", False, "eager", None),
+    ("llava_onevision", "bf16", False, "sdpa", None),
+    ("llava_onevision", "amp-bf16", False, "sdpa", None),
+    ("llava_onevision", "fp32", True, "sdpa", None),
+    ("llava_onevision", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
+    ("idefics2", "fp32", False, "sdpa", None),
+    ("idefics2", "fp32", False, "eager", None),
+    ("idefics2", "bf16", False, "sdpa", None),
+    ("idefics2", "amp-bf16", False, "sdpa", None),
+    ("idefics2", "fp32", True, "sdpa", None),
+    ("idefics2", "amp-bf16", True, "sdpa", "q_proj,v_proj"),
 ]
 
 
@@ -454,6 +506,14 @@ EXTENDED = {
     ("idefics3", "fp32", True, "sdpa", None),
     ("smolvlm", "fp32", False, "sdpa", None),
     ("smolvlm", "bf16", True, "sdpa", None),
+    ("llava_onevision", "fp32", False, "eager", None),
+    ("llava_onevision", "bf16", False, "sdpa", None),
+    ("llava_onevision", "amp-bf16", False, "sdpa", None),
+    ("llava_onevision", "fp32", True, "sdpa", None),
+    ("idefics2", "fp32", False, "eager", None),
+    ("idefics2", "bf16", False, "sdpa", None),
+    ("idefics2", "amp-bf16", False, "sdpa", None),
+    ("idefics2", "fp32", True, "sdpa", None),
 }
 
 
@@ -555,9 +615,9 @@ def test_the_default_length_leaves_text_beside_a_large_image(tmp_path):
 
 
 def test_a_family_memplan_makes_no_batch_for_is_refused_in_one_line(tmp_path):
-    """LLaVA-OneVision packs its anyres crops otherwise than LLaVA-NeXT (its own grid pinpoints, a pooled base image and
-    a maximum feature count): no row in memplan.models.vision_language's table."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
+    """Mistral 3 (Mistral Small 3.1) lays out its Pixtral tower's images otherwise (any size, its patches merged, a
+    break token closing each row of placeholders): no row in memplan.models.vision_language's table."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral3"}))
     with pytest.raises(SettingsError, match="makes image-text-to-text batches for llava, qwen2_vl, paligemma.* not"):
         resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
 
@@ -634,16 +694,18 @@ def test_a_config_whose_class_trains_for_two_tasks_says_which_one_is_estimated(t
     assert not [note for note in resolve_model(str(bart)).notes if "transformers lists" in note]
 
 
-def test_idefics3_s_patch_mask_is_all_true_beyond_the_values_memplan_keeps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["idefics3", "idefics2"])
+def test_idefics3_s_patch_mask_is_all_true_beyond_the_values_memplan_keeps(tmp_path, monkeypatch, family):
     """The vision tower's attention mask is skipped where its patch mask is all true, which the trace had seen only
     while `pixel_attention_mask` (batch x side x side ones) had at most the elements memplan keeps values for: past
     that batch (64 for a 512-pixel SmolVLM tile) the trace built the float mask the real run skips, 2.4% higher from
     that batch on (a reviewer's find). Here the bound is lowered below this batch's mask, so the real run's step is
-    predicted as the bound is passed."""
+    predicted as the bound is passed. Idefics2 marks its patches with `==` (all their pixels), and its perceiver's mask
+    is made of them too."""
     import memplan.estimator.fake_mode as fake_mode
 
     monkeypatch.setattr(fake_mode, "MOST_REPLAYED_ELEMENTS", 64 * 64)  # one sample's mask; the batch's is twice it
-    case = ("idefics3", "fp32", False, "sdpa")
+    case = (family, "fp32", False, "sdpa")
     predicted, measured = predicted_peak(tmp_path, *case), measured_peak(*case)
     assert abs(predicted - measured) / measured <= TOLERANCE, (predicted, measured)
 
@@ -672,3 +734,70 @@ def test_llava_next_s_placeholders_are_its_processor_s_count(side):
     processor._get_unpadded_features = functools.partial(LlavaNextProcessor._get_unpadded_features, processor)
     counted = LlavaNextProcessor._get_number_of_features(processor, side, side, 336, 336) - 1  # (CLS dropped)
     assert llava_next_placeholders(config, side) == counted
+
+
+@pytest.mark.parametrize("side", [64, 200, 384, 500, 777, 1152, 1500, 2304, 4000])
+def test_llava_onevision_s_placeholders_are_its_processor_s_count(side):
+    """memplan's LLaVA-OneVision placeholder count against transformers' own
+    LlavaOnevisionProcessor._get_number_of_features (called on a stand-in for the processor: its image processor's
+    pinpoints, the tower's 27 x 27 = 729 features a crop, its vision_aspect_ratio) for llava-onevision's SigLIP tower
+    (384 pixels, patch 14), its 36 pinpoints and "anyres_max_9" (the "full" strategy: nothing taken off), and for the
+    tiny config's "anyres_max_1" (its 64-pixel image downsampled); the crops as the model's image_size_to_num_patches
+    counts them."""
+    import functools
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    from memplan.models.vision_language_tiles import llava_next_crops, llava_onevision_placeholders
+
+    onevision = AutoConfig.for_model("llava_onevision")  # llava-onevision-qwen2's tower, pinpoints and aspect ratio
+    tiny = AutoConfig.for_model(**LLAVA_ONEVISION)
+    for config in (onevision, tiny):
+        vision = config.vision_config
+        processor = SimpleNamespace(
+            image_processor=SimpleNamespace(image_grid_pinpoints=config.image_grid_pinpoints),
+            num_image_tokens=(vision.image_size // vision.patch_size) ** 2,
+            vision_aspect_ratio=config.vision_aspect_ratio,
+        )
+        processor._get_unpadded_features = functools.partial(LlavaOnevisionProcessor._get_unpadded_features, processor)
+        tower = vision.image_size
+        counted = LlavaOnevisionProcessor._get_number_of_features(processor, side, side, tower, tower)
+        assert llava_onevision_placeholders(config, side) == counted
+        crops = image_size_to_num_patches((side, side), config.image_grid_pinpoints, tower)
+        assert llava_next_crops(config, side) == crops
+
+
+def test_llava_onevision_and_idefics2_batches_are_what_their_processors_make(tmp_path):
+    """LLaVA-OneVision: the 64 x 64 image's 5 crops and 36 placeholders, its original size in image_sizes, one image a
+    sample in batch_num_images; llava-onevision's 384-pixel tower at its default (2,304 pixels, the largest pinpoint's
+    side): 37 crops, 7,371 placeholders. Idefics2: one tile, its padding mask, the perceiver's 8 latents between two
+    <fake_token_around_image>; any other --image-size is one line."""
+    from transformers import AutoConfig
+
+    spec, settings = _settings(tmp_path, "llava_onevision", device="cpu")
+    assert settings.image_size == 64
+    batch = spec.make_batch(settings, torch.float32)
+    assert batch["pixel_values"].shape == (BATCH, 5, 3, 32, 32) and batch["image_sizes"].tolist() == [[64, 64]] * 2
+    assert batch["batch_num_images"].tolist() == [1, 1]
+    assert (batch["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [36, 36]
+    assert (batch["labels"] == -100).sum(dim=1).tolist() == [36, 36]
+    from memplan.models.vision_language import image_tokens
+    from memplan.models.vision_language_tiles import llava_next_crops
+
+    onevision = AutoConfig.for_model("llava_onevision")
+    assert (llava_next_crops(onevision, 2304), image_tokens(onevision, 2304)) == (37, 7371)
+    spec, settings = _settings(tmp_path, "idefics2", device="cpu")
+    batch = spec.make_batch(settings, torch.float32)
+    assert batch["pixel_values"].shape == (BATCH, 1, 3, 64, 64)
+    assert batch["pixel_attention_mask"].shape == (BATCH, 1, 64, 64) and batch["pixel_attention_mask"].all()
+    assert (batch["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [8, 8]
+    assert (batch["input_ids"][:, 1:9] == IMAGE_TOKEN).all()
+    assert batch["input_ids"][0, 0] == batch["input_ids"][0, 9] != IMAGE_TOKEN  # <fake_token_around_image>
+    assert (batch["labels"] == -100).sum(dim=1).tolist() == [8, 8]
+    with pytest.raises(SettingsError, match="one tile of its vision tower's 64 x 64"):
+        spec.settings_for(TrainingSettings(batch_size=1, image_size=128, device="cpu"))
+    with pytest.raises(SettingsError, match="beside the image's 10 placeholder tokens"):
+        spec.settings_for(TrainingSettings(batch_size=1, seq_len=10, device="cpu"))

@@ -99,8 +99,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             help="Image side for vision models [default: the config's, or 224]; zero-shot-image-classification: "
             "the vision tower's one size; image-text-to-text: the side the vision tower takes (LLaVA, PaliGemma, "
             "Gemma 3: vision_config's only; Idefics3/SmolVLM (one tile, not split): vision_config's only; Qwen2-VL, "
-            "Qwen2.5-VL: a multiple of 28, Qwen3-VL: of 32, default 224; LLaVA-NeXT: the original image's, any, "
-            "default the largest grid pinpoint's).",
+            "Qwen2.5-VL: a multiple of 28, Qwen3-VL: of 32, default 224; LLaVA-NeXT, LLaVA-OneVision: the original "
+            "image's, any, default the largest grid pinpoint's; Idefics2 (one tile, not split): vision_config's only).",
         ),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
@@ -323,7 +323,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "(CLIP, SigLIP: their contrastive loss, return_loss=True), token-classification, question-answering, "
             "multiple-choice (4 choices of --seq-len tokens each), image-text-to-text (LLaVA, Qwen2-VL, Qwen2.5-VL, "
             "Qwen3-VL, PaliGemma, Gemma 3: its checkpoints train on text alone without this --task, LLaVA-NeXT, "
-            "Idefics3/SmolVLM).",
+            "LLaVA-OneVision, Idefics2, Idefics3/SmolVLM).",
         ),
         click.option(
             "--hf-args",

@@ -53,8 +53,9 @@ class VisionFamily:
     and `mm_token_type_ids` (1 at the placeholders), any size a multiple of patch_size * spatial_merge_size.
     `token_types`: the batch carries `token_type_ids` (PaliGemma's prefix: 0 for the image and prompt, 1 for the
     suffix the loss is over; all 1 past the image here; Gemma 3's, 1 at the placeholders, are _gemma3_token_types').
-    `source`: where transformers says so. "crops" (LLaVA-NeXT) and "tiles" (Idefics3, SmolVLM): an image cut into
-    several tower-sized ones, memplan.models.vision_language_tiles.
+    `source`: where transformers says so. "crops" (LLaVA-NeXT, LLaVA-OneVision) and "tiles" (Idefics2, Idefics3,
+    SmolVLM): an image cut into several tower-sized ones, or one tile of the tower's size,
+    memplan.models.vision_language_tiles.
     """
 
     pixels: str
@@ -88,6 +89,11 @@ FAMILIES: dict[str, VisionFamily] = {
     "llava_next": VisionFamily(CROPS, "llava_next/modeling_llava_next.py, LlavaNextModel.get_image_features"),
     "idefics3": VisionFamily(TILES, "idefics3/modeling_idefics3.py, Idefics3Model.get_image_features"),
     "smolvlm": VisionFamily(TILES, "smolvlm/modeling_smolvlm.py, SmolVLMModel.get_image_features"),
+    # LLaVA-OneVision's anyres crops (its own count) and Idefics2's tile (its perceiver's latents): the same module.
+    "llava_onevision": VisionFamily(
+        CROPS, "llava_onevision/modeling_llava_onevision.py, LlavaOnevisionModel.get_image_features"
+    ),
+    "idefics2": VisionFamily(TILES, "idefics2/modeling_idefics2.py, Idefics2Model.get_image_features"),
 }
 
 
@@ -109,8 +115,8 @@ def _patches_a_side(config: Any, size: int) -> int:
 
 def image_tokens(config: Any, size: int) -> int:
     """The placeholders the processor writes for one image of `size` x `size` pixels: the features the model makes;
-    for Idefics3 / SmolVLM, with the three tokens around them (vision_language_tiles.tiled_image_tokens), which their
-    batch writes as text tokens (labels kept), where Gemma 3's framing tokens are _framing's (labels -100, as the
+    for Idefics2 / Idefics3 / SmolVLM, with the tokens around them (vision_language_tiles.tiled_image_tokens), which
+    their batch writes as text tokens (labels kept), where Gemma 3's framing tokens are _framing's (labels -100, as the
     image's)."""
     row = family(config)
     if config.model_type == "gemma3":

@@ -11,6 +11,13 @@ their features. The placeholders are LlavaNextProcessor._get_number_of_features'
 the grid's patches with the padding the resize added taken off (`_get_unpadded_features`, as the model's
 `unpad_image`), plus one `image_newline` a row.
 
+LLaVA-OneVision (model type "llava_onevision"; transformers/models/llava_onevision/): LLaVA-NeXT's crops and
+`image_sizes`, and the processor's `batch_num_images` (one image a sample: [1] * batch), which the model reads to patch
+each single image. Its own count (LlavaOnevisionProcessor._get_number_of_features): the base crop's patches, the
+grid's unpadded patches, downsampled where they pass `vision_aspect_ratio`'s "anyres_max_N" (N crops' worth) by more
+than 1.1 (the model's `nn.functional.interpolate` to `int(side // ratio)` a side, pack_image_features), and one
+`image_newline` a row of what remains.
+
 Idefics3 and SmolVLM (model types "idefics3", "smolvlm"): one image a sample, not split (the processor's
 `do_image_splitting=False`: the image resized to the tower's size, vision_config.image_size, the one size memplan
 takes): `pixel_values` [batch, 1, channels, size, size] and the padding mask the processor pads with,
@@ -20,10 +27,17 @@ placeholders (Idefics3Model.__init__), which the processor writes as `_prompt_si
 (processing_idefics3.py, processing_smolvlm.py): `<fake_token_around_image><global-img>` + `<image>` * image_seq_len +
 `<fake_token_around_image>`: three text tokens around them, counted in --seq-len. The model drops padding images
 (all-zero pixels) by their values; memplan's batch holds none (memplan.estimator.padding_images).
+
+Idefics2 (model type "idefics2"; transformers/models/idefics2/): the same pixels and mask (one image a sample, the
+image processor's `do_image_splitting` off, as its default), resampled by the perceiver to
+`perceiver_config.resampler_n_latents` features an image (Idefics2PerceiverResampler's latents), which the processor
+writes as `<fake_token_around_image>` + `<image>` * image_seq_len + `<fake_token_around_image>` (processing_idefics2.py,
+`image_str`): two text tokens around them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -32,13 +46,14 @@ from memplan.errors import SettingsError
 from memplan.settings import TrainingSettings
 
 # The pixel layouts of memplan.models.vision_language.FAMILIES that this module makes.
-CROPS = "crops"  # LLaVA-NeXT
-TILES = "tiles"  # Idefics3, SmolVLM
+CROPS = "crops"  # LLaVA-NeXT, LLaVA-OneVision
+TILES = "tiles"  # Idefics2, Idefics3, SmolVLM
 TILED_PIXELS = frozenset({CROPS, TILES})
 
-# processing_idefics3.py / processing_smolvlm.py, `_prompt_single_image`: <fake_token_around_image><global-img> before
-# the image's placeholders, <fake_token_around_image> after them.
-TOKENS_AROUND_A_TILE = 3
+# The text tokens the processor writes around an image's placeholders: processing_idefics3.py / processing_smolvlm.py,
+# `_prompt_single_image`: <fake_token_around_image><global-img> before them, <fake_token_around_image> after;
+# processing_idefics2.py, `image_str`: <fake_token_around_image> before and after.
+TOKENS_AROUND_A_TILE = {"idefics2": 2, "idefics3": 3, "smolvlm": 3}
 
 
 def _best_resolution(config: Any, size: int) -> tuple[int, int]:
@@ -62,17 +77,53 @@ def llava_next_placeholders(config: Any, size: int) -> int:
     position its `num_additional_image_tokens` adds and the "default" feature strategy takes off."""
     vision = config.vision_config
     tower, patch = vision.image_size, vision.patch_size
+    side = tower // patch  # patches a side of one crop
+    current_height, current_width = _unpadded_grid(config, size)
+    return current_height * current_width + current_height + side * side
+
+
+def _unpadded_grid(config: Any, size: int) -> tuple[int, int]:
+    """The patches (height, width) of the grid a `size` x `size` image is resized to, the padding the resize added
+    taken off: `_get_unpadded_features`'s (processing_llava_next.py, processing_llava_onevision.py) with a square
+    original, its aspect ratio 1 against the grid's."""
+    vision = config.vision_config
+    tower, patch = vision.image_size, vision.patch_size
     best_height, best_width = _best_resolution(config, size)
     side = tower // patch  # patches a side of one crop
     current_height, current_width = side * (best_height // tower), side * (best_width // tower)
-    # _get_unpadded_features with a square original: its aspect ratio 1 against the grid's
     if 1 > current_width / current_height:
         new_height = int(round(size * (current_width / size), 7))
         current_height -= (current_height - new_height) // 2 * 2
     else:
         new_width = int(round(size * (current_height / size), 7))
         current_width -= (current_width - new_width) // 2 * 2
-    return current_height * current_width + current_height + side * side
+    return current_height, current_width
+
+
+def llava_onevision_placeholders(config: Any, size: int) -> int:
+    """LlavaOnevisionProcessor._get_number_of_features (processing_llava_onevision.py) for a `size` x `size` image,
+    as its `replace_image_token` writes them (the CLS position a "default" strategy drops not counted: the model
+    checks that a crop's features are its patches, pack_image_features): the base crop's patches, the grid's unpadded
+    patches, downsampled where they are more than 1.1 times the side `vision_aspect_ratio`'s "anyres_max_N" allows
+    (N crops' patches; the model's interpolate), and one newline a row."""
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    current_height, current_width = _unpadded_grid(config, size)
+    unpadded, newlines = current_height * current_width, current_height
+    # (the processor's and model's `int(vision_aspect_ratio.strip("anyres_max_"))`: the same number for these names)
+    max_num_patches = int(config.vision_aspect_ratio.removeprefix("anyres_max_"))
+    ratio = math.sqrt(current_height * current_width / (max_num_patches * side**2))
+    if ratio > 1.1:
+        unpadded = int(current_height // ratio) * int(current_width // ratio)
+        newlines = int(current_height // ratio)
+    return unpadded + newlines + side * side
+
+
+def crop_placeholders(config: Any, size: int) -> int:
+    """The placeholders of one `size` x `size` image of a family with anyres crops."""
+    if config.model_type == "llava_onevision":
+        return llava_onevision_placeholders(config, size)
+    return llava_next_placeholders(config, size)
 
 
 def idefics3_placeholders(config: Any) -> int:
@@ -81,11 +132,20 @@ def idefics3_placeholders(config: Any) -> int:
     return int(((vision.image_size // vision.patch_size) ** 2) / (config.scale_factor**2))
 
 
+def tile_placeholders(config: Any) -> int:
+    """The features of one tile: Idefics2's perceiver latents (Idefics2PerceiverResampler), Idefics3's shuffled
+    patches."""
+    if config.model_type == "idefics2":
+        return config.perceiver_config.resampler_n_latents
+    return idefics3_placeholders(config)
+
+
 def tiled_image_tokens(config: Any, pixels: str, size: int) -> int:
-    """The tokens the processor writes for one image: LLaVA-NeXT's placeholders; Idefics3's and the three around."""
+    """The tokens the processor writes for one image: LLaVA-NeXT's or LLaVA-OneVision's placeholders; Idefics2's,
+    Idefics3's and the tokens around them."""
     if pixels == CROPS:
-        return llava_next_placeholders(config, size)
-    return idefics3_placeholders(config) + TOKENS_AROUND_A_TILE
+        return crop_placeholders(config, size)
+    return tile_placeholders(config) + TOKENS_AROUND_A_TILE[config.model_type]
 
 
 def tiled_image_size(config: Any, pixels: str, settings: TrainingSettings) -> int:
@@ -93,7 +153,7 @@ def tiled_image_size(config: Any, pixels: str, settings: TrainingSettings) -> in
     as the largest grid, as photos are). Idefics3: the tower's size, the one memplan lays out (module docstring)."""
     vision = config.vision_config
     if pixels == CROPS:
-        if config.vision_feature_select_strategy != "default":
+        if config.model_type == "llava_next" and config.vision_feature_select_strategy != "default":
             raise SettingsError(
                 f"llava_next with vision_feature_select_strategy {config.vision_feature_select_strategy!r}: its "
                 "model packs a crop's features as patches only (pack_image_features refuses the CLS position): "
@@ -120,10 +180,11 @@ def tiled_batch(
     vision = config.vision_config
     channels, tower = getattr(vision, "num_channels", 3), vision.image_size
     if pixels == CROPS:
-        image = [image_token] * llava_next_placeholders(config, size)
+        image = [image_token] * crop_placeholders(config, size)
     else:
-        around = text_ids[: TOKENS_AROUND_A_TILE - 1]  # ordinary tokens to the model: <fake_token_around_image>...
-        image = [around[0], around[-1], *[image_token] * idefics3_placeholders(config), around[0]]
+        # ordinary tokens to the model: <fake_token_around_image>, Idefics3's <global-img>
+        before = text_ids[: TOKENS_AROUND_A_TILE[config.model_type] - 1]
+        image = [*before, *[image_token] * tile_placeholders(config), before[0]]
     row_ids = image + text_ids
     row_labels = [-100 if token == image_token else token for token in row_ids]
     out = {
@@ -133,6 +194,8 @@ def tiled_batch(
     if pixels == CROPS:
         out["pixel_values"] = torch.randn(batch, llava_next_crops(config, size), channels, tower, tower, dtype=dtype)
         out["image_sizes"] = torch.tensor([[size, size]] * batch, dtype=torch.long)
+        if config.model_type == "llava_onevision":  # (LlavaOnevisionImageProcessor's; the model reads its values)
+            out["batch_num_images"] = torch.tensor([1] * batch, dtype=torch.long)
     else:
         out["pixel_values"] = torch.randn(batch, 1, channels, tower, tower, dtype=dtype)
         out["pixel_attention_mask"] = torch.ones(batch, 1, tower, tower, dtype=torch.long)
