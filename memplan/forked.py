@@ -29,7 +29,7 @@ from memplan.estimator.collector import freeze_existing_objects
 _job: Callable[[Any], Any] | None = None  # set before the pool forks; each worker inherits it
 _log = logging.getLogger(__name__)
 _fork_breaks_autograd = False
-# A probe found autograd working in a forked child that saw no device (_autograd_works_after_fork).
+# A probe found autograd working in a forked child where torch has no device backend (_autograd_works_after_fork).
 _fork_keeps_autograd = False
 _in_worker = False  # this process is a worker of imap_forked
 
@@ -84,7 +84,7 @@ def can_fork() -> bool:
     return True
 
 
-_WORKS_AND_NO_ACCELERATOR, _WORKS = 0, 2  # the probe child's exit statuses (any other: autograd failed)
+_WORKS_WITHOUT_DEVICES, _WORKS = 0, 2  # the probe child's exit statuses (any other: autograd failed)
 
 
 def _autograd_works_after_fork() -> bool:
@@ -100,13 +100,13 @@ def _autograd_works_after_fork() -> bool:
             torch.ones(1, requires_grad=True).sum().backward()
             status = _WORKS
             if _no_device_backend():
-                status = _WORKS_AND_NO_ACCELERATOR
+                status = _WORKS_WITHOUT_DEVICES
         finally:
             os._exit(status)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    _fork_keeps_autograd = code == _WORKS_AND_NO_ACCELERATOR
-    return code in (_WORKS, _WORKS_AND_NO_ACCELERATOR)
+    _fork_keeps_autograd = code == _WORKS_WITHOUT_DEVICES
+    return code in (_WORKS, _WORKS_WITHOUT_DEVICES)
 
 
 def _no_device_backend() -> bool:
