@@ -201,7 +201,7 @@ def measured_offload_peaks(
     master partitions and their gradients, the 16-bit staging partitions, the one-parameter gradient
     staging buffer, the gradients accumulated on the host, stage 3's gradient partitions); the rest is
     the device's."""
-    from tests.fsdp_models import _allocations, _window, _window_peaks
+    from tests.fsdp_models import _allocations, _window_peaks
 
     config = {**config, "zero_force_ds_cpu_optimizer": False}
     engines = []
@@ -219,7 +219,7 @@ def measured_offload_peaks(
             setattr(owner, name, on_host)
 
     with _gradient_partitions_on_the_host_as_on_a_gpu(engines):
-        profiler = _profiled_engine_run(model_factory, make_batch, loss_of, world_size, config, with_host_regions)
+        recording = _profiled_engine_run(model_factory, make_batch, loss_of, world_size, config, with_host_regions)
     zero = engines[-1].optimizer
     kept = [value for state in zero.optimizer.state.values() for value in state.values()]
     for partition in [
@@ -236,7 +236,7 @@ def measured_offload_peaks(
     if _offloads_parameters(engines):  # the parameters' partitions (stage3.py, param_groups_fp16_flat_cpu_memory)
         kept += list(zero.param_groups_fp16_flat_cpu_memory)
     host_addresses = {tensor.untyped_storage().data_ptr() for tensor in kept if isinstance(tensor, torch.Tensor)}
-    allocations = _allocations(profiler)
+    allocations = _allocations(recording)
     live_at_end: dict[int, int] = {}  # address -> index of its allocation still live at the end
     for index, (_, address, nbytes, _) in enumerate(allocations):
         if nbytes > 0:
@@ -248,7 +248,7 @@ def measured_offload_peaks(
         (at, address, nbytes, inside_host or index in kept_indices)
         for index, (at, address, nbytes, inside_host) in enumerate(allocations)
     ]
-    return _window_peaks(allocations, _window(profiler, "measured"))
+    return _window_peaks(allocations, recording.window("measured"))
 
 
 @contextlib.contextmanager

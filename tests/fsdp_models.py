@@ -3,7 +3,8 @@ real step measured by torch's CPU allocator: torch's fake process group as the d
 collectives move nothing; the memory is FSDP2's own), fully_shard on each block and then the root,
 AdamW or SGD, and the allocator's own allocation and free events from torch's profiler, from before
 the model is built (the process group and its DeviceMesh are made before, as a job makes them at
-start-up). Nothing of memplan's is used."""
+start-up). Of memplan's, only the recorder of those events is used (memplan.profiled_allocations, torch's
+profiler with user scopes only)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._C._profiler import _EventType
-from torch.profiler import profile, record_function
+from torch.profiler import record_function
 
+from memplan.profiled_allocations import AllocationRecording
 from tests.hand_measure import (
     checkpoint_each,
     profiled_third_iteration,
@@ -146,7 +148,7 @@ def _copies_as_on_a_gpu() -> Iterator[None]:
         torch.Tensor.to = plain_to
 
 
-def _allocations(profiler: profile) -> list[tuple[int, int, int, bool]]:
+def _allocations(recording: AllocationRecording) -> list[tuple[int, int, int, bool]]:
     """Every allocation and free event of the CPU allocator: (time, address, bytes, inside "host")."""
     found = []
 
@@ -157,7 +159,7 @@ def _allocations(profiler: profile) -> list[tuple[int, int, int, bool]]:
                 found.append((event.start_time_ns, fields.ptr, fields.alloc_size, inside_host))
             walk(event.children, inside_host or event.name == "host")
 
-    walk(profiler.profiler.kineto_results.experimental_event_tree(), False)
+    walk(recording.kineto_results.experimental_event_tree(), False)
     return sorted(found, key=lambda allocation: allocation[0])
 
 
@@ -203,20 +205,13 @@ def measured_offload_peaks(
             return iteration
 
         with _copies_as_on_a_gpu():
-            profiler = profiled_third_iteration(build)
+            recording = profiled_third_iteration(build)
     finally:
         dist.destroy_process_group()
-    allocations = _allocations(profiler)
-    device, host = _window_peaks(allocations, _window(profiler, "measured"))
-    forward_device, _ = _window_peaks(allocations, _window(profiler, "forward", last=True))
+    allocations = _allocations(recording)
+    device, host = _window_peaks(allocations, recording.window("measured"))
+    forward_device, _ = _window_peaks(allocations, recording.window("forward", last=True))
     return device, host, forward_device
-
-
-def _window(profiler: profile, name: str, last: bool = False) -> tuple[int, int]:
-    """When the (first or last) record_function `name` began and ended."""
-    windows = [event for event in profiler.profiler.kineto_results.events() if event.name() == name]
-    window = windows[-1] if last else windows[0]
-    return window.start_ns(), window.start_ns() + window.duration_ns()
 
 
 def _window_peaks(allocations: list[tuple[int, int, int, bool]], window: tuple[int, int]) -> tuple[int, int]:

@@ -6,10 +6,11 @@ import gc
 from collections.abc import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from memplan.measure.collector import collector_held
 from memplan.measure.cpu import LiveStorageCounter
+from memplan.profiled_allocations import AllocationRecording, allocations_recorded
 
 
 def measured_step_peak(
@@ -43,8 +44,9 @@ def profiled_third_iteration_peak(build: Callable[[], Callable[[], None]], onedn
     return peak_in_window(profiled_third_iteration(build, onednn), "measured")
 
 
-def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bool = False) -> profile:
-    """The profiler of profiled_third_iteration_peak's run, the third iteration in record_function("measured").
+def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bool = False) -> AllocationRecording:
+    """The allocator's events of profiled_third_iteration_peak's run (recorded as torch.profiler's memory profile
+    records them, memplan.profiled_allocations), the third iteration in record_function("measured").
 
     Run with oneDNN off: on CPUs with AVX512-FP16 or AMX (some of this project's machines), oneDNN's 16-bit
     matmuls take scratch from the CPU allocator inside the kernel (a 64×64×256 float16 product: 67,328 B beside
@@ -52,10 +54,7 @@ def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bo
     that runs them with oneDNN off takes none, on any CPU, so the measurement is of the tensors alone. `onednn=True`
     measures a run as torch's default has it (benchmarks/cpu_onednn_convolutions.py)."""
     gc.collect()
-    with (
-        torch.backends.mkldnn.flags(enabled=onednn),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
-    ):
+    with torch.backends.mkldnn.flags(enabled=onednn), allocations_recorded() as recording:
         iteration = build()
         iteration()
         iteration()
@@ -66,17 +65,15 @@ def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bo
                 iteration()
         finally:
             gc.enable()
-    return profiler
+    return recording
 
 
-def peak_in_window(profiler: profile, window_name: str) -> int:
+def peak_in_window(recording: AllocationRecording, window_name: str) -> int:
     """The most bytes the CPU allocator's events had live while the record_function `window_name` ran,
-    counting from when profiling started."""
-    events = list(profiler.profiler.kineto_results.events())
-    window = next(event for event in events if event.name() == window_name)
-    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    counting from when recording started."""
+    start, end = recording.window(window_name)
     total = peak = 0
-    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+    for event in recording.allocator_events():
         total += event.nbytes()
         if start <= event.start_ns() <= end:
             peak = max(peak, total)
@@ -151,13 +148,10 @@ def autocast_of(precision: str) -> torch.dtype | None:
 def held_beside_outputs(call: Callable[[], object]) -> int:
     """The most bytes the CPU allocator held during `call()` beyond its outputs (all outputs live at its end), by its
     own events: what a kernel holds inside itself."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with allocations_recorded() as recording:
         outputs = call()  # kept: their bytes are the total at the end
-    events = sorted(
-        (e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
     total = peak = 0
-    for event in events:
+    for event in recording.allocator_events():
         total += event.nbytes()
         peak = max(peak, total)
     del outputs
@@ -205,10 +199,7 @@ def trainer_third_step_peak(
     )  # fmt: skip
     torch.manual_seed(0)
     gc.collect()
-    with (
-        torch.backends.mkldnn.flags(enabled=False),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler,
-    ):
+    with torch.backends.mkldnn.flags(enabled=False), allocations_recorded() as recording:
         model = getattr(transformers, auto_class).from_config(AutoConfig.from_pretrained(model_dir))
         Trainer(model=model, args=training_arguments, train_dataset=Tokens(), callbacks=[ThirdStep()]).train()
-    return peak_in_window(profiler, "third step")
+    return peak_in_window(recording, "third step")

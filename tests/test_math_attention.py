@@ -177,13 +177,10 @@ def test_the_math_path_adds_its_mask_in_place(mask):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         return training_iteration(model, torch.randn(batch, steps, 32), lambda out, _: out, optimizer)
 
-    events = list(profiled_third_iteration(build).profiler.kineto_results.events())
-    window = next(event for event in events if event.name() == "measured")
-    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    recording = profiled_third_iteration(build)
+    start, end = recording.window("measured")
     measured = sum(
-        1
-        for event in events
-        if event.name() == "[memory]" and start <= event.start_ns() <= end and event.nbytes() == scores
+        1 for event in recording.allocator_events() if start <= event.start_ns() <= end and event.nbytes() == scores
     )
     spec = loss_returning_spec("masked-math", lambda: _MaskedMathBlocks(mask), (steps, 32))
     traced = trace_step(spec, TrainingSettings(batch_size=batch, device="cpu", optimizer="sgd"))

@@ -1,9 +1,10 @@
 """memplan.profiled_allocations: what the CPU allocator gave out while a call ran (the validator's counter and the
 oneDNN LSTM probe read kernels' own temporaries so)."""
 
+import pytest
 import torch
 
-from memplan.profiled_allocations import profiled_call
+from memplan.profiled_allocations import allocations_recorded, profiled_call, profiler_running
 
 
 def test_the_peak_and_what_the_call_returned_are_read_off_the_allocator():
@@ -16,3 +17,49 @@ def test_the_profiler_s_own_lines_are_not_printed(capfd):
     estimate of an LSTM printed 12 such lines, one pair per layer probed (a review found)."""
     profiled_call(lambda: torch.ones(3))
     assert "profiler_st" not in capfd.readouterr().err
+
+
+def _step() -> None:
+    """A small training step with a record_function window around its backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    loss = model(torch.randn(16, 32)).square().mean()
+    with torch.profiler.record_function("backward"):
+        loss.backward()
+
+
+def test_the_recording_has_the_allocator_events_torch_s_profiler_has_and_no_op_events():
+    """The truth is torch's own profiler run as the tests ran it before 2026-12-07 (every op recorded): the same
+    allocations and frees in the same order, the same window; the ops themselves are what the recording leaves out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        _step()
+    everything = profiler.profiler.kineto_results.events()
+    torch_s = [
+        e.nbytes() for e in sorted((e for e in everything if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    ]
+    with allocations_recorded() as recording:
+        assert profiler_running()
+        _step()
+    assert not profiler_running()
+    assert [event.nbytes() for event in recording.allocator_events()] == torch_s and len(torch_s) > 20
+    start, end = recording.window("backward")
+    assert start < end
+    inside = [e.nbytes() for e in recording.allocator_events() if start <= e.start_ns() <= end]
+    window = next(e for e in everything if e.name() == "backward")
+    torch_s_inside = [
+        e.nbytes()
+        for e in sorted((e for e in everything if e.name() == "[memory]"), key=lambda e: e.start_ns())
+        if window.start_ns() <= e.start_ns() <= window.start_ns() + window.duration_ns()
+    ]
+    assert inside == torch_s_inside and inside
+    assert any(e.name() == "aten::addmm" for e in everything)
+    assert not any(e.name().startswith("aten::") for e in recording.kineto_results.events())
+
+
+def test_a_window_that_never_ran_is_said_by_name():
+    with allocations_recorded() as recording:
+        torch.ones(3)
+    with pytest.raises(LookupError, match="'measured'"):
+        recording.window("measured")
