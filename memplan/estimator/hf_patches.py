@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from types import CellType, ModuleType
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from memplan.estimator.causal_masks import causal_masks_read
 from memplan.estimator.input_checks import input_checks_passing
 from memplan.estimator.known_values import tensors_of_values
 from memplan.estimator.layer_drop import layers_never_dropped
+from memplan.estimator.model_modules import found_in_model_modules
 from memplan.estimator.padding_images import no_padding_images
 
 
@@ -139,23 +141,31 @@ def _rope_without_frequency_updates() -> Iterator[None]:
     `dynamic_frequency_update`) are skipped for fake positions."""
     replaced: list[tuple[Any, Any]] = []  # (closure cell, original update)
     seen: set[int] = set()
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers.models.") or module is None:
+    for cell in found_in_model_modules(_frequency_update_cells):  # (each module read once)
+        if id(cell) in seen:
             continue
-        for value in list(vars(module).values()):
-            wrapper = _rope_update_wrapper(getattr(value, "forward", None) if isinstance(value, type) else None)
-            if wrapper is None or id(wrapper) in seen:
-                continue
-            seen.add(id(wrapper))
-            for variable, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=True):
-                if variable in ("longrope_frequency_update", "dynamic_frequency_update"):
-                    replaced.append((cell, cell.cell_contents))
-                    cell.cell_contents = _skipped_for_fake_positions(cell.cell_contents)
+        seen.add(id(cell))
+        replaced.append((cell, cell.cell_contents))
+        cell.cell_contents = _skipped_for_fake_positions(cell.cell_contents)
     try:
         yield
     finally:
         for cell, update in replaced:
             cell.cell_contents = update
+
+
+def _frequency_update_cells(name: str, module: ModuleType) -> list[CellType]:
+    """The closure cells of the frequency updates of the dynamic_rope_update wrappers on the forwards of one modeling
+    module's classes."""
+    cells = []
+    for value in list(vars(module).values()):
+        wrapper = _rope_update_wrapper(getattr(value, "forward", None) if isinstance(value, type) else None)
+        if wrapper is None:
+            continue
+        for variable, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=True):
+            if variable in ("longrope_frequency_update", "dynamic_frequency_update"):
+                cells.append(cell)
+    return cells
 
 
 def _rope_update_wrapper(function: Any) -> Any:

@@ -25,11 +25,12 @@ import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import CellType, FunctionType
+from types import CellType, FunctionType, ModuleType
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 
+from memplan.estimator.model_modules import found_in_model_modules
 from memplan.estimator.python_locals import tensors_held
 
 P = ParamSpec("P")
@@ -60,25 +61,28 @@ def _wrapper_code() -> Any:
 
 def _cache_cells() -> list[CellType]:
     """The closure cells holding the lru caches of the wrappers that transformers' imported modeling modules define,
-    as module functions or as (static) methods of their classes."""
-    code = _wrapper_code()
-    if code is None:
+    as module functions or as (static) methods of their classes (each module read once:
+    memplan.estimator.model_modules)."""
+    if _wrapper_code() is None:
         return []
-    index = code.co_freevars.index("func_with_cache")
-    cells: dict[int, CellType] = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers.models.") or module is None:
-            continue
-        values = list(vars(module).values())
-        for value in list(values):
-            if isinstance(value, type) and value.__module__ == name:
-                values.extend(vars(value).values())
-        for value in values:
-            function = value.__func__ if isinstance(value, staticmethod | classmethod) else value
-            if isinstance(function, FunctionType) and function.__code__ is code and function.__closure__:
-                cell = function.__closure__[index]
-                cells[id(cell)] = cell
+    cells = {id(cell): cell for cell in found_in_model_modules(_module_cache_cells)}
     return list(cells.values())
+
+
+def _module_cache_cells(name: str, module: ModuleType) -> list[CellType]:
+    """The cache cells of the wrappers one modeling module defines (_cache_cells)."""
+    code = _wrapper_code()
+    index = code.co_freevars.index("func_with_cache")
+    values = list(vars(module).values())
+    for value in list(values):
+        if isinstance(value, type) and value.__module__ == name:
+            values.extend(vars(value).values())
+    cells = []
+    for value in values:
+        function = value.__func__ if isinstance(value, staticmethod | classmethod) else value
+        if isinstance(function, FunctionType) and function.__code__ is code and function.__closure__:
+            cells.append(function.__closure__[index])
+    return cells
 
 
 def _recorded(function: Callable[..., Any], results: list[Any]) -> Callable[..., Any]:

@@ -1,0 +1,72 @@
+"""A warm trace's CPU time with memplan's fake cache keys (memplan.estimator.fake_cache_keys) and with torch's own
+`_prep_args_for_hash`, alternately in one process, over the same model, settings and fake setup.
+
+Usage: python benchmarks/fake_cache_keys.py [MODEL ...] [--rounds N]   (default: gpt2 resnet-50, 8 rounds)
+gpt2 is traced at -b 8 --seq-len 1024, anything else at -b 8 and its own defaults. Prints, per model, the smallest
+and the median `time.process_time()` of a trace with each, and each one's peak (which must be equal). The objects
+made before the rounds are frozen (gc.freeze), as the command line freezes what its imports made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["gpt2", "resnet-50"])
+    parser.add_argument("--rounds", type=int, default=8)
+    options = parser.parse_args()
+
+    import transformers  # noqa: F401  (imported before the rounds, as an estimate imports it)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.estimator import fake_mode
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import build_fake_setup, trace_step
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    memplan_s = fake_mode.TracingFakeMode._prep_args_for_hash
+    torch_s = FakeTensorMode._prep_args_for_hash
+    for name in options.models:
+        spec = resolve_model(name)
+        chosen = TrainingSettings(batch_size=8, seq_len=1024) if name == "gpt2" else TrainingSettings(batch_size=8)
+        settings = spec.settings_for(chosen)
+        setup = build_fake_setup(spec, settings)
+        trace_step(spec, settings, setup, None)  # the fake-tensor cache warmed
+        gc.freeze()
+        seconds: dict[str, list[float]] = {"torch": [], "memplan": []}
+        peaks: dict[str, int] = {}
+        try:
+            for _ in range(options.rounds):
+                for variant, function in (("torch", torch_s), ("memplan", memplan_s)):
+                    fake_mode.TracingFakeMode._prep_args_for_hash = function
+                    started = time.process_time()
+                    traced = trace_step(spec, settings, setup, None)
+                    seconds[variant].append(time.process_time() - started)
+                    peaks[variant] = simulate(traced).peak_bytes
+        finally:
+            fake_mode.TracingFakeMode._prep_args_for_hash = memplan_s
+            gc.unfreeze()
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "rounds": options.rounds,
+                    "trace_cpu_s": {
+                        variant: {"min": round(min(times), 3), "median": round(statistics.median(times), 3)}
+                        for variant, times in seconds.items()
+                    },
+                    "peak_bytes": peaks,
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
