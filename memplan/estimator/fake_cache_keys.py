@@ -73,11 +73,13 @@ def _flatten_metadata(result: list[object], tensor: torch.Tensor) -> None:
     """What `extract_tensor_metadata(tensor)._flatten_into(result, ...)` writes for a plain fake tensor: the fields in
     TensorMetadata's order, the sizes (a torch.Size) and strides (a tuple) as torch writes a container, each size a
     type and a value; the sparse fields False and None."""
-    memory_format = fake_tensor.suggest_memory_format(tensor)
-    if not tensor.is_contiguous(memory_format=memory_format):
-        memory_format = None
     shape = tensor.shape
     stride = tensor.stride()
+    # suggest_memory_format (torch/_prims_common, torch 2.11-2.14) tells a channels-last layout from the strides of a
+    # 4-d or 5-d tensor only; of any other strided tensor it says contiguous_format.
+    memory_format = fake_tensor.suggest_memory_format(tensor) if len(shape) in (4, 5) else torch.contiguous_format
+    if not tensor.is_contiguous(memory_format=memory_format):
+        memory_format = None
     result.append(tensor.dtype)
     result.append(type(shape))
     result.append(f"length_{len(shape)}")
