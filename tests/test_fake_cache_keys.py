@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch._subclasses import fake_tensor
@@ -12,11 +14,17 @@ from memplan.estimator.fake_mode import TracingFakeMode
 
 
 def _keys(mode: TracingFakeMode, args: object) -> tuple[list[object], list[object]]:
-    """The key elements memplan's mode writes for `args`, and those torch's own function writes."""
+    """The key elements memplan's mode writes for `args`, and those torch's own function writes: torch's recurses
+    through the mode's `_prep_args_for_hash` (into containers, and from TensorMetadata._flatten_into into sizes), so
+    for torch's side the mode's own is torch's too (an attribute of the instance, for the call's length)."""
     ours: list[object] = []
     mode._prep_args_for_hash(ours, args, _CacheKeyState(), [])
     torch_s: list[object] = []
-    FakeTensorMode._prep_args_for_hash(mode, torch_s, args, _CacheKeyState(), [])
+    mode._prep_args_for_hash = functools.partial(FakeTensorMode._prep_args_for_hash, mode)  # type: ignore[method-assign]
+    try:
+        mode._prep_args_for_hash(torch_s, args, _CacheKeyState(), [])
+    finally:
+        del mode._prep_args_for_hash
     return ours, torch_s
 
 
@@ -126,3 +134,24 @@ def test_a_traced_op_is_answered_from_the_cache_entry_torch_s_own_key_made():
     with mode:
         torch.empty(3, 5).mul(torch.empty(3, 5))
     assert (FakeTensorMode.cache_hits, FakeTensorMode.cache_misses) == (hits + 3, misses)  # both empty()s, the mul
+
+
+def test_a_view_of_concrete_sizes_on_a_storage_of_symbolic_size_is_left_to_torch():
+    """A row of an (s0, 3) tensor has concrete sizes, strides and offset, and a storage of 12*s0 bytes, which torch
+    writes as a symbol's stub (convert_sym_int), recording the shape environment the entry is then cached in (a
+    review's find: written raw, the key could not be hashed and the op failed)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = TracingFakeMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    rows = mode.from_tensor(torch.randn(5, 3), symbolic_context=context, source=ConstantSource("rows"))
+    with mode:
+        row = rows[0]
+    assert not row._has_symbolic_sizes_strides and type(row.untyped_storage().nbytes()) is not int
+    ours, torch_s = _keys(mode, (row, 2))
+    assert [type(item).__name__ for item in ours] == [type(item).__name__ for item in torch_s]
+    assert "_PySymInputStub" in {type(item).__name__ for item in ours}
+    with mode:
+        assert row.mul(2).shape == (3,)  # hashed, cached and answered
+        assert row.mul(2).shape == (3,)

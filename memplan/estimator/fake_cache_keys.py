@@ -8,12 +8,13 @@ traces each of gpt2 -b 8 --seq-len 1024 and resnet-50 -b 8 in one process: 20.5%
 cached outputs' construction another 12-16%), most of it in the generic machinery around a plain tensor's few
 fields: the dataclass, its `fields()`, four sparse-layout tests, a recursion with its imports for each size tuple.
 
-`prep_args_for_hash` writes what torch writes for a fake tensor of the mode with a strided layout, concrete sizes and
-no constant (every tensor memplan traces with), and for plain numbers, strings, dtypes and devices and the lists,
-tuples and dicts of them; anything else (a SymInt, a tensor of another mode, a function...) goes to torch's own
-function, one argument at a time, so that its checks and its reasons to bypass the cache stay torch's. Keys equal
-torch's (tests/test_fake_cache_keys.py builds both over the same arguments), so entries are shared with, and
-answered to, any FakeTensorMode in the process as before.
+`prep_args_for_hash` writes what torch writes for a fake tensor of the mode with a strided layout, concrete sizes,
+strides, offset and storage size, and no constant (every tensor memplan traces with), and for plain numbers,
+strings, dtypes and devices and the lists, tuples and dicts of them; anything else (a SymInt, a view on a storage of
+symbolic size, a tensor of another mode, a function...) goes to torch's own function, one argument at a time, so
+that its checks and its reasons to bypass the cache stay torch's. Keys equal torch's (tests/test_fake_cache_keys.py
+builds both over the same arguments), so entries are shared with, and answered to, any FakeTensorMode in the process
+as before.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def prep_args_for_hash(
             result.append(kind)
             result.append(arg)
         elif kind is fake_tensor.FakeTensor and _plain_fake(mode, arg):
-            _flatten_metadata(result, arg)
+            if not _flatten_metadata(result, arg):
+                torch_s(result, iter((arg,)), state, id_hashed_objects)
         elif kind is list or kind is tuple or kind is torch.Size:
             prep_args_for_hash(mode, torch_s, result, arg, state, id_hashed_objects)
         else:  # one argument, passed as an iterator: torch adds no container marks for it
@@ -69,12 +71,17 @@ def _plain_fake(mode: Any, tensor: Any) -> bool:
     )
 
 
-def _flatten_metadata(result: list[object], tensor: torch.Tensor) -> None:
+def _flatten_metadata(result: list[object], tensor: torch.Tensor) -> bool:
     """What `extract_tensor_metadata(tensor)._flatten_into(result, ...)` writes for a plain fake tensor: the fields in
     TensorMetadata's order, the sizes (a torch.Size) and strides (a tuple) as torch writes a container, each size a
-    type and a value; the sparse fields False and None."""
+    type and a value; the sparse fields False and None. False, with nothing written, where its storage offset or size
+    is symbolic."""
     shape = tensor.shape
     stride = tensor.stride()
+    offset = tensor.storage_offset()
+    storage_bytes = tensor.untyped_storage().nbytes()
+    if type(offset) is not int or type(storage_bytes) is not int:
+        return False  # a view of concrete sizes on a storage of symbolic size: torch's to write (convert_sym_int)
     # suggest_memory_format (torch/_prims_common, torch 2.11-2.14) tells a channels-last layout from the strides of a
     # 4-d or 5-d tensor only; of any other strided tensor it says contiguous_format.
     memory_format = fake_tensor.suggest_memory_format(tensor) if len(shape) in (4, 5) else torch.contiguous_format
@@ -94,8 +101,8 @@ def _flatten_metadata(result: list[object], tensor: torch.Tensor) -> None:
     result.append(tensor.device)
     result.append(torch.strided)
     result.append(memory_format)
-    result.append(tensor.storage_offset())
-    result.append(tensor.untyped_storage().nbytes())
+    result.append(offset)
+    result.append(storage_bytes)
     result.append(tensor.requires_grad)
     result.append(tensor.is_quantized)
     result.append(tensor.is_conj())
@@ -105,3 +112,4 @@ def _flatten_metadata(result: list[object], tensor: torch.Tensor) -> None:
     result.append(None)  # is_coalesced
     result.append(None)  # dense_dim
     result.append(None)  # sparse_dim
+    return True
