@@ -6,7 +6,7 @@ import gc
 from collections.abc import Callable
 
 import torch
-from torch.profiler import record_function
+from torch.profiler import profile, record_function
 
 from memplan.measure.collector import collector_held
 from memplan.measure.cpu import LiveStorageCounter
@@ -68,12 +68,17 @@ def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bo
     return recording
 
 
-def peak_in_window(recording: AllocationRecording, window_name: str) -> int:
+def peak_in_window(recording: AllocationRecording | profile, window_name: str) -> int:
     """The most bytes the CPU allocator's events had live while the record_function `window_name` ran,
-    counting from when recording started."""
-    start, end = recording.window(window_name)
+    counting from when recording started: from memplan's recording or torch.profiler's own profile, read from torch's
+    results object either way."""
+    owner = recording if isinstance(recording, AllocationRecording) else recording.profiler
+    results = owner.kineto_results
+    events = list(results.events())
+    window = next(event for event in events if event.name() == window_name)
+    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
     total = peak = 0
-    for event in recording.allocator_events():
+    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
         total += event.nbytes()
         if start <= event.start_ns() <= end:
             peak = max(peak, total)
