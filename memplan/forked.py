@@ -71,7 +71,7 @@ def can_fork() -> bool:
         _log.debug("tracing in one process: another thread of this program is running")
         return False
     global _fork_breaks_autograd
-    if _fork_keeps_autograd and not _fork_breaks_autograd:
+    if _fork_keeps_autograd:  # (cleared where a forked job found the handler armed: _note_fork_breaks_autograd)
         return True
     works = not _fork_breaks_autograd and _autograd_works_after_fork()
     if not works:

@@ -66,7 +66,8 @@ def profiled_call(call: Callable[[], T]) -> tuple[T, int, int]:
 
 class AllocationRecording:
     """What allocations_recorded recorded, once its block has ended: `kineto_results`, torch's own results object
-    (its `events()` and `experimental_event_tree()`), as torch.profiler.profile keeps it in `.profiler`."""
+    (its `events()` and `experimental_event_tree()`, its record_function windows among the events), as
+    torch.profiler.profile keeps it in `.profiler`."""
 
     def __init__(self) -> None:
         self.kineto_results: Any = None
@@ -76,14 +77,6 @@ class AllocationRecording:
         the order they happened."""
         events = (event for event in self.kineto_results.events() if event.name() == "[memory]")
         return sorted(events, key=lambda event: event.start_ns())
-
-    def window(self, name: str, last: bool = False) -> tuple[int, int]:
-        """When the first (or last) record_function `name` began and ended, in the events' clock."""
-        windows = [event for event in self.kineto_results.events() if event.name() == name]
-        if not windows:
-            raise LookupError(f"no record_function {name!r} ran while the allocations were recorded")
-        window = windows[-1] if last else windows[0]
-        return window.start_ns(), window.start_ns() + window.duration_ns()
 
 
 @contextlib.contextmanager

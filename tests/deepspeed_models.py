@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from tests.hand_measure import peak_in_window, profiled_third_iteration
+from tests.hand_measure import peak_in_window, profiled_third_iteration, window
 
 
 def bf16_rows(batch_size: int) -> torch.Tensor:
@@ -248,7 +248,7 @@ def measured_offload_peaks(
         (at, address, nbytes, inside_host or index in kept_indices)
         for index, (at, address, nbytes, inside_host) in enumerate(allocations)
     ]
-    return _window_peaks(allocations, recording.window("measured"))
+    return _window_peaks(allocations, window(recording, "measured"))
 
 
 @contextlib.contextmanager

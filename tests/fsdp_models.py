@@ -24,6 +24,7 @@ from tests.hand_measure import (
     profiled_third_iteration,
     profiled_third_iteration_peak,
     training_iteration,
+    window,
 )
 
 WIDTH, HIDDEN, BLOCKS = 64, 256, 3
@@ -209,8 +210,8 @@ def measured_offload_peaks(
     finally:
         dist.destroy_process_group()
     allocations = _allocations(recording)
-    device, host = _window_peaks(allocations, recording.window("measured"))
-    forward_device, _ = _window_peaks(allocations, recording.window("forward", last=True))
+    device, host = _window_peaks(allocations, window(recording, "measured"))
+    forward_device, _ = _window_peaks(allocations, window(recording, "forward", last=True))
     return device, host, forward_device
 
 

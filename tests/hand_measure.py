@@ -68,17 +68,28 @@ def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bo
     return recording
 
 
+def allocator_events(recording: AllocationRecording | profile) -> list:
+    """The CPU allocator's events ("[memory]") in the order they happened, read from torch's own results object of
+    memplan's recording or of torch.profiler's profile."""
+    owner = recording if isinstance(recording, AllocationRecording) else recording.profiler
+    events = (event for event in owner.kineto_results.events() if event.name() == "[memory]")
+    return sorted(events, key=lambda event: event.start_ns())
+
+
+def window(recording: AllocationRecording | profile, name: str, last: bool = False) -> tuple[int, int]:
+    """When the first (or last) record_function `name` began and ended, in the events' clock."""
+    owner = recording if isinstance(recording, AllocationRecording) else recording.profiler
+    windows = [event for event in owner.kineto_results.events() if event.name() == name]
+    chosen = windows[-1] if last else windows[0]
+    return chosen.start_ns(), chosen.start_ns() + chosen.duration_ns()
+
+
 def peak_in_window(recording: AllocationRecording | profile, window_name: str) -> int:
     """The most bytes the CPU allocator's events had live while the record_function `window_name` ran,
-    counting from when recording started: from memplan's recording or torch.profiler's own profile, read from torch's
-    results object either way."""
-    owner = recording if isinstance(recording, AllocationRecording) else recording.profiler
-    results = owner.kineto_results
-    events = list(results.events())
-    window = next(event for event in events if event.name() == window_name)
-    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    counting from when recording started."""
+    start, end = window(recording, window_name)
     total = peak = 0
-    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+    for event in allocator_events(recording):
         total += event.nbytes()
         if start <= event.start_ns() <= end:
             peak = max(peak, total)
@@ -156,7 +167,7 @@ def held_beside_outputs(call: Callable[[], object]) -> int:
     with allocations_recorded() as recording:
         outputs = call()  # kept: their bytes are the total at the end
     total = peak = 0
-    for event in recording.allocator_events():
+    for event in allocator_events(recording):
         total += event.nbytes()
         peak = max(peak, total)
     del outputs

@@ -43,7 +43,8 @@ def case_id(family: str, precision: str, checkpoint: bool, attn_impl: str, *more
 OVER_TOLERANCE = 0.005
 
 
-def assert_not_under_and_close(said: str, predicted: int, measured: int) -> None:
-    """The measured case's check (OVER_TOLERANCE): `said` names the case and the two figures."""
+def assert_not_under_and_close(case: str, predicted: int, measured: int) -> None:
+    """The measured case's check (OVER_TOLERANCE); `case` names it in the message, with the two figures."""
+    said = f"{case}: predicted {predicted:,} B, measured {measured:,} B ({(predicted - measured) / measured:+.3%})"
     assert predicted >= measured, f"{said}: under the real run"
     assert predicted - measured <= OVER_TOLERANCE * measured, f"{said}: more than {OVER_TOLERANCE:.1%} over"

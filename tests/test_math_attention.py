@@ -165,7 +165,7 @@ def test_the_math_path_adds_its_mask_in_place(mask):
     for one [2, 4, 64, 64] float32 scores tensor more per block than the plain run's allocator events show (16
     against 14). The peak (the softmax's, after the add) was right either way; the CUDA allocator's requests not."""
     from memplan.estimator.liveness import liveness
-    from tests.hand_measure import profiled_third_iteration, training_iteration
+    from tests.hand_measure import allocator_events, profiled_third_iteration, training_iteration, window
     from tests.module_specs import loss_returning_spec
 
     batch, steps = 2, 64
@@ -178,9 +178,9 @@ def test_the_math_path_adds_its_mask_in_place(mask):
         return training_iteration(model, torch.randn(batch, steps, 32), lambda out, _: out, optimizer)
 
     recording = profiled_third_iteration(build)
-    start, end = recording.window("measured")
+    start, end = window(recording, "measured")
     measured = sum(
-        1 for event in recording.allocator_events() if start <= event.start_ns() <= end and event.nbytes() == scores
+        1 for event in allocator_events(recording) if start <= event.start_ns() <= end and event.nbytes() == scores
     )
     spec = loss_returning_spec("masked-math", lambda: _MaskedMathBlocks(mask), (steps, 32))
     traced = trace_step(spec, TrainingSettings(batch_size=batch, device="cpu", optimizer="sgd"))

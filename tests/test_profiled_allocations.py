@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from memplan.profiled_allocations import allocations_recorded, profiled_call, profiler_running
+from tests.hand_measure import allocator_events, window
 
 
 def test_the_peak_and_what_the_call_returned_are_read_off_the_allocator():
@@ -48,31 +49,16 @@ def test_the_recording_has_the_allocator_events_torch_s_profiler_has_and_no_op_e
     step()  # (what a first run makes once: oneDNN's primitives)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         step()
-    everything = profiler.profiler.kineto_results.events()
-    torch_s = [
-        e.nbytes() for e in sorted((e for e in everything if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    ]
     with allocations_recorded() as recording:
         assert profiler_running()
         step()
     assert not profiler_running()
+    torch_s = [event.nbytes() for event in allocator_events(profiler)]
     assert [event.nbytes() for event in recording.allocator_events()] == torch_s and len(torch_s) > 20
-    start, end = recording.window("backward")
-    assert start < end
-    inside = [e.nbytes() for e in recording.allocator_events() if start <= e.start_ns() <= end]
-    window = next(e for e in everything if e.name() == "backward")
-    torch_s_inside = [
-        e.nbytes()
-        for e in sorted((e for e in everything if e.name() == "[memory]"), key=lambda e: e.start_ns())
-        if window.start_ns() <= e.start_ns() <= window.start_ns() + window.duration_ns()
-    ]
-    assert inside == torch_s_inside and inside
-    assert any(e.name().startswith("aten::") for e in everything)
+    inside = {}
+    for name, run in (("memplan's", recording), ("torch's", profiler)):
+        start, end = window(run, "backward")
+        inside[name] = [event.nbytes() for event in allocator_events(run) if start <= event.start_ns() <= end]
+    assert inside["memplan's"] == inside["torch's"] and inside["torch's"]
+    assert any(e.name().startswith("aten::") for e in profiler.profiler.kineto_results.events())
     assert not any(e.name().startswith("aten::") for e in recording.kineto_results.events())
-
-
-def test_a_window_that_never_ran_is_said_by_name():
-    with allocations_recorded() as recording:
-        torch.ones(3)
-    with pytest.raises(LookupError, match="'measured'"):
-        recording.window("measured")
