@@ -1,0 +1,61 @@
+"""A warm trace's CPU time, per model: what a change to the tracer saves, compared across two trees.
+
+Usage: PYTHONPATH=<tree> python benchmarks/warm_trace.py [MODEL ...] [--rounds N]   (default: gpt2 resnet-50, 8 rounds)
+gpt2 is traced at -b 8 --seq-len 1024, anything else at -b 8 and its own defaults, on memplan's default (cuda) target.
+After one trace that warms the fake-tensor cache, prints per model the smallest and the median `time.process_time()`
+of a trace, and the peak (which a change for speed must leave equal). Run it in the tree before a change and in the
+tree after it alternately (`git worktree add /tmp/before <commit>`): this machine's speed drifts by more than the
+changes measured. The objects made before the rounds are frozen (gc.freeze), as the command line freezes its imports'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["gpt2", "resnet-50"])
+    parser.add_argument("--rounds", type=int, default=8)
+    options = parser.parse_args()
+
+    import transformers  # noqa: F401  (imported before the rounds, as an estimate imports it)
+
+    from memplan.estimator.simulate import simulate
+    from memplan.estimator.trace import build_fake_setup, trace_step
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    for name in options.models:
+        spec = resolve_model(name)
+        chosen = TrainingSettings(batch_size=8, seq_len=1024) if name == "gpt2" else TrainingSettings(batch_size=8)
+        settings = spec.settings_for(chosen)
+        setup = build_fake_setup(spec, settings)
+        peak = simulate(trace_step(spec, settings, setup, None)).peak_bytes  # the fake-tensor cache warmed
+        gc.freeze()
+        seconds = []
+        try:
+            for _ in range(options.rounds):
+                started = time.process_time()
+                trace_step(spec, settings, setup, None)
+                seconds.append(time.process_time() - started)
+        finally:
+            gc.unfreeze()
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "rounds": options.rounds,
+                    "trace_cpu_s": {"min": round(min(seconds), 3), "median": round(statistics.median(seconds), 3)},
+                    "peak_bytes": peak,
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
