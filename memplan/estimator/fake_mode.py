@@ -30,6 +30,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from memplan.estimator.buffer_values import MOST_REPLAYED_ELEMENTS
 from memplan.estimator.fake_cache_keys import prep_args_for_hash
+from memplan.estimator.fake_cache_outputs import FreshOutputs, fresh_output
 from memplan.estimator.known_values import SHAPED_VALUE_FACTORIES, VALUE_FACTORIES
 from memplan.estimator.oprules import FAKE_KERNEL_RULES
 
@@ -77,7 +78,12 @@ logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QUIET)
 class TracingFakeMode(FakeTensorMode):
     """FakeTensorMode that does not cache ops whose outputs share storage, runs memplan's rule in place of the
     fake kernel where it has one (module docstring), keeps torch's log of a failing fake kernel quiet while
-    it is entered (_QuietWhileTracing), and makes its cache keys faster (memplan.estimator.fake_cache_keys)."""
+    it is entered (_QuietWhileTracing), and makes its cache keys and cached outputs faster
+    (memplan.estimator.fake_cache_keys, memplan.estimator.fake_cache_outputs)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fresh_outputs = FreshOutputs()
 
     def __enter__(self) -> Any:
         entered = super().__enter__()
@@ -174,6 +180,11 @@ class TracingFakeMode(FakeTensorMode):
     def _prep_args_for_hash(self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]) -> None:
         # The cache key of a plain fake tensor written directly (memplan.estimator.fake_cache_keys): the same key.
         prep_args_for_hash(self, super()._prep_args_for_hash, result, args, state, id_hashed_objects)
+
+    def _get_output_tensor_from_cache_entry(self, state: Any, entry: Any, key: Any, func: Any, args: Any) -> Any:
+        # A plain output built directly (memplan.estimator.fake_cache_outputs): the same tensor.
+        made = fresh_output(self, self._fresh_outputs, entry, func, args)
+        return made if made is not None else super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
 
     def _make_cache_entry(self, state: Any, key: Any, func: Any, args: Any, kwargs: Any, output: Any) -> Any:
         if isinstance(output, tuple) and _shares_storage(output):

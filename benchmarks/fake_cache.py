@@ -1,10 +1,13 @@
-"""A warm trace's CPU time with memplan's fake cache keys (memplan.estimator.fake_cache_keys) and with torch's own
-`_prep_args_for_hash`, alternately in one process, over the same model, settings and fake setup.
+"""A warm trace's CPU time with memplan's fake-tensor cache keys and cached outputs (memplan.estimator.fake_cache_keys,
+memplan.estimator.fake_cache_outputs) and with torch's own functions, alternately in one process, over the same model,
+settings and fake setup.
 
-Usage: python benchmarks/fake_cache_keys.py [MODEL ...] [--rounds N]   (default: gpt2 resnet-50, 8 rounds)
-gpt2 is traced at -b 8 --seq-len 1024, anything else at -b 8 and its own defaults. Prints, per model, the smallest
-and the median `time.process_time()` of a trace with each, and each one's peak (which must be equal). The objects
-made before the rounds are frozen (gc.freeze), as the command line freezes what its imports made.
+Usage: python benchmarks/fake_cache.py [MODEL ...] [--rounds N]   (default: gpt2 resnet-50, 8 rounds)
+gpt2 is traced at -b 8 --seq-len 1024, anything else at -b 8 and its own defaults. Three variants, one trace each per
+round: torch's `_prep_args_for_hash` and `_get_output_tensor_from_cache_entry` ("torch"), memplan's keys with torch's
+outputs ("keys"), memplan's keys and outputs ("keys+outputs", what memplan runs). Prints, per model, the smallest and
+the median `time.process_time()` of a trace with each, and each one's peak (which must be equal). The objects made
+before the rounds are frozen (gc.freeze), as the command line freezes what its imports made.
 """
 
 from __future__ import annotations
@@ -31,8 +34,13 @@ def main() -> None:
     from memplan.models.source import resolve_model
     from memplan.settings import TrainingSettings
 
-    memplan_s = fake_mode.TracingFakeMode._prep_args_for_hash
-    torch_s = FakeTensorMode._prep_args_for_hash
+    mode = fake_mode.TracingFakeMode
+    keys = {"torch": FakeTensorMode._prep_args_for_hash, "memplan": mode._prep_args_for_hash}
+    outputs = {
+        "torch": FakeTensorMode._get_output_tensor_from_cache_entry,
+        "memplan": mode._get_output_tensor_from_cache_entry,
+    }
+    variants = {"torch": ("torch", "torch"), "keys": ("memplan", "torch"), "keys+outputs": ("memplan", "memplan")}
     for name in options.models:
         spec = resolve_model(name)
         chosen = TrainingSettings(batch_size=8, seq_len=1024) if name == "gpt2" else TrainingSettings(batch_size=8)
@@ -40,18 +48,20 @@ def main() -> None:
         setup = build_fake_setup(spec, settings)
         trace_step(spec, settings, setup, None)  # the fake-tensor cache warmed
         gc.freeze()
-        seconds: dict[str, list[float]] = {"torch": [], "memplan": []}
+        seconds: dict[str, list[float]] = {variant: [] for variant in variants}
         peaks: dict[str, int] = {}
         try:
             for _ in range(options.rounds):
-                for variant, function in (("torch", torch_s), ("memplan", memplan_s)):
-                    fake_mode.TracingFakeMode._prep_args_for_hash = function
+                for variant, (key_s, output_s) in variants.items():
+                    mode._prep_args_for_hash = keys[key_s]  # type: ignore[method-assign]
+                    mode._get_output_tensor_from_cache_entry = outputs[output_s]  # type: ignore[method-assign]
                     started = time.process_time()
                     traced = trace_step(spec, settings, setup, None)
                     seconds[variant].append(time.process_time() - started)
                     peaks[variant] = simulate(traced).peak_bytes
         finally:
-            fake_mode.TracingFakeMode._prep_args_for_hash = memplan_s
+            mode._prep_args_for_hash = keys["memplan"]  # type: ignore[method-assign]
+            mode._get_output_tensor_from_cache_entry = outputs["memplan"]  # type: ignore[method-assign]
             gc.unfreeze()
         print(
             json.dumps(
