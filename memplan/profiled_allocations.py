@@ -83,7 +83,14 @@ class AllocationRecording:
 def allocations_recorded() -> Iterator[AllocationRecording]:
     """torch's profiler recording the CPU allocator's events and the record_function windows (user scopes) while
     the block runs, not each op (the module's docstring says why); the results are in the yielded recording once
-    the block ends. Profilers cannot nest: check profiler_running() first where one may already run."""
+    the block ends. Profilers cannot nest: raises RuntimeError where one already runs (check profiler_running()
+    first): starting this one would end that one, which would find none of its events (torch warns, "disableProfiler
+    called but no active profiling session found")."""
+    if profiler_running():
+        raise RuntimeError(
+            "torch's profiler already runs in this process: profilers cannot nest, and starting another would end it "
+            "without its events; record outside it"
+        )
     from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler
     from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope, _ExperimentalConfig
 
@@ -99,5 +106,7 @@ def allocations_recorded() -> Iterator[AllocationRecording]:
     try:
         yield recording
     finally:
-        recording.kineto_results = _disable_profiler()
-        torch.autograd.profiler._run_on_profiler_stop()
+        try:
+            recording.kineto_results = _disable_profiler()
+        finally:  # (profiler_running would answer True for the rest of the process)
+            torch.autograd.profiler._run_on_profiler_stop()

@@ -62,3 +62,31 @@ def test_the_recording_has_the_allocator_events_torch_s_profiler_has_and_no_op_e
     assert inside["memplan's"] == inside["torch's"] and inside["torch's"]
     assert any(e.name().startswith("aten::") for e in profiler.profiler.kineto_results.events())
     assert not any(e.name().startswith("aten::") for e in recording.kineto_results.events())
+
+
+def test_inside_a_running_profiler_it_refuses_and_that_profiler_keeps_its_events():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as session:
+        before = torch.ones(1000)
+        with pytest.raises(RuntimeError, match="profilers cannot nest"):
+            with allocations_recorded():
+                pass
+        assert profiler_running()
+        after = torch.ones(1000)
+    allocated = [event.nbytes() for event in session.profiler.kineto_results.events() if event.name() == "[memory]"]
+    assert allocated == [before.untyped_storage().nbytes(), after.untyped_storage().nbytes()]
+
+
+def test_a_failure_to_stop_leaves_no_profiler_said_running(monkeypatch):
+    from torch._C import _autograd
+
+    stop = _autograd._disable_profiler
+
+    def failing() -> None:
+        stop()  # (stopped for real, so that later tests may profile)
+        raise RuntimeError("stopping failed")
+
+    monkeypatch.setattr(_autograd, "_disable_profiler", failing)
+    with pytest.raises(RuntimeError, match="stopping failed"):
+        with allocations_recorded():
+            torch.ones(10)
+    assert not profiler_running()
