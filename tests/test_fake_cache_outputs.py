@@ -8,7 +8,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _CacheKeyState, _DispatchCacheValidEntry
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorConfig,
+    FakeTensorMode,
+    _CacheKeyState,
+    _DispatchCacheValidEntry,
+)
 
 from memplan.estimator.fake_cache_outputs import fresh_output
 from memplan.estimator.fake_mode import TracingFakeMode
@@ -45,7 +51,7 @@ def _observed(tensor: object) -> dict[str, object]:
         "memory format": torch.channels_last if tensor.is_contiguous(memory_format=torch.channels_last) else None,
         "requires grad": tensor.requires_grad,
         "leaf": tensor.is_leaf,
-        "version": tensor._version,
+        "version": None if tensor.is_inference() else tensor._version,  # (an inference tensor has none)
         "inference": tensor.is_inference(),
         "dispatch keys": torch._C._dispatch_key_set(tensor),
         "storage bytes": tensor.untyped_storage().nbytes(),
@@ -86,11 +92,20 @@ def _cases(mode: TracingFakeMode) -> dict[str, tuple[Callable, tuple, dict]]:
     }
 
 
+@pytest.mark.parametrize(
+    ("unsafe_data_pointers", "inference"),
+    [(True, False), (False, False), (True, True)],
+    ids=["torch's default", "data pointers refused", "inference mode"],
+)
 @pytest.mark.parametrize("case", list(_cases(TracingFakeMode())))
-def test_a_cached_output_is_the_tensor_torch_builds(case, monkeypatch):
+def test_a_cached_output_is_the_tensor_torch_builds(case, unsafe_data_pointers, inference, monkeypatch):
+    """`unsafe_data_pointers`: the mode's `_allow_unsafe_data_ptr_access` (torch's config, True by default), which
+    picks the C++ flag each output gets; `inference`: both built under torch.inference_mode."""
     mode = TracingFakeMode()
+    mode._allow_unsafe_data_ptr_access = unsafe_data_pointers
     func, args, kwargs = _cases(mode)[case]
     state, key, entry = _entry(mode, func, args, kwargs)
+
     # What torch's constructor sets on the tensor in C++ (shown to Python by nothing else): memplan's must set it too.
     flagged: dict[str, list[tuple[str, int]]] = {"memplan": [], "torch": []}
     side = "memplan"
@@ -106,11 +121,12 @@ def test_a_cached_output_is_the_tensor_torch_builds(case, monkeypatch):
 
         monkeypatch.setattr(torch._C, name, flag)
     for info in entry.output_infos:
-        side = "memplan"
-        ours = fresh_output(mode, mode._fresh_outputs, info, func, args)
-        assert ours is not None, "built by memplan, not left to torch"
-        side = "torch"
-        theirs = FakeTensorMode._get_output_tensor_from_cache_entry(mode, state, info, key, func, args)
+        with torch.inference_mode(inference):
+            side = "memplan"
+            ours = fresh_output(mode, mode._fresh_outputs, info, func, args)
+            assert ours is not None, "built by memplan, not left to torch"
+            side = "torch"
+            theirs = FakeTensorMode._get_output_tensor_from_cache_entry(mode, state, info, key, func, args)
         assert _observed(ours) == _observed(theirs)
         assert _storage_owner(ours, args) == _storage_owner(theirs, args)
         assert ours.untyped_storage()._cdata != theirs.untyped_storage()._cdata or func.is_view
@@ -135,6 +151,27 @@ def test_in_place_and_symbolic_outputs_are_left_to_torch():
         other = torch.empty(4, 6)
     _, _, entry = _entry(symbolic, aten.add.Tensor, (other, other), {})
     assert fresh_output(symbolic, symbolic._fresh_outputs, entry.output_infos[0], aten.add.Tensor, (other,)) is None
+
+
+def test_meta_debug_and_export_outputs_are_left_to_torch(monkeypatch):
+    """torch checks a meta output against the mode's allow_meta in its constructor, records a traceback for each
+    tensor in its debug mode, and tracks tensors made during torch.export in FakeTensor.__init__: each stays torch's."""
+    mode = TracingFakeMode()
+    mode.allow_meta = True  # (torch's config: fake_tensor_allow_meta)
+    with mode:
+        on_meta = torch.empty(4, 6, device="meta")
+    _, _, entry = _entry(mode, aten.add.Tensor, (on_meta, on_meta), {})
+    assert fresh_output(mode, mode._fresh_outputs, entry.output_infos[0], aten.add.Tensor, (on_meta,)) is None
+    with mode:
+        matrix = torch.empty(4, 6)
+    _, _, entry = _entry(mode, aten.add.Tensor, (matrix, matrix), {})
+    (info,) = entry.output_infos
+    assert fresh_output(mode, mode._fresh_outputs, info, aten.add.Tensor, (matrix,)) is not None
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    assert fresh_output(mode, mode._fresh_outputs, info, aten.add.Tensor, (matrix,)) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(FakeTensorConfig, "debug", True)
+    assert fresh_output(mode, mode._fresh_outputs, info, aten.add.Tensor, (matrix,)) is None
 
 
 def test_an_entry_torch_s_own_mode_cached_answers_memplan_s_mode_with_its_own_tensors():

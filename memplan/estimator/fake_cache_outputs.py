@@ -4,8 +4,9 @@ On a cache hit FakeTensorMode builds each output afresh from the entry's metadat
 (torch/_subclasses/fake_tensor.py: `_get_output_tensor_from_cache_entry`): it reads each size, stride and the offset
 through a closure that would resolve a symbolic one, makes an empty meta tensor inside `in_kernel_invocation_manager`
 and `nullcontext` (two generator-based context managers), sets a view's storage, and wraps the meta tensor with
-`FakeTensor(mode, meta, device)`, whose `__new__` validates its arguments, normalizes the device and sets twenty
-attributes one by one (five memo descriptors, three attributes each). With memplan's cache keys (fake_cache_keys)
+`FakeTensor(mode, meta, device)`, whose `__new__` validates its arguments, normalizes the device (on a machine with
+the device, making a one-element tensor there each time: `init_gpu_context`) and sets twenty-one attributes one by one
+on torch 2.13 (five memo descriptors, three attributes each). With memplan's cache keys (fake_cache_keys)
 that construction was the largest part left of a warm trace's fake dispatch (py-spy, gpt2 -b 8 --seq-len 1024: 18%
 of a trace under `_output_from_cache_entry`, 7.5% of it in `FakeTensor.__new__`).
 
@@ -14,7 +15,10 @@ neither conjugated nor negated: the meta tensor made with torch's arguments unde
 off (what in_kernel_invocation_manager enters; the meta tensor's own kernels need no more), a view set onto its
 argument's storage as torch sets it, and the wrapper made as `FakeTensor.__new__` makes it (`Tensor._make_subclass`
 with the fake device, the mutable-data-pointer check torch sets), its attributes copied from a tensor that torch's
-own constructor made for the mode and device (so they are whatever this torch sets). Anything else is left to torch.
+own constructor made for the mode and device (so they are whatever this torch sets; that construction is the one
+that checks the device and readies a real one). Not run: `FakeTensor.__init__`, which only tracks tensors made while
+torch.export runs, so an export (which memplan never runs) is left to torch, as are entries on the meta device
+(torch refuses them unless the mode allows meta) and anything else.
 tests/test_fake_cache_outputs.py compares the two tensors, attribute by attribute, over plain, view, multi-output and
 in-place entries, and checks that an entry made by torch's own FakeTensorMode gives memplan's mode the same tensors.
 """
@@ -54,6 +58,8 @@ def fresh_output(mode: Any, fresh: FreshOutputs, entry: Any, func: Any, args: An
     if metadata is None or entry.inplace_idx is not None or mode.shape_env is not None or FakeTensorConfig.debug:
         return None
     if metadata.layout is not torch.strided or metadata.is_conj or metadata.is_neg or not isinstance(func, OpOverload):
+        return None
+    if metadata.device.type == "meta" or torch.compiler.is_exporting():
         return None
     device, attributes = fresh.made_by_torch(mode, metadata.device)
     shape, stride = metadata.shape, metadata.stride
