@@ -235,9 +235,12 @@ class ForkedJob:
 
     @staticmethod
     def can_start() -> bool:
+        # MEMPLAN_JOBS read first: a value that is no count is refused whether or not this process may fork now (it
+        # went unread, and unrefused, once a child had found autograd unusable: CI's torch 2.11 leg, order-dependent)
+        cores = available_cores()
         if _in_worker or _fork_breaks_autograd or _others_running():
             return False
-        return "fork" in multiprocessing.get_all_start_methods() and available_cores() > 1
+        return "fork" in multiprocessing.get_all_start_methods() and cores > 1
 
     def __init__(self, job: Callable[[], Any]) -> None:
         read, write = os.pipe()
