@@ -3,7 +3,10 @@
 Usage: PYTHONPATH=<tree> python benchmarks/warm_trace.py [MODEL ...] [--rounds N]   (default: gpt2 resnet-50, 8 rounds)
 gpt2 is traced at -b 8 --seq-len 1024, anything else at -b 8 and its own defaults, on memplan's default (cuda) target.
 After one trace that warms the fake-tensor cache, prints per model the smallest and the median `time.process_time()`
-of a trace, and the peak (which a change for speed must leave equal). Run it in the tree before a change and in the
+of a trace, the peak (which a change for speed must leave equal), and the median CPU time of the trace's calls of
+torch's `_group_tensors_by_device_and_dtype` (a foreach optimizer's step groups every parameter, gradient and state
+tensor by device and dtype, one fake device query each: memplan.estimator.held_tensors.OptimizerLocals answers those
+at once since faf0cce). Run it in the tree before a change and in the
 tree after it alternately (`git worktree add /tmp/before <commit>`): this machine's speed drifts by more than the
 changes measured. The objects made before the rounds are frozen (gc.freeze), as the command line freezes its imports'.
 """
@@ -23,6 +26,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     options = parser.parse_args()
 
+    import torch
     import transformers  # noqa: F401  (imported before the rounds, as an estimate imports it)
 
     from memplan.estimator.simulate import simulate
@@ -30,6 +34,17 @@ def main() -> None:
     from memplan.models.source import resolve_model
     from memplan.settings import TrainingSettings
 
+    grouping_s = [0.0]
+    torch_s_grouping = torch._C._group_tensors_by_device_and_dtype
+
+    def timed_grouping(*args: object) -> object:
+        started = time.process_time()
+        try:
+            return torch_s_grouping(*args)
+        finally:
+            grouping_s[0] += time.process_time() - started
+
+    torch._C._group_tensors_by_device_and_dtype = timed_grouping  # (torch/utils/_foreach_utils.py looks it up there)
     for name in options.models:
         spec = resolve_model(name)
         chosen = TrainingSettings(batch_size=8, seq_len=1024) if name == "gpt2" else TrainingSettings(batch_size=8)
@@ -37,12 +52,14 @@ def main() -> None:
         setup = build_fake_setup(spec, settings)
         peak = simulate(trace_step(spec, settings, setup, None)).peak_bytes  # the fake-tensor cache warmed
         gc.freeze()
-        seconds = []
+        seconds, grouping = [], []
         try:
             for _ in range(options.rounds):
+                grouping_s[0] = 0.0
                 started = time.process_time()
                 trace_step(spec, settings, setup, None)
                 seconds.append(time.process_time() - started)
+                grouping.append(grouping_s[0])
         finally:
             gc.unfreeze()
         print(
@@ -52,6 +69,7 @@ def main() -> None:
                     "rounds": options.rounds,
                     "trace_cpu_s": {"min": round(min(seconds), 3), "median": round(statistics.median(seconds), 3)},
                     "peak_bytes": peak,
+                    "optimizer_device_grouping_cpu_ms": round(1000 * statistics.median(grouping), 1),
                 }
             )
         )
