@@ -19,8 +19,10 @@ own constructor made for the mode and device (so they are whatever this torch se
 that checks the device and readies a real one). Not run: `FakeTensor.__init__`, which only tracks tensors made while
 torch.export runs, so an export (which memplan never runs) is left to torch, as are entries on the meta device
 (torch refuses them unless the mode allows meta) and anything else.
-tests/test_fake_cache_outputs.py compares the two tensors, attribute by attribute, over plain, view, multi-output and
-in-place entries, and checks that an entry made by torch's own FakeTensorMode gives memplan's mode the same tensors.
+tests/test_fake_cache_outputs.py compares the two tensors, attribute by attribute, over plain, view and multi-output
+entries (with either data-pointer flag, and under inference mode), checks what is left to torch, that an entry torch's
+own FakeTensorMode cached answers memplan's mode, and runs whole steps under torch's own cache crosscheck (each hit
+dispatched again through the fake kernel and compared).
 """
 
 from __future__ import annotations
