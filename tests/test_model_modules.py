@@ -94,3 +94,29 @@ def test_a_cache_a_library_puts_on_a_model_class_after_the_first_trace_is_swappe
     cell = build.__closure__[code.co_freevars.index("func_with_cache")]
     assert id(cell) not in before
     assert id(cell) in {id(found) for found in tensor_caches._cache_cells()}
+
+
+def test_a_module_gone_from_sys_modules_is_let_go():
+    """What was read of a module (the module, its values, what the finder found: a user's lru cache of tensors) is
+    not kept once the module has left sys.modules (a notebook's reload, a test's cleanup)."""
+    import gc
+    import weakref
+
+    def finder(name: str, module: ModuleType) -> list[object]:
+        return [module.cache] if name == "transformers.models.memplan_probe_gone" else []
+
+    class Cache:
+        pass
+
+    module = ModuleType("transformers.models.memplan_probe_gone")
+    module.cache = Cache()
+    cache = weakref.ref(module.cache)
+    sys.modules[module.__name__] = module  # (not monkeypatch's setitem: its undo would keep the module)
+    try:
+        assert found_in_model_modules(finder) == [cache()]
+    finally:
+        del sys.modules[module.__name__]
+    del module
+    assert found_in_model_modules(finder) == []
+    gc.collect()
+    assert cache() is None

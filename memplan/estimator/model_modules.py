@@ -62,11 +62,16 @@ def found_in_model_modules(finder: Callable[[str, ModuleType], list[T]]) -> list
     module's answer kept from the last call where its namespace and its classes' hold the same objects."""
     known = _FOUND.setdefault(finder, {})
     found: list[T] = []
+    present = 0
     for name, module in list(sys.modules.items()):
         if not name.startswith("transformers.models.") or module is None:
             continue
+        present += 1
         read = known.get(name)
         if read is None or not read.still_current(module):
             read = known[name] = _Read(module, finder(name, module))
         found.extend(read.found)
+    if len(known) > present:  # a module gone from sys.modules: what was read of it (and what it held) is let go too
+        for name in [name for name in known if sys.modules.get(name) is None]:
+            del known[name]
     return found
