@@ -26,14 +26,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     options = parser.parse_args()
 
-    import transformers  # noqa: F401  (imported before the rounds, as an estimate imports it)
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from warm_trace import warm_setup  # (benchmarks/, the script's own folder)
 
     from memplan.estimator import fake_mode
     from memplan.estimator.simulate import simulate
-    from memplan.estimator.trace import build_fake_setup, trace_step
-    from memplan.models.source import resolve_model
-    from memplan.settings import TrainingSettings
+    from memplan.estimator.trace import trace_step
 
     mode = fake_mode.TracingFakeMode
     keys = {"torch": FakeTensorMode._prep_args_for_hash, "memplan": mode._prep_args_for_hash}
@@ -43,10 +41,7 @@ def main() -> None:
     }
     variants = {"torch": ("torch", "torch"), "keys": ("memplan", "torch"), "keys+outputs": ("memplan", "memplan")}
     for name in options.models:
-        spec = resolve_model(name)
-        chosen = TrainingSettings(batch_size=8, seq_len=1024) if name == "gpt2" else TrainingSettings(batch_size=8)
-        settings = spec.settings_for(chosen)
-        setup = build_fake_setup(spec, settings)
+        spec, settings, setup = warm_setup(name)
         trace_step(spec, settings, setup, None)  # the fake-tensor cache warmed
         gc.freeze()
         seconds: dict[str, list[float]] = {variant: [] for variant in variants}

@@ -20,6 +20,21 @@ import statistics
 import time
 
 
+def warm_setup(name: str) -> tuple:
+    """The model's spec, its settings (gpt2: -b 8 --seq-len 1024; any other: -b 8 and its defaults) and its fake setup,
+    transformers imported first, as an estimate imports it (this script's and benchmarks/fake_cache.py's)."""
+    import transformers  # noqa: F401
+
+    from memplan.estimator.trace import build_fake_setup
+    from memplan.models.source import resolve_model
+    from memplan.settings import TrainingSettings
+
+    spec = resolve_model(name)
+    chosen = TrainingSettings(batch_size=8, seq_len=1024) if name == "gpt2" else TrainingSettings(batch_size=8)
+    settings = spec.settings_for(chosen)
+    return spec, settings, build_fake_setup(spec, settings)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=["gpt2", "resnet-50"])
@@ -27,12 +42,9 @@ def main() -> None:
     options = parser.parse_args()
 
     import torch
-    import transformers  # noqa: F401  (imported before the rounds, as an estimate imports it)
 
     from memplan.estimator.simulate import simulate
-    from memplan.estimator.trace import build_fake_setup, trace_step
-    from memplan.models.source import resolve_model
-    from memplan.settings import TrainingSettings
+    from memplan.estimator.trace import trace_step
 
     grouping_s = [0.0]
     torch_s_grouping = torch._C._group_tensors_by_device_and_dtype
@@ -46,10 +58,7 @@ def main() -> None:
 
     torch._C._group_tensors_by_device_and_dtype = timed_grouping  # (torch/utils/_foreach_utils.py looks it up there)
     for name in options.models:
-        spec = resolve_model(name)
-        chosen = TrainingSettings(batch_size=8, seq_len=1024) if name == "gpt2" else TrainingSettings(batch_size=8)
-        settings = spec.settings_for(chosen)
-        setup = build_fake_setup(spec, settings)
+        spec, settings, setup = warm_setup(name)
         peak = simulate(trace_step(spec, settings, setup, None)).peak_bytes  # the fake-tensor cache warmed
         gc.freeze()
         seconds, grouping = [], []

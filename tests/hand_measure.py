@@ -68,18 +68,22 @@ def profiled_third_iteration(build: Callable[[], Callable[[], None]], onednn: bo
     return recording
 
 
-def allocator_events(recording: AllocationRecording | profile) -> list:
-    """The CPU allocator's events ("[memory]") in the order they happened, read from torch's own results object of
-    memplan's recording or of torch.profiler's profile."""
+def _events(recording: AllocationRecording | profile) -> list:
+    """The events of torch's own results object, of memplan's recording or of torch.profiler's profile."""
     owner = recording if isinstance(recording, AllocationRecording) else recording.profiler
-    events = (event for event in owner.kineto_results.events() if event.name() == "[memory]")
+    return owner.kineto_results.events()
+
+
+def allocator_events(recording: AllocationRecording | profile) -> list:
+    """The CPU allocator's events ("[memory]") in the order they happened (read here, not with memplan's own
+    AllocationRecording.allocator_events: these are the tests' truth)."""
+    events = (event for event in _events(recording) if event.name() == "[memory]")
     return sorted(events, key=lambda event: event.start_ns())
 
 
 def window(recording: AllocationRecording | profile, name: str, last: bool = False) -> tuple[int, int]:
     """When the first (or last) record_function `name` began and ended, in the events' clock."""
-    owner = recording if isinstance(recording, AllocationRecording) else recording.profiler
-    windows = [event for event in owner.kineto_results.events() if event.name() == name]
+    windows = [event for event in _events(recording) if event.name() == name]
     chosen = windows[-1] if last else windows[0]
     return chosen.start_ns(), chosen.start_ns() + chosen.duration_ns()
 

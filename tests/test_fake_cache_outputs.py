@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import (
     _DispatchCacheValidEntry,
 )
 
-from memplan.estimator.fake_cache_outputs import fresh_output
+from memplan.estimator.fake_cache_outputs import FreshOutputs
 from memplan.estimator.fake_mode import TracingFakeMode
 from memplan.estimator.trace import trace_step
 from memplan.models.source import resolve_model
@@ -123,7 +123,7 @@ def test_a_cached_output_is_the_tensor_torch_builds(case, unsafe_data_pointers, 
     for info in entry.output_infos:
         with torch.inference_mode(inference):
             side = "memplan"
-            ours = fresh_output(mode, mode._fresh_outputs, info, func, args)
+            ours = mode._fresh_outputs.built(info, func, args)
             assert ours is not None, "built by memplan, not left to torch"
             side = "torch"
             theirs = FakeTensorMode._get_output_tensor_from_cache_entry(mode, state, info, key, func, args)
@@ -140,7 +140,7 @@ def test_in_place_and_symbolic_outputs_are_left_to_torch():
         matrix = torch.empty(4, 6)
     _, _, entry = _entry(mode, aten.add_.Tensor, (matrix, matrix), {})
     (info,) = entry.output_infos
-    assert info.inplace_idx == 0 and fresh_output(mode, mode._fresh_outputs, info, aten.add_.Tensor, (matrix,)) is None
+    assert info.inplace_idx == 0 and mode._fresh_outputs.built(info, aten.add_.Tensor, (matrix,)) is None
     with mode:
         assert matrix.add_(matrix) is matrix  # torch's own path returns the argument itself
 
@@ -150,7 +150,7 @@ def test_in_place_and_symbolic_outputs_are_left_to_torch():
     with symbolic:
         other = torch.empty(4, 6)
     _, _, entry = _entry(symbolic, aten.add.Tensor, (other, other), {})
-    assert fresh_output(symbolic, symbolic._fresh_outputs, entry.output_infos[0], aten.add.Tensor, (other,)) is None
+    assert symbolic._fresh_outputs.built(entry.output_infos[0], aten.add.Tensor, (other,)) is None
 
 
 def test_meta_debug_and_export_outputs_are_left_to_torch(monkeypatch):
@@ -161,17 +161,17 @@ def test_meta_debug_and_export_outputs_are_left_to_torch(monkeypatch):
     with mode:
         on_meta = torch.empty(4, 6, device="meta")
     _, _, entry = _entry(mode, aten.add.Tensor, (on_meta, on_meta), {})
-    assert fresh_output(mode, mode._fresh_outputs, entry.output_infos[0], aten.add.Tensor, (on_meta,)) is None
+    assert mode._fresh_outputs.built(entry.output_infos[0], aten.add.Tensor, (on_meta,)) is None
     with mode:
         matrix = torch.empty(4, 6)
     _, _, entry = _entry(mode, aten.add.Tensor, (matrix, matrix), {})
     (info,) = entry.output_infos
-    assert fresh_output(mode, mode._fresh_outputs, info, aten.add.Tensor, (matrix,)) is not None
+    assert mode._fresh_outputs.built(info, aten.add.Tensor, (matrix,)) is not None
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
-    assert fresh_output(mode, mode._fresh_outputs, info, aten.add.Tensor, (matrix,)) is None
+    assert mode._fresh_outputs.built(info, aten.add.Tensor, (matrix,)) is None
     monkeypatch.undo()
     monkeypatch.setattr(FakeTensorConfig, "debug", True)
-    assert fresh_output(mode, mode._fresh_outputs, info, aten.add.Tensor, (matrix,)) is None
+    assert mode._fresh_outputs.built(info, aten.add.Tensor, (matrix,)) is None
 
 
 def test_an_entry_torch_s_own_mode_cached_answers_memplan_s_mode_with_its_own_tensors():
@@ -196,10 +196,10 @@ def test_a_traced_step_passes_torch_s_cache_crosscheck(target, monkeypatch):
     spec = resolve_model("tiny-gpt2")
     settings = spec.settings_for(TrainingSettings(batch_size=2, seq_len=16, device=target))
     built: list[object] = []
-    import memplan.estimator.fake_mode as fake_mode_module
+    memplan_s = FreshOutputs.built
 
-    def counted(*args: object) -> object:
-        made = fresh_output(*args)
+    def counted(fresh: FreshOutputs, *args: object) -> object:
+        made = memplan_s(fresh, *args)
         if made is not None:
             built.append(made)
         return made
@@ -211,7 +211,7 @@ def test_a_traced_step_passes_torch_s_cache_crosscheck(target, monkeypatch):
         crosschecked.append(output)
         torch_s_crosscheck(mode, output, *args)  # raises where the two differ
 
-    monkeypatch.setattr(fake_mode_module, "fresh_output", counted)
+    monkeypatch.setattr(FreshOutputs, "built", counted)
     monkeypatch.setattr(FakeTensorMode, "_crosscheck_cache_output", crosscheck)
     with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):  # read as a mode is made
         trace_step(spec, settings)

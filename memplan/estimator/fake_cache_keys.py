@@ -3,10 +3,12 @@
 FakeTensorMode caches each op's output metadata under a key made of the op and its arguments, each fake tensor
 argument flattened into its metadata (torch/_subclasses/fake_tensor.py: `_prep_args_for_hash`, which builds a
 `TensorMetadata` with `extract_tensor_metadata` and flattens it field by field with `_flatten_into`, recursing into
-the sizes and strides). On a warm cache that key is a fifth of a trace's time (py-spy, 200 samples a second, over ten
-traces each of gpt2 -b 8 --seq-len 1024 and resnet-50 -b 8 in one process: 20.5% and 20.8% in `_cache_key`; the
-cached outputs' construction another 12-16%), most of it in the generic machinery around a plain tensor's few
-fields: the dataclass, its `fields()`, four sparse-layout tests, a recursion with its imports for each size tuple.
+the sizes and strides). On a warm cache that key was a fifth of a trace's time (py-spy at 200 samples a second over
+warm traces in one process, as `PYTHONPATH=<the tree at e986def> py-spy record -r 200 -f raw -- python
+benchmarks/warm_trace.py gpt2 resnet-50 --rounds 10` repeats them: 20.5% and 20.8% in `_cache_key`; the cached
+outputs' construction another 12-16%, memplan.estimator.fake_cache_outputs), most of it in the generic machinery
+around a plain tensor's few fields: the dataclass, its `fields()`, four sparse-layout tests, a recursion with its
+imports for each size tuple.
 
 `prep_args_for_hash` writes what torch writes for a fake tensor of the mode with a strided layout, concrete sizes,
 strides, offset and storage size, and no constant (every tensor memplan traces with), and for plain numbers,

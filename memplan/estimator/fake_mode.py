@@ -30,7 +30,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from memplan.estimator.buffer_values import MOST_REPLAYED_ELEMENTS
 from memplan.estimator.fake_cache_keys import prep_args_for_hash
-from memplan.estimator.fake_cache_outputs import FreshOutputs, fresh_output
+from memplan.estimator.fake_cache_outputs import FreshOutputs
 from memplan.estimator.known_values import SHAPED_VALUE_FACTORIES, VALUE_FACTORIES
 from memplan.estimator.oprules import FAKE_KERNEL_RULES
 
@@ -83,7 +83,7 @@ class TracingFakeMode(FakeTensorMode):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fresh_outputs = FreshOutputs()
+        self._fresh_outputs = FreshOutputs(self)
 
     def __enter__(self) -> Any:
         entered = super().__enter__()
@@ -183,7 +183,7 @@ class TracingFakeMode(FakeTensorMode):
 
     def _get_output_tensor_from_cache_entry(self, state: Any, entry: Any, key: Any, func: Any, args: Any) -> Any:
         # A plain output built directly (memplan.estimator.fake_cache_outputs): the same tensor.
-        made = fresh_output(self, self._fresh_outputs, entry, func, args)
+        made = self._fresh_outputs.built(entry, func, args)
         return made if made is not None else super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
 
     def _make_cache_entry(self, state: Any, key: Any, func: Any, args: Any, kwargs: Any, output: Any) -> Any:
