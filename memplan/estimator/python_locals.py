@@ -65,6 +65,9 @@ def tensors_held(value: object) -> list[torch.Tensor]:
     let go as the features were concatenated (an amp-bf16 step, whose peak is in the forward, 22,256 B low)."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, _ATOMS):
+        return []
+    cache_type = _key_value_cache_type()  # (looked up once: a variable may hold a list of thousands of objects)
     held: list[torch.Tensor] = []
     pending: list[tuple[object, bool]] = [(value, False)]  # (an item, whether it is nested in another container)
     seen: set[int] = set()
@@ -84,17 +87,20 @@ def tensors_held(value: object) -> list[torch.Tensor]:
                 continue
             seen.add(id(item))
             pending.extend((child, True) for child in reversed(list(item.values() if isinstance(item, dict) else item)))
-        else:
-            held += _key_value_cache_tensors(item)
+        elif cache_type is not None and isinstance(item, cache_type):
+            held += _key_value_cache_tensors(item, cache_type)
     return held
 
 
-def _key_value_cache_tensors(value: object) -> list[torch.Tensor]:
-    """The tensors of a transformers `Cache` (each layer's keys, values and whatever else it keeps; an
-    encoder-decoder cache's two caches), or none where `value` is no such cache."""
+def _key_value_cache_type() -> type | None:
+    """transformers' `Cache`, where transformers.cache_utils is imported."""
     cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None or not isinstance(value, cache_utils.Cache):
-        return []
+    return getattr(cache_utils, "Cache", None)
+
+
+def _key_value_cache_tensors(value: object, cache_type: type) -> list[torch.Tensor]:
+    """The tensors of a transformers `Cache` (each layer's keys, values and whatever else it keeps; an
+    encoder-decoder cache's two caches)."""
     found = [
         tensor
         for layer in getattr(value, "layers", None) or ()
@@ -102,7 +108,9 @@ def _key_value_cache_tensors(value: object) -> list[torch.Tensor]:
         if isinstance(tensor, torch.Tensor)
     ]
     for inner in ("self_attention_cache", "cross_attention_cache"):
-        found += _key_value_cache_tensors(getattr(value, inner, None))
+        inner_cache = getattr(value, inner, None)
+        if isinstance(inner_cache, cache_type):
+            found += _key_value_cache_tensors(inner_cache, cache_type)
     return found
 
 

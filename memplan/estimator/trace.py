@@ -267,7 +267,6 @@ def _traced_once(
 ) -> TracedStep:
     """One trace of trace_step's step on `setup`, from the state the setup is in (`started`: when trace_step was
     called, which the trace's seconds count from)."""
-    caches_of_new_modules()
     fake_mode, state = setup.fake_mode, setup.state
     state.settings = settings
     with fake_mode:
