@@ -49,3 +49,28 @@ def test_only_what_the_graph_made_of_ones_is_all_ones():
     assert made_of_ones(ones, recorder.tensor_nodes) and made_of_ones(full, recorder.tensor_nodes)
     assert not made_of_ones(zeros, recorder.tensor_nodes) and not made_of_ones(twos, recorder.tensor_nodes)
     assert not made_of_ones(torch.ones(2), recorder.tensor_nodes)  # made outside the recording: not known
+
+
+def test_a_modeling_module_with_a_placeholder_for_a_missing_backend_does_not_fail_later_traces(monkeypatch):
+    """transformers defines a placeholder class where a module's backend is missing (an image processor's without
+    torchvision, as on torch 2.11's stack): its metaclass raises ImportError at any attribute asked of it. Once such a
+    module had been imported, every later estimate in the process failed ("cannot trace ...: ImportError")."""
+    import sys
+    from types import ModuleType
+
+    import memplan
+
+    class Placeholder(type):
+        """transformers.utils.import_utils.DummyObject's refusal, without depending on which backends are missing here:
+        any attribute not starting with an underscore raises ImportError (requires_backends)."""
+
+        def __getattribute__(cls, key: str) -> object:
+            if key.startswith("_"):
+                return super().__getattribute__(key)
+            raise ImportError(f"{type.__getattribute__(cls, '__name__')} requires the Torchvision library")
+
+    module = ModuleType("transformers.models.memplan_probe.image_processing_memplan_probe")
+    module.ProbeImageProcessor = Placeholder("ProbeImageProcessor", (), {})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    estimate = memplan.estimate("tiny-gpt2", batch_size=2, seq_len=16, device="cpu")
+    assert estimate.peak_bytes > 0

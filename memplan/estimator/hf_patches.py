@@ -13,6 +13,7 @@ the same size, so memory is unchanged.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from types import CellType, ModuleType
@@ -159,7 +160,11 @@ def _frequency_update_cells(name: str, module: ModuleType) -> list[CellType]:
     module's classes."""
     cells = []
     for value in list(vars(module).values()):
-        wrapper = _rope_update_wrapper(getattr(value, "forward", None) if isinstance(value, type) else None)
+        # Looked up statically: a modeling module imported without one of its backends (an image processor's module
+        # without torchvision) holds transformers' placeholder classes, whose metaclass (DummyObject) raises ImportError
+        # at any attribute asked of them, and failed every later trace in the process.
+        forward = inspect.getattr_static(value, "forward", None) if isinstance(value, type) else None
+        wrapper = _rope_update_wrapper(forward)
         if wrapper is None:
             continue
         for variable, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=True):
