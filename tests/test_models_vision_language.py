@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -298,6 +299,9 @@ PLACEHOLDERS = {
     "idefics3": 16, "smolvlm": 16, "llava_onevision": 36, "idefics2": 8,
 }  # fmt: skip
 TILED = ("idefics3", "smolvlm", "idefics2")
+# Idefics3 / SmolVLM laid out as one tile (their processors' do_image_splitting=False): --image-size the tower's; split
+# cases are SPLIT_CASES.
+IMAGE_SIZE = {"idefics3": 64, "smolvlm": 64}
 CROPPED = ("llava_next", "llava_onevision")
 # Gemma3ForConditionalGeneration is in transformers' causal-LM mapping too (AutoModelForCausalLM builds it, to train on
 # text alone), which memplan's guess takes first: its images need --task.
@@ -348,13 +352,15 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return batch
 
 
-def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str, lora: str | None = None) -> int:
+def measured_peak(
+    family: str, precision: str, checkpoint: bool, attn_impl: str, lora: str | None = None, batch_of: Any = None
+) -> int:
     """The canonical loop, written plainly: the model from AutoModelForImageTextToText, the language model without a
     KV cache (as training runs it), transformers' own non-reentrant gradient checkpointing where asked (what
     `--checkpoint all` stands for, as a Trainer or TRL's SFTTrainer enables it before peft's adapters: each layer
     checkpointed, and the input embeddings' output made to require grad), peft's LoRA on `lora`'s layers where given,
     AdamW, `model(**batch).loss.backward()`, step, zero_grad(set_to_none=True); the third iteration's peak by the CPU
-    allocator's events."""
+    allocator's events. `batch_of(family, dtype)`: the batch (default _batch's)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from tests.hand_measure import autocast_of, profiled_causal_lm_peak
@@ -373,13 +379,15 @@ def measured_peak(family: str, precision: str, checkpoint: bool, attn_impl: str,
             model = get_peft_model(model, LoraConfig(r=8, target_modules=lora.split(","), lora_dropout=0.0))
         return model
 
-    return profiled_causal_lm_peak(model_of, lambda: _batch(family, dtype), autocast_dtype=autocast_of(precision))
+    make_batch = batch_of or _batch
+    return profiled_causal_lm_peak(model_of, lambda: make_batch(family, dtype), autocast_dtype=autocast_of(precision))
 
 
 def _settings(tmp_path: Path, family: str, **options: object) -> tuple[object, TrainingSettings]:
     (tmp_path / "config.json").write_text(json.dumps(CONFIGS[family]))
     spec = resolve_model(str(tmp_path), task=TASK.get(family))  # the task from the config's architectures
-    return spec, spec.settings_for(TrainingSettings(batch_size=BATCH, seq_len=SEQ_LEN[family], **options))
+    options = {"image_size": IMAGE_SIZE.get(family), "seq_len": SEQ_LEN[family], **options}
+    return spec, spec.settings_for(TrainingSettings(batch_size=BATCH, **options))
 
 
 def predicted_peak(
@@ -388,7 +396,7 @@ def predicted_peak(
     lora_options = {"lora_rank": 8, "lora_targets": lora} if lora else {}
     return predicted_config_peak(
         tmp_path, CONFIGS[family], checkpoint, TASK.get(family), batch_size=BATCH, seq_len=SEQ_LEN[family],
-        precision=precision, attn_impl=attn_impl, **lora_options,
+        precision=precision, attn_impl=attn_impl, image_size=IMAGE_SIZE.get(family), **lora_options,
     )  # fmt: skip
 
 
@@ -639,17 +647,18 @@ def test_llava_next_and_idefics3_batches_are_what_their_processors_make(tmp_path
     v16["image_grid_pinpoints"] = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
     config = AutoConfig.for_model(**v16)
     assert (llava_next_crops(config, 1008), llava_next_placeholders(config, 1008)) == (5, 2928)
-    spec, settings = _settings(tmp_path, "idefics3", device="cpu")
+    spec, settings = _settings(tmp_path, "idefics3", device="cpu")  # (--image-size 64: one tile)
     batch = spec.make_batch(settings, torch.float32)
     assert batch["pixel_values"].shape == (BATCH, 1, 3, 64, 64)
     assert batch["pixel_attention_mask"].shape == (BATCH, 1, 64, 64) and batch["pixel_attention_mask"].all()
     assert (batch["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [16, 16]
     assert not (batch["input_ids"][:, [0, 1, 18]] == IMAGE_TOKEN).any()
     assert (batch["input_ids"][:, 2:18] == IMAGE_TOKEN).all()
+    with pytest.raises(SettingsError, match="beside the image's 19 placeholder tokens"):
+        spec.settings_for(TrainingSettings(batch_size=1, seq_len=19, image_size=64, device="cpu"))
+    spec, settings = _settings(tmp_path, "idefics2", device="cpu")
     with pytest.raises(SettingsError, match="one tile of its vision tower's 64 x 64"):
         spec.settings_for(TrainingSettings(batch_size=1, image_size=128, device="cpu"))
-    with pytest.raises(SettingsError, match="beside the image's 19 placeholder tokens"):
-        spec.settings_for(TrainingSettings(batch_size=1, seq_len=19, device="cpu"))
 
 
 def test_lora_without_targets_is_refused_naming_the_layers(tmp_path):
@@ -799,3 +808,88 @@ def test_llava_onevision_and_idefics2_batches_are_what_their_processors_make(tmp
         spec.settings_for(TrainingSettings(batch_size=1, image_size=128, device="cpu"))
     with pytest.raises(SettingsError, match="beside the image's 10 placeholder tokens"):
         spec.settings_for(TrainingSettings(batch_size=1, seq_len=10, device="cpu"))
+
+
+def _split_prompt_tokens(image_seq_len: int, rows: int, cols: int) -> int:
+    """The tokens Idefics3's and SmolVLM's processors write for one image cut into rows x cols tiles (none: not cut),
+    by transformers' own count (Idefics3Processor._get_num_multimodal_tokens: `image_seq_len + 3`, and a row of
+    `(image_seq_len + 2) * cols + 1` for each of the rows), with the two newlines before the whole image one token as
+    the checkpoints' tokenizers merge them."""
+    return image_seq_len + 3 + rows * ((image_seq_len + 2) * cols + 1)
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+@pytest.mark.parametrize("side", [64, 65, 100, 128, 256])
+def test_idefics3_and_smolvlm_cut_the_image_as_their_image_processors_do(tmp_path, family, side):
+    """--image-size is the longest edge the image processor resizes to (`size["longest_edge"]`; default 4 tiles of the
+    tower, the processors' default and their checkpoints'): cut into tower-sized tiles with the whole image beside
+    them, as transformers' image processor cuts a square image given that size, and the tokens its processor writes.
+    memplan had laid every image out as one tile, its processor's do_image_splitting=False: at the processors'
+    default, 17 images a sample and 17 times the placeholders."""
+    import numpy as np
+    from transformers.models.idefics3 import image_processing_pil_idefics3
+
+    try:
+        processor = image_processing_pil_idefics3.Idefics3ImageProcessorPil(
+            size={"longest_edge": side}, max_image_size={"longest_edge": 64}
+        )
+    except ImportError:  # (transformers 5.17's wants torchvision even for its PIL processor; 5.25's does not)
+        pytest.skip("this transformers' Idefics3 image processor needs torchvision, which is not installed")
+    image = np.random.randint(0, 255, (50, 50, 3), dtype=np.uint8)
+    processed = processor(images=[[image]] * BATCH, return_tensors="pt", return_row_col_info=True)
+    rows, cols = processed["rows"][0][0], processed["cols"][0][0]
+    config = {**CONFIGS[family], "text_config": {**LLAVA["text_config"], "max_position_embeddings": 1024}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = resolve_model(str(tmp_path))
+    written = _split_prompt_tokens(16, rows, cols)
+    settings = spec.settings_for(TrainingSettings(batch_size=BATCH, image_size=side, seq_len=written + 5))
+    batch = spec.make_batch(settings, torch.float32)
+    assert batch["pixel_values"].shape == processed["pixel_values"].shape
+    assert batch["pixel_attention_mask"].shape == processed["pixel_attention_mask"].shape
+    images = rows * cols + 1 if rows else 1  # (the tiles and the whole image, or the one image)
+    assert (batch["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [16 * images] * BATCH
+    # the image's tokens first, ending with the whole image's placeholders and a framing token, then 5 of text
+    ids = batch["input_ids"][0].tolist()
+    assert ids[written - 2] == IMAGE_TOKEN and IMAGE_TOKEN not in ids[written - 1 :]
+    with pytest.raises(SettingsError, match=f"beside the image's {written} placeholder tokens"):
+        spec.settings_for(TrainingSettings(batch_size=1, image_size=side, seq_len=written))
+    if side == 256:  # the default: 4 tiles of the tower a side
+        assert (rows, cols) == (4, 4) and spec.settings_for(TrainingSettings(batch_size=1)).image_size == 256
+
+
+SPLIT_CASES = [("idefics3", "fp32", False, "sdpa"), ("smolvlm", "bf16", True, "sdpa")]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[case_id(*case) for case in SPLIT_CASES])
+def test_an_image_cut_into_tiles_is_predicted_as_measured(tmp_path, case):
+    """A 128-pixel side, 2 x 2 tiles of the 64-pixel tower and the whole image (as transformers' image processor cuts
+    it: the test above), each tile's 16 placeholders after `<fake_token_around_image><row_r_col_c>`, a newline a row,
+    then the whole image's between `<fake_token_around_image><global-img>` and `<fake_token_around_image>`
+    (processing_idefics3.py), written out by hand; the real CPU step against memplan's estimate."""
+    family, precision, checkpoint, attn_impl = case
+    seq_len = 112
+
+    def batch_of(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        fake, global_image, newline = 3, 4, 5
+        image: list[int] = []
+        for row in range(2):
+            for col in range(2):
+                image += [fake, 6 + 2 * row + col, *[IMAGE_TOKEN] * 16]
+            image.append(newline)
+        image += [fake, global_image, *[IMAGE_TOKEN] * 16, fake]
+        ids = torch.cat([torch.tensor([image] * BATCH), torch.randint(3, 500, (BATCH, seq_len - len(image)))], dim=1)
+        labels = ids.clone()
+        labels[ids == IMAGE_TOKEN] = -100
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "pixel_values": torch.randn(BATCH, 5, 3, 64, 64, dtype=dtype),
+            "pixel_attention_mask": torch.ones(BATCH, 5, 64, 64, dtype=torch.long),
+        }
+
+    measured = measured_peak(family, precision, checkpoint, attn_impl, batch_of=batch_of)
+    predicted = predicted_config_peak(
+        tmp_path, CONFIGS[family], checkpoint, batch_size=BATCH, seq_len=seq_len, image_size=128,
+        precision=precision, attn_impl=attn_impl,
+    )  # fmt: skip
+    assert_not_under_and_close(case_id(*case), predicted, measured)

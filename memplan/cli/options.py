@@ -98,7 +98,8 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             type=int,
             help="Image side for vision models [default: the config's, or 224]; zero-shot-image-classification: "
             "the vision tower's one size; image-text-to-text: the side the vision tower takes (LLaVA, PaliGemma, "
-            "Gemma 3: vision_config's only; Idefics3/SmolVLM (one tile, not split): vision_config's only; Qwen2-VL, "
+            "Gemma 3: vision_config's only; Idefics3/SmolVLM: the longest edge the processor resizes to, cut into "
+            "tiles of the tower, default 4 tiles a side (the tower's size: one tile, not split); Qwen2-VL, "
             "Qwen2.5-VL: a multiple of 28, Qwen3-VL: of 32, default 224; LLaVA-NeXT, LLaVA-OneVision: the original "
             "image's, any, default the largest grid pinpoint's; Idefics2 (one tile, not split): vision_config's only).",
         ),

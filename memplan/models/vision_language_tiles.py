@@ -18,14 +18,21 @@ grid's unpadded patches, downsampled where they pass `vision_aspect_ratio`'s "an
 than 1.1 (the model's `nn.functional.interpolate` to `int(side // ratio)` a side, pack_image_features), and one
 `image_newline` a row of what remains.
 
-Idefics3 and SmolVLM (model types "idefics3", "smolvlm"): one image a sample, not split (the processor's
-`do_image_splitting=False`: the image resized to the tower's size, vision_config.image_size, the one size memplan
-takes): `pixel_values` [batch, 1, channels, size, size] and the padding mask the processor pads with,
-`pixel_attention_mask` [batch, 1, size, size] int64, all ones. The tower's patches are shuffled `scale_factor`**2 to
-one feature (Idefics3Connector.pixel_shuffle): `image_seq_len` = (size / patch_size)**2 / scale_factor**2
-placeholders (Idefics3Model.__init__), which the processor writes as `_prompt_single_image` does
-(processing_idefics3.py, processing_smolvlm.py): `<fake_token_around_image><global-img>` + `<image>` * image_seq_len +
-`<fake_token_around_image>`: three text tokens around them, counted in --seq-len. The model drops padding images
+Idefics3 and SmolVLM (model types "idefics3", "smolvlm"): one image a sample, cut into tiles as their image processors
+cut it (image_processing_idefics3.py, image_processing_smolvlm.py: `do_image_splitting`, on by default): the image's
+longest edge resized to `size["longest_edge"]` (--image-size; default 4 tiles of the tower a side, the processors'
+default and their checkpoints'), that to a multiple of the tower's size (vision_config.image_size) a side, cut into
+tiles of the tower's size, with the whole image resized to one tile beside them: `pixel_values` [batch, tiles + 1,
+channels, size, size] (one image where --image-size is the tower's: not cut, as `do_image_splitting=False` lays it out)
+and the padding mask the processor pads with, `pixel_attention_mask` [batch, tiles + 1, size, size] int64, all ones.
+Each tile's patches are shuffled `scale_factor`**2 to one feature (Idefics3Connector.pixel_shuffle): `image_seq_len` =
+(size / patch_size)**2 / scale_factor**2 placeholders a tile (Idefics3Model.__init__), which the processor writes as
+`_prompt_split_image` does (processing_idefics3.py, processing_smolvlm.py): `<fake_token_around_image><row_r_col_c>` and
+the placeholders for each tile, a newline after each row, then a newline and the whole image's
+`<fake_token_around_image><global-img>` + `<image>` * image_seq_len + `<fake_token_around_image>`
+(`_prompt_single_image`, the whole of an image not cut): text tokens around them, counted in --seq-len (the two
+newlines as one token, as the checkpoints' tokenizers merge them). At the default, 17 tower-sized images a sample and
+17 times the placeholders: memplan laid every image out as one tile until 2026-12-08. The model drops padding images
 (all-zero pixels) by their values; memplan's batch holds none (memplan.estimator.padding_images).
 
 Idefics2 (model type "idefics2"; transformers/models/idefics2/): the same pixels and mask (one image a sample, the
@@ -54,6 +61,11 @@ TILED_PIXELS = frozenset({CROPS, TILES})
 # `_prompt_single_image`: <fake_token_around_image><global-img> before them, <fake_token_around_image> after;
 # processing_idefics2.py, `image_str`: <fake_token_around_image> before and after.
 TOKENS_AROUND_A_TILE = {"idefics2": 2, "idefics3": 3, "smolvlm": 3}
+# Idefics3's and SmolVLM's image processors resize an image's longest edge to `size["longest_edge"]`, 4 tiles of the
+# tower a side: Idefics3ImageProcessor's default is 4 * 364 with `max_image_size` 364 (image_processing_idefics3.py),
+# SmolVLM's checkpoints' preprocessor configs 4 * 512 and 4 * 384 with their towers' sizes. The families that split.
+SPLIT_TILES_A_SIDE = 4
+SPLITTING = frozenset({"idefics3", "smolvlm"})
 
 
 def _best_resolution(config: Any, size: int) -> tuple[int, int]:
@@ -140,17 +152,65 @@ def tile_placeholders(config: Any) -> int:
     return idefics3_placeholders(config)
 
 
+def tiles_a_side(config: Any, size: int) -> int:
+    """The tiles a side an Idefics3 / SmolVLM image processor cuts a `size` x `size` image into (1: not cut). It resizes
+    the image to `size["longest_edge"]` (here `size`), then to a multiple of the tower's size a side
+    (`resize_for_vision_encoder`: `math.ceil(side / max_image_size) * max_image_size`) and cuts that into tiles of the
+    tower's size where it is larger than one (`split_images`), adding the whole image resized to one tile."""
+    return math.ceil(size / config.vision_config.image_size) if config.model_type in SPLITTING else 1
+
+
+def tile_images(config: Any, size: int) -> int:
+    """The tower-sized images a sample holds: the tiles and the whole image, or the one image not cut."""
+    side = tiles_a_side(config, size)
+    return side * side + 1 if side > 1 else 1
+
+
+def _split_image_layout(config: Any, size: int, image_token: int) -> list[int]:
+    """The tokens Idefics3's and SmolVLM's processors write for one image (processing_idefics3.py,
+    processing_smolvlm.py): `_prompt_single_image` where it is not cut, `<fake_token_around_image><global-img>`, the
+    placeholders, `<fake_token_around_image>`; `_prompt_split_image` where it is: for each tile
+    `<fake_token_around_image><row_r_col_c>` and its placeholders, a newline after each row, then a newline and the
+    whole image's as `_prompt_single_image`'s. The newline after the last row and the one before the whole image are
+    one token (two newlines are one token in SmolLM2's and Llama 3's byte-level vocabularies). The framing tokens, the
+    row-and-column ones and the newlines are ordinary tokens to the model: any ids but the image's."""
+    fake, global_image, row_col, newline = _ordinary_ids(image_token, 4)
+    placeholders = [image_token] * tile_placeholders(config)
+    whole = [fake, global_image, *placeholders, fake]
+    side = tiles_a_side(config, size)
+    if side == 1:
+        return whole
+    tiles: list[int] = []
+    for _ in range(side):
+        for _ in range(side):
+            tiles += [fake, row_col, *placeholders]
+        tiles.append(newline)  # (the last row's with the one before the whole image: one token)
+    return tiles + whole
+
+
+def split_image_tokens(config: Any, size: int) -> int:
+    """How many tokens _split_image_layout writes for one image."""
+    return len(_split_image_layout(config, size, -1))
+
+
+def _ordinary_ids(image_token: int, count: int) -> list[int]:
+    return [token for token in range(count + 1) if token != image_token][:count]
+
+
 def tiled_image_tokens(config: Any, pixels: str, size: int) -> int:
     """The tokens the processor writes for one image: LLaVA-NeXT's or LLaVA-OneVision's placeholders; Idefics2's,
     Idefics3's and the tokens around them."""
     if pixels == CROPS:
         return crop_placeholders(config, size)
+    if config.model_type in SPLITTING:
+        return split_image_tokens(config, size)
     return tile_placeholders(config) + TOKENS_AROUND_A_TILE[config.model_type]
 
 
 def tiled_image_size(config: Any, pixels: str, settings: TrainingSettings) -> int:
     """LLaVA-NeXT: the original image's side, any (default: the largest grid pinpoint's longer side, an image as large
-    as the largest grid, as photos are). Idefics3: the tower's size, the one memplan lays out (module docstring)."""
+    as the largest grid, as photos are). Idefics3 / SmolVLM: the longest edge their image processor resizes the image
+    to, any (default SPLIT_TILES_A_SIDE tiles of the tower). Idefics2: the tower's size (module docstring)."""
     vision = config.vision_config
     if pixels == CROPS:
         if config.model_type == "llava_next" and config.vision_feature_select_strategy != "default":
@@ -161,6 +221,11 @@ def tiled_image_size(config: Any, pixels: str, settings: TrainingSettings) -> in
             )
         return settings.image_size or max(max(point) for point in config.image_grid_pinpoints)
     size = vision.image_size
+    if config.model_type in SPLITTING:
+        # (the processor's default and its checkpoints': split into SPLIT_TILES_A_SIDE tiles a side and the whole)
+        if settings.image_size is not None and settings.image_size < 1:
+            raise SettingsError(f"--image-size {settings.image_size}: give the image's side in pixels, 1 or more")
+        return settings.image_size or SPLIT_TILES_A_SIDE * size
     if settings.image_size is not None and settings.image_size != size:
         raise SettingsError(
             f"--image-size {settings.image_size}: memplan lays out {config.model_type}'s image as one tile of its "
@@ -181,9 +246,11 @@ def tiled_batch(
     channels, tower = getattr(vision, "num_channels", 3), vision.image_size
     if pixels == CROPS:
         image = [image_token] * crop_placeholders(config, size)
+    elif config.model_type in SPLITTING:
+        image = _split_image_layout(config, size, image_token)
     else:
-        # ordinary tokens to the model: <fake_token_around_image>, Idefics3's <global-img>
-        before = text_ids[: TOKENS_AROUND_A_TILE[config.model_type] - 1]
+        # ordinary tokens to the model: <fake_token_around_image> (Idefics2's)
+        before = _ordinary_ids(image_token, TOKENS_AROUND_A_TILE[config.model_type] - 1)
         image = [*before, *[image_token] * tile_placeholders(config), before[0]]
     row_ids = image + text_ids
     row_labels = [-100 if token == image_token else token for token in row_ids]
@@ -197,6 +264,7 @@ def tiled_batch(
         if config.model_type == "llava_onevision":  # (LlavaOnevisionImageProcessor's; the model reads its values)
             out["batch_num_images"] = torch.tensor([1] * batch, dtype=torch.long)
     else:
-        out["pixel_values"] = torch.randn(batch, 1, channels, tower, tower, dtype=dtype)
-        out["pixel_attention_mask"] = torch.ones(batch, 1, tower, tower, dtype=torch.long)
+        images = tile_images(config, size)
+        out["pixel_values"] = torch.randn(batch, images, channels, tower, tower, dtype=dtype)
+        out["pixel_attention_mask"] = torch.ones(batch, images, tower, tower, dtype=torch.long)
     return out
