@@ -277,8 +277,14 @@ IDEFICS2 = {
     },
     "text_config": {**LLAVA["text_config"], "model_type": "mistral"},
 }
+# LLaVA over a SigLIP tower (llava-interleave's): no CLS position, so the "full" strategy keeps the 16 patches and the
+# "default" one drops the first of them (LlavaModel.get_image_features: 15).
+LLAVA_SIGLIP = {**LLAVA, "vision_config": PALIGEMMA["vision_config"], "vision_feature_select_strategy": "full"}
+LLAVA_SIGLIP_DEFAULT = {**LLAVA_SIGLIP, "vision_feature_select_strategy": "default"}
 CONFIGS = {
     "llava": LLAVA,
+    "llava_siglip": LLAVA_SIGLIP,
+    "llava_siglip_default": LLAVA_SIGLIP_DEFAULT,
     "qwen2_vl": QWEN2_VL,
     "paligemma": PALIGEMMA,
     "qwen2_5_vl": QWEN2_5_VL,
@@ -291,11 +297,13 @@ CONFIGS = {
     "idefics2": IDEFICS2,
 }
 SEQ_LEN = {
-    "llava": 64, "qwen2_vl": 96, "paligemma": 64, "qwen2_5_vl": 96, "qwen3_vl": 96, "gemma3": 64, "llava_next": 80,
+    "llava": 64, "llava_siglip": 64, "llava_siglip_default": 64,
+    "qwen2_vl": 96, "paligemma": 64, "qwen2_5_vl": 96, "qwen3_vl": 96, "gemma3": 64, "llava_next": 80,
     "idefics3": 64, "smolvlm": 64, "llava_onevision": 80, "idefics2": 48,
 }  # all the tokens, placeholders included  # fmt: skip
 PLACEHOLDERS = {
-    "llava": 16, "qwen2_vl": 64, "paligemma": 16, "qwen2_5_vl": 64, "qwen3_vl": 49, "gemma3": 16, "llava_next": 36,
+    "llava": 16, "llava_siglip": 16, "llava_siglip_default": 15,
+    "qwen2_vl": 64, "paligemma": 16, "qwen2_5_vl": 64, "qwen3_vl": 49, "gemma3": 16, "llava_next": 36,
     "idefics3": 16, "smolvlm": 16, "llava_onevision": 36, "idefics2": 8,
 }  # fmt: skip
 TILED = ("idefics3", "smolvlm", "idefics2")
@@ -408,6 +416,8 @@ CASES = [
     ("llava", "fp32", True, "sdpa", None),
     ("llava", "fp32", False, "sdpa", "q_proj,v_proj"),
     ("llava", "fp32", True, "sdpa", "q_proj,v_proj"),
+    ("llava_siglip", "fp32", False, "sdpa", None),
+    ("llava_siglip_default", "bf16", True, "sdpa", None),
     ("qwen2_vl", "fp32", False, "sdpa", None),
     ("qwen2_vl", "fp32", False, "eager", None),
     ("qwen2_vl", "bf16", False, "sdpa", None),
@@ -893,3 +903,18 @@ def test_an_image_cut_into_tiles_is_predicted_as_measured(tmp_path, case):
         precision=precision, attn_impl=attn_impl,
     )  # fmt: skip
     assert_not_under_and_close(case_id(*case), predicted, measured)
+
+
+def test_a_llava_over_a_tower_memplan_lays_out_no_batch_for_is_refused_in_one_line(tmp_path):
+    """Pixtral's tower (mistral-community/pixtral-12b is a llava config over it) takes each image's size and a break
+    token a row: refused in one line, where the trace had failed on the placeholders' count ("Image features and image
+    tokens do not match"). LLaVA over SigLIP (no CLS position) is laid out: the cases above."""
+    pixtral = {
+        **LLAVA,
+        "vision_config": {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "image_size": 64, "patch_size": 16, "head_dim": 8},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(pixtral))
+    spec = resolve_model(str(tmp_path))
+    with pytest.raises(SettingsError, match="for CLIP and SigLIP vision towers, not pixtral"):
+        spec.settings_for(TrainingSettings(batch_size=1, device="cpu"))

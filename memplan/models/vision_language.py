@@ -65,8 +65,9 @@ class VisionFamily:
 
 # transformers/models/<family>/modeling_<family>.py, 5.17-5.25.
 FAMILIES: dict[str, VisionFamily] = {
-    # LlavaModel.get_image_features: the CLIP tower's hidden states at vision_feature_layer, the CLS position dropped
-    # where vision_feature_select_strategy is "default" ("full" keeps it), projected: one feature a patch.
+    # LlavaModel.get_image_features: the tower's hidden states at vision_feature_layer, the first position dropped
+    # where vision_feature_select_strategy is "default" ("full" keeps it), projected: one feature a position (a CLIP
+    # tower's CLS and patches, a SigLIP tower's patches: _llava_features).
     "llava": VisionFamily("image", "llava/modeling_llava.py, LlavaModel.get_image_features"),
     # Qwen2VLModel.get_image_features: the patches merged spatial_merge_size**2 to one feature
     # (`image_grid_thw.prod(-1) // spatial_merge_size**2`); get_rope_index needs mm_token_type_ids.
@@ -109,6 +110,26 @@ def family(config: Any) -> VisionFamily:
     return row
 
 
+# Positions a LLaVA tower puts before its patches: CLIPVisionEmbeddings prepends its class embedding, SigLIP's
+# SiglipVisionEmbeddings none (modeling_clip.py, modeling_siglip.py). LlavaModel.get_image_features drops the first
+# position for the "default" strategy whichever it is (`selected_image_feature[:, 1:]`): a SigLIP tower's first patch.
+_CLASS_POSITIONS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+
+
+def _llava_features(config: Any, patches: int) -> int:
+    """LLaVA's features (its placeholders) an image: the tower's positions, less the first for the "default"
+    strategy."""
+    tower = config.vision_config.model_type
+    if tower not in _CLASS_POSITIONS:
+        raise SettingsError(
+            f"memplan makes llava batches for CLIP and SigLIP vision towers, not {tower} (whose processor lays out "
+            "its images and placeholder tokens otherwise: Pixtral's take their sizes, a break token a row): give the "
+            "model, its batch and loss as your own module:function (docs/usage.md)"
+        )
+    positions = patches + _CLASS_POSITIONS[tower]
+    return positions - 1 if config.vision_feature_select_strategy == "default" else positions
+
+
 def _patches_a_side(config: Any, size: int) -> int:
     return size // config.vision_config.patch_size
 
@@ -126,8 +147,8 @@ def image_tokens(config: Any, size: int) -> int:
     patches = _patches_a_side(config, size) ** 2
     if row.pixels == "patches":
         return patches // config.vision_config.spatial_merge_size**2
-    if config.model_type == "llava" and config.vision_feature_select_strategy == "full":
-        return patches + 1  # the CLS position kept
+    if config.model_type == "llava":
+        return _llava_features(config, patches)
     return patches
 
 
