@@ -821,15 +821,15 @@ def test_llava_onevision_and_idefics2_batches_are_what_their_processors_make(tmp
 
 
 def _split_prompt_tokens(image_seq_len: int, rows: int, cols: int) -> int:
-    """The tokens Idefics3's and SmolVLM's processors write for one image cut into rows x cols tiles (none: not cut),
-    by transformers' own count (Idefics3Processor._get_num_multimodal_tokens: `image_seq_len + 3`, and a row of
-    `(image_seq_len + 2) * cols + 1` for each of the rows), with the two newlines before the whole image one token as
-    the checkpoints' tokenizers merge them."""
+    """The tokens Idefics3's and SmolVLM's processors write for one image cut into rows x cols tiles (none: not cut):
+    transformers 5.17's own count, written out here (Idefics3Processor._get_num_multimodal_tokens: `image_seq_len + 3`,
+    and a row of `(image_seq_len + 2) * cols + 1` for each of the rows, the two newlines before the whole image one
+    token as the checkpoints' tokenizers merge them), where memplan lays the tokens out one by one."""
     return image_seq_len + 3 + rows * ((image_seq_len + 2) * cols + 1)
 
 
 @pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
-@pytest.mark.parametrize("side", [64, 65, 100, 128, 256])
+@pytest.mark.parametrize("side", [64, 65, 100, 128, 256, 383])
 def test_idefics3_and_smolvlm_cut_the_image_as_their_image_processors_do(tmp_path, family, side):
     """--image-size is the longest edge the image processor resizes to (`size["longest_edge"]`; default 4 tiles of the
     tower, the processors' default and their checkpoints'): cut into tower-sized tiles with the whole image beside
@@ -865,6 +865,10 @@ def test_idefics3_and_smolvlm_cut_the_image_as_their_image_processors_do(tmp_pat
         spec.settings_for(TrainingSettings(batch_size=1, image_size=side, seq_len=written))
     if side == 256:  # the default: 4 tiles of the tower a side
         assert (rows, cols) == (4, 4) and spec.settings_for(TrainingSettings(batch_size=1)).image_size == 256
+    if side == 383:  # the most: 6 tiles a side (the tokenizers' <row_6_col_6>); an odd edge made even first
+        assert (rows, cols) == (6, 6)
+        with pytest.raises(SettingsError, match="at most 6 tiles of its 64-pixel tower a side: use --image-size 384"):
+            spec.settings_for(TrainingSettings(batch_size=1, image_size=385))
 
 
 SPLIT_CASES = [("idefics3", "fp32", False, "sdpa"), ("smolvlm", "bf16", True, "sdpa")]

@@ -10,11 +10,11 @@ zeros:
     ... image_features.split(num_real_images_per_batch.tolist())
 
 Under fake tensors the pixels have no values, and the boolean index (`nonzero`) and `.tolist()` are refused as
-data-dependent. memplan.models.vision_language_tiles gives every sample one real image (random pixels, never all
-zero), so each image is real: while a step is traced that comparison, made where the model's own `get_image_features`
-compares, carries that answer (all true) as its values (memplan.estimator.known_values), which the index, count and
-split then read as in the real run. Its ops run as ever (the comparison's boolean tensor and the sum's, counted); only
-the answer is given.
+data-dependent. memplan.models.vision_language_tiles gives every sample real images only (one, or its tiles and the
+whole image: random pixels, never all zero), so each image is real: while a step is traced that comparison, made where
+the model's own `get_image_features` compares, carries that answer (all true) as its values
+(memplan.estimator.known_values), which the index, count and split then read as in the real run. Its ops run as ever
+(the comparison's boolean tensor and the sum's, counted); only the answer is given.
 
 The same function then marks the patches that hold any pixel of `pixel_attention_mask` (`patch_attention_mask =
 (patches_subgrid.sum(dim=(-1, -2)) > 0).bool()`; Idefics2's those whose pixels all are, `== patch_size * patch_size`),

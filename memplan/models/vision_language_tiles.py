@@ -66,6 +66,11 @@ TOKENS_AROUND_A_TILE = {"idefics2": 2, "idefics3": 3, "smolvlm": 3}
 # SmolVLM's checkpoints' preprocessor configs 4 * 512 and 4 * 384 with their towers' sizes. The families that split.
 SPLIT_TILES_A_SIDE = 4
 SPLITTING = frozenset({"idefics3", "smolvlm"})
+# The most tiles a side their processors write a token for: `<row_1_col_1>` to `<row_6_col_6>` (Idefics3Processor's
+# row_col_ids, range(6)); past it a tile's token is several of the tokenizer's, which memplan does not count. And the
+# longest edge their first resize makes: MAX_IMAGE_SIZE (image_processing_idefics3.py, 4096 pixels).
+MOST_TILES_A_SIDE = 6
+MOST_PIXELS_A_SIDE = 4096
 
 
 def _best_resolution(config: Any, size: int) -> tuple[int, int]:
@@ -157,7 +162,11 @@ def tiles_a_side(config: Any, size: int) -> int:
     the image to `size["longest_edge"]` (here `size`), then to a multiple of the tower's size a side
     (`resize_for_vision_encoder`: `math.ceil(side / max_image_size) * max_image_size`) and cuts that into tiles of the
     tower's size where it is larger than one (`split_images`), adding the whole image resized to one tile."""
-    return math.ceil(size / config.vision_config.image_size) if config.model_type in SPLITTING else 1
+    if config.model_type not in SPLITTING:
+        return 1
+    # (the first resize makes an odd longest edge even: _resize_output_size_rescale_to_max_len)
+    resized = size + size % 2
+    return math.ceil(resized / config.vision_config.image_size)
 
 
 def tile_images(config: Any, size: int) -> int:
@@ -223,9 +232,15 @@ def tiled_image_size(config: Any, pixels: str, settings: TrainingSettings) -> in
     size = vision.image_size
     if config.model_type in SPLITTING:
         # (the processor's default and its checkpoints': split into SPLIT_TILES_A_SIDE tiles a side and the whole)
-        if settings.image_size is not None and settings.image_size < 1:
-            raise SettingsError(f"--image-size {settings.image_size}: give the image's side in pixels, 1 or more")
-        return settings.image_size or SPLIT_TILES_A_SIDE * size
+        chosen = settings.image_size or SPLIT_TILES_A_SIDE * size
+        most = min(MOST_PIXELS_A_SIDE, MOST_TILES_A_SIDE * size)
+        if chosen > most:
+            raise SettingsError(
+                f"--image-size {chosen}: {config.model_type}'s processor resizes an image to at most "
+                f"{MOST_PIXELS_A_SIDE} pixels a side and writes tokens for at most {MOST_TILES_A_SIDE} tiles of its "
+                f"{size}-pixel tower a side: use --image-size {most} or less"
+            )
+        return chosen
     if settings.image_size is not None and settings.image_size != size:
         raise SettingsError(
             f"--image-size {settings.image_size}: memplan lays out {config.model_type}'s image as one tile of its "
