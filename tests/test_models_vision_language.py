@@ -281,8 +281,35 @@ IDEFICS2 = {
 # "default" one drops the first of them (LlavaModel.get_image_features: 15).
 LLAVA_SIGLIP = {**LLAVA, "vision_config": PALIGEMMA["vision_config"], "vision_feature_select_strategy": "full"}
 LLAVA_SIGLIP_DEFAULT = {**LLAVA_SIGLIP, "vision_feature_select_strategy": "default"}
+# Pixtral's tower over one 64 x 64 image (its resized size, any multiple of the patch a placeholder stands for):
+# LLaVA over it (pixtral-12b's), a feature a 16 x 16 patch, 16 placeholders; Mistral 3, 8 x 8 patches merged 2 x 2, 16
+# placeholders. Their processor writes a row of them and [IMG_BREAK] each row, [IMG_END] the last: 20 tokens.
+PIXTRAL_TOWER = {
+    "model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "image_size": 64, "patch_size": 16, "head_dim": 8,
+}  # fmt: skip
+LLAVA_PIXTRAL = {
+    **LLAVA,
+    "vision_config": PIXTRAL_TOWER,
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full",
+    "text_config": {**LLAVA["text_config"], "model_type": "mistral", "head_dim": 16},
+}
+MISTRAL3 = {
+    "model_type": "mistral3",
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "image_token_index": IMAGE_TOKEN,
+    "spatial_merge_size": 2,
+    "vision_feature_layer": -1,
+    "multimodal_projector_bias": False,
+    "vision_config": {**PIXTRAL_TOWER, "patch_size": 8},
+    "text_config": LLAVA_PIXTRAL["text_config"],
+}
+SIZED = ("llava_pixtral", "mistral3")
 CONFIGS = {
     "llava": LLAVA,
+    "llava_pixtral": LLAVA_PIXTRAL,
+    "mistral3": MISTRAL3,
     "llava_siglip": LLAVA_SIGLIP,
     "llava_siglip_default": LLAVA_SIGLIP_DEFAULT,
     "qwen2_vl": QWEN2_VL,
@@ -297,12 +324,12 @@ CONFIGS = {
     "idefics2": IDEFICS2,
 }
 SEQ_LEN = {
-    "llava": 64, "llava_siglip": 64, "llava_siglip_default": 64,
+    "llava": 64, "llava_siglip": 64, "llava_siglip_default": 64, "llava_pixtral": 64, "mistral3": 64,
     "qwen2_vl": 96, "paligemma": 64, "qwen2_5_vl": 96, "qwen3_vl": 96, "gemma3": 64, "llava_next": 80,
     "idefics3": 64, "smolvlm": 64, "llava_onevision": 80, "idefics2": 48,
 }  # all the tokens, placeholders included  # fmt: skip
 PLACEHOLDERS = {
-    "llava": 16, "llava_siglip": 16, "llava_siglip_default": 15,
+    "llava": 16, "llava_siglip": 16, "llava_siglip_default": 15, "llava_pixtral": 16, "mistral3": 16,
     "qwen2_vl": 64, "paligemma": 16, "qwen2_5_vl": 64, "qwen3_vl": 49, "gemma3": 16, "llava_next": 36,
     "idefics3": 16, "smolvlm": 16, "llava_onevision": 36, "idefics2": 8,
 }  # fmt: skip
@@ -320,6 +347,9 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The batch written out by hand from the model's forward signature: one image a sample, its placeholders first,
     then text; labels the ids with the placeholders -100 (TRL's SFT collators)."""
     image = torch.full((BATCH, PLACEHOLDERS[family]), IMAGE_TOKEN)
+    if family in SIZED:  # a row of 4 placeholders and [IMG_BREAK] (1) each row, [IMG_END] (2) the last
+        rows = [[IMAGE_TOKEN] * 4 + [1]] * 3 + [[IMAGE_TOKEN] * 4 + [2]]
+        image = torch.tensor([[token for row in rows for token in row]] * BATCH)
     if family == "gemma3":  # the processor's "<boi>", the placeholders, "<eoi>"
         image = torch.cat([torch.full((BATCH, 1), 504), image, torch.full((BATCH, 1), 505)], dim=1)
     text = SEQ_LEN[family] - image.shape[1]
@@ -329,7 +359,7 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         text -= len(before) + 1
     ids = torch.cat([image, torch.randint(3, 500, (BATCH, text))], dim=1)
     labels = ids.clone()
-    if family in TILED:
+    if family in TILED or family in SIZED:
         labels[ids == IMAGE_TOKEN] = -100
     else:
         labels[:, : image.shape[1]] = -100
@@ -339,6 +369,10 @@ def _batch(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         batch["image_sizes"] = torch.tensor([[64, 64]] * BATCH)
         if family == "llava_onevision":  # its image processor's images a sample
             batch["batch_num_images"] = torch.tensor([1] * BATCH)
+        return batch
+    if family in SIZED:  # the resized image and its (height, width)
+        batch["pixel_values"] = torch.randn(BATCH, 3, 64, 64, dtype=dtype)
+        batch["image_sizes"] = torch.tensor([[64, 64]] * BATCH)
         return batch
     if family in TILED:  # one image of one tile, and the processor's padding mask (int64, all ones)
         batch["pixel_values"] = torch.randn(BATCH, 1, 3, 64, 64, dtype=dtype)
@@ -418,6 +452,11 @@ CASES = [
     ("llava", "fp32", True, "sdpa", "q_proj,v_proj"),
     ("llava_siglip", "fp32", False, "sdpa", None),
     ("llava_siglip_default", "bf16", True, "sdpa", None),
+    ("llava_pixtral", "fp32", False, "sdpa", None),
+    ("llava_pixtral", "amp-bf16", True, "eager", None),
+    ("mistral3", "fp32", False, "sdpa", None),
+    ("mistral3", "bf16", True, "sdpa", None),
+    ("mistral3", "fp32", False, "sdpa", "q_proj,v_proj"),
     ("qwen2_vl", "fp32", False, "sdpa", None),
     ("qwen2_vl", "fp32", False, "eager", None),
     ("qwen2_vl", "bf16", False, "sdpa", None),
@@ -482,6 +521,8 @@ CASES = [
 
 
 EXTENDED = {
+    ("llava_pixtral", "amp-bf16", True, "eager", None),  # (Mistral 3's bf16 checkpointed case runs its tower so)
+    ("mistral3", "fp32", False, "sdpa", "q_proj,v_proj"),  # (LoRA: LLaVA's, Qwen-VL's and Gemma 3's cases)
     ("llava", "fp32", False, "eager", None),
     ("llava", "fp32", True, "sdpa", None),
     ("llava", "fp32", False, "sdpa", "q_proj,v_proj"),
@@ -631,11 +672,12 @@ def test_the_default_length_leaves_text_beside_a_large_image(tmp_path):
 
 
 def test_a_family_memplan_makes_no_batch_for_is_refused_in_one_line(tmp_path):
-    """Mistral 3 (Mistral Small 3.1) lays out its Pixtral tower's images otherwise (any size, its patches merged, a
-    break token closing each row of placeholders): no row in memplan.models.vision_language's table."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral3"}))
+    """Mllama (Llama 3.2 Vision) lays out its images otherwise (tiles with an aspect-ratio id and mask, cross-attention
+    layers reading them): no row in memplan.models.vision_language's table."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mllama"}))
+    spec = resolve_model(str(tmp_path), task="image-text-to-text")  # (its text model is a causal LM's guess)
     with pytest.raises(SettingsError, match="makes image-text-to-text batches for llava, qwen2_vl, paligemma.* not"):
-        resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
+        spec.settings_for(TrainingSettings(batch_size=1, device="cpu"))
 
 
 def test_llava_next_and_idefics3_batches_are_what_their_processors_make(tmp_path):
@@ -910,15 +952,43 @@ def test_an_image_cut_into_tiles_is_predicted_as_measured(tmp_path, case):
 
 
 def test_a_llava_over_a_tower_memplan_lays_out_no_batch_for_is_refused_in_one_line(tmp_path):
-    """Pixtral's tower (mistral-community/pixtral-12b is a llava config over it) takes each image's size and a break
-    token a row: refused in one line, where the trace had failed on the placeholders' count ("Image features and image
-    tokens do not match"). LLaVA over SigLIP (no CLS position) is laid out: the cases above."""
-    pixtral = {
-        **LLAVA,
-        "vision_config": {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                          "num_attention_heads": 4, "image_size": 64, "patch_size": 16, "head_dim": 8},
-    }  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(pixtral))
+    """A tower whose positions memplan does not know (SigLIP 2's, whose patches come with their sizes): refused in one
+    line, where the trace had failed on the placeholders' count ("Image features and image tokens do not match")."""
+    siglip2 = {**LLAVA, "vision_config": {**PALIGEMMA["vision_config"], "model_type": "siglip2_vision_model"}}
+    (tmp_path / "config.json").write_text(json.dumps(siglip2))
     spec = resolve_model(str(tmp_path))
-    with pytest.raises(SettingsError, match="for CLIP and SigLIP vision towers, not pixtral"):
+    with pytest.raises(SettingsError, match="for CLIP, SigLIP and Pixtral vision towers, not siglip2_vision_model"):
         spec.settings_for(TrainingSettings(batch_size=1, device="cpu"))
+
+
+@pytest.mark.parametrize("family", SIZED)
+@pytest.mark.parametrize("side", [32, 48, 64])
+def test_a_pixtral_towers_image_is_what_its_image_processor_makes(tmp_path, family, side):
+    """Pixtral's image processor given a longest edge (`size`) and the patch a placeholder stands for: the pixels and
+    image_sizes memplan's batch holds; the placeholders one a patch, a break token a row (PixtralProcessor's
+    replace_image_token, written out); sizes the processor cannot make refused in one line."""
+    import numpy as np
+    from transformers import PixtralImageProcessor
+
+    patch = 16  # (Pixtral's 16; Mistral 3's 8 x its merge of 2)
+    processor = PixtralImageProcessor(size={"longest_edge": side}, patch_size={"height": patch, "width": patch})
+    image = np.random.randint(0, 255, (100, 100, 3), dtype=np.uint8)
+    processed = processor(images=[image] * BATCH, return_tensors="pt")
+    spec, settings = _settings(tmp_path, family, device="cpu", image_size=side)
+    batch = spec.make_batch(settings, torch.float32)
+    assert batch["pixel_values"].shape == processed["pixel_values"].shape
+    assert batch["image_sizes"].tolist() == processed["image_sizes"].tolist()
+    side_tokens = side // patch
+    ids = batch["input_ids"][0].tolist()
+    assert ids.count(IMAGE_TOKEN) == side_tokens**2
+    for row in range(side_tokens):  # a row of placeholders, then a break token, the last row's an end token
+        start = row * (side_tokens + 1)
+        assert (
+            ids[start : start + side_tokens] == [IMAGE_TOKEN] * side_tokens and ids[start + side_tokens] != IMAGE_TOKEN
+        )
+    assert (
+        ids[side_tokens * (side_tokens + 1) - 1] != ids[side_tokens]
+        and IMAGE_TOKEN not in ids[side_tokens**2 + side_tokens :]
+    )
+    with pytest.raises(SettingsError, match="a multiple of 16 pixels a side"):
+        spec.settings_for(TrainingSettings(batch_size=1, image_size=side + 8, device="cpu"))

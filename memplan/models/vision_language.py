@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memplan.errors import SettingsError
+from memplan.models.vision_language_sized import SIZED, sized_batch, sized_image_size, sized_image_tokens
 from memplan.models.vision_language_tiles import (
     CROPS,
     TILED_PIXELS,
@@ -95,11 +96,19 @@ FAMILIES: dict[str, VisionFamily] = {
         CROPS, "llava_onevision/modeling_llava_onevision.py, LlavaOnevisionModel.get_image_features"
     ),
     "idefics2": VisionFamily(TILES, "idefics2/modeling_idefics2.py, Idefics2Model.get_image_features"),
+    # Mistral3Model.get_image_features: Pixtral's tower over each image at its size, 2 x 2 patches merged to one
+    # feature (Mistral3PatchMerger): memplan.models.vision_language_sized.
+    "mistral3": VisionFamily(SIZED, "mistral3/modeling_mistral3.py, Mistral3Model.get_image_features"),
 }
+# A LLaVA config over Pixtral's tower (pixtral-12b): LlavaModel.get_image_features passes the images' sizes to the tower
+# and keeps a feature a patch ("full"), laid out as Mistral 3's without the merge.
+PIXTRAL_LLAVA = VisionFamily(SIZED, "llava/modeling_llava.py, LlavaModel.get_image_features over PixtralVisionModel")
 
 
 def family(config: Any) -> VisionFamily:
     """The model type's row, or one line naming the ones memplan makes batches for."""
+    if config.model_type == "llava" and config.vision_config.model_type == "pixtral":
+        return PIXTRAL_LLAVA
     row = FAMILIES.get(config.model_type)
     if row is None:
         raise SettingsError(
@@ -122,9 +131,9 @@ def _llava_features(config: Any, patches: int) -> int:
     tower = config.vision_config.model_type
     if tower not in _CLASS_POSITIONS:
         raise SettingsError(
-            f"memplan makes llava batches for CLIP and SigLIP vision towers, not {tower} (whose processor lays out "
-            "its images and placeholder tokens otherwise: Pixtral's take their sizes, a break token a row): give the "
-            "model, its batch and loss as your own module:function (docs/usage.md)"
+            f"memplan makes llava batches for CLIP, SigLIP and Pixtral vision towers, not {tower} (whose processor "
+            "lays out its images and placeholder tokens otherwise): give the model, its batch and loss as your own "
+            "module:function (docs/usage.md)"
         )
     positions = patches + _CLASS_POSITIONS[tower]
     return positions - 1 if config.vision_feature_select_strategy == "default" else positions
@@ -144,6 +153,8 @@ def image_tokens(config: Any, size: int) -> int:
         return _gemma3_image_tokens(config, size)
     if row.pixels in TILED_PIXELS:
         return tiled_image_tokens(config, row.pixels, size)
+    if row.pixels == SIZED:
+        return sized_image_tokens(config, size)
     patches = _patches_a_side(config, size) ** 2
     if row.pixels == "patches":
         return patches // config.vision_config.spatial_merge_size**2
@@ -176,6 +187,8 @@ def _framing(config: Any) -> tuple[list[int], list[int]]:
 
 
 def _image_size(config: Any, row: VisionFamily, settings: TrainingSettings) -> int:
+    if row.pixels == SIZED:
+        return sized_image_size(config, settings)
     if row.pixels in TILED_PIXELS:
         return tiled_image_size(config, row.pixels, settings)
     vision = config.vision_config
@@ -263,6 +276,8 @@ def vision_language_batch(config: Any, settings: TrainingSettings, dtype: torch.
     if row.pixels in TILED_PIXELS:  # (`placeholders` counts the tokens around the image, which tiled_batch writes)
         text_ids = _text_ids(config, seq_len - placeholders, image_token)
         return tiled_batch(config, row.pixels, settings, dtype, image_token, text_ids)
+    if row.pixels == SIZED:  # (`placeholders` counts the break tokens, which sized_batch writes)
+        return sized_batch(config, settings, dtype, image_token, _text_ids(config, seq_len - placeholders, image_token))
     before, after = _framing(config)
     image = before + [image_token] * placeholders + after
     text = seq_len - len(image)
