@@ -992,3 +992,25 @@ def test_a_pixtral_towers_image_is_what_its_image_processor_makes(tmp_path, fami
     )
     with pytest.raises(SettingsError, match="a multiple of 16 pixels a side"):
         spec.settings_for(TrainingSettings(batch_size=1, image_size=side + 8, device="cpu"))
+
+
+def test_a_pixtral_tower_s_size_is_rounded_up_and_llava_s_default_strategy_refused(tmp_path):
+    """Pixtral's image processor rounds each side up to the patch after shrinking to its longest edge: a tower whose
+    image_size is no multiple of it (56 pixels, 16-pixel patches) takes 64 x 64 images, memplan's default and most. A
+    LLaVA over Pixtral with the "default" strategy drops one patch of the batch's first image and cannot split the rest
+    (transformers' own run fails too): refused in one line."""
+    import numpy as np
+    from transformers import PixtralImageProcessor
+
+    processor = PixtralImageProcessor(size={"longest_edge": 56}, patch_size={"height": 16, "width": 16})
+    processed = processor(images=[np.random.randint(0, 255, (100, 100, 3), dtype=np.uint8)], return_tensors="pt")
+    config = {**LLAVA_PIXTRAL, "vision_config": {**PIXTRAL_TOWER, "image_size": 56}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = resolve_model(str(tmp_path))
+    settings = spec.settings_for(TrainingSettings(batch_size=1, seq_len=64, device="cpu"))
+    assert settings.image_size == processed["pixel_values"].shape[-1] == 64
+    with pytest.raises(SettingsError, match="at most 64"):
+        spec.settings_for(TrainingSettings(batch_size=1, seq_len=128, image_size=80, device="cpu"))
+    (tmp_path / "config.json").write_text(json.dumps({**LLAVA_PIXTRAL, "vision_feature_select_strategy": "default"}))
+    with pytest.raises(SettingsError, match="vision_feature_select_strategy 'default'.*set it to 'full'"):
+        resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))

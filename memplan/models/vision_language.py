@@ -108,6 +108,14 @@ PIXTRAL_LLAVA = VisionFamily(SIZED, "llava/modeling_llava.py, LlavaModel.get_ima
 def family(config: Any) -> VisionFamily:
     """The model type's row, or one line naming the ones memplan makes batches for."""
     if config.model_type == "llava" and config.vision_config.model_type == "pixtral":
+        if config.vision_feature_select_strategy != "full":
+            # Pixtral's tower runs a batch's images as one sequence: "default"'s `[:, 1:]` drops the first image's first
+            # patch alone, and the split into images that follows fails (in transformers' own run too).
+            raise SettingsError(
+                f"llava over a Pixtral tower with vision_feature_select_strategy "
+                f"{config.vision_feature_select_strategy!r}: its model drops one patch of the batch's first image and "
+                "cannot split the rest into images (pixtral-12b's config has 'full'): set it to 'full'"
+            )
         return PIXTRAL_LLAVA
     row = FAMILIES.get(config.model_type)
     if row is None:

@@ -3,16 +3,17 @@ Mistral 3 (model type "mistral3": Mistral Small 3.1 and 3.2) and LLaVA configs o
 vision_config "pixtral": pixtral-12b). memplan.models.vision_language's table names them ("sized"); what their
 batches look like is here.
 
-PixtralImageProcessor resizes an image so that its longest edge is at most `size["longest_edge"]` and each side a
-multiple of the patch a placeholder stands for (`get_resize_output_image_size`: the patch size times Mistral 3's
+PixtralImageProcessor shrinks an image so that its longest edge is at most `size["longest_edge"]`, then rounds each side
+up to a multiple of the patch a placeholder stands for (`get_resize_output_image_size`: the patch size times Mistral 3's
 `spatial_merge_size`, 2; Pixtral's own 16 pixels), and hands the model `pixel_values` [batch, channels, height, width]
-and `image_sizes` [batch, 2] (height, width), which the tower reads (`.tolist()` of them) to cut each image's patches;
---image-size is the side of that resized square image, default and at most `vision_config.image_size` (the longest
-edge the checkpoints' processors resize to: 1,540 for Mistral Small 3.1, 1,024 for pixtral-12b), a multiple of that
-patch. The model makes one feature a patch (Mistral 3's Mistral3PatchMerger merges 2 x 2 of them: modeling_mistral3.py,
-Mistral3Model.get_image_features; LlavaModel.get_image_features keeps them all, "full"). PixtralProcessor writes, for
-each row of them, `[IMG]` once a feature and `[IMG_BREAK]`, the last row's `[IMG_END]` instead (processing_pixtral.py,
-`replace_image_token`): the break and end tokens are text tokens to the model, counted in --seq-len.
+and `image_sizes` [batch, 2] (height, width), which the tower reads to cut each image's patches and get_image_features
+to split the features (`.tolist()`); --image-size is the side of that resized square image, a multiple of that patch,
+default and at most `vision_config.image_size` rounded up to one (the longest edge the checkpoints' processors resize
+to: 1,540 for Mistral Small 3.1, 1,024 for pixtral-12b, multiples already). The model makes one feature a patch (Mistral
+3's Mistral3PatchMerger merges 2 x 2 of them: modeling_mistral3.py, Mistral3Model.get_image_features;
+LlavaModel.get_image_features keeps them all, "full"). PixtralProcessor writes, for each row of them, `[IMG]` once a
+feature and `[IMG_BREAK]`, the last row's `[IMG_END]` instead (processing_pixtral.py, `replace_image_token`): the break
+and end tokens are text tokens to the model, counted in --seq-len.
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ def _placeholder_patch(config: Any) -> int:
 
 def sized_image_size(config: Any, settings: TrainingSettings) -> int:
     """--image-size: the resized image's side, a multiple of the placeholder's patch, at most the tower's image_size."""
-    step, largest = _placeholder_patch(config), config.vision_config.image_size
-    size = settings.image_size or largest // step * step
+    step = _placeholder_patch(config)
+    largest = -(-config.vision_config.image_size // step) * step  # (the processor rounds a side up to the patch)
+    size = settings.image_size or largest
     if size % step or size > largest or size < step:
         merged = f" x spatial_merge_size {config.spatial_merge_size}" if hasattr(config, "spatial_merge_size") else ""
-        nearest = min(largest // step, max(1, size // step)) * step
+        nearest = min(largest, max(step, size // step * step))
         raise SettingsError(
             f"--image-size {size}: {config.model_type}'s processor resizes images to a multiple of {step} pixels a "
-            f"side (patch_size {config.vision_config.patch_size}{merged}), at most vision_config.image_size "
-            f"{largest}: use --image-size {nearest}"
+            f"side (patch_size {config.vision_config.patch_size}{merged}), at most {largest} (vision_config.image_size "
+            f"{config.vision_config.image_size}, rounded up): use --image-size {nearest}"
         )
     return size
 
