@@ -1,5 +1,5 @@
-"""Vision-language models as a task, `image-text-to-text` (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, PaliGemma,
-Gemma 3, LLaVA-NeXT, LLaVA-OneVision, Idefics2, Idefics3, SmolVLM):
+"""Vision-language models as a task, `image-text-to-text` (LLaVA over CLIP, SigLIP and Pixtral towers, Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, PaliGemma, Gemma 3, LLaVA-NeXT, LLaVA-OneVision, Idefics2, Idefics3, SmolVLM, Mistral 3):
 each estimate against the same model trained for real on the CPU, measured by the CPU allocator's events, the batch
 written out by hand as a processor and TRL's SFT collator make it."""
 
