@@ -672,10 +672,10 @@ def test_the_default_length_leaves_text_beside_a_large_image(tmp_path):
 
 
 def test_a_family_memplan_makes_no_batch_for_is_refused_in_one_line(tmp_path):
-    """Mllama (Llama 3.2 Vision) lays out its images otherwise (tiles with an aspect-ratio id and mask, cross-attention
-    layers reading them): no row in memplan.models.vision_language's table."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mllama"}))
-    spec = resolve_model(str(tmp_path), task="image-text-to-text")  # (its text model is a causal LM's guess)
+    """Fuyu lays out its images otherwise (raw patches in the sequence, with their positions): no row in
+    memplan.models.vision_language's table."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "fuyu"}))
+    spec = resolve_model(str(tmp_path), task="image-text-to-text")
     with pytest.raises(SettingsError, match="makes image-text-to-text batches for llava, qwen2_vl, paligemma.* not"):
         spec.settings_for(TrainingSettings(batch_size=1, device="cpu"))
 
@@ -1014,3 +1014,61 @@ def test_a_pixtral_tower_s_size_is_rounded_up_and_llava_s_default_strategy_refus
     (tmp_path / "config.json").write_text(json.dumps({**LLAVA_PIXTRAL, "vision_feature_select_strategy": "default"}))
     with pytest.raises(SettingsError, match="vision_feature_select_strategy 'default'.*set it to 'full'"):
         resolve_model(str(tmp_path)).settings_for(TrainingSettings(batch_size=1, device="cpu"))
+
+
+# Mllama: a 2-layer tower over 32 x 32 tiles of 8 x 8 patches, 4 tiles an image; a 4-layer language model whose layers 1
+# and 3 cross-attend to them.
+MLLAMA = {
+    "model_type": "mllama",
+    "architectures": ["MllamaForConditionalGeneration"],
+    "image_token_index": IMAGE_TOKEN,
+    "vision_config": {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+        "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "max_num_tiles": 4, "vision_output_dim": 64,
+        "intermediate_layers_indices": [0],
+    },
+    "text_config": {
+        **LLAVA["text_config"], "num_hidden_layers": 4, "cross_attention_layers": [1, 3], "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+}  # fmt: skip
+MLLAMA_CASES = [
+    ("mllama", "fp32", False, "sdpa"),
+    ("mllama", "bf16", True, "sdpa"),
+    ("mllama", "amp-bf16", False, "eager"),
+]
+
+
+@pytest.mark.parametrize("case", MLLAMA_CASES, ids=[case_id(*case) for case in MLLAMA_CASES])
+def test_an_mllama_step_is_predicted_as_measured(tmp_path, monkeypatch, case):
+    """Llama 3.2 Vision had been refused. Its batch written out by hand from MllamaImageProcessor and MllamaProcessor:
+    every image padded to max_num_tiles tiles, the 2 x 2 canvas (aspect ratio id 6 of the default eight) its tiles, one
+    <|image|> token first, the cross-attention mask 1 at the canvas's tiles for every token after it; the real CPU
+    step against memplan's estimate."""
+    family, precision, checkpoint, attn_impl = case
+    monkeypatch.setitem(CONFIGS, family, MLLAMA)  # (measured_peak builds its model from the table)
+    seq_len = 32
+
+    def batch_of(family: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        ids = torch.cat([torch.full((BATCH, 1), IMAGE_TOKEN), torch.randint(3, 500, (BATCH, seq_len - 1))], dim=1)
+        labels = ids.clone()
+        labels[:, 0] = -100
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "pixel_values": torch.randn(BATCH, 1, 4, 3, 32, 32, dtype=dtype),
+            "aspect_ratio_ids": torch.tensor([[6]] * BATCH),
+            "aspect_ratio_mask": torch.ones(BATCH, 1, 4, dtype=torch.long),
+            "cross_attention_mask": torch.ones(BATCH, seq_len, 1, 4, dtype=torch.long),
+        }
+
+    measured = measured_peak(family, precision, checkpoint, attn_impl, batch_of=batch_of)
+    predicted = predicted_config_peak(
+        tmp_path, MLLAMA, checkpoint, batch_size=BATCH, seq_len=seq_len, precision=precision, attn_impl=attn_impl
+    )
+    assert_not_under_and_close(case_id(*case), predicted, measured)
+    spec = resolve_model(str(tmp_path))  # (predicted_config_peak wrote the config there)
+    batch = spec.make_batch(spec.settings_for(TrainingSettings(batch_size=BATCH, seq_len=seq_len)), torch.float32)
+    assert batch["aspect_ratio_ids"].tolist() == [[6]] * BATCH
+    assert batch["pixel_values"].shape == (BATCH, 1, 4, 3, 32, 32) and batch["cross_attention_mask"].all()
+    assert (batch["input_ids"] == IMAGE_TOKEN).sum().item() == BATCH and batch["labels"][:, 0].eq(-100).all()

@@ -103,7 +103,7 @@ def _training_options(command: Callable[..., None], model_required: bool = True)
             "Qwen2.5-VL: a multiple of 28, Qwen3-VL: of 32, default 224; LLaVA-NeXT, LLaVA-OneVision: the original "
             "image's, any, default the largest grid pinpoint's; Idefics2 (one tile, not split): vision_config's only; "
             "Mistral 3, LLaVA over Pixtral: the resized image's, a multiple of the patch a placeholder stands for, "
-            "default and at most vision_config's).",
+            "default and at most vision_config's; Mllama: vision_config's only).",
         ),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Gradient accumulation steps."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memplan.errors import SettingsError
+from memplan.models.vision_language_mllama import CANVAS, mllama_batch, mllama_image_size
 from memplan.models.vision_language_sized import SIZED, sized_batch, sized_image_size, sized_image_tokens
 from memplan.models.vision_language_tiles import (
     CROPS,
@@ -99,6 +100,9 @@ FAMILIES: dict[str, VisionFamily] = {
     # Mistral3Model.get_image_features: Pixtral's tower over each image at its size, 2 x 2 patches merged to one
     # feature (Mistral3PatchMerger): memplan.models.vision_language_sized.
     "mistral3": VisionFamily(SIZED, "mistral3/modeling_mistral3.py, Mistral3Model.get_image_features"),
+    # MllamaModel: the tower over every image's max_num_tiles tiles, read by the language model's cross-attention
+    # layers; one image token in the text: memplan.models.vision_language_mllama.
+    "mllama": VisionFamily(CANVAS, "mllama/modeling_mllama.py, MllamaModel.forward"),
 }
 # A LLaVA config over Pixtral's tower (pixtral-12b): LlavaModel.get_image_features passes the images' sizes to the tower
 # and keeps a feature a patch ("full"), laid out as Mistral 3's without the merge.
@@ -163,6 +167,8 @@ def image_tokens(config: Any, size: int) -> int:
         return tiled_image_tokens(config, row.pixels, size)
     if row.pixels == SIZED:
         return sized_image_tokens(config, size)
+    if row.pixels == CANVAS:
+        return 1  # (the image's one token; the language model reads the tiles through cross-attention)
     patches = _patches_a_side(config, size) ** 2
     if row.pixels == "patches":
         return patches // config.vision_config.spatial_merge_size**2
@@ -197,6 +203,8 @@ def _framing(config: Any) -> tuple[list[int], list[int]]:
 def _image_size(config: Any, row: VisionFamily, settings: TrainingSettings) -> int:
     if row.pixels == SIZED:
         return sized_image_size(config, settings)
+    if row.pixels == CANVAS:
+        return mllama_image_size(config, settings)
     if row.pixels in TILED_PIXELS:
         return tiled_image_size(config, row.pixels, settings)
     vision = config.vision_config
@@ -284,6 +292,8 @@ def vision_language_batch(config: Any, settings: TrainingSettings, dtype: torch.
     if row.pixels in TILED_PIXELS:  # (`placeholders` counts the tokens around the image, which tiled_batch writes)
         text_ids = _text_ids(config, seq_len - placeholders, image_token)
         return tiled_batch(config, row.pixels, settings, dtype, image_token, text_ids)
+    if row.pixels == CANVAS:
+        return mllama_batch(config, settings, dtype, image_token, _text_ids(config, seq_len - 1, image_token))
     if row.pixels == SIZED:  # (`placeholders` counts the break tokens, which sized_batch writes)
         return sized_batch(config, settings, dtype, image_token, _text_ids(config, seq_len - placeholders, image_token))
     before, after = _framing(config)
