@@ -1043,7 +1043,7 @@ MLLAMA_CASES = [
 def test_an_mllama_step_is_predicted_as_measured(tmp_path, monkeypatch, case):
     """Llama 3.2 Vision had been refused. Its batch written out by hand from MllamaImageProcessor and MllamaProcessor:
     every image padded to max_num_tiles tiles, the 2 x 2 canvas (aspect ratio id 6 of the default eight) its tiles, one
-    <|image|> token first, the cross-attention mask 1 at the canvas's tiles for every token after it; the real CPU
+    <|image|> token first, the cross-attention mask 1 at the canvas's tiles for every token from it on; the real CPU
     step against memplan's estimate."""
     family, precision, checkpoint, attn_impl = case
     monkeypatch.setitem(CONFIGS, family, MLLAMA)  # (measured_peak builds its model from the table)

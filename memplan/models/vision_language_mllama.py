@@ -11,8 +11,12 @@ reshapes them to batch * images * tiles), so the canvas moves no memory: memplan
 one tile, the square canvas of the most tiles (2 x 2 of 4 for Meta's checkpoints), and takes no --image-size but the
 tower's. The processor writes one `<|image|>` token an image in the text (image_token_index), and MllamaProcessor's
 `cross_attention_mask` [batch, seq, images, max_num_tiles] lets each token from the image's on attend to its canvas's
-tiles (`convert_sparse_cross_attention_mask_to_dense`); labels are the ids with the image token -100. One image a
-sample, its token first.
+tiles (`convert_sparse_cross_attention_mask_to_dense`); labels are the ids with the image token -100 (hand-written
+recipes mask it; TRL's current collator masks only padding: the first position is never a target of the shifted loss,
+so the memory is the same). One image a sample, its token first (`build_string_from_input` writes it before
+`<|begin_of_text|>`). The processor pads to its own `max_image_tiles` and numbers canvases among its ratios; memplan
+reads `vision_config.max_num_tiles` and `supported_aspect_ratios`, which agree for Meta's checkpoints (the model
+cannot run where they differ).
 """
 
 from __future__ import annotations
