@@ -5,11 +5,15 @@
 
 Each pytest process (xdist's workers too) appends one line a test to /tmp/memplan_suite_cpu_<worker>.tsv: the node
 id, its own CPU seconds and those of the child processes it waited for (`resource.getrusage`), and its wall seconds.
-Remove those files before a run. docs/testing.md's account of the suite's time came from this (2026-12-07).
+It also writes /tmp/memplan_suite_gc_<worker>.tsv as it ends: the seconds Python's cyclic collector took through the
+run (gc.callbacks), and the objects, the garbage and the seconds of one full collection at the end, made just before
+pytest's own (its unraisableexception plugin collects at unconfigure) and leaving that one nothing to do.
+Remove those files before a run. docs/testing.md's account of the suite's time came from this (2026-12-07, -08).
 """
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import resource
@@ -20,6 +24,28 @@ from collections import defaultdict
 import pytest
 
 _PATTERN = "/tmp/memplan_suite_cpu_{}.tsv"
+_GC_PATTERN = "/tmp/memplan_suite_gc_{}.tsv"
+_collecting = {"seconds": 0.0, "started": 0.0}
+
+
+def _timed_collection(phase: str, info: dict) -> None:
+    if phase == "start":
+        _collecting["started"] = time.perf_counter()
+    else:
+        _collecting["seconds"] += time.perf_counter() - _collecting["started"]
+
+
+gc.callbacks.append(_timed_collection)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config):  # noqa: ANN001, ANN201 (pytest's hook)
+    during = _collecting["seconds"]
+    objects = len(gc.get_objects())
+    started = time.perf_counter()
+    garbage = gc.collect()
+    with open(_GC_PATTERN.format(os.environ.get("PYTEST_XDIST_WORKER", "main")), "a") as out:
+        out.write(f"{during:.2f}\t{objects}\t{garbage}\t{time.perf_counter() - started:.2f}\n")
 
 
 def _cpu_seconds(who: int) -> float:
@@ -56,6 +82,14 @@ def main() -> int:
         by_file[node.split("::")[0]] += own + children
     for path, seconds in sorted(by_file.items(), key=lambda item: -item[1])[:15]:
         print(f"{seconds:8.1f}  {path}")
+    for path in sorted(glob.glob(_GC_PATTERN.format("*"))):
+        with open(path) as lines:
+            for line in lines:
+                during, objects, garbage, last = line.split()
+                print(
+                    f"{path}: collector {float(during):.1f} s through the run; at its end {int(objects):,} objects, "
+                    f"{int(garbage):,} of them garbage, collected in {float(last):.2f} s"
+                )
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from memplan.errors import SettingsError
+from memplan.models.vision_language_tiles import ordinary_ids
 from memplan.settings import TrainingSettings
 
 SIZED = "sized"  # the pixel layout of memplan.models.vision_language.FAMILIES that this module makes
@@ -49,11 +50,6 @@ def sized_image_size(config: Any, settings: TrainingSettings) -> int:
     return size
 
 
-def sized_placeholders(config: Any, size: int) -> int:
-    """The features (placeholders) of one `size` x `size` image."""
-    return (size // _placeholder_patch(config)) ** 2
-
-
 def sized_image_tokens(config: Any, size: int) -> int:
     """The tokens the processor writes for one image: a row of placeholders and a break (or end) token, each row."""
     side = size // _placeholder_patch(config)
@@ -68,7 +64,7 @@ def sized_batch(
     where the model reads the values (memplan.models.vision_language)."""
     batch, size = settings.batch_size, settings.image_size
     side = size // _placeholder_patch(config)
-    image_break, image_end = [token for token in range(3) if token != image_token][:2]  # ordinary tokens to the model
+    image_break, image_end = ordinary_ids(image_token, 2)
     image: list[int] = []
     for row in range(side):
         image += [image_token] * side + [image_end if row == side - 1 else image_break]

@@ -183,7 +183,7 @@ def _split_image_layout(config: Any, size: int, image_token: int) -> list[int]:
     whole image's as `_prompt_single_image`'s. The newline after the last row and the one before the whole image are
     one token (two newlines are one token in SmolLM2's and Llama 3's byte-level vocabularies). The framing tokens, the
     row-and-column ones and the newlines are ordinary tokens to the model: any ids but the image's."""
-    fake, global_image, row_col, newline = _ordinary_ids(image_token, 4)
+    fake, global_image, row_col, newline = ordinary_ids(image_token, 4)
     placeholders = [image_token] * tile_placeholders(config)
     whole = [fake, global_image, *placeholders, fake]
     side = tiles_a_side(config, size)
@@ -202,7 +202,9 @@ def split_image_tokens(config: Any, size: int) -> int:
     return len(_split_image_layout(config, size, -1))
 
 
-def _ordinary_ids(image_token: int, count: int) -> list[int]:
+def ordinary_ids(image_token: int, count: int) -> list[int]:
+    """`count` token ids the model reads as ordinary text: any but the image's (the tokens a processor writes around an
+    image's placeholders: framing, row and column, break and end tokens)."""
     return [token for token in range(count + 1) if token != image_token][:count]
 
 
@@ -265,7 +267,7 @@ def tiled_batch(
         image = _split_image_layout(config, size, image_token)
     else:
         # ordinary tokens to the model: <fake_token_around_image> (Idefics2's)
-        before = _ordinary_ids(image_token, TOKENS_AROUND_A_TILE[config.model_type] - 1)
+        before = ordinary_ids(image_token, TOKENS_AROUND_A_TILE[config.model_type] - 1)
         image = [*before, *[image_token] * tile_placeholders(config), before[0]]
     row_ids = image + text_ids
     row_labels = [-100 if token == image_token else token for token in row_ids]
