@@ -1072,3 +1072,5 @@ def test_an_mllama_step_is_predicted_as_measured(tmp_path, monkeypatch, case):
     assert batch["aspect_ratio_ids"].tolist() == [[6]] * BATCH
     assert batch["pixel_values"].shape == (BATCH, 1, 4, 3, 32, 32) and batch["cross_attention_mask"].all()
     assert (batch["input_ids"] == IMAGE_TOKEN).sum().item() == BATCH and batch["labels"][:, 0].eq(-100).all()
+    with pytest.raises(SettingsError, match="pads every image to max_num_tiles tiles of its tower's 32 x 32"):
+        spec.settings_for(TrainingSettings(batch_size=1, seq_len=seq_len, image_size=64))
